@@ -1,0 +1,1 @@
+"""Packaged YAML: arch cost models (costmodel/) and deployment configs (deploy/)."""

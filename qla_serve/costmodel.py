@@ -1,0 +1,70 @@
+"""Per-arch prefill cost models (configs/costmodel/<arch>.yaml), pydantic-validated.
+
+The planner (qla_serve.plan) scores each candidate strategy with :meth:`CostModel.estimate_us`
+and keeps the cheapest. The model is deliberately small (a per-chunk time per V split, a
+launch cost, a CP surcharge) so its coefficients can be fitted from one sweep on a device.
+"""
+
+from __future__ import annotations
+
+import functools
+from importlib import resources
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class CostModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    arch: str = Field(description="sm90 or sm100")
+    sm_count: int = Field(gt=0, description="SMs assumed when the device is not asked")
+    chunk_us: dict[int, float] = Field(description="GPU time of one 64-token chunk for one block, by V split")
+    launch_us: float = Field(ge=0)
+    cp_fixed_us: float = Field(ge=0, description="extra launches of the CP path (warmup lengths, scan)")
+    cp_warmup_chunks: int = Field(ge=0, description="expected warmup chunks per recomputed segment")
+    cp_segment_chunks: list[int] = Field(min_length=1, description="candidate segment lengths L (chunks)")
+    fitted: bool = Field(description="true once the figures come from a device sweep")
+
+    @field_validator("chunk_us")
+    @classmethod
+    def _splits(cls, v: dict[int, float]) -> dict[int, float]:
+        if 1 not in v or any(s not in (1, 2, 4) for s in v) or any(t <= 0 for t in v.values()):
+            raise ValueError("chunk_us needs key 1 and only keys 1, 2, 4 with positive times")
+        return v
+
+    @field_validator("cp_segment_chunks")
+    @classmethod
+    def _lengths(cls, v: list[int]) -> list[int]:
+        if any(L < 2 for L in v):
+            raise ValueError("cp_segment_chunks entries must be >= 2 chunks")
+        return sorted(set(v))
+
+    def estimate_us(self, v_split: int, chain_chunks: int, total_block_chunks: int,
+                    sm_count: int, cut: bool) -> float:
+        """Modelled GPU time of one prefill call (see the YAML header for the formula)."""
+        waves = -(-total_block_chunks // sm_count)
+        busy = max(chain_chunks, waves)
+        return self.chunk_us[v_split] * busy + self.launch_us + (self.cp_fixed_us if cut else 0.0)
+
+
+ARCHES = ("sm90", "sm100")
+
+
+@functools.lru_cache(maxsize=None)
+def load_cost_model(arch: str) -> CostModel:
+    """The packaged cost model for ``arch`` ("sm90" or "sm100")."""
+    if arch not in ARCHES:
+        raise ValueError(f"arch: expected one of {ARCHES}, got {arch!r}")
+    text = config_path("costmodel", f"{arch}.yaml").read_text()
+    return CostModel.model_validate(yaml.safe_load(text))
+
+
+def config_path(*parts: str):
+    """A file under configs/: the source checkout's (also on PYTHONPATH-only setups such as the
+    device bundle), else the copy installed as the package ``qla_serve.configs``."""
+    checkout = Path(__file__).resolve().parent.parent / "configs"
+    if (checkout / "__init__.py").is_file():
+        return checkout.joinpath(*parts)
+    return resources.files("qla_serve.configs").joinpath(*parts)

@@ -1,0 +1,51 @@
+"""flash-linear-attention (Triton) fallback for CUDA GPUs without qla_serve TileLang kernels.
+
+Same contracts as kernels/reference.py, computed by FLA 0.6's chunk_gated_delta_rule (prefill)
+and fused_recurrent_gated_delta_rule (decode) with ``state_v_first=True`` (the pool layout).
+FLA has no in-place pool indexing, so states are gathered out of the pool and scattered back;
+masking the padding slots syncs the host once per call. A compatibility path, not a fast one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _gather(pool, slot_ids, has_initial_state):
+    ids = slot_ids.long()
+    use = ids >= 0
+    if has_initial_state is not None:
+        use = use & has_initial_state
+    init = pool[ids.clamp(min=0)].float()
+    return init * use[:, None, None, None].to(init.dtype)
+
+
+def _scatter(pool, slot_ids, final):
+    live = slot_ids.long() >= 0
+    pool[slot_ids.long()[live]] = final[live].to(pool.dtype)
+
+
+def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale, out):
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    init = _gather(pool, slot_ids, has_initial_state)
+    o, final = chunk_gated_delta_rule(
+        q[None], k[None], v[None], g[None], beta[None], scale=scale, initial_state=init,
+        output_final_state=True, state_v_first=True, cu_seqlens=plan.cu_seqlens.long())
+    out.copy_(o[0])
+    _scatter(pool, slot_ids, final)
+
+
+def decode(q, k, v, pool, slot_ids, *, g, beta, a, b, A_log, dt_bias, use_qk_l2norm, scale, out):
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+    if g is None:
+        from qla_serve.kernels.reference import fused_gating
+        g, beta = fused_gating(a, b, A_log, dt_bias)
+    init = _gather(pool, slot_ids, None)
+    o, final = fused_recurrent_gated_delta_rule(
+        q[:, None], k[:, None], v[:, None], g=g[:, None], beta=beta[:, None], scale=scale,
+        initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm,
+        state_v_first=True)
+    out.copy_(o[:, 0] * (slot_ids >= 0)[:, None, None].to(out.dtype))
+    _scatter(pool, slot_ids, final)

@@ -1,0 +1,245 @@
+"""Torch reference for every qla_serve op: the contracts of DESIGN.md, on CPU and GPU.
+
+Two forms of the prefill math live here:
+
+* :func:`recurrent_gdn` — the per-token recurrence, the truth every kernel is tested
+  against (float64-capable)::
+
+      S_t = exp(g_t) * S_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T      (S: [V, K])
+      o_t = scale * S_t q_t
+
+* :func:`chunked_gdn` — the chunked form the TileLang kernels follow (chunk C = 64,
+  a gate-free triangular solve, the gate applied afterwards as Gamma o A).
+
+Pool-level functions (:func:`prefill`, :func:`decode`, :func:`verify`) have exactly the
+signature of the kernel modules (see ``qla_serve/kernels/__init__.py``): they read the
+initial state from ``pool[slot_ids[i]]`` and write the final state back in place.
+Slot ids < 0 are padding: never read, never written; their outputs are computed from a
+zero state. Everything computes in float32 (float64 when the inputs are float64) and
+casts on output.
+
+Shapes (token-major packed varlen): q, k ``[T, Hk, 128]``, v ``[T, Hv, 128]``,
+g, beta ``[T, Hv]``, states ``[N, Hv, V, K]`` (V-first, as the engines store them).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 64
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim (FLA's and the engines' convention)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def fused_gating(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+                 dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-Next / Qwen3.5 gating. a, b [..., Hv]; A_log, dt_bias [Hv] -> fp32 (g, beta).
+
+    g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b).
+    """
+    dt = (a.float() + dt_bias.float())
+    g = -torch.exp(A_log.float()) * F.softplus(dt)
+    return g, torch.sigmoid(b.float())
+
+
+def _expand_heads(x: torch.Tensor, num_v_heads: int) -> torch.Tensor:
+    """GVA: qk-head h // (Hv // Hk) serves v-head h. [T, Hk, D] -> [T, Hv, D]."""
+    return x.repeat_interleave(num_v_heads // x.shape[1], dim=1)
+
+
+def _seq_bounds(cu_seqlens) -> list[tuple[int, int]]:
+    cu = [int(c) for c in (cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else cu_seqlens)]
+    return list(zip(cu[:-1], cu[1:]))
+
+
+def recurrent_gdn(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None):
+    """Per-token recurrence over packed sequences.
+
+    Args:
+        q, k: [T, Hk, K]; v: [T, Hv, V]; g, beta: [T, Hv]; cu_seqlens: [N+1] ints.
+        initial_state: [N, Hv, V, K] or None (zeros).
+        scale: defaults to K ** -0.5.
+    Returns:
+        o [T, Hv, V] in the compute dtype (float64 for float64 inputs, else float32) and
+        final_state [N, Hv, V, K] in the same dtype.
+    """
+    dt = _compute_dtype(q)
+    Hv, Kd, Vd = v.shape[1], q.shape[-1], v.shape[-1]
+    scale = Kd ** -0.5 if scale is None else scale
+    qe, ke = _expand_heads(q.to(dt), Hv), _expand_heads(k.to(dt), Hv)
+    ve, ge, be = v.to(dt), g.to(dt), beta.to(dt)
+    bounds = _seq_bounds(cu_seqlens)
+    o = torch.zeros(v.shape[0], Hv, Vd, dtype=dt, device=v.device)
+    final = torch.zeros(len(bounds), Hv, Vd, Kd, dtype=dt, device=v.device)
+    for i, (bos, eos) in enumerate(bounds):
+        S = (initial_state[i].to(dt).clone() if initial_state is not None
+             else torch.zeros(Hv, Vd, Kd, dtype=dt, device=v.device))
+        for t in range(bos, eos):
+            kt, vt, bt = ke[t], ve[t], be[t]                       # [Hv,K], [Hv,V], [Hv]
+            S = S * torch.exp(ge[t])[:, None, None]
+            v_old = torch.einsum("hvk,hk->hv", S, kt)              # S k
+            S = S + torch.einsum("hv,hk->hvk", bt[:, None] * (vt - v_old), kt)
+            o[t] = scale * torch.einsum("hvk,hk->hv", S, qe[t])
+        final[i] = S
+    return o, final
+
+
+def _chunk_step(Q, Kc, Vc, g, beta, S, scale):
+    """One chunk of the chunked form for all heads. K-first state S [Hv, K, V].
+
+    Q, Kc [Hv, C, K]; Vc [Hv, C, V]; g, beta [Hv, C]. Returns (O [Hv, C, V], S_next).
+    """
+    C = Kc.shape[1]
+    gcum = g.cumsum(-1)
+    gamma = torch.exp(gcum)                                              # [Hv, C]
+    eye = torch.eye(C, dtype=Kc.dtype, device=Kc.device)
+    strict = torch.tril(torch.ones(C, C, dtype=torch.bool, device=Kc.device), -1)
+    lower = torch.tril(torch.ones(C, C, dtype=torch.bool, device=Kc.device))
+    # Gate-free solve: A = (I + StrictLower(diag(beta) K K^T))^-1, once per chunk.
+    KKt = beta[..., :, None] * (Kc @ Kc.transpose(-1, -2))
+    A = torch.linalg.solve_triangular(eye + KKt.masked_fill(~strict, 0), eye.expand_as(KKt),
+                                      upper=False, unitriangular=True)
+    # The gate enters as Gamma o A with Gamma[i, j] = gamma_i / gamma_j (exact: a similarity
+    # transform by diag(gamma)). Differences of cumsums avoid overflowing exp(-gcum_j).
+    Gamma = torch.exp((gcum[..., :, None] - gcum[..., None, :]).masked_fill(~lower, -math.inf))
+    V_delta = Vc - gamma[..., None] * (Kc @ S)
+    V_new = (Gamma * A) @ (beta[..., None] * V_delta)
+    O = gamma[..., None] * (Q @ S) + ((Q @ Kc.transpose(-1, -2)) * Gamma) @ V_new
+    g_last = gcum[..., -1:]
+    S_next = torch.exp(g_last)[..., None] * S + Kc.transpose(-1, -2) @ (torch.exp(g_last - gcum)[..., None] * V_new)
+    return scale * O, S_next
+
+
+def chunked_gdn(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None, chunk_size=CHUNK):
+    """Chunked form of :func:`recurrent_gdn` (same arguments and results).
+
+    Per chunk (K-first, gamma = exp of the chunk-local cumsum of g):
+    A = (I + StrictLower(diag(beta) K K^T))^-1; V' = (Gamma o A) diag(beta) (V - diag(gamma) K S);
+    O = diag(gamma) Q S + (Lower(Gamma) o Q K^T) V'; S' = gamma_last S + K^T diag(gamma_last/gamma) V'.
+    """
+    dt = _compute_dtype(q)
+    Hv, Kd, Vd = v.shape[1], q.shape[-1], v.shape[-1]
+    scale = Kd ** -0.5 if scale is None else scale
+    qe, ke = _expand_heads(q.to(dt), Hv), _expand_heads(k.to(dt), Hv)
+    ve, ge, be = v.to(dt), g.to(dt), beta.to(dt)
+    bounds = _seq_bounds(cu_seqlens)
+    o = torch.zeros(v.shape[0], Hv, Vd, dtype=dt, device=v.device)
+    final = torch.zeros(len(bounds), Hv, Vd, Kd, dtype=dt, device=v.device)
+    for i, (bos, eos) in enumerate(bounds):
+        S = (initial_state[i].to(dt).transpose(-1, -2).clone() if initial_state is not None
+             else torch.zeros(Hv, Kd, Vd, dtype=dt, device=v.device))
+        for c0 in range(bos, eos, chunk_size):
+            c1 = min(c0 + chunk_size, eos)
+            head_major = lambda x: x[c0:c1].transpose(0, 1)  # noqa: E731  [C, Hv, D] -> [Hv, C, D]
+            O, S = _chunk_step(head_major(qe), head_major(ke), head_major(ve),
+                               ge[c0:c1].T, be[c0:c1].T, S, scale)
+            o[c0:c1] = O.transpose(0, 1)
+        final[i] = S.transpose(-1, -2)
+    return o, final
+
+
+# ---------------------------------------------------------------------------------------
+# Pool-level ops: the kernel-module contract (see qla_serve/kernels/__init__.py).
+# ---------------------------------------------------------------------------------------
+
+def _gather_initial(pool, slot_ids, has_initial_state, dtype):
+    """Initial states [N, Hv, V, K]: pool rows for live slots with an initial state, else 0."""
+    ids = slot_ids.long()
+    use = ids >= 0
+    if has_initial_state is not None:
+        use = use & has_initial_state.to(torch.bool)
+    init = torch.zeros((ids.numel(),) + tuple(pool.shape[1:]), dtype=dtype, device=pool.device)
+    if bool(use.any()):
+        init[use] = pool[ids[use]].to(dtype)
+    return init
+
+
+def _scatter_final(pool, slot_ids, final):
+    live = slot_ids.long() >= 0
+    if bool(live.any()):
+        pool[slot_ids.long()[live]] = final[live].to(pool.dtype)
+
+
+def _gating(g, beta, a, b, A_log, dt_bias):
+    if g is None:
+        return fused_gating(a, b, A_log, dt_bias)
+    return g, beta
+
+
+def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale, out,
+            form: str = "chunked"):
+    """Reference prefill on the pool. ``plan`` supplies cu_seqlens; ``form`` picks the math."""
+    math_fn = chunked_gdn if form == "chunked" else recurrent_gdn
+    dt = _compute_dtype(q)
+    init = _gather_initial(pool, slot_ids, has_initial_state, dt)
+    cu = plan.cu_seqlens_cpu if hasattr(plan, "cu_seqlens_cpu") else plan
+    o, final = math_fn(q, k, v, g, beta, cu, init, scale)
+    out.copy_(o.to(out.dtype))
+    _scatter_final(pool, slot_ids, final)
+
+
+def decode(q, k, v, pool, slot_ids, *, g, beta, a, b, A_log, dt_bias, use_qk_l2norm, scale, out):
+    """One token per sequence: q, k [B, Hk, K], v [B, Hv, V]; out [B, Hv, V].
+
+    Padding rows (slot < 0) get a zero output and touch no slot.
+    """
+    g, beta = _gating(g, beta, a, b, A_log, dt_bias)
+    if use_qk_l2norm:
+        q, k = l2norm(q.to(_compute_dtype(q))), l2norm(k.to(_compute_dtype(k)))
+    B = q.shape[0]
+    cu = list(range(B + 1))
+    dt = _compute_dtype(q)
+    init = _gather_initial(pool, slot_ids, None, dt)
+    o, final = recurrent_gdn(q, k, v, g, beta, cu, init, scale)
+    o[slot_ids.long() < 0] = 0
+    out.copy_(o.to(out.dtype))
+    _scatter_final(pool, slot_ids, final)
+
+
+def verify(q, k, v, pool, slot_ids, cu_seqlens, intermediate, intermediate_ids, *, g, beta,
+           a, b, A_log, dt_bias, use_qk_l2norm, scale, out):
+    """Speculative verify: the state after token j of sequence i goes to
+    ``intermediate[intermediate_ids[i], j]`` ([S', D, Hv, V, K]); the pool is only read.
+
+    Sequences whose slot or intermediate id is < 0 are padding: zero output, nothing written.
+    """
+    g, beta = _gating(g, beta, a, b, A_log, dt_bias)
+    dt = _compute_dtype(q)
+    if use_qk_l2norm:
+        q, k = l2norm(q.to(dt)), l2norm(k.to(dt))
+    init = _gather_initial(pool, slot_ids, None, dt)
+    o = torch.zeros(v.shape, dtype=dt, device=v.device)
+    for i, (bos, eos) in enumerate(_seq_bounds(cu_seqlens)):
+        live = int(slot_ids[i]) >= 0 and int(intermediate_ids[i]) >= 0
+        if not live:
+            continue
+        state = init[i:i + 1]
+        for t in range(bos, eos):
+            o_t, state = recurrent_gdn(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1],
+                                       beta[t:t + 1], [0, 1], state, scale)
+            o[t] = o_t[0]
+            intermediate[int(intermediate_ids[i]), t - bos] = state[0].to(intermediate.dtype)
+    out.copy_(o.to(out.dtype))
+
+
+def commit_verified(pool, slot_ids, intermediate, intermediate_ids, num_accepted):
+    """Copy the state after the last accepted token into the main slot, in place.
+
+    num_accepted[i] >= 1 tokens of sequence i were accepted; 0 or a padding id leaves the slot.
+    """
+    ids = slot_ids.long()
+    acc = num_accepted.long()
+    live = (ids >= 0) & (intermediate_ids.long() >= 0) & (acc > 0)
+    if bool(live.any()):
+        src = intermediate[intermediate_ids.long()[live], acc[live] - 1]
+        pool[ids[live]] = src.to(pool.dtype)

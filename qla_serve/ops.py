@@ -1,0 +1,279 @@
+"""Public GDN ops: validate from host metadata, then dispatch to one implementation path.
+
+Paths, picked per op and device (logged once per op and path):
+
+* ``tilelang``  — qla_serve's TileLang kernels for the device's arch (kernels/hopper, sm_90a).
+* ``fla``       — flash-linear-attention's Triton ops, on CUDA GPUs without qla_serve kernels.
+  A compatibility path: it gathers the states out of the pool and scatters them back
+  (FLA has no in-place pool indexing), which syncs the host once per call.
+* ``reference`` — the torch reference (kernels/reference.py): CPU tensors, and float32 q/k/v
+  (the TileLang kernels take bf16/fp16).
+
+``QLA_SERVE_OP_PATH=tilelang|fla|reference`` forces a path; a forced path that cannot run
+raises instead of falling back. Validation never reads GPU memory (see _validate.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import os
+
+import torch
+
+from qla_serve import _validate as V
+from qla_serve.kernels import reference
+
+log = logging.getLogger("qla_serve")
+
+PATHS = ("tilelang", "fla", "reference")
+
+
+# ---------------------------------------------------------------------------------------
+# Path selection
+# ---------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _arch_of(index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(index)
+    return f"sm{major}{minor}"
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_module(arch: str):
+    """The TileLang kernel module for ``arch`` ("sm90" / "sm100"), or an import error string."""
+    name = {"sm90": "qla_serve.kernels.hopper", "sm100": "qla_serve.kernels.blackwell"}.get(arch)
+    if name is None:
+        return f"no qla_serve TileLang kernels for {arch}"
+    try:
+        return importlib.import_module(name)
+    except Exception as exc:  # ImportError, or TileLang failing to load its native library
+        return f"{name} failed to import: {type(exc).__name__}: {exc}"
+
+
+@functools.lru_cache(maxsize=None)
+def _fla_error() -> str | None:
+    try:
+        importlib.import_module("fla.ops.gated_delta_rule")
+        return None
+    except Exception as exc:
+        return f"flash-linear-attention unavailable: {type(exc).__name__}: {exc}"
+
+
+def explain_path(op: str, device, io_dtype=torch.bfloat16) -> tuple[str, str]:
+    """(path, reason) that ``op`` ("prefill" | "decode" | "verify") takes on ``device``."""
+    device = torch.device(device)
+    forced = os.environ.get("QLA_SERVE_OP_PATH", "auto")
+    if forced not in PATHS + ("auto",):
+        raise ValueError(f"QLA_SERVE_OP_PATH: expected one of {PATHS + ('auto',)}, got {forced!r}")
+    candidates = []
+    if device.type == "cuda":
+        mod = kernel_module(_arch_of(device.index if device.index is not None else torch.cuda.current_device()))
+        if isinstance(mod, str):
+            candidates.append(("tilelang", None, mod))
+        elif not hasattr(mod, op):
+            candidates.append(("tilelang", None, f"{mod.__name__} has no {op} kernel yet"))
+        elif io_dtype == torch.float32:
+            candidates.append(("tilelang", None, "TileLang kernels take bf16/fp16 q/k/v, got float32"))
+        else:
+            candidates.append(("tilelang", "ok", f"{mod.__name__}.{op}"))
+        fla_err = _fla_error()
+        candidates.append(("fla", None if fla_err else "ok", fla_err or "FLA Triton fallback"))
+    candidates.append(("reference", "ok", "torch reference" + (" (CPU tensors)" if device.type == "cpu" else "")))
+    if forced != "auto":
+        for path, ok, why in candidates:
+            if path == forced:
+                if ok:
+                    return path, why
+                raise RuntimeError(f"QLA_SERVE_OP_PATH={forced}: cannot run {op} on {device}: {why}")
+        raise RuntimeError(f"QLA_SERVE_OP_PATH={forced}: not available for {op} on {device}")
+    for path, ok, why in candidates:
+        if ok:
+            return path, why
+    raise AssertionError("unreachable: the reference path always runs")
+
+
+_logged: set = set()
+
+
+def _path(op: str, device, io_dtype) -> str:
+    path, why = explain_path(op, device, io_dtype)
+    key = (op, path, str(device))
+    if key not in _logged:
+        _logged.add(key)
+        level = logging.WARNING if (path != "tilelang" and torch.device(device).type == "cuda") else logging.INFO
+        log.log(level, "qla_serve %s on %s runs the %s path (%s)", op, device, path, why)
+    return path
+
+
+def supported_prefill_strategies(device) -> frozenset[str]:
+    """Strategies the prefill path on ``device`` implements (the planner picks among these)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return frozenset({"plain", "vsplit", "cp"})  # the reference ignores the strategy
+    path, _ = explain_path("prefill", device)
+    if path == "tilelang":
+        mod = kernel_module(_arch_of(device.index if device.index is not None else torch.cuda.current_device()))
+        return frozenset(getattr(mod, "SUPPORTED_STRATEGIES", {"plain"}))
+    return frozenset({"plain"})
+
+
+# ---------------------------------------------------------------------------------------
+# Public ops
+# ---------------------------------------------------------------------------------------
+
+def _scale(scale) -> float:
+    return V.HEAD_DIM ** -0.5 if scale is None else float(scale)
+
+
+def gdn_prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state=None,
+                scale=None, out=None):
+    """Chunked GDN prefill over a packed varlen batch; states read and written in ``pool``.
+
+    Args:
+        q, k: [T, Hk, 128] bf16/fp16 (fp32 takes the reference path), L2-normalised.
+        v: [T, Hv, 128], same dtype; Hv % Hk == 0.
+        g, beta: [T, Hv] float32 (log decay <= 0; write strength in (0, 1)).
+        pool: [S, Hv, 128(V), 128(K)] fp32/bf16 state slots (stride(0) may exceed a slot).
+        slot_ids: [N] int32/int64, one slot per sequence; < 0 is padding (not read or written).
+        plan: from :func:`qla_serve.plan_prefill` for these sequence lengths and heads.
+        has_initial_state: [N] bool or None (all True); False starts from zero, slot unread.
+        scale: defaults to 128 ** -0.5.
+        out: optional [T, Hv, 128] output buffer of q's dtype.
+    Returns:
+        o [T, Hv, 128]; every live slot holds its sequence's final state.
+    """
+    T, Hk, Hv = V.check_qkv(q, k, v)
+    V.check_gates(T, Hv, g, beta, None, None, None, None, allow_raw=False)
+    V.check_pool(pool, Hv)
+    if (plan.num_v_heads, plan.num_k_heads) != (Hv, Hk):
+        raise ValueError(f"plan: expected a plan for {Hk}/{Hv} qk/v heads, got "
+                         f"{plan.num_k_heads}/{plan.num_v_heads}")
+    if plan.total_tokens != T:
+        raise ValueError(f"plan: expected a plan for {T} tokens (q.shape[0]), got {plan.total_tokens}")
+    if plan.device != q.device:
+        raise ValueError(f"plan: expected index tensors on {q.device}, got {plan.device}")
+    N = plan.num_seqs
+    V.check_index("slot_ids", slot_ids, N, pool.shape[0], unique_live=True)
+    if has_initial_state is not None:
+        V.check_dtype("has_initial_state", has_initial_state, (torch.bool,))
+        V.check_shape("has_initial_state", has_initial_state, (N,))
+    V.check_device(q.device, k=k, v=v, g=g, beta=beta, pool=pool, slot_ids=slot_ids,
+                   has_initial_state=has_initial_state)
+    out = V.check_out(out, (T, Hv, V.HEAD_DIM), q.dtype, q.device)
+    if out is None:
+        out = torch.empty(T, Hv, V.HEAD_DIM, dtype=q.dtype, device=q.device)
+    path = _path("prefill", q.device, q.dtype)
+    slot_ids = slot_ids.to(q.device, torch.int32, non_blocking=True)
+    kwargs = dict(has_initial_state=has_initial_state, scale=_scale(scale), out=out)
+    if path == "tilelang":
+        kernel_module(_arch_of(q.device.index)).prefill(q, k, v, g, beta, pool, slot_ids, plan, **kwargs)
+    elif path == "fla":
+        from qla_serve.kernels import fla_fallback
+        fla_fallback.prefill(q, k, v, g, beta, pool, slot_ids, plan, **kwargs)
+    else:
+        reference.prefill(q, k, v, g, beta, pool, slot_ids, plan, **kwargs)
+    return out
+
+
+def _check_step_inputs(q, k, v, pool, g, beta, a, b, A_log, dt_bias):
+    T, Hk, Hv = V.check_qkv(q, k, v)
+    V.check_gates(T, Hv, g, beta, a, b, A_log, dt_bias, allow_raw=True)
+    V.check_pool(pool, Hv)
+    V.check_device(q.device, k=k, v=v, g=g, beta=beta, a=a, b=b, A_log=A_log,
+                   dt_bias=dt_bias, pool=pool)
+    return T, Hk, Hv
+
+
+def gdn_decode(q, k, v, pool, slot_ids, *, g=None, beta=None, a=None, b=None, A_log=None,
+               dt_bias=None, use_qk_l2norm=False, scale=None, out=None):
+    """One token per sequence, states updated in place. CUDA-graph capturable (pass ``out``).
+
+    Args:
+        q, k: [B, Hk, 128]; v: [B, Hv, 128] (strided views of a fused projection are fine).
+        pool: [S, Hv, 128, 128] fp32/bf16; slot_ids: [B] (< 0: zero output, nothing touched).
+        g, beta: [B, Hv] float32 — or raw a, b: [B, Hv] with A_log, dt_bias: [Hv]
+            (g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b), fused in the kernel).
+        use_qk_l2norm: L2-normalise q and k in the kernel.
+    Returns:
+        o [B, Hv, 128] in q's dtype.
+    """
+    B, Hk, Hv = _check_step_inputs(q, k, v, pool, g, beta, a, b, A_log, dt_bias)
+    V.check_index("slot_ids", slot_ids, B, pool.shape[0], unique_live=True)
+    V.check_device(q.device, slot_ids=slot_ids)
+    out = V.check_out(out, (B, Hv, V.HEAD_DIM), q.dtype, q.device)
+    if out is None:
+        out = torch.empty(B, Hv, V.HEAD_DIM, dtype=q.dtype, device=q.device)
+    kwargs = dict(g=g, beta=beta, a=a, b=b, A_log=A_log, dt_bias=dt_bias,
+                  use_qk_l2norm=bool(use_qk_l2norm), scale=_scale(scale), out=out)
+    path = _path("decode", q.device, q.dtype)
+    if path == "tilelang":
+        kernel_module(_arch_of(q.device.index)).decode(q, k, v, pool, slot_ids, **kwargs)
+    elif path == "fla":
+        from qla_serve.kernels import fla_fallback
+        fla_fallback.decode(q, k, v, pool, slot_ids, **kwargs)
+    else:
+        reference.decode(q, k, v, pool, slot_ids, **kwargs)
+    return out
+
+
+def gdn_verify(q, k, v, pool, slot_ids, cu_seqlens, intermediate, intermediate_ids, *,
+               g=None, beta=None, a=None, b=None, A_log=None, dt_bias=None,
+               use_qk_l2norm=False, scale=None, out=None):
+    """Speculative verify: several draft tokens per sequence, the main slot left untouched.
+
+    Args:
+        q, k: [T, Hk, 128]; v: [T, Hv, 128] packed over N sequences by ``cu_seqlens`` [N+1].
+        pool: [S, Hv, 128, 128]; slot_ids: [N] (read only; < 0: zero state, nothing written).
+        intermediate: [S', D, Hv, 128, 128] in the pool's dtype; the state after token j of
+            sequence i is written to ``intermediate[intermediate_ids[i], j]`` (j < D).
+        intermediate_ids: [N]; < 0 is padding.
+        Gating as in :func:`gdn_decode`.
+    Returns:
+        o [T, Hv, 128]. Commit the accepted step with :func:`commit_verified`.
+    """
+    T, Hk, Hv = _check_step_inputs(q, k, v, pool, g, beta, a, b, A_log, dt_bias)
+    V.check_dtype("intermediate", intermediate, (pool.dtype,))
+    V.check_shape("intermediate", intermediate, (None, None, Hv, V.HEAD_DIM, V.HEAD_DIM))
+    cu = V.check_cu_seqlens("cu_seqlens", cu_seqlens, T)
+    N = cu_seqlens.shape[0] - 1
+    if cu is not None and max((b - a for a, b in zip(cu, cu[1:])), default=0) > intermediate.shape[1]:
+        raise ValueError(f"cu_seqlens: expected at most intermediate.shape[1]={intermediate.shape[1]} "
+                         "tokens per sequence")
+    V.check_index("slot_ids", slot_ids, N, pool.shape[0], unique_live=True)
+    V.check_index("intermediate_ids", intermediate_ids, N, intermediate.shape[0], unique_live=True)
+    V.check_device(q.device, slot_ids=slot_ids, cu_seqlens=cu_seqlens, intermediate=intermediate,
+                   intermediate_ids=intermediate_ids)
+    out = V.check_out(out, (T, Hv, V.HEAD_DIM), q.dtype, q.device)
+    if out is None:
+        out = torch.empty(T, Hv, V.HEAD_DIM, dtype=q.dtype, device=q.device)
+    kwargs = dict(g=g, beta=beta, a=a, b=b, A_log=A_log, dt_bias=dt_bias,
+                  use_qk_l2norm=bool(use_qk_l2norm), scale=_scale(scale), out=out)
+    path = _path("verify", q.device, q.dtype)
+    args = (q, k, v, pool, slot_ids, cu_seqlens, intermediate, intermediate_ids)
+    if path == "tilelang":
+        kernel_module(_arch_of(q.device.index)).verify(*args, **kwargs)
+    else:  # FLA has no verify that writes per-token states into our layout
+        reference.verify(*args, **kwargs)
+    return out
+
+
+def commit_verified(pool, slot_ids, intermediate, intermediate_ids, num_accepted):
+    """Copy the state after the last accepted token into each main slot, in place.
+
+    ``num_accepted`` [N] ints: the state ``intermediate[intermediate_ids[i], num_accepted[i]-1]``
+    replaces ``pool[slot_ids[i]]``; 0 accepted tokens or a padding id leaves the slot as is.
+    """
+    N = slot_ids.shape[0]
+    V.check_dtype("intermediate", intermediate, (pool.dtype,))
+    V.check_index("slot_ids", slot_ids, N, pool.shape[0], unique_live=True)
+    V.check_index("intermediate_ids", intermediate_ids, N, intermediate.shape[0], unique_live=True)
+    V.check_index("num_accepted", num_accepted, N, intermediate.shape[1] + 1, unique_live=False)
+    mod = None
+    if pool.device.type == "cuda" and explain_path("verify", pool.device)[0] == "tilelang":
+        mod = kernel_module(_arch_of(pool.device.index))
+    if mod is not None and hasattr(mod, "commit_verified"):
+        mod.commit_verified(pool, slot_ids, intermediate, intermediate_ids, num_accepted)
+    else:
+        reference.commit_verified(pool, slot_ids, intermediate, intermediate_ids, num_accepted)

@@ -1,0 +1,228 @@
+"""Host-side prefill planner: CPU sequence lengths + TP-local heads + arch -> PrefillPlan.
+
+Built once per batch (per engine step) and shared by every GDN layer of that step, like
+FlashInfer's plan()/run() split. Pure host code: it never reads GPU memory; the small int32
+index tensors a kernel needs are packed into one buffer and uploaded with one non-blocking copy.
+
+Strategies (see DESIGN.md, "Prefill numerics"):
+
+* ``plain``  — one block per (sequence, value head) walks all of its chunks.
+* ``vsplit`` — the value dimension is split in 2 or 4 blocks per head (exact, cheap).
+* ``cp``     — intra-card context parallelism: sequences are cut into segments of L chunks;
+  a segment's initial state is recomputed on the device (gate warmup, or the exact correction
+  path in ``cp="exact"`` mode and for heads whose gates do not decay).
+
+``cp`` modes: ``auto`` picks the cheapest strategy by the arch's cost model (configs/costmodel);
+``off`` is bit-stable — for a given sequence the result does not depend on the rest of the
+batch — so it never cuts sequences and never splits V; ``exact`` may cut sequences but never
+truncates history (the kernel takes the exact correction path for every segment).
+Strategies the arch's kernels do not implement are never chosen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+
+from qla_serve.costmodel import CostModel, load_cost_model
+
+CHUNK = 64
+CP_MODES = ("auto", "off", "exact")
+V_SPLITS = (1, 2, 4)
+ALL_STRATEGIES = frozenset({"plain", "vsplit", "cp"})
+
+# Segment table columns.
+SEG_SEQ, SEG_FIRST_CHUNK, SEG_NUM_CHUNKS, SEG_CARRIED = range(4)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PrefillPlan:
+    """What a prefill kernel needs besides the tensors. Host fields are plain Python.
+
+    Device tensors (int32, on ``device``; views into one uploaded buffer):
+        cu_seqlens     [N+1]  token offsets
+        chunk_offsets  [N+1]  cumulative ceil(len / 64): where each sequence's chunks start
+        segments       [G, 4] rows (seq, first_chunk, num_chunks, carried); carried=1 means the
+                              segment starts from the sequence's initial state (pool slot),
+                              0 means its initial state is recomputed on the device (CP)
+    """
+
+    seq_lens: tuple[int, ...]
+    num_v_heads: int
+    num_k_heads: int
+    strategy: str
+    v_split: int
+    segment_chunks: int          # L; 0 unless strategy == "cp"
+    segment_rows: tuple[tuple[int, int, int, int], ...]
+    cp: str
+    arch: str
+    sm_count: int
+    estimated_us: float
+    device: torch.device
+    cu_seqlens: torch.Tensor
+    chunk_offsets: torch.Tensor
+    segments: torch.Tensor
+    # Per-plan scratch for kernel modules (e.g. workspaces sized from the plan). Not an input.
+    kernel_cache: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.segment_rows)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.cu_seqlens_cpu[-1]
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens, default=0)
+
+    @property
+    def cu_seqlens_cpu(self) -> list[int]:
+        out, acc = [0], 0
+        for n in self.seq_lens:
+            acc += n
+            out.append(acc)
+        return out
+
+    def describe(self) -> dict:
+        """JSON-friendly summary (the CLI prints it)."""
+        return {
+            "strategy": self.strategy, "v_split": self.v_split,
+            "segment_chunks": self.segment_chunks, "cp": self.cp, "arch": self.arch,
+            "sm_count": self.sm_count, "num_seqs": self.num_seqs,
+            "num_v_heads": self.num_v_heads, "num_k_heads": self.num_k_heads,
+            "total_tokens": self.total_tokens, "num_segments": self.num_segments,
+            "blocks": self.num_segments * self.num_v_heads * self.v_split,
+            "estimated_us": round(self.estimated_us, 2),
+            "segments": [list(r) for r in self.segment_rows],
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class _Choice:
+    strategy: str
+    v_split: int
+    segment_chunks: int
+    estimated_us: float
+
+
+def _num_chunks(n: int) -> int:
+    return -(-n // CHUNK)
+
+
+def _score(model: CostModel, chunks: list[int], hv: int, sm: int, v_split: int, L: int) -> float:
+    """Modelled time for V split ``v_split`` and segment length ``L`` (0 = no cut)."""
+    if L == 0:
+        chain, total = max(chunks), sum(chunks) * hv * v_split
+        return model.estimate_us(v_split, chain, total, sm, cut=False)
+    warm = model.cp_warmup_chunks
+    segs = [-(-c // L) for c in chunks]
+    chain = min(L, max(chunks)) + (warm if max(segs) > 1 else 0)
+    total = hv * v_split * sum(c + warm * (s - 1) for c, s in zip(chunks, segs))
+    return model.estimate_us(v_split, chain, total, sm, cut=max(segs) > 1)
+
+
+def _choose(model: CostModel, chunks: list[int], hv: int, sm: int, cp: str,
+            supported: frozenset[str]) -> _Choice:
+    live = [c for c in chunks if c > 0]
+    if not live:
+        return _Choice("plain", 1, 0, model.launch_us)
+    best = _Choice("plain", 1, 0, _score(model, live, hv, sm, 1, 0))
+    # Bit-stable mode, or the batch already fills the SMs with one block per (seq, head):
+    # splitting only adds duplicated work.
+    if cp == "off" or len(live) * hv >= sm:
+        return best
+    splits = [s for s in V_SPLITS if s > 1 and s in model.chunk_us]
+    if "vsplit" in supported:
+        for s in splits:
+            t = _score(model, live, hv, sm, s, 0)
+            if t < best.estimated_us:
+                best = _Choice("vsplit", s, 0, t)
+    if "cp" in supported:
+        for s in [1] + (splits if "vsplit" in supported else []):
+            for L in model.cp_segment_chunks:
+                if L >= max(live):
+                    break  # no sequence would be cut
+                t = _score(model, live, hv, sm, s, L)
+                if t < best.estimated_us:
+                    best = _Choice("cp", s, L, t)
+    return best
+
+
+def _segment_rows(chunks: list[int], L: int) -> list[tuple[int, int, int, int]]:
+    rows = []
+    for seq, c in enumerate(chunks):
+        step = L if L > 0 else max(c, 1)
+        for first in range(0, c, step):
+            rows.append((seq, first, min(step, c - first), 1 if first == 0 else 0))
+    return rows
+
+
+def _upload(cu: list[int], chunk_off: list[int], rows: list, device: torch.device):
+    flat = cu + chunk_off + [x for r in rows for x in r]
+    host = torch.tensor(flat, dtype=torch.int32)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    buf = host.to(device, non_blocking=True)
+    n1 = len(cu)
+    segs = buf[2 * n1:].view(len(rows), 4)
+    return buf[:n1], buf[n1:2 * n1], segs
+
+
+def _resolve_arch(device: torch.device, arch: str | None, sm_count: int | None):
+    """Arch and SM count: given, else read once from the device properties (no sync)."""
+    if device.type == "cuda" and (arch is None or sm_count is None):
+        props = torch.cuda.get_device_properties(device)
+        arch = arch or ("sm100" if props.major >= 10 else "sm90")
+        sm_count = sm_count or props.multi_processor_count
+    arch = arch or "sm90"
+    return arch, sm_count
+
+
+def plan_prefill(seq_lens: Sequence[int], num_v_heads: int, num_k_heads: int, *,
+                 device=None, cp: str = "auto", sm_count: int | None = None,
+                 arch: str | None = None, supported_strategies=None) -> PrefillPlan:
+    """Plan one prefill batch.
+
+    Args:
+        seq_lens: CPU ints (list/tuple, or a CPU tensor), one per sequence; 0 is allowed.
+        num_v_heads, num_k_heads: TP-local head counts (Hv % Hk == 0).
+        device: where the index tensors go (default: the current CUDA device, else CPU).
+        cp: "auto" | "off" | "exact" (see the module docstring).
+        sm_count: SMs to plan for; default read once from the device, else the cost model's.
+        arch: "sm90" | "sm100" cost model; default from the device, else sm90.
+        supported_strategies: strategies the kernels implement; default asks the dispatcher.
+    """
+    from qla_serve._validate import check_plan_args  # local: keeps plan import light
+
+    lens = check_plan_args(seq_lens, num_v_heads, num_k_heads, cp, sm_count)
+    if device is None:
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    arch, sm_count = _resolve_arch(device, arch, sm_count)
+    model = load_cost_model(arch)
+    sm = sm_count or model.sm_count
+    if supported_strategies is None:
+        from qla_serve.ops import supported_prefill_strategies
+        supported_strategies = supported_prefill_strategies(device)
+    chunks = [_num_chunks(n) for n in lens]
+    choice = _choose(model, chunks, num_v_heads, sm, cp, frozenset(supported_strategies))
+    rows = _segment_rows(chunks, choice.segment_chunks)
+    cu, chunk_off = [0], [0]
+    for n, c in zip(lens, chunks):
+        cu.append(cu[-1] + n)
+        chunk_off.append(chunk_off[-1] + c)
+    cu_t, off_t, seg_t = _upload(cu, chunk_off, rows, device)
+    return PrefillPlan(
+        seq_lens=tuple(lens), num_v_heads=num_v_heads, num_k_heads=num_k_heads,
+        strategy=choice.strategy, v_split=choice.v_split, segment_chunks=choice.segment_chunks,
+        segment_rows=tuple(rows), cp=cp, arch=arch, sm_count=sm,
+        estimated_us=choice.estimated_us, device=device,
+        cu_seqlens=cu_t, chunk_offsets=off_t, segments=seg_t)
