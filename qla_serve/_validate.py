@@ -32,8 +32,8 @@ def check_plan_args(seq_lens, num_v_heads, num_k_heads, cp, sm_count) -> list[in
             raise ValueError("seq_lens: expected CPU ints (a list or a CPU tensor); reading a "
                              f"{seq_lens.device} tensor would sync the GPU")
         seq_lens = seq_lens.tolist()
-    lens = [int(n) for n in seq_lens]
-    if any(n < 0 for n in lens):
+    lens = list(map(int, seq_lens))
+    if lens and min(lens) < 0:
         _fail("seq_lens", "non-negative lengths", [n for n in lens if n < 0][:4])
     for name, h in (("num_v_heads", num_v_heads), ("num_k_heads", num_k_heads)):
         if not isinstance(h, int) or h <= 0:
@@ -106,6 +106,9 @@ def check_gates(T: int, Hv: int, g, beta, a, b, A_log, dt_bias, *, allow_raw: bo
     given_raw = any(x is not None for x in (a, b, A_log, dt_bias))
     if given_gb and given_raw:
         raise ValueError("g/beta and a/b/A_log/dt_bias: expected one gating form, got both")
+    if allow_raw and not given_gb and not given_raw:
+        raise ValueError(f"g/beta and a/b/A_log/dt_bias: expected one gating form (g, beta [{T}, {Hv}] "
+                         "float32, or raw a, b, A_log, dt_bias), got neither")
     if given_gb or not allow_raw:
         for name, x in (("g", g), ("beta", beta)):
             if x is None:

@@ -22,7 +22,9 @@ Strategies the arch's kernels do not implement are never chosen.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from array import array
+from itertools import accumulate, chain
+from typing import Iterable, Sequence
 
 import torch
 
@@ -55,7 +57,6 @@ class PrefillPlan:
     strategy: str
     v_split: int
     segment_chunks: int          # L; 0 unless strategy == "cp"
-    segment_rows: tuple[tuple[int, int, int, int], ...]
     cp: str
     arch: str
     sm_count: int
@@ -64,6 +65,7 @@ class PrefillPlan:
     cu_seqlens: torch.Tensor
     chunk_offsets: torch.Tensor
     segments: torch.Tensor
+    host_buffer: torch.Tensor = dataclasses.field(repr=False)  # CPU copy of the three tensors
     # Per-plan scratch for kernel modules (e.g. workspaces sized from the plan). Not an input.
     kernel_cache: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
@@ -73,7 +75,13 @@ class PrefillPlan:
 
     @property
     def num_segments(self) -> int:
-        return len(self.segment_rows)
+        return self.segments.shape[0]
+
+    @property
+    def segment_rows(self) -> list[tuple[int, int, int, int]]:
+        """The segment table on the host (from the CPU copy; no device read)."""
+        n1 = self.num_seqs + 1
+        return [tuple(r) for r in self.host_buffer[2 * n1:].view(-1, 4).tolist()]
 
     @property
     def total_tokens(self) -> int:
@@ -85,11 +93,7 @@ class PrefillPlan:
 
     @property
     def cu_seqlens_cpu(self) -> list[int]:
-        out, acc = [0], 0
-        for n in self.seq_lens:
-            acc += n
-            out.append(acc)
-        return out
+        return self.host_buffer[: self.num_seqs + 1].tolist()
 
     def describe(self) -> dict:
         """JSON-friendly summary (the CLI prints it)."""
@@ -111,10 +115,6 @@ class _Choice:
     v_split: int
     segment_chunks: int
     estimated_us: float
-
-
-def _num_chunks(n: int) -> int:
-    return -(-n // CHUNK)
 
 
 def _score(model: CostModel, chunks: list[int], hv: int, sm: int, v_split: int, L: int) -> float:
@@ -156,24 +156,37 @@ def _choose(model: CostModel, chunks: list[int], hv: int, sm: int, cp: str,
     return best
 
 
-def _segment_rows(chunks: list[int], L: int) -> list[tuple[int, int, int, int]]:
-    rows = []
-    for seq, c in enumerate(chunks):
-        step = L if L > 0 else max(c, 1)
-        for first in range(0, c, step):
-            rows.append((seq, first, min(step, c - first), 1 if first == 0 else 0))
-    return rows
+def _segment_rows(chunks: list[int], L: int) -> Iterable[int]:
+    """Flattened rows (seq, first_chunk, num_chunks, carried): each non-empty sequence cut into
+    segments of L chunks (L = 0: one segment per sequence)."""
+    if L == 0:  # the common, large-batch case: column-wise slice assignment runs at C speed
+        seqs = [seq for seq, c in enumerate(chunks) if c]
+        flat = [0] * (4 * len(seqs))
+        flat[0::4] = seqs
+        flat[2::4] = [chunks[s] for s in seqs] if len(seqs) < len(chunks) else chunks
+        flat[3::4] = [1] * len(seqs)
+        return flat
+    return chain.from_iterable((seq, first, min(L, c - first), int(first == 0))
+                               for seq, c in enumerate(chunks) for first in range(0, c, L))
 
 
-def _upload(cu: list[int], chunk_off: list[int], rows: list, device: torch.device):
-    flat = cu + chunk_off + [x for r in rows for x in r]
-    host = torch.tensor(flat, dtype=torch.int32)
+def _upload(lens: list[int], chunks: list[int], rows: Iterable[int], device: torch.device):
+    """One host buffer [cu_seqlens | chunk_offsets | segments], one non-blocking copy.
+
+    Built with array/accumulate rather than torch ops: a handful of small torch calls costs
+    more host time than the whole plan (target: <= 100 us for 256 sequences)."""
+    flat = array("i", [0])
+    flat.extend(accumulate(lens))
+    flat.append(0)
+    flat.extend(accumulate(chunks))
+    flat.extend(rows)
+    host = torch.frombuffer(flat, dtype=torch.int32) if len(flat) else torch.empty(0, dtype=torch.int32)
+    host.__dict__["_keepalive"] = flat  # frombuffer shares the array's memory
     if device.type == "cuda":
-        host = host.pin_memory()
-    buf = host.to(device, non_blocking=True)
-    n1 = len(cu)
-    segs = buf[2 * n1:].view(len(rows), 4)
-    return buf[:n1], buf[n1:2 * n1], segs
+        host = torch.empty(len(flat), dtype=torch.int32, pin_memory=True).copy_(host)
+    buf = host if device.type == "cpu" else host.to(device, non_blocking=True)
+    n1 = len(lens) + 1
+    return host, buf[:n1], buf[n1:2 * n1], buf[2 * n1:].view(-1, 4)
 
 
 def _resolve_arch(device: torch.device, arch: str | None, sm_count: int | None):
@@ -212,17 +225,12 @@ def plan_prefill(seq_lens: Sequence[int], num_v_heads: int, num_k_heads: int, *,
     if supported_strategies is None:
         from qla_serve.ops import supported_prefill_strategies
         supported_strategies = supported_prefill_strategies(device)
-    chunks = [_num_chunks(n) for n in lens]
+    chunks = [(n + CHUNK - 1) // CHUNK for n in lens]
     choice = _choose(model, chunks, num_v_heads, sm, cp, frozenset(supported_strategies))
     rows = _segment_rows(chunks, choice.segment_chunks)
-    cu, chunk_off = [0], [0]
-    for n, c in zip(lens, chunks):
-        cu.append(cu[-1] + n)
-        chunk_off.append(chunk_off[-1] + c)
-    cu_t, off_t, seg_t = _upload(cu, chunk_off, rows, device)
+    host, cu_t, off_t, seg_t = _upload(lens, chunks, rows, device)
     return PrefillPlan(
         seq_lens=tuple(lens), num_v_heads=num_v_heads, num_k_heads=num_k_heads,
         strategy=choice.strategy, v_split=choice.v_split, segment_chunks=choice.segment_chunks,
-        segment_rows=tuple(rows), cp=cp, arch=arch, sm_count=sm,
-        estimated_us=choice.estimated_us, device=device,
-        cu_seqlens=cu_t, chunk_offsets=off_t, segments=seg_t)
+        cp=cp, arch=arch, sm_count=sm, estimated_us=choice.estimated_us, device=device,
+        cu_seqlens=cu_t, chunk_offsets=off_t, segments=seg_t, host_buffer=host)

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The test command: sets up the virtualenvs on a fresh machine and runs every CPU-side test.
+#   bash scripts/test.sh            everything CI runs: unit + compile-only (TileLang/nvcc) + engines
+#   bash scripts/test.sh --quick    unit + compile-only, no engine installs
+# GPU tests (marker gpu) skip here; run them on a CUDA machine: python -m pytest -m gpu
+set -euo pipefail
+cd "$(dirname "$0")/.."
+quick=0; [[ "${1:-}" == "--quick" ]] && quick=1
+py=${PYTHON:-python3}
+
+if [[ ! -x .venv/bin/python ]]; then "$py" -m venv .venv; fi
+# torch first, pinned: 2.13.0 is the local CPU wheel; a bare "torch" would pull a CUDA build (GBs).
+.venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
+# The engines pin tilelang 0.1.12 / apache-tvm-ffi 0.1.11: test against exactly those.
+.venv/bin/pip install -q --disable-pip-version-check tilelang==0.1.12 apache-tvm-ffi==0.1.11
+.venv/bin/pip install -q --disable-pip-version-check -e '.[dev]'
+echo "== core: unit + compile-only tests"
+.venv/bin/python -m pytest -q tests --ignore=tests/backends/vllm --ignore=tests/backends/sglang
+
+if [[ $quick == 1 ]]; then exit 0; fi
+for engine in vllm sglang; do
+  if [[ -f scripts/setup_${engine}_env.sh && -d tests/backends/$engine ]]; then
+    echo "== $engine: installing .venv-$engine"
+    bash scripts/setup_${engine}_env.sh
+    echo "== $engine: backend tests"
+    .venv-$engine/bin/python -m pytest -q tests/backends/$engine
+  fi
+done

@@ -1,0 +1,105 @@
+"""Bad input: a ValueError/TypeError that names the argument, raised from host metadata."""
+
+import pytest
+import torch
+
+import qla_serve
+
+T, HK, HV = 10, 2, 4
+
+
+def _prefill_args(**over):
+    a = dict(q=torch.randn(T, HK, 128), k=torch.randn(T, HK, 128), v=torch.randn(T, HV, 128),
+             g=-torch.rand(T, HV), beta=torch.rand(T, HV), pool=torch.zeros(4, HV, 128, 128),
+             slot_ids=torch.tensor([0, 1], dtype=torch.int32),
+             plan=qla_serve.plan_prefill([6, 4], HV, HK, device="cpu"))
+    a.update(over)
+    return a
+
+
+def _prefill(a, **kw):
+    return qla_serve.gdn_prefill(a["q"], a["k"], a["v"], a["g"], a["beta"], a["pool"],
+                                 a["slot_ids"], a["plan"], **kw)
+
+
+@pytest.mark.parametrize("over,exc,match", [
+    (dict(q=torch.randn(T, HK, 64)), ValueError, "q: expected head dim 128"),
+    (dict(v=torch.randn(T, 3, 128)), ValueError, "v: expected a value-head count"),
+    (dict(k=torch.randn(T, HK, 128).half()), TypeError, "k, v: expected q's dtype"),
+    (dict(q=torch.randn(T, HK, 128).to(torch.int8)), TypeError, "q: expected dtype"),
+    (dict(g=-torch.rand(T, HV).double()), TypeError, "g: expected dtype"),
+    (dict(beta=torch.rand(T, HV + 1)), ValueError, "beta: expected shape"),
+    (dict(pool=torch.zeros(4, HV, 128, 64)), ValueError, "pool: expected shape"),
+    (dict(pool=torch.zeros(4, HV, 128, 128).half()), TypeError, "pool: expected dtype"),
+    (dict(slot_ids=torch.tensor([0, 4], dtype=torch.int32)), ValueError, "slot_ids: expected ids < 4"),
+    (dict(slot_ids=torch.tensor([1, 1], dtype=torch.int32)), ValueError, "slot_ids: expected distinct"),
+    (dict(slot_ids=torch.tensor([0.0, 1.0])), TypeError, "slot_ids: expected dtype"),
+    (dict(slot_ids=torch.tensor([0], dtype=torch.int32)), ValueError, "slot_ids: expected shape"),
+    (dict(plan=qla_serve.plan_prefill([5, 4], HV, HK, device="cpu")), ValueError, "plan: expected a plan for 10 tokens"),
+    (dict(plan=qla_serve.plan_prefill([6, 4], 8, HK, device="cpu")), ValueError, "plan: expected a plan for 2/4"),
+    (dict(q=torch.randn(T, HK, 256)[..., ::2]), ValueError, "q: expected a contiguous last dim"),
+])
+def test_prefill_bad_input(over, exc, match):
+    a = _prefill_args(**over)
+    pool_before = a["pool"].clone()
+    with pytest.raises(exc, match=match):
+        _prefill(a)
+    assert torch.equal(a["pool"], pool_before)
+
+
+def test_prefill_bad_has_initial_state_and_out():
+    a = _prefill_args()
+    with pytest.raises(TypeError, match="has_initial_state"):
+        _prefill(a, has_initial_state=torch.tensor([1, 0]))
+    with pytest.raises(ValueError, match="out: expected shape"):
+        _prefill(a, out=torch.empty(T, HV, 64))
+
+
+def test_strided_qkv_views_accepted():
+    """Engines pass q/k/v as strided views of one fused projection."""
+    fused = torch.randn(T, (2 * HK + HV) * 128)
+    q = fused[:, : HK * 128].view(T, HK, 128)
+    k = fused[:, HK * 128: 2 * HK * 128].view(T, HK, 128)
+    v = fused[:, 2 * HK * 128:].view(T, HV, 128)
+    a = _prefill_args(q=q, k=k, v=v)
+    o = _prefill(a)
+    assert o.shape == (T, HV, 128) and torch.isfinite(o).all()
+
+
+def test_decode_gating_forms():
+    B = 3
+    q, k, v = torch.randn(B, HK, 128), torch.randn(B, HK, 128), torch.randn(B, HV, 128)
+    pool, ids = torch.zeros(4, HV, 128, 128), torch.tensor([0, 1, 2], dtype=torch.int32)
+    with pytest.raises(ValueError, match="expected one gating form.*got neither"):
+        qla_serve.gdn_decode(q, k, v, pool, ids)
+    with pytest.raises(ValueError, match="beta: expected"):
+        qla_serve.gdn_decode(q, k, v, pool, ids, g=torch.zeros(B, HV))
+    with pytest.raises(ValueError, match="one gating form"):
+        qla_serve.gdn_decode(q, k, v, pool, ids, g=torch.zeros(B, HV), beta=torch.ones(B, HV),
+                             a=torch.zeros(B, HV))
+    with pytest.raises(ValueError, match="A_log"):
+        qla_serve.gdn_decode(q, k, v, pool, ids, a=torch.zeros(B, HV), b=torch.zeros(B, HV),
+                             dt_bias=torch.zeros(HV))
+
+
+def test_verify_bad_cu_seqlens_and_depth():
+    q, k, v = torch.randn(5, HK, 128), torch.randn(5, HK, 128), torch.randn(5, HV, 128)
+    g, beta = -torch.rand(5, HV), torch.rand(5, HV)
+    pool = torch.zeros(3, HV, 128, 128)
+    inter = torch.zeros(2, 3, HV, 128, 128)
+    ids = torch.tensor([0, 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seqlens: expected non-decreasing"):
+        qla_serve.gdn_verify(q, k, v, pool, ids, torch.tensor([0, 4, 3]), inter, ids, g=g, beta=beta)
+    with pytest.raises(ValueError, match="cu_seqlens: expected at most"):
+        qla_serve.gdn_verify(q, k, v, pool, ids, torch.tensor([0, 1, 5]), inter, ids, g=g, beta=beta)
+    with pytest.raises(TypeError, match="intermediate: expected dtype"):
+        qla_serve.gdn_verify(q, k, v, pool, ids, torch.tensor([0, 2, 5]), inter.bfloat16(), ids, g=g, beta=beta)
+
+
+def test_forced_unavailable_path_raises(monkeypatch):
+    monkeypatch.setenv("QLA_SERVE_OP_PATH", "tilelang")
+    with pytest.raises(RuntimeError, match="QLA_SERVE_OP_PATH=tilelang"):
+        qla_serve.explain_path("prefill", "cpu")
+    monkeypatch.setenv("QLA_SERVE_OP_PATH", "bogus")
+    with pytest.raises(ValueError, match="QLA_SERVE_OP_PATH"):
+        qla_serve.explain_path("prefill", "cpu")

@@ -1,0 +1,114 @@
+"""Planner properties (hypothesis, >= 200 examples each) and the cost-model config."""
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from qla_serve.costmodel import CostModel, load_cost_model
+from qla_serve.plan import CHUNK, plan_prefill
+
+lens_st = st.lists(st.one_of(st.integers(0, 2), st.integers(0, 70000), st.sampled_from([63, 64, 65])),
+                   min_size=1, max_size=40)
+heads_st = st.sampled_from([(1, 1), (2, 8), (4, 16), (8, 24), (16, 32), (16, 64), (1, 2)])
+cp_st = st.sampled_from(["auto", "off", "exact"])
+sm_st = st.sampled_from([None, 8, 78, 132, 148])
+ALL = {"plain", "vsplit", "cp"}
+
+
+def _plan(lens, heads, cp="auto", sm=None):
+    hk, hv = heads
+    return plan_prefill(lens, hv, hk, device="cpu", cp=cp, sm_count=sm, arch="sm90",
+                        supported_strategies=ALL)
+
+
+@settings(max_examples=250, deadline=None)
+@given(lens_st, heads_st, cp_st, sm_st)
+def test_segments_tile_every_sequence(lens, heads, cp, sm):
+    plan = _plan(lens, heads, cp, sm)
+    segs = plan.segments.tolist()
+    assert [tuple(r) for r in segs] == list(plan.segment_rows)
+    for seq, n in enumerate(lens):
+        mine = [r for r in segs if r[0] == seq]
+        chunks = -(-n // CHUNK)
+        assert all(r[2] > 0 for r in mine), "no empty segment"
+        covered = []
+        for _, first, count, carried in mine:
+            covered.extend(range(first, first + count))
+            assert carried == (1 if first == 0 else 0)
+        assert covered == list(range(chunks)), "segments tile the sequence exactly, in order"
+    assert plan.cu_seqlens.tolist() == plan.cu_seqlens_cpu
+    assert plan.total_tokens == sum(lens)
+    assert plan.chunk_offsets.tolist()[-1] == sum(-(-n // CHUNK) for n in lens)
+
+
+@settings(max_examples=250, deadline=None)
+@given(lens_st, heads_st, cp_st, sm_st)
+def test_plan_is_a_pure_function(lens, heads, cp, sm):
+    a, b = _plan(lens, heads, cp, sm), _plan(list(lens), heads, cp, sm)
+    assert a.describe() == b.describe()
+
+
+@settings(max_examples=250, deadline=None)
+@given(lens_st, heads_st, sm_st)
+def test_no_split_when_the_batch_fills_the_sms(lens, heads, sm):
+    plan = _plan(lens, heads, "auto", sm)
+    live = sum(1 for n in lens if n > 0)
+    if live * heads[1] >= plan.sm_count:
+        assert plan.strategy == "plain" and plan.v_split == 1
+        assert plan.num_segments == live
+
+
+@settings(max_examples=250, deadline=None)
+@given(lens_st, heads_st, sm_st)
+def test_cp_off_never_splits(lens, heads, sm):
+    plan = _plan(lens, heads, "off", sm)
+    assert plan.strategy == "plain" and plan.v_split == 1 and plan.segment_chunks == 0
+    assert plan.num_segments == sum(1 for n in lens if n > 0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(lens_st, heads_st, sm_st)
+def test_only_supported_strategies_are_chosen(lens, heads, sm):
+    hk, hv = heads
+    plan = plan_prefill(lens, hv, hk, device="cpu", sm_count=sm, supported_strategies={"plain", "vsplit"})
+    assert plan.strategy in ("plain", "vsplit")
+    assert plan.segment_chunks == 0
+
+
+def test_long_single_sequence_gets_parallelism():
+    """TP8 long prompt: 8 value heads, one sequence, 132 SMs -> not the 8-block plain grid."""
+    plan = _plan([32768], (2, 8), "auto", 132)
+    assert plan.strategy in ("vsplit", "cp")
+    assert plan.num_segments * plan.num_v_heads * plan.v_split > 8
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(seq_lens=[3, -1]), "seq_lens"), (dict(num_v_heads=6, num_k_heads=4), "num_v_heads"),
+    (dict(cp="sometimes"), "cp"), (dict(sm_count=0), "sm_count"), (dict(num_k_heads=0), "num_k_heads"),
+])
+def test_bad_arguments_name_themselves(bad, match):
+    args = dict(seq_lens=[5], num_v_heads=8, num_k_heads=2)
+    args.update(bad)
+    kw = {k: args.pop(k) for k in ("cp", "sm_count") if k in args}
+    with pytest.raises(ValueError, match=match):
+        plan_prefill(args["seq_lens"], args["num_v_heads"], args["num_k_heads"], device="cpu", **kw)
+
+
+@pytest.mark.gpu
+def test_device_seq_lens_refused():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA tensor to refuse")
+    with pytest.raises(ValueError, match="seq_lens"):
+        plan_prefill(torch.tensor([4], device="cuda"), 8, 2)
+
+
+def test_cost_models_load_and_reject_bad_fields():
+    for arch in ("sm90", "sm100"):
+        assert load_cost_model(arch).arch == arch
+    good = load_cost_model("sm90").model_dump()
+    with pytest.raises(ValueError, match="chunk_us"):
+        CostModel.model_validate({**good, "chunk_us": {3: 1.0}})
+    with pytest.raises(ValueError, match="cp_segment_chunks"):
+        CostModel.model_validate({**good, "cp_segment_chunks": [1]})
+    with pytest.raises(ValueError, match="arch"):
+        load_cost_model("sm80")
