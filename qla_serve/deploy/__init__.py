@@ -1,0 +1,19 @@
+"""Deployment: validated configs, engine command rendering, ahead-of-time kernel compilation.
+
+* :mod:`.config`     pydantic models for configs/deploy/*.yaml; every bad field its own message
+* :mod:`.render`     config -> exact ``vllm serve`` / SGLang command (+ env), compose service
+* :mod:`.precompile` kernel variants a deployment needs -> TileLang's cache, without a GPU
+* :mod:`.cli`        ``qla-serve config check|render`` and ``qla-serve precompile``
+
+Importing this package imports neither torch nor tilelang; precompile imports the kernel
+modules only when it runs.
+"""
+
+from .cli import add_cli_commands
+from .config import ENV_CP, TARGETS, ConfigError, DeploymentConfig, Problem, check_config, load_config
+from .render import EngineCommand, render_command
+
+__all__ = [
+    "add_cli_commands", "ConfigError", "DeploymentConfig", "Problem", "check_config", "load_config",
+    "EngineCommand", "render_command", "ENV_CP", "TARGETS",
+]

@@ -1,0 +1,211 @@
+"""The deployment commands of `qla-serve`, registered by :func:`add_cli_commands`.
+
+    qla-serve config check FILE...        every bad field, one line each (exit 1), or a summary
+    qla-serve config render FILE [--format shell|argv|json]
+    qla-serve precompile (--config FILE|DIR ... | --heads 2/8 ...) [--arch sm_90a,sm_100a]
+                         [--match REGEX] [--list] [--json OUT] [--no-progress]
+
+Every handler returns its exit code: 0 ok, 1 a check or a build failed, 2 bad input
+(unreadable YAML, a bad --heads / --arch value).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional
+
+from .config import TARGETS, ConfigError, DeploymentConfig, check_config, load_config, read_yaml
+
+
+def _parse_heads(text: str) -> tuple[int, int]:
+    """``"Hk/Hv"`` (TP-local q/k heads / v heads, e.g. 2/8) -> (Hk, Hv)."""
+    try:
+        hk, hv = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TP-local QK/V head counts like 2/8, got {text!r}")
+    if hk <= 0 or hv <= 0 or hv % hk:
+        raise argparse.ArgumentTypeError(f"expected positive counts with V a multiple of QK, got {text!r}")
+    return hk, hv
+
+
+def _parse_arch(text: str) -> tuple[str, ...]:
+    archs = tuple(a.strip() for a in text.split(",") if a.strip())
+    bad = [a for a in archs if a not in TARGETS]
+    if not archs or bad:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma list of {', '.join(TARGETS)}, got {text!r}"
+            + (" (sm_90 without 'a' cannot lower the warpgroup instructions)" if "sm_90" in bad else ""))
+    return tuple(dict.fromkeys(archs))
+
+
+def _config_files(paths: list[str]) -> list[str]:
+    """Files as given; a directory stands for its *.yaml files (sorted)."""
+    out = []
+    for p in paths:
+        if os.path.isdir(p):
+            found = sorted(os.path.join(p, f) for f in os.listdir(p) if f.endswith((".yaml", ".yml")))
+            if not found:
+                raise ValueError(f"--config: directory {p} has no *.yaml files")
+            out += found
+        else:
+            out.append(p)
+    return out
+
+
+# --------------------------------------------------------------------------- config check / render
+
+
+def _cmd_check(args) -> int:
+    worst = 0
+    for path in _config_files(args.files):
+        try:
+            raw = read_yaml(path)
+        except ConfigError as e:
+            print(f"{path}: {e.problems[0]}", file=sys.stderr)
+            worst = max(worst, 2)
+            continue
+        cfg, problems = check_config(raw, path)
+        if problems:
+            for p in problems:
+                print(f"{path}: {p}", file=sys.stderr)
+            print(f"{path}: {len(problems)} problem(s)", file=sys.stderr)
+            worst = max(worst, 1)
+        else:
+            print(f"OK {path}: {cfg.summary()}")
+    return worst
+
+
+def _load_or_report(path: str) -> Optional[DeploymentConfig]:
+    try:
+        return load_config(path)
+    except ConfigError as e:
+        for p in e.problems:
+            print(f"{path}: {p}", file=sys.stderr)
+        return None
+
+
+def _cmd_render(args) -> int:
+    from .render import render_command, render_json
+
+    cfg = _load_or_report(args.file)
+    if cfg is None:
+        return 1
+    if args.format == "json":
+        print(render_json(cfg))
+    elif args.format == "argv":
+        cmd = render_command(cfg)
+        for k, v in sorted(cmd.env.items()):
+            print(f"env {k}={v}")
+        print("\n".join(cmd.argv))
+    else:
+        print(render_command(cfg).shell())
+    return 0
+
+
+# --------------------------------------------------------------------------- precompile
+
+
+def _cmd_precompile(args) -> int:
+    from . import precompile as pc
+
+    requests: list[pc.HeadRequest] = []
+    if args.config:
+        configs = []
+        for path in _config_files(args.config):
+            cfg = _load_or_report(path)
+            if cfg is None:
+                return 1
+            configs.append(cfg)
+        requests += pc.requests_from_configs(configs, args.arch)
+    for hk, hv in args.heads or []:
+        requests.append(pc.HeadRequest(hk, hv, args.arch or TARGETS, source=f"--heads {hk}/{hv}"))
+
+    modules, problems = pc.discover_modules()
+    jobs, more = pc.enumerate_jobs(requests, modules, args.match)
+    problems += more
+    for r in requests:
+        print(f"heads {r.heads} for {r.source}: targets {','.join(r.targets)}"
+              + (f", state {r.state_dtype}, io {r.io_dtype}" if r.state_dtype else ""))
+    mods = ", ".join(f"{m.name} ({'/'.join(m.targets)})" for m in modules)
+    print(f"kernel modules: {mods or 'none'}")
+    if args.list:
+        for j in jobs:
+            print(f"{j.target} {j.module} {j.name}")
+        print(f"{len(jobs)} kernel variant builds")
+        for p in problems:
+            print(f"error: {p}", file=sys.stderr)
+        return 1 if problems else 0
+    if not jobs and not problems:
+        problems.append("nothing to compile (check --match and the kernel modules)")
+
+    outcomes, summary = pc.run_jobs(jobs, modules, progress=not args.no_progress)
+    summary.problems = problems + summary.problems
+    print(summary.text())
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            f.write(pc.summary_json(outcomes, summary))
+    return 0 if summary.ok else 1
+
+
+# --------------------------------------------------------------------------- registration
+
+
+def add_cli_commands(subparsers) -> None:
+    """Register ``config`` (check, render) and ``precompile`` on `qla-serve`'s subparsers.
+
+    Handlers are set as ``fn`` (``args.fn(args) -> int``), as qla_serve/cli.py dispatches.
+    """
+    cfg = subparsers.add_parser("config", help="validate or render a deployment config (configs/deploy/)")
+    csub = cfg.add_subparsers(dest="config_command", required=True)
+    ch = csub.add_parser("check", help="report every bad field of one or more configs")
+    ch.add_argument("files", nargs="+", metavar="FILE", help="YAML file(s) or a directory of them")
+    ch.set_defaults(fn=_cmd_check)
+    re_ = csub.add_parser("render", help="print the exact engine command for a config")
+    re_.add_argument("file", metavar="FILE")
+    re_.add_argument("--format", choices=("shell", "argv", "json"), default="shell",
+                     help="shell: one line with its env vars; argv: one token per line; json")
+    re_.set_defaults(fn=_cmd_render)
+
+    pc = subparsers.add_parser(
+        "precompile", help="compile every kernel variant a deployment needs into TileLang's cache (no GPU)")
+    src = pc.add_argument_group("what to compile (one or both)")
+    src.add_argument("--config", action="append", metavar="FILE|DIR",
+                     help="deployment config(s); its TP-local heads, dtypes and targets")
+    src.add_argument("--heads", type=_parse_heads, nargs="+", metavar="HK/HV",
+                     help="TP-local QK/V head counts, e.g. 2/8 (all dtypes)")
+    pc.add_argument("--arch", type=_parse_arch, default=None,
+                    help="comma list of targets (default: the config's, else sm_90a,sm_100a)")
+    pc.add_argument("--match", default=None, metavar="REGEX", help="only variants whose name matches")
+    pc.add_argument("--list", action="store_true", help="list the variant builds, compile nothing")
+    pc.add_argument("--json", default=None, metavar="OUT", help="also write the summary as JSON")
+    pc.add_argument("--no-progress", action="store_true", help="no progress bar (logs, CI)")
+    pc.set_defaults(fn=_precompile_entry(pc))
+
+
+def _precompile_entry(parser: argparse.ArgumentParser):
+    def run(args) -> int:
+        if not args.config and not args.heads:
+            parser.print_usage(sys.stderr)
+            print("qla-serve precompile: error: give --config FILE or --heads HK/HV", file=sys.stderr)
+            return 2
+        return _cmd_precompile(args)
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """A parser with just the deployment commands (``python -m qla_serve.deploy``)."""
+    p = argparse.ArgumentParser(prog="qla-serve", description="qla_serve deployment commands")
+    sub = p.add_subparsers(dest="command", required=True)
+    add_cli_commands(sub)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except (ValueError, TypeError) as e:
+        print(f"qla-serve {args.command}: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,291 @@
+"""Ahead-of-time compilation of every TileLang kernel variant a deployment needs.
+
+FlashQLA-style JIT spends tens of seconds per head configuration on the first call;
+at serve time that is a stalled request on every rank. ``qla-serve precompile``
+compiles the variants up front, without a GPU, into TileLang's on-disk cache
+(``TILELANG_CACHE_DIR``, default ``~/.tilelang/cache``): the kernels use explicit
+targets (``{"kind": "cuda", "arch": "sm_90a"}``), and a cache filled on a GPU-less
+machine was seen to be a hit on the H200.
+
+Kernel modules are discovered, never imported eagerly: every module under
+``qla_serve.kernels.hopper`` and ``qla_serve.kernels.blackwell`` (package and
+submodules) that defines both ``kernel_variants(num_v_heads, num_k_heads) -> list[dict]``
+and ``build(variant, target)`` is one; a package that defines them itself speaks for
+its submodules (hopper/__init__.py aggregates prefill and decode), which are then not
+scanned. The targets a module builds come from its
+``TARGETS`` (or ``_TARGETS``) tuple, else hopper modules build both sm_90a and
+sm_100a and blackwell modules sm_100a. An arch that no module serves is an error
+("no kernels registered for arch X"), as is a module that fails to import.
+
+A variant dict is opaque here except for: ``name`` (shown, matched by ``--match``),
+``pool_dtype``/``state_dtype`` and ``io_dtype`` (a config keeps only the variants of
+its state dtype and activation dtype; variants without these keys are all kept).
+
+Whether a build compiled or hit the cache is read from the cache itself: a build that
+adds an entry under ``<cache>/<version>/<platform>/kernels/`` compiled.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import pkgutil
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable, Optional
+
+from .config import TARGETS
+
+KERNEL_PACKAGES = ("qla_serve.kernels.hopper", "qla_serve.kernels.blackwell")
+_DEFAULT_TARGETS = {"qla_serve.kernels.hopper": TARGETS, "qla_serve.kernels.blackwell": ("sm_100a",)}
+_STATE_KEYS = ("pool_dtype", "state_dtype")
+_IO_KEYS = ("io_dtype",)
+
+
+@dataclass(frozen=True)
+class HeadRequest:
+    """TP-local heads to compile for, and the dtypes that narrow the variants (None = all)."""
+
+    num_k_heads: int
+    num_v_heads: int
+    targets: tuple[str, ...] = TARGETS
+    state_dtype: Optional[str] = None
+    io_dtype: Optional[str] = None
+    source: str = "--heads"
+
+    @property
+    def heads(self) -> str:
+        return f"{self.num_k_heads}/{self.num_v_heads}"
+
+
+@dataclass
+class KernelModule:
+    name: str
+    kernel_variants: Callable[[int, int], list]
+    build: Callable[[dict, str], Any]
+    targets: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Job:
+    module: str
+    target: str
+    variant: dict = field(compare=False, hash=False)
+    key: str = ""          # module + canonical JSON of the variant + target: dedup key
+
+    @property
+    def name(self) -> str:
+        return str(self.variant.get("name") or self.key)
+
+
+@dataclass
+class Outcome:
+    job: Job
+    status: str            # "compiled" | "cached" | "failed"
+    seconds: float
+    new_entries: int = 0
+    error: str = ""
+
+
+@dataclass
+class Summary:
+    compiled: int = 0
+    cached: int = 0
+    failed: int = 0
+    seconds: float = 0.0
+    cache_dir: str = ""
+    problems: list[str] = field(default_factory=list)   # discovery/enumeration errors
+    failures: list[str] = field(default_factory=list)   # one line per failed build
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed and not self.problems
+
+    def text(self) -> str:
+        total = self.compiled + self.cached + self.failed
+        lines = [f"precompile: {total} kernel variant builds: {self.compiled} compiled, "
+                 f"{self.cached} cached hits, {self.failed} failed in {self.seconds:.1f} s; "
+                 f"cache {self.cache_dir}"]
+        lines += [f"  error: {p}" for p in self.problems]
+        lines += [f"  failed: {f}" for f in self.failures]
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- discovery
+
+
+def discover_modules(packages: Iterable[str] = KERNEL_PACKAGES) -> tuple[list[KernelModule], list[str]]:
+    """Import the kernel packages and their submodules; return (kernel modules, problems)."""
+    found: list[KernelModule] = []
+    problems: list[str] = []
+    seen: set[int] = set()
+    for pkg_name in packages:
+        names = [pkg_name]
+        try:
+            pkg = importlib.import_module(pkg_name)
+        except Exception as e:  # a broken package is a loud error, not a skipped arch
+            problems.append(f"module {pkg_name} failed to import: {type(e).__name__}: {e}")
+            continue
+        # A package that defines kernel_variants/build speaks for its submodules (it
+        # aggregates them); otherwise each submodule that defines them is a kernel module.
+        if hasattr(pkg, "__path__") and not callable(getattr(pkg, "kernel_variants", None)):
+            names += [f"{pkg_name}.{m.name}" for m in pkgutil.iter_modules(pkg.__path__)]
+        for name in names:
+            try:
+                mod = importlib.import_module(name)
+            except Exception as e:
+                problems.append(f"module {name} failed to import: {type(e).__name__}: {e}")
+                continue
+            kv, build = getattr(mod, "kernel_variants", None), getattr(mod, "build", None)
+            if not (callable(kv) and callable(build)):
+                continue
+            if id(kv) in seen:  # a package re-exporting a submodule's functions
+                continue
+            seen.add(id(kv))
+            targets = getattr(mod, "TARGETS", None) or getattr(mod, "_TARGETS", None) \
+                or _DEFAULT_TARGETS.get(pkg_name, TARGETS)
+            found.append(KernelModule(name, kv, build, tuple(targets)))
+    return found, problems
+
+
+# --------------------------------------------------------------------------- enumeration
+
+
+def _keep(variant: dict, keys: tuple[str, ...], want: Optional[str]) -> bool:
+    if want is None:
+        return True
+    for k in keys:
+        if k in variant:
+            return str(variant[k]).removeprefix("torch.") == want
+    return True
+
+
+def enumerate_jobs(requests: list[HeadRequest], modules: list[KernelModule],
+                   match: Optional[str] = None) -> tuple[list[Job], list[str]]:
+    """Every (module, variant, target) the requests need, deduplicated, in a stable order.
+
+    Returns (jobs, problems). Problems: an arch no module serves, a module rejecting the
+    heads, a config's dtype filter leaving nothing for a module that has variants.
+    """
+    pattern = re.compile(match) if match else None
+    jobs: dict[str, Job] = {}
+    problems: list[str] = []
+    wanted = sorted({t for r in requests for t in r.targets}, key=TARGETS.index)
+    for target in wanted:
+        if not any(target in m.targets for m in modules):
+            problems.append(f"no kernels registered for arch {target} (looked in "
+                            f"{', '.join(KERNEL_PACKAGES)}; found "
+                            f"{', '.join(m.name for m in modules) or 'no kernel modules'})")
+    for req in requests:
+        for mod in modules:
+            targets = [t for t in req.targets if t in mod.targets]
+            if not targets:
+                continue
+            try:
+                variants = list(mod.kernel_variants(req.num_v_heads, req.num_k_heads))
+            except Exception as e:
+                problems.append(f"{mod.name}.kernel_variants(num_v_heads={req.num_v_heads}, "
+                                f"num_k_heads={req.num_k_heads}) for {req.source} failed: "
+                                f"{type(e).__name__}: {e}")
+                continue
+            kept = [v for v in variants
+                    if _keep(v, _STATE_KEYS, req.state_dtype) and _keep(v, _IO_KEYS, req.io_dtype)]
+            if variants and not kept:
+                problems.append(f"{mod.name}: none of its {len(variants)} variants for heads "
+                                f"{req.heads} has state dtype {req.state_dtype} and io dtype "
+                                f"{req.io_dtype} ({req.source})")
+            for v in kept:
+                if pattern and not pattern.search(str(v.get("name", ""))):
+                    continue
+                canon = json.dumps(v, sort_keys=True, default=str)
+                for t in targets:
+                    key = f"{mod.name}|{canon}|{t}"
+                    jobs.setdefault(key, Job(mod.name, t, v, key))
+    order = sorted(jobs.values(), key=lambda j: (TARGETS.index(j.target), j.module, j.name))
+    return order, problems
+
+
+def requests_from_configs(configs, arch: Optional[tuple[str, ...]] = None) -> list[HeadRequest]:
+    """One request per config: its TP-local heads, dtypes and targets (``arch`` overrides)."""
+    return [HeadRequest(c.local_k_heads, c.local_v_heads, arch or tuple(c.qla.targets),
+                        c.qla.state_dtype, c.model.dtype, source=c.name) for c in configs]
+
+
+# --------------------------------------------------------------------------- compiling
+
+
+def cache_dir() -> str:
+    """The directory TileLang's kernel cache writes to (TILELANG_CACHE_DIR or its default)."""
+    from tilelang import env
+    return os.path.abspath(os.path.expanduser(str(env.TILELANG_CACHE_DIR)))
+
+
+def _cache_entries(root: str) -> set[str]:
+    """Kernel cache entries: <root>/<version>/<platform>/kernels/<key>."""
+    out = set()
+    if not os.path.isdir(root):
+        return out
+    for version in os.scandir(root):
+        if not version.is_dir():
+            continue
+        for plat in os.scandir(version.path):
+            kdir = os.path.join(plat.path, "kernels")
+            if plat.is_dir() and os.path.isdir(kdir):
+                out.update(os.path.join(kdir, e) for e in os.listdir(kdir))
+    return out
+
+
+def run_jobs(jobs: list[Job], modules: list[KernelModule], *, progress: bool = True,
+             on_outcome: Optional[Callable[[Outcome], None]] = None) -> tuple[list[Outcome], Summary]:
+    """Build every job through its module's ``build``; never stops at a failure."""
+    from tilelang import env
+
+    summary = Summary(cache_dir=cache_dir())
+    if not env.is_cache_enabled():
+        summary.problems.append("TileLang's kernel cache is disabled (TILELANG_DISABLE_CACHE?): "
+                                "precompiling would not persist anything")
+        return [], summary
+    by_name = {m.name: m for m in modules}
+    outcomes: list[Outcome] = []
+    t_start = time.perf_counter()
+    from tqdm import tqdm
+
+    bar = tqdm(jobs, desc="precompile", unit="kernel", disable=not progress, file=sys.stderr,
+               dynamic_ncols=True)
+    for job in bar:
+        bar.set_postfix_str(f"{job.target} {job.name}"[-60:], refresh=False)
+        before = _cache_entries(summary.cache_dir)
+        t0 = time.perf_counter()
+        try:
+            by_name[job.module].build(job.variant, job.target)
+        except Exception as e:
+            msg = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            out = Outcome(job, "failed", time.perf_counter() - t0, error=msg)
+        else:
+            new = len(_cache_entries(summary.cache_dir) - before)
+            out = Outcome(job, "compiled" if new else "cached", time.perf_counter() - t0, new)
+        outcomes.append(out)
+        if on_outcome:
+            on_outcome(out)
+    summary.seconds = time.perf_counter() - t_start
+    for o in outcomes:
+        if o.status == "compiled":
+            summary.compiled += 1
+        elif o.status == "cached":
+            summary.cached += 1
+        else:
+            summary.failed += 1
+            summary.failures.append(f"{o.job.target} {o.job.module} {o.job.name}: {o.error}")
+    return outcomes, summary
+
+
+def summary_json(outcomes: list[Outcome], summary: Summary) -> str:
+    d = asdict(summary)
+    d["ok"] = summary.ok
+    d["builds"] = [{"module": o.job.module, "target": o.job.target, "name": o.job.name,
+                    "status": o.status, "seconds": round(o.seconds, 3), "error": o.error}
+                   for o in outcomes]
+    return json.dumps(d, indent=2)
