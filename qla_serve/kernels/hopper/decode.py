@@ -1,0 +1,480 @@
+"""TileLang GDN decode and speculative-verify kernels (SM90a; the same code compiles for SM100a).
+
+Decode is memory-bound: each live slot's [Hv, 128(V), 128(K)] state is read once from
+``pool[slot]`` and written once back in place; everything else (q, k, v, gates, output) is
+~1% of the traffic. The kernel is plain SIMT code (no tensor cores, no shared memory):
+
+* grid ``(128 // BV, Hv, B)``: one block per (V-tile of BV rows, v-head, sequence); several
+  blocks per head so that batch 1 still spreads over ``Hv * 128 / BV`` blocks;
+* 128 threads = 4 warps; a warp holds 4 state rows at a time, 8 lanes per row, each lane
+  16 K-columns in 16-byte vectors (4 fp32 or 8 bf16 values) so that the 8 lanes of a row
+  read 128 (fp32) or 256 (bf16) contiguous bytes per load instruction; each thread keeps
+  ``R = BV // 16`` rows x 16 columns of the state in fp32 registers;
+* per row the two dot products (S k and S q) are a 16-term local sum plus 3 xor-shuffles
+  among the row's 8 lanes; q/k l2 norms likewise (every block recomputes them: 256 bytes).
+
+Math (V-first state S [V, K], fp32 registers whatever the pool dtype)::
+
+    S' = exp(g) S;  delta = beta * (v - S' k);  S = S' + delta k^T;  o = scale * S q
+
+which is ``S_t = exp(g) S (I - beta k k^T) + beta v k^T``. Fused gating (``gating="ab"``):
+``g = -exp(A_log) * softplus(a + dt_bias)``, ``beta = sigmoid(b)``. Fused l2norm:
+``x / sqrt(sum x^2 + 1e-6)`` on q and k (in fp32), the scale folded into q.
+
+Verify runs the same tile over the D (ragged, via cu_seqlens) draft tokens of a sequence,
+keeping the state in registers and storing it after each token into
+``intermediate[intermediate_ids[i], j]``; the main slot is only read.
+
+Shapes are those of the kernel-module contract (qla_serve/kernels/__init__.py):
+batch ``B``, tokens ``T``, sequences ``N``, slots ``S``, intermediate slots ``S'`` and the
+draft depth ``D`` are dynamic (one compile serves every batch); head counts and dtypes are
+static and name a *variant*. Alignment assumptions (checked on the host by
+:func:`_check_alignment`): pool / intermediate slot strides and q/k token and head strides
+are multiples of the 16-byte vector (4 fp32 / 8 bf16 state values, ``VEC`` io elements),
+and their data pointers are 16-byte aligned -- true for every engine pool and for q/k views
+of a fused projection.
+"""
+
+# No `from __future__ import annotations`: TileLang evaluates the prim_func annotations,
+# which refer to closure variables (head counts, dtypes).
+import os
+import threading
+from typing import Any
+
+import torch
+
+HEAD_DIM = 128
+_LANES = 8            # lanes per state row
+_COLS = 16            # K columns per lane (HEAD_DIM // _LANES)
+_WARPS = 4
+_ROWS_PER_WARP_STEP = 32 // _LANES   # 4 rows per warp per register row
+DEFAULT_BLOCK_ROWS = 32
+
+_TORCH_TO_TL = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_POOL_DTYPES = ("float32", "bfloat16")
+_IO_DTYPES = ("bfloat16", "float16")
+_GATE_DTYPES = ("float32", "bfloat16", "float16")
+_TARGETS = ("sm_90a", "sm_100a")
+
+# Pass configs: the safe-memory pass would guard every pool access with `slot < S` (slot ids
+# are data), which both costs a compare per load and defeats vectorisation; ops.py validated
+# the ids (host-side metadata only) and the contract makes ids < S the caller's duty.
+_PASS_CONFIGS = {"tl.disable_safe_memory_legalize": True}
+
+
+# ----------------------------------------------------------------------------------------
+# Variants
+# ----------------------------------------------------------------------------------------
+
+def _variant(op: str, hv: int, hk: int, io: str, pool: str, gating: str, ab: str | None,
+             param: str | None, l2norm: bool, block_rows: int = DEFAULT_BLOCK_ROWS) -> dict:
+    """A JSON-serialisable variant description; ``name`` identifies it uniquely."""
+    gate = "gb" if gating == "gb" else f"ab-{ab}-{param}"
+    name = (f"gdn_{op}_hv{hv}_hk{hk}_{io}_pool-{pool}_{gate}_l2{int(l2norm)}_bv{block_rows}")
+    return {"name": name, "op": op, "num_v_heads": hv, "num_k_heads": hk, "io_dtype": io,
+            "pool_dtype": pool, "gating": gating, "ab_dtype": ab, "param_dtype": param,
+            "l2norm": bool(l2norm), "block_rows": block_rows}
+
+
+def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
+    """Every decode/verify variant a deployment with these TP-local heads can hit.
+
+    Matrix: op {decode, verify} x io dtype {bf16, fp16} x pool {fp32, bf16} x gating
+    {g/beta fp32, raw a/b in the io dtype with A_log/dt_bias fp32, a/b and A_log/dt_bias in
+    the io dtype} x l2norm {off, on} = 48 variants. Other gate dtype combinations compile on
+    first use (JIT, same cache).
+    """
+    _check_heads(num_v_heads, num_k_heads)
+    out = []
+    for op in ("decode", "verify"):
+        for io in _IO_DTYPES:
+            for pool in _POOL_DTYPES:
+                for gating, ab, param in (("gb", None, None), ("ab", io, "float32"), ("ab", io, io)):
+                    for l2 in (False, True):
+                        out.append(_variant(op, num_v_heads, num_k_heads, io, pool, gating, ab,
+                                            param, l2))
+    return out
+
+
+def _check_heads(hv: int, hk: int) -> None:
+    if not (isinstance(hv, int) and isinstance(hk, int) and hk > 0 and hv > 0 and hv % hk == 0):
+        raise ValueError(f"num_v_heads/num_k_heads: expected positive ints with num_v_heads % "
+                         f"num_k_heads == 0, got {hv}/{hk}")
+
+
+def _check_variant(v: dict) -> None:
+    _check_heads(v["num_v_heads"], v["num_k_heads"])
+    if v["op"] not in ("decode", "verify"):
+        raise ValueError(f"variant op: expected 'decode' or 'verify', got {v['op']!r}")
+    if v["io_dtype"] not in _IO_DTYPES:
+        raise ValueError(f"q/k/v dtype: decode kernels support {_IO_DTYPES}, got {v['io_dtype']}")
+    if v["pool_dtype"] not in _POOL_DTYPES:
+        raise ValueError(f"pool dtype: decode kernels support {_POOL_DTYPES}, got {v['pool_dtype']}")
+    if v["gating"] == "ab":
+        for key in ("ab_dtype", "param_dtype"):
+            if v[key] not in _GATE_DTYPES:
+                raise ValueError(f"{'a/b' if key == 'ab_dtype' else 'A_log/dt_bias'} dtype: "
+                                 f"expected one of {_GATE_DTYPES}, got {v[key]}")
+    elif v["gating"] != "gb":
+        raise ValueError(f"variant gating: expected 'gb' or 'ab', got {v['gating']!r}")
+    if v["block_rows"] not in (16, 32, 64):
+        raise ValueError(f"variant block_rows: expected 16, 32 or 64, got {v['block_rows']}")
+
+
+# ----------------------------------------------------------------------------------------
+# TileLang programs
+# ----------------------------------------------------------------------------------------
+
+def _program(variant: dict):
+    """Build the TileLang PrimFunc of one variant (no compilation)."""
+    import tilelang.language as T
+
+    _check_variant(variant)
+    op, Hv, Hk = variant["op"], variant["num_v_heads"], variant["num_k_heads"]
+    io, pdt, l2 = variant["io_dtype"], variant["pool_dtype"], variant["l2norm"]
+    fused = variant["gating"] == "ab"
+    gdt = variant["ab_dtype"] if fused else "float32"
+    prm = variant["param_dtype"] if fused else "float32"
+    BV = variant["block_rows"]
+    R = BV // (_WARPS * _ROWS_PER_WARP_STEP)       # register rows per thread
+    NV = HEAD_DIM // BV
+    VEC = 4 if pdt == "float32" else 8             # 16-byte vectors of the state
+    NCH = _COLS // VEC                             # vector chunks per lane and row
+    CH = _LANES * VEC                              # columns covered by one chunk over 8 lanes
+    G = Hv // Hk
+    f32 = "float32"
+
+    # Dynamic sizes and strides: bound from the tensors at each call (tvm-ffi reads them).
+    sqb, sqh, skb, skh, svb, svh, sob, soh = T.dynamic("sqb sqh skb skh svb svh sob soh")
+    sg0, sg1, sb0, sb1, sp, sal, sdt = T.dynamic("sg0 sg1 sb0 sb1 sp sal sdt")
+    S = T.dynamic("S")
+
+    @T.macro
+    def load_qk(Q, Kt, tq, hk, lk, qv, kv, scale):
+        # q, k columns of this lane; l2norm over the 8 lanes of the row; scale folded into q.
+        for c in T.unroll(NCH):
+            for e in T.vectorized(VEC):
+                qv[c * VEC + e] = T.cast(Q[tq, hk, c * CH + lk * VEC + e], f32)
+                kv[c * VEC + e] = T.cast(Kt[tq, hk, c * CH + lk * VEC + e], f32)
+        if l2:
+            sq = T.alloc_var(f32)
+            sk = T.alloc_var(f32)
+            sq = 0.0
+            sk = 0.0
+            for e in T.unroll(_COLS):
+                sq += qv[e] * qv[e]
+                sk += kv[e] * kv[e]
+            for m in T.unroll(3):
+                sq += T.shfl_xor(sq, 1 << m)
+                sk += T.shfl_xor(sk, 1 << m)
+            rq = T.rsqrt(sq + 1e-6) * scale
+            rk = T.rsqrt(sk + 1e-6)
+            for e in T.unroll(_COLS):
+                qv[e] = qv[e] * rq
+                kv[e] = kv[e] * rk
+        else:
+            for e in T.unroll(_COLS):
+                qv[e] = qv[e] * scale
+
+    @T.macro
+    def gates(Ga, Gb, A_log, dt_bias, t, h, gb):
+        # gb[0] = alpha = exp(g), gb[1] = beta
+        if fused:
+            x = T.cast(Ga[t, h], f32) + T.cast(dt_bias[h], f32)
+            sp_ = T.if_then_else(x > 20.0, x, T.log1p(T.exp(x)))
+            gb[0] = T.exp(-T.exp(T.cast(A_log[h], f32)) * sp_)
+            gb[1] = 1.0 / (1.0 + T.exp(-T.cast(Gb[t, h], f32)))
+        else:
+            gb[0] = T.exp(Ga[t, h])
+            gb[1] = Gb[t, h]
+
+    @T.macro
+    def step(st, qv, kv, Vt, Out, t, h, row0, lk, gb):
+        # One token on this thread's R rows: decay, delta rule, output (lane 0 of each row).
+        for r in T.unroll(R):
+            d = T.alloc_var(f32)
+            d = 0.0
+            for e in T.unroll(_COLS):
+                st[r, e] = st[r, e] * gb[0]
+                d += st[r, e] * kv[e]
+            for m in T.unroll(3):
+                d += T.shfl_xor(d, 1 << m)
+            delta = gb[1] * (T.cast(Vt[t, h, row0 + r * _ROWS_PER_WARP_STEP], f32) - d)
+            o = T.alloc_var(f32)
+            o = 0.0
+            for e in T.unroll(_COLS):
+                st[r, e] = st[r, e] + delta * kv[e]
+                o += st[r, e] * qv[e]
+            for m in T.unroll(3):
+                o += T.shfl_xor(o, 1 << m)
+            if lk == 0:
+                Out[t, h, row0 + r * _ROWS_PER_WARP_STEP] = T.cast(o, io)
+
+    if op == "decode":
+        B = T.dynamic("B")
+
+        @T.prim_func
+        def gdn_decode(
+            Q: T.StridedTensor((B, Hk, HEAD_DIM), (sqb, sqh, 1), io),
+            Kt: T.StridedTensor((B, Hk, HEAD_DIM), (skb, skh, 1), io),
+            Vt: T.StridedTensor((B, Hv, HEAD_DIM), (svb, svh, 1), io),
+            Ga: T.StridedTensor((B, Hv), (sg0, sg1), gdt),
+            Gb: T.StridedTensor((B, Hv), (sb0, sb1), gdt),
+            A_log: T.StridedTensor((Hv,), (sal,), prm),
+            dt_bias: T.StridedTensor((Hv,), (sdt,), prm),
+            Pool: T.StridedTensor((S, Hv, HEAD_DIM, HEAD_DIM), (sp, HEAD_DIM * HEAD_DIM, HEAD_DIM, 1), pdt),
+            Slots: T.Tensor((B,), "int32"),
+            Out: T.StridedTensor((B, Hv, HEAD_DIM), (sob, soh, 1), io),
+            scale: T.float32,
+        ):
+            with T.Kernel(NV, Hv, B, threads=_WARPS * 32) as (bv, h, i):
+                T.assume(sp % VEC == 0)
+                T.assume(sqb % VEC == 0)
+                T.assume(sqh % VEC == 0)
+                T.assume(skb % VEC == 0)
+                T.assume(skh % VEC == 0)
+                tx = T.get_thread_binding()
+                lk = tx % _LANES
+                row0 = bv * BV + (tx // 32) * (_ROWS_PER_WARP_STEP * R) + (tx % 32) // _LANES
+                st = T.alloc_local((R, _COLS), f32)
+                qv = T.alloc_local((_COLS,), f32)
+                kv = T.alloc_local((_COLS,), f32)
+                gb = T.alloc_local((2,), f32)
+                slot = Slots[i]
+                if slot >= 0:
+                    # Issue the state loads first: they are the long pole.
+                    for r in T.unroll(R):
+                        for c in T.unroll(NCH):
+                            for e in T.vectorized(VEC):
+                                st[r, c * VEC + e] = T.cast(
+                                    Pool[slot, h, row0 + r * _ROWS_PER_WARP_STEP, c * CH + lk * VEC + e], f32)
+                    load_qk(Q, Kt, i, h // G, lk, qv, kv, scale)
+                    gates(Ga, Gb, A_log, dt_bias, i, h, gb)
+                    step(st, qv, kv, Vt, Out, i, h, row0, lk, gb)
+                    for r in T.unroll(R):
+                        for c in T.unroll(NCH):
+                            for e in T.vectorized(VEC):
+                                Pool[slot, h, row0 + r * _ROWS_PER_WARP_STEP, c * CH + lk * VEC + e] = T.cast(
+                                    st[r, c * VEC + e], pdt)
+                else:
+                    if lk == 0:
+                        for r in T.unroll(R):
+                            Out[i, h, row0 + r * _ROWS_PER_WARP_STEP] = T.cast(0.0, io)
+
+        return gdn_decode
+
+    Tt, N, S2, D = T.dynamic("T N S2 D")
+    si0, si1 = T.dynamic("si0 si1")
+
+    @T.prim_func
+    def gdn_verify(
+        Q: T.StridedTensor((Tt, Hk, HEAD_DIM), (sqb, sqh, 1), io),
+        Kt: T.StridedTensor((Tt, Hk, HEAD_DIM), (skb, skh, 1), io),
+        Vt: T.StridedTensor((Tt, Hv, HEAD_DIM), (svb, svh, 1), io),
+        Ga: T.StridedTensor((Tt, Hv), (sg0, sg1), gdt),
+        Gb: T.StridedTensor((Tt, Hv), (sb0, sb1), gdt),
+        A_log: T.StridedTensor((Hv,), (sal,), prm),
+        dt_bias: T.StridedTensor((Hv,), (sdt,), prm),
+        Pool: T.StridedTensor((S, Hv, HEAD_DIM, HEAD_DIM), (sp, HEAD_DIM * HEAD_DIM, HEAD_DIM, 1), pdt),
+        Slots: T.Tensor((N,), "int32"),
+        Cu: T.Tensor((N + 1,), "int32"),
+        Inter: T.StridedTensor((S2, D, Hv, HEAD_DIM, HEAD_DIM),
+                               (si0, si1, HEAD_DIM * HEAD_DIM, HEAD_DIM, 1), pdt),
+        InterIds: T.Tensor((N,), "int32"),
+        Out: T.StridedTensor((Tt, Hv, HEAD_DIM), (sob, soh, 1), io),
+        scale: T.float32,
+    ):
+        with T.Kernel(NV, Hv, N, threads=_WARPS * 32) as (bv, h, i):
+            T.assume(sp % VEC == 0)
+            T.assume(si0 % VEC == 0)
+            T.assume(si1 % VEC == 0)
+            T.assume(sqb % VEC == 0)
+            T.assume(sqh % VEC == 0)
+            T.assume(skb % VEC == 0)
+            T.assume(skh % VEC == 0)
+            tx = T.get_thread_binding()
+            lk = tx % _LANES
+            row0 = bv * BV + (tx // 32) * (_ROWS_PER_WARP_STEP * R) + (tx % 32) // _LANES
+            st = T.alloc_local((R, _COLS), f32)
+            qv = T.alloc_local((_COLS,), f32)
+            kv = T.alloc_local((_COLS,), f32)
+            gb = T.alloc_local((2,), f32)
+            slot = Slots[i]
+            iid = InterIds[i]
+            bos = Cu[i]
+            n = Cu[i + 1] - bos
+            if slot >= 0 and iid >= 0:
+                for r in T.unroll(R):
+                    for c in T.unroll(NCH):
+                        for e in T.vectorized(VEC):
+                            st[r, c * VEC + e] = T.cast(
+                                Pool[slot, h, row0 + r * _ROWS_PER_WARP_STEP, c * CH + lk * VEC + e], f32)
+                for j in T.serial(n):
+                    load_qk(Q, Kt, bos + j, h // G, lk, qv, kv, scale)
+                    gates(Ga, Gb, A_log, dt_bias, bos + j, h, gb)
+                    step(st, qv, kv, Vt, Out, bos + j, h, row0, lk, gb)
+                    # Memory safety only: ops guarantees lengths <= D; a longer sequence still
+                    # gets its outputs but cannot write past the intermediate buffer.
+                    if j < D:
+                        for r in T.unroll(R):
+                            for c in T.unroll(NCH):
+                                for e in T.vectorized(VEC):
+                                    Inter[iid, j, h, row0 + r * _ROWS_PER_WARP_STEP, c * CH + lk * VEC + e] = T.cast(
+                                        st[r, c * VEC + e], pdt)
+            else:
+                if lk == 0:
+                    for j in T.serial(n):
+                        for r in T.unroll(R):
+                            Out[bos + j, h, row0 + r * _ROWS_PER_WARP_STEP] = T.cast(0.0, io)
+
+    return gdn_verify
+
+
+# ----------------------------------------------------------------------------------------
+# Compilation and in-process cache
+# ----------------------------------------------------------------------------------------
+
+def build(variant: dict, target: str):
+    """Compile ``variant`` for ``target`` ("sm_90a" or "sm_100a") through TileLang's cache.
+
+    The explicit target (never "auto") makes a cache filled on a GPU-less machine
+    (TILELANG_CACHE_DIR) a hit on the GPU. Returns the tilelang JITKernel.
+    """
+    import tilelang
+
+    if target not in _TARGETS:
+        raise ValueError(f"target: expected one of {_TARGETS}, got {target!r}")
+    return tilelang.compile(_program(variant), target={"kind": "cuda", "arch": target},
+                            execution_backend="tvm_ffi", pass_configs=dict(_PASS_CONFIGS))
+
+
+_CACHE: dict[tuple, Any] = {}
+_CACHE_LOCK = threading.Lock()
+_ARCH: dict[int, str] = {}
+
+
+def _device_target(device: torch.device) -> str:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    arch = _ARCH.get(idx)
+    if arch is None:
+        major, minor = torch.cuda.get_device_capability(idx)
+        if major == 9:
+            arch = "sm_90a"
+        elif major == 10:
+            arch = "sm_100a"
+        else:
+            raise ValueError(f"device: qla_serve decode kernels target sm_90a / sm_100a, got "
+                             f"compute capability {major}.{minor} on cuda:{idx}")
+        _ARCH[idx] = arch
+    return arch
+
+
+def _kernel(key: tuple, device: torch.device):
+    """Compiled kernel function for ``key`` (a variant tuple) on ``device``; cached in-process."""
+    fn = _CACHE.get(key)
+    if fn is None:
+        with _CACHE_LOCK:
+            fn = _CACHE.get(key)
+            if fn is None:
+                op, hv, hk, io, pool, gating, ab, param, l2, bv = key[:10]
+                variant = _variant(op, hv, hk, io, pool, gating, ab, param, l2, bv)
+                fn = build(variant, key[10]).torch_function
+                _CACHE[key] = fn
+    return fn
+
+
+def _dtype_name(t: torch.Tensor, what: str, allowed: tuple[str, ...]) -> str:
+    name = _TORCH_TO_TL.get(t.dtype)
+    if name not in allowed:
+        raise TypeError(f"{what}: expected dtype in {allowed}, got {t.dtype}")
+    return name
+
+
+def _check_alignment(vec: int, pool: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     inter: torch.Tensor | None = None) -> None:
+    """Vector-access preconditions (see module docstring); host metadata only."""
+    bad = None
+    if pool.stride(0) % vec or pool.data_ptr() % 16:
+        bad = "pool"
+    elif q.stride(0) % vec or q.stride(1) % vec or q.data_ptr() % (2 * vec):
+        bad = "q"
+    elif k.stride(0) % vec or k.stride(1) % vec or k.data_ptr() % (2 * vec):
+        bad = "k"
+    elif inter is not None and (inter.stride(0) % vec or inter.stride(1) % vec or inter.data_ptr() % 16):
+        bad = "intermediate"
+    if bad is not None:
+        raise ValueError(f"{bad}: the decode kernels need token/slot strides that are multiples "
+                         f"of {vec} elements and a {2 * vec if bad in 'qk' else 16}-byte aligned "
+                         f"data pointer (16-byte vector access)")
+
+
+def _key(op, q, pool, g, a, A_log, use_qk_l2norm, block_rows):
+    io = _dtype_name(q, "q", _IO_DTYPES)
+    pdt = _dtype_name(pool, "pool", _POOL_DTYPES)
+    if g is not None:
+        gating, ab, param = "gb", None, None
+    else:
+        gating = "ab"
+        ab = _dtype_name(a, "a", _GATE_DTYPES)
+        param = _dtype_name(A_log, "A_log", _GATE_DTYPES)
+    return (op, pool.shape[1], q.shape[1], io, pdt, gating, ab, param, bool(use_qk_l2norm),
+            block_rows, _device_target(q.device))
+
+
+def _block_rows() -> int:
+    env = os.environ.get("QLA_DECODE_BLOCK_ROWS")
+    return int(env) if env else DEFAULT_BLOCK_ROWS
+
+
+def _gate_args(g, beta, a, b, A_log, dt_bias):
+    if g is not None:
+        if g.dtype != torch.float32 or beta.dtype != torch.float32:
+            raise TypeError(f"g/beta: expected float32, got {g.dtype}/{beta.dtype}")
+        # A_log/dt_bias are unused by the g/beta variant, but the kernel signature still has
+        # [Hv] fp32 (strided) buffers: pass a row of g so that nothing is allocated.
+        return g, beta, g[0], g[0]
+    if A_log.dtype != dt_bias.dtype:
+        raise TypeError(f"dt_bias: expected the dtype of A_log ({A_log.dtype}), got {dt_bias.dtype}")
+    if b.dtype != a.dtype:
+        raise TypeError(f"b: expected the dtype of a ({a.dtype}), got {b.dtype}")
+    return a, b, A_log, dt_bias
+
+
+def decode(q, k, v, pool, slot_ids, *, g, beta, a, b, A_log, dt_bias, use_qk_l2norm, scale, out):
+    """One token per sequence, state updated in place in ``pool[slot_ids[i]]``.
+
+    q, k [B, Hk, 128], v [B, Hv, 128] (bf16/fp16, last dim contiguous); g, beta [B, Hv] fp32
+    or a, b [B, Hv] with A_log, dt_bias [Hv]; pool [S, Hv, 128, 128] fp32/bf16;
+    slot_ids [B] int32 (< 0: zero output row, slot untouched); out [B, Hv, 128] (q's dtype).
+    No host sync, no allocation: CUDA-graph capturable.
+    """
+    if q.shape[0] == 0:
+        return
+    bv = _block_rows()
+    fn = _kernel(_key("decode", q, pool, g, a, A_log, use_qk_l2norm, bv), q.device)
+    _check_alignment(4 if pool.dtype == torch.float32 else 8, pool, q, k)
+    ga, gb, al, dtb = _gate_args(g, beta, a, b, A_log, dt_bias)
+    fn(q, k, v, ga, gb, al, dtb, pool, slot_ids, out,
+       float(HEAD_DIM ** -0.5 if scale is None else scale))
+
+
+def verify(q, k, v, pool, slot_ids, cu_seqlens, intermediate, intermediate_ids, *, g, beta, a, b,
+           A_log, dt_bias, use_qk_l2norm, scale, out):
+    """Speculative verify: per sequence i, tokens cu_seqlens[i]:cu_seqlens[i+1] from the state in
+    ``pool[slot_ids[i]]`` (only read); the state after token j goes to
+    ``intermediate[intermediate_ids[i], j]`` ([S', D, Hv, 128, 128], pool dtype).
+
+    q, k [T, Hk, 128], v [T, Hv, 128]; g, beta [T, Hv] fp32 or a, b [T, Hv] + A_log, dt_bias
+    [Hv]; slot_ids, intermediate_ids [N] int32, cu_seqlens [N+1] int32; out [T, Hv, 128].
+    A sequence with slot or intermediate id < 0 is padding: zero output, nothing written.
+    """
+    if intermediate.dtype != pool.dtype:
+        raise TypeError(f"intermediate: expected the pool dtype {pool.dtype}, got {intermediate.dtype}")
+    if slot_ids.shape[0] == 0:
+        return
+    bv = _block_rows()
+    fn = _kernel(_key("verify", q, pool, g, a, A_log, use_qk_l2norm, bv), q.device)
+    _check_alignment(4 if pool.dtype == torch.float32 else 8, pool, q, k, intermediate)
+    ga, gb, al, dtb = _gate_args(g, beta, a, b, A_log, dt_bias)
+    fn(q, k, v, ga, gb, al, dtb, pool, slot_ids, cu_seqlens, intermediate, intermediate_ids, out,
+       float(HEAD_DIM ** -0.5 if scale is None else scale))

@@ -1,0 +1,83 @@
+"""Compile-only tests of the decode / verify kernels (TileLang + nvcc, no GPU), plus the
+host-side variant bookkeeping (plain CPU).
+
+CI compiles a representative subset (both ops, both pool dtypes, both io dtypes, both gating
+modes, l2norm on and off) for sm_90a and sm_100a; QLA_COMPILE_ALL_VARIANTS=1 compiles every
+variant kernel_variants() lists for 2/8 heads.
+"""
+
+import importlib
+import json
+import os
+
+import pytest
+import torch
+
+# importlib: the package re-exports a function named `decode`, which shadows the submodule.
+dec = importlib.import_module("qla_serve.kernels.hopper.decode")
+
+HV, HK = 8, 2
+
+
+def _subset():
+    vs = {v["name"]: v for v in dec.kernel_variants(HV, HK)}
+    want = [
+        ("decode", "bfloat16", "float32", "gb", False),
+        ("decode", "bfloat16", "bfloat16", "ab", True),
+        ("verify", "bfloat16", "float32", "ab", True),
+        ("verify", "float16", "bfloat16", "gb", False),
+    ]
+    out = []
+    for op, io, pool, gating, l2 in want:
+        out.append(next(v for v in vs.values() if (v["op"], v["io_dtype"], v["pool_dtype"],
+                                                   v["gating"], v["l2norm"]) == (op, io, pool, gating, l2)
+                        and v.get("param_dtype") in (None, "float32")))
+    return out
+
+
+VARIANTS = dec.kernel_variants(HV, HK) if os.environ.get("QLA_COMPILE_ALL_VARIANTS") else _subset()
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("target", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v["name"])
+def test_variant_compiles(variant, target):
+    kernel = dec.build(variant, target)
+    src = kernel.get_kernel_source()
+    # The state must move in 16-byte vectors (the kernel is memory-bound): fp32 pools as
+    # float4, bf16 pools as uint4 (8 x bf16). A scalar fallback would halve the bandwidth.
+    vec = "float4" if variant["pool_dtype"] == "float32" else "uint4"
+    assert f"*({vec}*)(Pool" in src, "state loads are not vectorised"
+    # Batch is dynamic: one compile for every B / T (no literal batch in the launch grid).
+    assert ("int B" in src) if variant["op"] == "decode" else ("int N" in src)
+
+
+def test_kernel_variants_are_unique_and_json_serialisable():
+    vs = dec.kernel_variants(32, 16)
+    names = [v["name"] for v in vs]
+    assert len(names) == len(set(names)) == 48
+    assert json.loads(json.dumps(vs)) == vs
+    assert {v["pool_dtype"] for v in vs} == {"float32", "bfloat16"}
+    assert {v["io_dtype"] for v in vs} == {"bfloat16", "float16"}
+    assert {v["op"] for v in vs} == {"decode", "verify"}
+
+
+def test_bad_variants_and_targets_are_rejected():
+    v = dec.kernel_variants(HV, HK)[0]
+    with pytest.raises(ValueError, match="target"):
+        dec.build(v, "sm_80")
+    with pytest.raises(ValueError, match="pool dtype"):
+        dec.build(dict(v, pool_dtype="float16"), "sm_90a")
+    with pytest.raises(ValueError, match="num_v_heads"):
+        dec.kernel_variants(6, 4)
+
+
+def test_unsupported_dtypes_raise_before_any_launch():
+    """CPU tensors suffice: the dtype check runs on host metadata before device lookup."""
+    q = torch.zeros(2, HK, 128, dtype=torch.bfloat16)
+    pool = torch.zeros(3, HV, 128, 128, dtype=torch.float16)
+    with pytest.raises(TypeError, match="pool"):
+        dec.decode(q, q, torch.zeros(2, HV, 128, dtype=torch.bfloat16), pool,
+                   torch.zeros(2, dtype=torch.int32), g=torch.zeros(2, HV), beta=torch.zeros(2, HV),
+                   a=None, b=None, A_log=None, dt_bias=None, use_qk_l2norm=False, scale=None,
+                   out=torch.zeros(2, HV, 128, dtype=torch.bfloat16))
