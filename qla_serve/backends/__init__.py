@@ -1,0 +1,1 @@
+"""Engine adapters (vLLM, SGLang) and the engine-agnostic GDN layer core. Importing this package imports no engine."""

@@ -1,0 +1,248 @@
+"""qla_serve.backends.gdn_layer against a per-sequence oracle, with vLLM-shaped inputs.
+
+The oracle loops over sequences and tokens in float64: causal conv from the slot's history,
+gating, L2 norm, and the per-token recurrence of qla_serve.kernels.reference.recurrent_gdn.
+Inputs are shaped like vLLM's: a paged state cache (page stride > one slot), null block 0 as
+padding, decodes first then prefills, has_initial_state False for new requests, a resumed
+prefill, and speculative batches with 2-D state indices and accepted-token counts, mixed with
+prefills through token index permutations. No engine is imported.
+
+CPU variants run in the core venv; the ``gpu`` variants run the same cases on CUDA (bf16 I/O
+and a bf16 pool included) on the lent H200.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qla_serve.backends import gdn_layer as GL
+from qla_serve.kernels import reference
+
+HK, HV, D_HEAD, W = 2, 4, 128, 4
+DIM = 2 * HK * D_HEAD + HV * D_HEAD
+NULL = 0
+
+
+def _cache(num_slots, dtype, device, gen, spec_cols=0):
+    """A vLLM-like paged cache: per block [conv (DIM x (W-1+spec)) | ssm (HV,128,128)] + pad."""
+    conv_len = W - 1 + spec_cols
+    conv_n, ssm_n = DIM * conv_len, HV * D_HEAD * D_HEAD
+    page = conv_n + ssm_n + 512                                  # padded page > slot
+    raw = torch.randn(num_slots, page, generator=gen, dtype=torch.float32) * 0.1
+    raw = raw.to(device=device, dtype=torch.float32)
+    conv = raw[:, :conv_n].view(num_slots, conv_len, DIM).transpose(1, 2)   # SD layout, strided
+    ssm = raw[:, conv_n:conv_n + ssm_n].view(num_slots, HV, D_HEAD, D_HEAD)
+    if dtype == torch.bfloat16:  # a bf16 pool: separate storage with the same paging
+        raw16 = torch.zeros(num_slots, page, dtype=torch.bfloat16, device=device)
+        raw16[:, conv_n:conv_n + ssm_n] = raw[:, conv_n:conv_n + ssm_n].to(torch.bfloat16)
+        ssm = raw16[:, conv_n:conv_n + ssm_n].view(num_slots, HV, D_HEAD, D_HEAD)
+    assert ssm.stride(0) > HV * D_HEAD * D_HEAD
+    return conv, ssm
+
+
+def _weights(gen, device):
+    w = (torch.randn(DIM, W, generator=gen) * 0.5).to(device)
+    bias = (torch.randn(DIM, generator=gen) * 0.1).to(device)
+    A_log = (torch.rand(HV, generator=gen) * 0.5 - 1.0).to(device)
+    dt_bias = (torch.randn(HV, generator=gen) * 0.1).to(device)
+    return w, bias, A_log, dt_bias
+
+
+def _oracle_seq(x, a, b, hist, init, w, bias, A_log, dt_bias):
+    """One sequence in float64: returns (o [L, HV, 128], conv inputs incl. history, final)."""
+    x, hist = x.double(), hist.double()
+    full = torch.cat([hist, x.t()], dim=1)                      # [DIM, W-1+L]
+    L = x.shape[0]
+    y = torch.stack([(full[:, t:t + W] * w.double()).sum(-1) for t in range(L)], 0) if L else x
+    y = F.silu(y + bias.double()) if L else y
+    q = reference.l2norm(y[:, :HK * D_HEAD].reshape(L, HK, D_HEAD))
+    k = reference.l2norm(y[:, HK * D_HEAD:2 * HK * D_HEAD].reshape(L, HK, D_HEAD))
+    v = y[:, 2 * HK * D_HEAD:].reshape(L, HV, D_HEAD)
+    g = -torch.exp(A_log.double()) * F.softplus(a.double() + dt_bias.double())
+    beta = torch.sigmoid(b.double())
+    o, final = reference.recurrent_gdn(q, k, v, g, beta, [0, L], init.double().unsqueeze(0), None)
+    states = []
+    S = init.double().unsqueeze(0)
+    for t in range(L):  # per-token states (for spec)
+        _, S = reference.recurrent_gdn(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1],
+                                       [0, 1], S, None)
+        states.append(S[0])
+    return o, full, final[0], states
+
+
+def _tol(dtype):
+    return dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=2e-4, rtol=2e-4)
+
+
+def _run_nonspec(device, io_dtype, pool_dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    S = 12
+    conv, ssm = _cache(S, pool_dtype, device, gen)
+    conv0, ssm0 = conv.clone(), ssm.clone()
+    w, bias, A_log, dt_bias = _weights(gen, device)
+    # 2 decodes (slots 3, 7), then prefills: new request (slot 5, no state), resumed chunk
+    # (slot 9, has state), 1-token new request (slot 2), a trailing zero-length padding row (null).
+    dec_slots = [3, 7]
+    pre_lens, pre_slots, pre_init = [70, 33, 1, 0], [5, 9, 2, NULL], [False, True, False, False]
+    T = len(dec_slots) + sum(pre_lens)
+    x = (torch.randn(T + 3, DIM, generator=gen)).to(device, io_dtype)        # +3 padded rows
+    a = torch.randn(T + 3, HV, generator=gen).to(device, io_dtype)
+    b = torch.randn(T + 3, HV, generator=gen).to(device, io_dtype)
+    step = GL.make_step_plan(
+        num_actual_tokens=T, num_v_heads=HV, num_k_heads=HK, conv_width=W, device=device,
+        decode_slots=torch.tensor(dec_slots, dtype=torch.int32, device=device),
+        prefill_lens=pre_lens, prefill_slots=torch.tensor(pre_slots, dtype=torch.int32, device=device),
+        prefill_has_initial_state=torch.tensor(pre_init, device=device))
+    out = torch.full((T + 3, HV, D_HEAD), float("nan"), dtype=io_dtype, device=device)
+    calls = []
+    GL.gdn_layer_forward(step, x, a, b, conv_weight=w, conv_bias=bias, activation="silu",
+                         conv_state=conv, ssm_state=ssm, A_log=A_log, dt_bias=dt_bias,
+                         num_k_heads=HK, out=out, on_call=lambda k, n: calls.append((k, n)))
+    assert calls == [("decode", 2), ("prefill", 4)]
+    tol = _tol(io_dtype if io_dtype != torch.float32 else pool_dtype)
+    t0 = 0
+    touched = set()
+    seqs = [(1, s, True) for s in dec_slots] + list(zip(pre_lens, pre_slots, pre_init))
+    for L, slot, has in seqs:
+        if slot == NULL:
+            continue
+        touched.add(slot)
+        hist = conv0[slot, :, :W - 1] if has else torch.zeros(DIM, W - 1, device=device)
+        init = ssm0[slot] if has else torch.zeros(HV, D_HEAD, D_HEAD, device=device)
+        o, full, final, _ = _oracle_seq(x[t0:t0 + L].cpu(), a[t0:t0 + L].cpu(), b[t0:t0 + L].cpu(),
+                                        hist.float().cpu(), init.float().cpu(), w.cpu(), bias.cpu(),
+                                        A_log.cpu(), dt_bias.cpu())
+        torch.testing.assert_close(out[t0:t0 + L].double().cpu(), o, **tol)
+        torch.testing.assert_close(ssm[slot].double().cpu(), final, **tol)
+        torch.testing.assert_close(conv[slot, :, :W - 1].double().cpu(), full[:, -(W - 1):], **tol)
+        t0 += L
+    assert torch.isnan(out[T:].float()).all(), "rows past num_actual_tokens must stay untouched"
+    for s in range(S):  # untouched slots (and the null block's SSM state) bit-identical
+        if s not in touched:
+            assert torch.equal(ssm[s], ssm0[s]), f"ssm slot {s} changed"
+            if s != NULL:
+                assert torch.equal(conv[s], conv0[s]), f"conv slot {s} changed"
+
+
+def _run_spec(device, io_dtype, pool_dtype, with_prefill, seed=1):
+    """Spec decodes (D = 3: 2 drafts) with ragged lengths, a padding row, and optionally prefills
+    interleaved through token index permutations."""
+    gen = torch.Generator().manual_seed(seed)
+    S, D = 20, 3
+    conv, ssm = _cache(S, pool_dtype, device, gen, spec_cols=D - 1)
+    conv0, ssm0 = conv.clone(), ssm.clone()
+    w, bias, A_log, dt_bias = _weights(gen, device)
+    spec_slots = [[4, 5, 6], [10, 11, 12], [NULL, NULL, NULL], [15, 16, 17]]
+    spec_lens, accepted = [3, 2, 0, 3], [2, 1, 1, 3]
+    pre_lens, pre_slots, pre_init = ([9, 1], [2, 8], [True, False]) if with_prefill else ([], [], [])
+    Ts, Tp = sum(spec_lens), sum(pre_lens)
+    T = Ts + Tp
+    # Token order of the batch: prefill tokens and spec tokens interleaved (vLLM orders requests,
+    # and maps each group through its own token index).
+    perm = torch.randperm(T, generator=gen) if with_prefill else torch.arange(T)
+    spec_idx, non_idx = perm[:Ts].sort().values, perm[Ts:].sort().values
+    x = torch.randn(T, DIM, generator=gen).to(device, io_dtype)
+    a = torch.randn(T, HV, generator=gen).to(device, io_dtype)
+    b = torch.randn(T, HV, generator=gen).to(device, io_dtype)
+    cu = [0]
+    for n in spec_lens:
+        cu.append(cu[-1] + n)
+    step = GL.make_step_plan(
+        num_actual_tokens=T, num_v_heads=HV, num_k_heads=HK, conv_width=W, device=device,
+        prefill_lens=pre_lens,
+        prefill_slots=torch.tensor(pre_slots, dtype=torch.int32, device=device) if with_prefill else None,
+        prefill_has_initial_state=torch.tensor(pre_init, device=device) if with_prefill else None,
+        spec_slots=torch.tensor(spec_slots, dtype=torch.int32, device=device),
+        spec_cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=device),
+        num_accepted=torch.tensor(accepted, dtype=torch.int32, device=device), num_spec_tokens=Ts,
+        spec_token_idx=spec_idx.to(device) if with_prefill else None,
+        non_spec_token_idx=non_idx.to(device) if with_prefill else None)
+    out = torch.zeros(T, HV, D_HEAD, dtype=io_dtype, device=device)
+    GL.gdn_layer_forward(step, x, a, b, conv_weight=w, conv_bias=bias, activation="silu",
+                         conv_state=conv, ssm_state=ssm, A_log=A_log, dt_bias=dt_bias,
+                         num_k_heads=HK, out=out)
+    tol = _tol(io_dtype if io_dtype != torch.float32 else pool_dtype)
+    written = set()
+    xs, as_, bs, os_ = (t[spec_idx.to(device)] for t in (x, a, b, out))
+    for i, (row, L, acc) in enumerate(zip(spec_slots, spec_lens, accepted)):
+        if row[0] == NULL:
+            continue
+        off = acc - 1
+        hist = conv0[row[0], :, off:off + W - 1]
+        init = ssm0[row[acc - 1]]
+        sl = slice(cu[i], cu[i] + L)
+        o, full, _, states = _oracle_seq(xs[sl].cpu(), as_[sl].cpu(), bs[sl].cpu(), hist.float().cpu(),
+                                         init.float().cpu(), w.cpu(), bias.cpu(), A_log.cpu(), dt_bias.cpu())
+        torch.testing.assert_close(os_[sl].double().cpu(), o, **tol)
+        for j in range(L):
+            torch.testing.assert_close(ssm[row[j]].double().cpu(), states[j], **tol)
+            written.add(row[j])
+        # Conv window after the step: the last W-2 history inputs, then the step's tokens.
+        torch.testing.assert_close(conv[row[0], :, :W - 2 + L].double().cpu(), full[:, 1:], **tol)
+        assert torch.equal(conv[row[0], :, W - 2 + L:], conv0[row[0], :, W - 2 + L:])
+    if with_prefill:
+        xn, an, bn, on = (t[non_idx.to(device)] for t in (x, a, b, out))
+        t0 = 0
+        for L, slot, has in zip(pre_lens, pre_slots, pre_init):
+            hist = conv0[slot, :, :W - 1] if has else torch.zeros(DIM, W - 1, device=device)
+            init = ssm0[slot] if has else torch.zeros(HV, D_HEAD, D_HEAD, device=device)
+            o, full, final, _ = _oracle_seq(xn[t0:t0 + L].cpu(), an[t0:t0 + L].cpu(), bn[t0:t0 + L].cpu(),
+                                            hist.float().cpu(), init.float().cpu(), w.cpu(), bias.cpu(),
+                                            A_log.cpu(), dt_bias.cpu())
+            torch.testing.assert_close(on[t0:t0 + L].double().cpu(), o, **tol)
+            torch.testing.assert_close(ssm[slot].double().cpu(), final, **tol)
+            written.add(slot)
+            t0 += L
+    for s in range(S):
+        if s not in written and s != NULL:
+            # Slots of unaccepted/unused draft positions and of other requests: untouched SSM.
+            assert torch.equal(ssm[s], ssm0[s]), f"ssm slot {s} changed"
+
+
+def test_nonspec_mixed_batch_cpu():
+    _run_nonspec("cpu", torch.float32, torch.float32)
+
+
+def test_nonspec_bf16_pool_cpu():
+    _run_nonspec("cpu", torch.float32, torch.bfloat16)
+
+
+@pytest.mark.parametrize("with_prefill", [False, True])
+def test_spec_batch_cpu(with_prefill):
+    _run_spec("cpu", torch.float32, torch.float32, with_prefill)
+
+
+def test_prefill_conv_index_layout():
+    idx = GL.prefill_conv_index([2, 0, 1], 4, "cpu")
+    # region 0: rows 0-2 history, 3-4 tokens; region 1: rows 5-7 history; region 2: 8-10, 11
+    assert idx.x_rows.tolist() == [3, 4, 11]
+    assert idx.final_rows.tolist() == [[2, 3, 4], [5, 6, 7], [9, 10, 11]]
+    assert idx.win_rows[:, 0].tolist() == [0, 1, 2, 3]
+    assert idx.num_rows == 12
+
+
+def test_prefill_lens_must_match_slots():
+    with pytest.raises(ValueError, match="prefill_lens"):
+        GL.make_step_plan(num_actual_tokens=3, num_v_heads=HV, num_k_heads=HK, conv_width=W,
+                          device="cpu", prefill_lens=[3],
+                          prefill_slots=torch.tensor([1, 2], dtype=torch.int32))
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("io_dtype,pool_dtype", [(torch.bfloat16, torch.float32),
+                                                 (torch.bfloat16, torch.bfloat16)])
+def test_nonspec_mixed_batch_gpu(io_dtype, pool_dtype):
+    _run_nonspec("cuda", io_dtype, pool_dtype)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("with_prefill", [False, True])
+def test_spec_batch_gpu(with_prefill):
+    _run_spec("cuda", torch.bfloat16, torch.float32, with_prefill)
