@@ -105,6 +105,7 @@ class StepPlan:
     spec_token_idx: torch.Tensor | None = None
     non_spec_token_idx: torch.Tensor | None = None
     null_slot: int = 0
+    info: dict = dataclasses.field(default_factory=dict)   # adapter notes (logs, counters)
 
     @property
     def num_prefills(self) -> int:
@@ -153,12 +154,14 @@ def make_step_plan(*, num_actual_tokens: int, num_v_heads: int, num_k_heads: int
                    device, decode_slots=None, prefill_lens: Sequence[int] = (), prefill_slots=None,
                    prefill_has_initial_state=None, spec_slots=None, spec_cu_seqlens=None,
                    num_accepted=None, num_spec_tokens: int = 0, spec_token_idx=None,
-                   non_spec_token_idx=None, null_slot: int = 0, cp: str = "auto") -> StepPlan:
+                   non_spec_token_idx=None, null_slot: int = 0, cp: str = "auto",
+                   reuse: StepPlan | None = None) -> StepPlan:
     """Build the step's plan: the prefill plan and conv indices from CPU ``prefill_lens``.
 
     ``num_v_heads``/``num_k_heads`` are the TP-local GDN heads. Every tensor argument is the
     engine's device tensor as described in :class:`StepPlan`; ``prefill_lens`` are host ints, one
-    per row of ``prefill_slots`` (0 for padding rows).
+    per row of ``prefill_slots`` (0 for padding rows). ``reuse``: a previous step's plan with the
+    same ``prefill_lens``, whose host-built prefill plan and conv indices are taken as they are.
     """
     device = torch.device(device)
     plan = conv = None
@@ -166,8 +169,12 @@ def make_step_plan(*, num_actual_tokens: int, num_v_heads: int, num_k_heads: int
         if prefill_slots.shape[0] != len(prefill_lens):
             raise ValueError(f"prefill_lens: expected one length per prefill slot "
                              f"({prefill_slots.shape[0]}), got {len(prefill_lens)}")
-        plan = qla_serve.plan_prefill(list(prefill_lens), num_v_heads, num_k_heads, device=device, cp=cp)
-        conv = prefill_conv_index(prefill_lens, conv_width, device)
+        if reuse is not None and reuse.prefill_plan is not None \
+                and reuse.prefill_plan.seq_lens == tuple(prefill_lens):
+            plan, conv = reuse.prefill_plan, reuse.prefill_conv
+        else:
+            plan = qla_serve.plan_prefill(list(prefill_lens), num_v_heads, num_k_heads, device=device, cp=cp)
+            conv = prefill_conv_index(prefill_lens, conv_width, device)
         # Rows of length 0 are padding (vLLM keeps trailing padded requests in the prefill
         # slice): never touch their slot, whatever their has_initial_state says.
         if any(n == 0 for n in prefill_lens):

@@ -1,0 +1,100 @@
+"""Tiny random-weight Qwen3-Next and Qwen3.5 checkpoints, built offline in about a second.
+
+Used by the vLLM backend tests and by scripts/serve_demo.sh: a real model directory
+(config.json, safetensors, a byte-level BPE tokenizer trained on the spot) that vLLM and
+transformers both load, with the GDN shapes qla_serve serves: 4 layers (3 Gated DeltaNet +
+1 full attention), linear key/value head dim 128, 2 key heads and 4 value heads, hidden 256,
+vocab 512. vLLM's Qwen3-Next needs at least one MoE layer, so the last layer is MoE (4 experts,
+top-2) and the others are in ``mlp_only_layers``. lm_head is scaled up so greedy decoding on
+random weights has clear winners (fewer near-ties between two correct implementations).
+
+    python -m qla_serve.backends.vllm.tiny_model OUT_DIR [--kind qwen3_next|qwen3_5] [--dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+KINDS = ("qwen3_next", "qwen3_5")
+VOCAB = 512
+_CORPUS = (
+    "The quick brown fox jumps over the lazy dog. Gated DeltaNet keeps a fixed-size state per "
+    "head and updates it with a delta rule. Linear attention serves long prompts in constant "
+    "memory per request. vLLM and SGLang batch prefills and decodes together. Once upon a time "
+    "there was a tiny model with random weights that answered every question with confidence. "
+    "0123456789 + - * / = ( ) [ ] { } , . ; : ! ? "
+)
+
+
+def _tokenizer(out: pathlib.Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator([_CORPUS] * 20, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>", bos_token="<|endoftext|>")
+    fast.save_pretrained(str(out))
+
+
+def _config(kind: str, eos: int):
+    common = dict(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        max_position_embeddings=4096, tie_word_embeddings=False, rms_norm_eps=1e-6,
+        bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+    )
+    if kind == "qwen3_next":
+        from transformers import Qwen3NextConfig
+        return Qwen3NextConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+                               shared_expert_intermediate_size=128, decoder_sparse_step=1,
+                               mlp_only_layers=[0, 1, 2], **common)
+    from transformers import Qwen3_5TextConfig
+    return Qwen3_5TextConfig(**common)
+
+
+def build_tiny_model(out_dir, kind: str = "qwen3_next", *, dtype: str = "bfloat16", seed: int = 0) -> pathlib.Path:
+    """Write a tiny random ``kind`` model to ``out_dir`` (created); returns the path."""
+    if kind not in KINDS:
+        raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
+    import torch
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _tokenizer(out)
+    eos = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]["<|endoftext|>"]
+    config = _config(kind, eos)
+    torch.manual_seed(seed)
+    if kind == "qwen3_next":
+        from transformers import Qwen3NextForCausalLM as Model
+    else:
+        from transformers import Qwen3_5ForCausalLM as Model
+    model = Model(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.to(getattr(torch, dtype)).save_pretrained(str(out), safe_serialization=True)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out_dir")
+    p.add_argument("--kind", choices=KINDS, default="qwen3_next")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    print(build_tiny_model(a.out_dir, a.kind, dtype=a.dtype, seed=a.seed))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
