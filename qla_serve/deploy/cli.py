@@ -2,6 +2,7 @@
 
     qla-serve config check FILE...        every bad field, one line each (exit 1), or a summary
     qla-serve config render FILE [--format shell|argv|json]
+    qla-serve config render FILE... --format compose    (docker/compose.tp8-long.yaml)
     qla-serve precompile (--config FILE|DIR ... | --heads 2/8 ...) [--arch sm_90a,sm_100a]
                          [--match REGEX] [--list] [--json OUT] [--no-progress]
 
@@ -87,11 +88,18 @@ def _load_or_report(path: str) -> Optional[DeploymentConfig]:
 
 
 def _cmd_render(args) -> int:
-    from .render import render_command, render_json
+    from .render import compose_for, render_command, render_json
 
-    cfg = _load_or_report(args.file)
-    if cfg is None:
+    files = _config_files(args.files)
+    configs = [_load_or_report(f) for f in files]
+    if any(c is None for c in configs):
         return 1
+    if args.format == "compose":
+        print(compose_for(configs, files), end="")
+        return 0
+    if len(configs) != 1:
+        raise ValueError(f"--format {args.format} renders one config, got {len(configs)} files")
+    cfg = configs[0]
     if args.format == "json":
         print(render_json(cfg))
     elif args.format == "argv":
@@ -140,7 +148,15 @@ def _cmd_precompile(args) -> int:
     if not jobs and not problems:
         problems.append("nothing to compile (check --match and the kernel modules)")
 
-    outcomes, summary = pc.run_jobs(jobs, modules, progress=not args.no_progress)
+    def log_line(o, _n=[0]):
+        # Without a progress bar (build logs, CI), one line per build instead.
+        _n[0] += 1
+        extra = f" {o.error}" if o.error else ""
+        print(f"[{_n[0]}/{len(jobs)}] {o.status:<8} {o.seconds:6.1f} s  {o.job.target} {o.job.name}{extra}",
+              flush=True)
+
+    outcomes, summary = pc.run_jobs(jobs, modules, progress=not args.no_progress,
+                                    on_outcome=log_line if args.no_progress else None)
     summary.problems = problems + summary.problems
     print(summary.text())
     if args.json:
@@ -163,9 +179,11 @@ def add_cli_commands(subparsers) -> None:
     ch.add_argument("files", nargs="+", metavar="FILE", help="YAML file(s) or a directory of them")
     ch.set_defaults(fn=_cmd_check)
     re_ = csub.add_parser("render", help="print the exact engine command for a config")
-    re_.add_argument("file", metavar="FILE")
-    re_.add_argument("--format", choices=("shell", "argv", "json"), default="shell",
-                     help="shell: one line with its env vars; argv: one token per line; json")
+    re_.add_argument("files", nargs="+", metavar="FILE",
+                     help="one config; several (or a directory) with --format compose")
+    re_.add_argument("--format", choices=("shell", "argv", "json", "compose"), default="shell",
+                     help="shell: one line with its env vars; argv: one token per line; json; "
+                          "compose: a docker compose file, one service per config")
     re_.set_defaults(fn=_cmd_render)
 
     pc = subparsers.add_parser(

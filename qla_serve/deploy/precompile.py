@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import os
 import pkgutil
 import re
@@ -250,6 +251,11 @@ def run_jobs(jobs: list[Job], modules: list[KernelModule], *, progress: bool = T
         return [], summary
     by_name = {m.name: m for m in modules}
     outcomes: list[Outcome] = []
+    # TileLang logs two INFO lines per compile: they would tear the progress bar apart, and
+    # the per-build lines (or the bar) already say what is compiling.
+    tl_log = logging.getLogger("tilelang")
+    if not quiet_logs_off():
+        tl_log.setLevel(max(tl_log.level, logging.WARNING))
     t_start = time.perf_counter()
     from tqdm import tqdm
 
@@ -280,6 +286,11 @@ def run_jobs(jobs: list[Job], modules: list[KernelModule], *, progress: bool = T
             summary.failed += 1
             summary.failures.append(f"{o.job.target} {o.job.module} {o.job.name}: {o.error}")
     return outcomes, summary
+
+
+def quiet_logs_off() -> bool:
+    """QLA_SERVE_PRECOMPILE_VERBOSE=1 keeps TileLang's per-kernel INFO logs."""
+    return os.environ.get("QLA_SERVE_PRECOMPILE_VERBOSE", "") not in ("", "0")
 
 
 def summary_json(outcomes: list[Outcome], summary: Summary) -> str:

@@ -8,8 +8,9 @@ Run with the engine's own interpreter (it imports the engine, which the test ven
 ``tests/deploy/engine_flags.json`` is this script's output for the pinned engines, one
 entry per engine (regenerate it with ``--update`` after an engine upgrade). The parsers
 are built the way the engines build them for ``vllm serve`` and
-``python -m sglang.launch_server``; the qla_serve plugins are *not* loaded, so
-``--linear-attn-backend``'s choices are the engine's own (the plugin adds ``flashqla``).
+``python -m sglang.launch_server``. vLLM loads its general plugins while building the
+parser, so where qla_serve's plugin is registered (``qla_serve_plugin`` true) its
+``--linear-attn-backend`` appears; the snapshot was taken without it.
 """
 
 from __future__ import annotations
@@ -62,7 +63,17 @@ def extract(engine: str) -> dict:
     sys.modules.setdefault("torchvision", None)
     mod = importlib.import_module(engine)
     parser = {"vllm": vllm_parser, "sglang": sglang_parser}[engine]()
-    return {"engine": engine, "version": str(getattr(mod, "__version__", "?")), "options": _options(parser)}
+    return {"engine": engine, "version": str(getattr(mod, "__version__", "?")), "options": _options(parser),
+            "qla_serve_plugin": _qla_plugin_registered(engine)}
+
+
+def _qla_plugin_registered(engine: str) -> bool:
+    """Whether qla_serve registered its plugin entry point in this environment (vLLM loads
+    general plugins while building its parser, so the plugin's flags then appear above)."""
+    from importlib.metadata import entry_points
+
+    group = {"vllm": "vllm.general_plugins", "sglang": "sglang.srt.plugins"}[engine]
+    return any(ep.value.startswith("qla_serve") for ep in entry_points(group=group))
 
 
 def main() -> int:

@@ -1,0 +1,144 @@
+"""`qla-serve precompile`: variant enumeration (fast, CPU) and a real compile (marker compile).
+
+Enumeration runs against the kernel modules as they exist in the tree (no stand-ins); the
+compile test builds with nvcc into a temporary TILELANG_CACHE_DIR and then proves a second
+process gets cache hits only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from qla_serve.deploy import load_config
+from qla_serve.deploy import precompile as pc
+from qla_serve.deploy.config import TARGETS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEPLOY = os.path.join(ROOT, "configs", "deploy")
+TP8 = os.path.join(DEPLOY, "qwen3.5-397b-a17b-tp8.yaml")
+
+
+@pytest.fixture(scope="module")
+def modules():
+    mods, problems = pc.discover_modules()
+    assert not problems, problems
+    if not mods:
+        pytest.skip("no kernel module defines kernel_variants/build yet")
+    return mods
+
+
+def _state_of(v):
+    return next((v[k] for k in ("pool_dtype", "state_dtype") if k in v), None)
+
+
+def test_config_enumeration_matches_its_heads_dtypes_and_targets(modules):
+    cfg = load_config(TP8)
+    jobs, problems = pc.enumerate_jobs(pc.requests_from_configs([cfg]), modules)
+    assert not problems, problems
+    assert {j.target for j in jobs} == set(TARGETS)
+    for j in jobs:
+        v = j.variant
+        # every variant is for the TP-local heads (2/8 at TP8), the config's dtypes
+        assert (v.get("num_k_heads", 2), v.get("num_v_heads", 8)) == (2, 8), v
+        assert _state_of(v) in (None, "float32"), v
+        assert v.get("io_dtype", "bfloat16") == "bfloat16", v
+    # no duplicates; per target the same set of variants
+    assert len({j.key for j in jobs}) == len(jobs)
+    names = {t: sorted(j.name for j in jobs if j.target == t) for t in TARGETS}
+    assert names["sm_90a"] == names["sm_100a"]
+
+
+def test_filtering_is_a_strict_subset_of_heads_enumeration(modules):
+    cfg = load_config(TP8)
+    by_cfg, _ = pc.enumerate_jobs(pc.requests_from_configs([cfg], ("sm_90a",)), modules)
+    by_heads, _ = pc.enumerate_jobs([pc.HeadRequest(2, 8, ("sm_90a",))], modules)
+    assert {j.key for j in by_cfg} < {j.key for j in by_heads}
+    states = {_state_of(j.variant) for j in by_heads} - {None}
+    assert states == {"float32", "bfloat16"}     # --heads keeps every state dtype
+
+
+def test_same_heads_from_two_configs_compile_once(modules):
+    a = load_config(TP8)
+    b = load_config(os.path.join(DEPLOY, "qwen3.5-397b-a17b-tp8-sglang.yaml"))
+    one, _ = pc.enumerate_jobs(pc.requests_from_configs([a]), modules)
+    two, _ = pc.enumerate_jobs(pc.requests_from_configs([a, b]), modules)
+    assert [j.key for j in one] == [j.key for j in two]
+
+
+def test_every_shipped_config_enumerates(modules):
+    configs = [load_config(os.path.join(DEPLOY, f)) for f in sorted(os.listdir(DEPLOY)) if f.endswith(".yaml")]
+    jobs, problems = pc.enumerate_jobs(pc.requests_from_configs(configs), modules)
+    assert not problems, problems
+    heads = {(j.variant.get("num_k_heads"), j.variant.get("num_v_heads")) for j in jobs}
+    assert {(2, 8), (4, 16), (8, 24), (16, 32), (4, 8)} <= heads
+
+
+def test_match_filters_by_name(modules):
+    jobs, _ = pc.enumerate_jobs([pc.HeadRequest(2, 8, ("sm_90a",))], modules, match=r"^gdn_decode_")
+    assert jobs and all(j.name.startswith("gdn_decode_") for j in jobs)
+
+
+def test_missing_arch_and_broken_module_are_errors():
+    jobs, problems = pc.enumerate_jobs([pc.HeadRequest(2, 8, ("sm_100a",))], [])
+    assert jobs == [] and problems == [
+        "no kernels registered for arch sm_100a (looked in qla_serve.kernels.hopper, "
+        "qla_serve.kernels.blackwell; found no kernel modules)"]
+    mods, problems = pc.discover_modules(["qla_serve.kernels.no_such_arch"])
+    assert mods == [] and len(problems) == 1 and "failed to import" in problems[0]
+
+
+def test_cli_list_and_bad_input(capsys):
+    from qla_serve.cli import main
+
+    assert main(["precompile", "--config", TP8, "--arch", "sm_90a", "--list"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    builds = [line for line in out if line.startswith("sm_90a ")]
+    assert out[-1] == f"{len(builds)} kernel variant builds" and builds
+    assert "heads 2/8 for qwen3.5-397b-a17b-tp8: targets sm_90a, state float32, io bfloat16" in out
+    assert main(["precompile"]) == 2                      # neither --config nor --heads
+    with pytest.raises(SystemExit):
+        main(["precompile", "--heads", "3/8"])            # V not a multiple of QK
+
+
+@pytest.mark.compile
+def test_precompile_one_small_config_then_all_cache_hits(tmp_path):
+    """Compile, with nvcc and no GPU, one variant of every kernel family the TP8 config needs
+    (decode, verify, prefill prep and main: the full config is ~16 builds x 3-20 s per arch)
+    for sm_90a into a fresh cache; a second process must then hit the cache for all of them."""
+    if not _nvcc():
+        pytest.skip("nvcc not found")
+    mods, _ = pc.discover_modules()
+    jobs, _ = pc.enumerate_jobs(pc.requests_from_configs([load_config(TP8)], ("sm_90a",)), mods)
+    firsts = {}
+    for j in jobs:                      # family = the name up to the head counts
+        firsts.setdefault(j.name.split("_hv")[0], j.name)
+    if not firsts:
+        pytest.skip("no kernel variants registered yet")
+    match = "^(" + "|".join(re.escape(n) for n in firsts.values()) + ")$"
+    env = {**os.environ, "TILELANG_CACHE_DIR": str(tmp_path / "cache"), "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-m", "qla_serve.cli", "precompile", "--config", TP8, "--arch", "sm_90a",
+           "--match", match, "--no-progress"]
+
+    first = subprocess.run(cmd + ["--json", str(tmp_path / "1.json")], env=env, capture_output=True,
+                           text=True, timeout=900)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    s1 = json.load(open(tmp_path / "1.json"))
+    assert (s1["compiled"], s1["cached"], s1["failed"]) == (len(firsts), 0, 0), s1
+    assert f"{len(firsts)} compiled, 0 cached hits, 0 failed" in first.stdout
+
+    second = subprocess.run(cmd + ["--json", str(tmp_path / "2.json")], env=env, capture_output=True,
+                            text=True, timeout=900)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    s2 = json.load(open(tmp_path / "2.json"))
+    assert (s2["compiled"], s2["cached"], s2["failed"]) == (0, len(firsts), 0), s2
+
+
+def _nvcc() -> bool:
+    from shutil import which
+    return which("nvcc") is not None or os.path.exists("/usr/local/cuda/bin/nvcc")
