@@ -128,3 +128,31 @@ def test_the_cli_parse_check_can_fail():
         build_parser().parse_args(["precompile", "--config", "x.yaml", "--arch", "sm_90"])
     with pytest.raises(SystemExit):
         build_parser().parse_args(["precompile", "--targets", "sm_90a"])
+
+
+@pytest.mark.parametrize("engine", ["vllm"])
+def test_files_the_image_copies_build_a_complete_wheel(engine, tmp_path):
+    """`pip install .` in the image sees only what the Dockerfile COPYs: those files alone must
+    build a wheel with the deploy commands and the packaged deployment configs."""
+    instrs = _instructions(DOCKERFILES[engine])
+    src = tmp_path / "src"
+    src.mkdir()
+    for word, rest in instrs:
+        if word != "COPY":
+            continue
+        *paths, dest = rest.split()          # WORKDIR is the build root; dest is relative to it
+        for p in paths:
+            origin = os.path.join(ROOT, p)
+            if os.path.isdir(origin):           # COPY dir ./dir
+                shutil.copytree(origin, src / dest, ignore=shutil.ignore_patterns("__pycache__"))
+            else:                               # COPY file... ./
+                shutil.copy(origin, src / dest / os.path.basename(p))
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                        "-w", str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    import zipfile
+    (wheel,) = list((tmp_path / "dist").glob("*.whl"))
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for need in ("qla_serve/deploy/cli.py", "qla_serve/deploy/precompile.py", "qla_serve/cli.py",
+                 "qla_serve/configs/deploy/qwen3.5-397b-a17b-tp8.yaml"):
+        assert need in names, sorted(n for n in names if "deploy" in n)
