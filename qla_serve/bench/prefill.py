@@ -1,0 +1,276 @@
+"""`qla-serve bench prefill`: qla_serve vs FLA 0.6 (its own Triton kernels, FLA_FLASH_QLA=0) vs
+FlashQLA 0.1.3, in one process on the same inputs.
+
+Inputs per row: bf16 q/k/v (unit-norm q/k), fp32 gates g = -exp(A_log) * softplus(x + dt_bias)
+(A_log ~ log U(1, 16), softplus(dt_bias) ~ U(0.001, 0.1)) with a quarter of the heads at g = 0,
+beta ~ U(0.01, 0.99), fp32 initial states for every sequence.
+  * qla_serve: qla_serve.kernels.<arch>.prefill on a pool of N slots, plan built once (outside the
+    timed region, as an engine builds it once per step for all layers).
+  * FLA / FlashQLA: chunk_gated_delta_rule with cu_seqlens, K-first fp32 initial states, final
+    state returned (what an engine does around them: gathering the pool is not counted).
+GPU time per call: CUDA-graph replay of `--graph-calls` calls, median of `--reps` replays
+(FlashQLA/FLA fall back to CUDA events around eager calls when they cannot be captured: noted
+in the row). Host time per eager call: wall time of `--reps` eager calls with a sync only at the
+end, minus GPU time (what the CPU adds when it, not the GPU, is the bottleneck).
+
+Writes JSON (--json), a markdown table (--md) and optionally a PNG (--png, needs matplotlib).
+"""
+
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+
+HEAD_PAIRS = [(2, 8), (4, 16), (8, 24), (16, 32), (16, 64)]
+# (name, seq_lens) rows: the device README's table plus 2048x4, 1024x8, a mixed chunked-prefill batch.
+ROWS = {
+    "1x32768": [32768],
+    "1x8192": [8192],
+    "64x512": [512] * 64,
+    "4x8192": [8192] * 4,
+    "2048x4": [2048] * 4,
+    "1024x8": [1024] * 8,
+    # chunked-prefill step: a few long prompt chunks, mid-size prompts, many short tails (8192 tokens)
+    "mixed8192": [2048, 1536, 1024, 700, 513, 300, 257, 200, 129, 128, 100, 65, 64, 63, 33, 17, 9, 1, 1, 1, 1, 1, 1, 1, 1]
+    + [998],
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--heads", default="all", help="qk/v head pairs, e.g. 2/8,16/64 (default: all five)")
+    parser.add_argument("--rows", default="all", help=f"rows among {','.join(ROWS)} (default: all)")
+    parser.add_argument("--impls", default="qla,fla,flashqla", help="subset of qla,fla,flashqla")
+    parser.add_argument("--v-split", default="auto", help="qla_serve v_split: auto (planner) or 1/2/4")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--graph-calls", type=int, default=5)
+    parser.add_argument("--check", action="store_true", help="also report qla_serve vs FLA rel. L2 difference")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--md", default=None)
+    parser.add_argument("--png", default=None)
+
+
+def _inputs(lens, hk, hv, seed=0):
+    import torch
+
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    T = sum(lens)
+    q = torch.nn.functional.normalize(torch.randn(T, hk, 128, generator=gen, device=dev), dim=-1).bfloat16()
+    k = torch.nn.functional.normalize(torch.randn(T, hk, 128, generator=gen, device=dev), dim=-1).bfloat16()
+    v = torch.randn(T, hv, 128, generator=gen, device=dev).bfloat16()
+    A_log = torch.log(torch.rand(hv, generator=gen, device=dev) * 15 + 1)
+    dt = torch.rand(hv, generator=gen, device=dev) * 0.099 + 0.001
+    x = torch.randn(T, hv, generator=gen, device=dev)
+    g = -torch.exp(A_log) * torch.nn.functional.softplus(x + torch.log(torch.expm1(dt)))
+    g[:, : max(1, hv // 4)] = 0.0
+    beta = torch.rand(T, hv, generator=gen, device=dev) * 0.98 + 0.01
+    h0 = torch.randn(len(lens), hv, 128, 128, generator=gen, device=dev) * 0.3  # V-first
+    return q, k, v, g.contiguous(), beta, h0
+
+
+def _gpu_time_ms(fn, reps, graph_calls):
+    """Median GPU ms per call: CUDA-graph replay, else CUDA events around eager calls."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(graph_calls):
+                fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            graph.replay()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / graph_calls)
+        return statistics.median(times), "graph"
+    except Exception:  # noqa: BLE001 - some baselines sync or allocate on the host: time eagerly
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        return statistics.median(times), "events"
+
+
+def _host_ms(fn, reps, gpu_ms):
+    import torch
+
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    host = (time.perf_counter() - t) * 1e3 / reps
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t) * 1e3 / reps
+    return host, max(0.0, wall - gpu_ms)
+
+
+def _qla_fn(lens, hk, hv, data, v_split):
+    import dataclasses
+
+    import torch
+
+    import qla_serve
+    from qla_serve import ops
+
+    q, k, v, g, beta, h0 = data
+    dev = q.device
+    arch = ops._arch_of(dev.index if dev.index is not None else torch.cuda.current_device())
+    mod = ops.kernel_module(arch)
+    plan = qla_serve.plan_prefill(lens, hv, hk, device=dev, supported_strategies=mod.SUPPORTED_STRATEGIES)
+    if v_split != "auto":
+        vs = int(v_split)
+        plan = dataclasses.replace(plan, strategy="plain" if vs == 1 else "vsplit", v_split=vs)
+    pool = torch.empty(len(lens), hv, 128, 128, device=dev)
+    slots = torch.arange(len(lens), dtype=torch.int32, device=dev)
+    out = torch.empty_like(v)
+
+    def fn():
+        # the pool's states evolve from call to call; they stay bounded (the update is contractive)
+        mod.prefill(q, k, v, g, beta, pool, slots, plan, has_initial_state=None, scale=128**-0.5, out=out)
+
+    pool.copy_(h0)
+    return fn, out, pool, plan
+
+
+def _fla_fn(lens, data, which):
+    import torch
+
+    q, k, v, g, beta, h0 = data
+    cu = torch.tensor([0] + list(_cumsum(lens)), dtype=torch.int32, device=q.device)
+    h0k = h0.transpose(-1, -2).contiguous()  # K-first
+    if which == "fla":
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as f
+    else:
+        from flash_qla import chunk_gated_delta_rule as f
+    res = {}
+
+    def fn():
+        o, ht = f(q[None], k[None], v[None], g[None], beta[None], scale=128**-0.5, initial_state=h0k,
+                  output_final_state=True, cu_seqlens=cu.long() if which == "fla" else cu)
+        res["o"], res["ht"] = o, ht
+
+    return fn, res
+
+
+def _cumsum(xs):
+    acc = 0
+    for x in xs:
+        acc += x
+        yield acc
+
+
+def run(args) -> int:
+    os.environ.setdefault("FLA_FLASH_QLA", "0")  # FLA's own Triton kernels; FlashQLA is timed directly
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench prefill: needs a CUDA GPU")
+        return 2
+    heads = HEAD_PAIRS if args.heads == "all" else [tuple(int(x) for x in p.split("/")) for p in args.heads.split(",")]
+    rows = list(ROWS) if args.rows == "all" else args.rows.split(",")
+    impls = args.impls.split(",")
+    results = []
+    for hk, hv in heads:
+        for row in rows:
+            lens = ROWS[row]
+            data = _inputs(lens, hk, hv)
+            rec = {"heads": f"{hk}/{hv}", "row": row, "tokens": sum(lens), "seqs": len(lens)}
+            qla_out = None
+            for impl in impls:
+                try:
+                    if impl == "qla":
+                        fn, qla_out, _, plan = _qla_fn(lens, hk, hv, data, args.v_split)
+                        rec["qla_plan"] = f"{plan.strategy}/vs{plan.v_split}"
+                    else:
+                        fn, res = _fla_fn(lens, data, impl)
+                    gpu, how = _gpu_time_ms(fn, args.reps, args.graph_calls)
+                    host, over = _host_ms(fn, args.reps, gpu)
+                    rec[f"{impl}_gpu_ms"] = round(gpu, 4)
+                    rec[f"{impl}_timing"] = how
+                    rec[f"{impl}_host_ms"] = round(host, 4)
+                    rec[f"{impl}_host_over_gpu_us"] = round(over * 1e3, 1)
+                    if args.check and impl == "fla" and qla_out is not None:
+                        fn()
+                        o = res["o"][0]
+                        rec["qla_vs_fla_o_rel"] = float((qla_out.float() - o.float()).norm() / o.float().norm())
+                except Exception as e:  # noqa: BLE001 - a baseline failing must not hide the others
+                    rec[f"{impl}_error"] = f"{type(e).__name__}: {e}"[:300]
+            if "qla_gpu_ms" in rec and "flashqla_gpu_ms" in rec:
+                rec["qla_over_flashqla"] = round(rec["qla_gpu_ms"] / rec["flashqla_gpu_ms"], 3)
+            print(json.dumps(rec), flush=True)
+            results.append(rec)
+            del data
+            torch.cuda.empty_cache()
+    md = _markdown(results, impls)
+    print(md)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(md)
+    if args.png:
+        _plot(results, impls, args.png)
+    return 0
+
+
+def _markdown(results, impls):
+    cols = ["heads", "row", "qla_plan"] + [f"{i}_gpu_ms" for i in impls] + ["qla_over_flashqla"] + [
+        f"{i}_host_over_gpu_us" for i in impls
+    ]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in results:
+        lines.append("| " + " | ".join(str(r.get(c, r.get(c.replace("gpu_ms", "error"), "-"))) for c in cols) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _plot(results, impls, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("bench prefill: matplotlib missing, no PNG")
+        return
+    labels = [f"{r['heads']} {r['row']}" for r in results]
+    x = range(len(results))
+    fig, ax = plt.subplots(figsize=(max(8, len(results) * 0.5), 4))
+    w = 0.8 / len(impls)
+    for j, impl in enumerate(impls):
+        ax.bar([i + j * w for i in x], [r.get(f"{impl}_gpu_ms", math.nan) for r in results], w, label=impl)
+    ax.set_xticks([i + 0.4 for i in x], labels, rotation=90, fontsize=7)
+    ax.set_ylabel("GPU ms per call")
+    ax.set_yscale("log")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="qla-serve bench prefill")
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,196 @@
+"""GDN chunked prefill on Hopper (sm_90a): host side.
+
+Two TileLang kernels per call (see prefill_prep.py and prefill_main.py for the math):
+  1. prep  grid (chunks, Hv):          gcum [T, Hv] fp32, M = (Gamma o A) diag(beta) [T, Hv, 64] fp16
+  2. main  grid (v_split, Hv, N):      the sequential chunk walk with the state in registers,
+                                       pool slots read and written in place, every output row written.
+The only HBM intermediates are gcum and M (T * Hv * 132 bytes); W, U, V' and per-chunk states
+never leave the SM.
+
+Strategies this module implements (the planner may only pick these): "plain" (v_split 1) and
+"vsplit" (v_split 2 or 4: the value dimension of each head split across CTAs; exact, same bits
+for a sequence whatever else is in the batch). Context parallelism over plan.segments is not
+implemented yet.
+
+Kernels are compiled once per (heads, dtypes, v_split) with an explicit target, through
+TileLang's disk cache (TILELANG_CACHE_DIR), and kept in an in-process dict, so a call costs two
+launches and a few dict lookups; nothing here synchronises with the GPU.
+"""
+
+import threading
+
+import torch
+
+from . import prefill_main, prefill_prep
+
+ARCH = "sm_90a"
+CHUNK = 64
+SUPPORTED_STRATEGIES = frozenset({"plain", "vsplit"})
+V_SPLITS = (1, 2, 4)
+IO_DTYPES = ("bfloat16", "float16")
+POOL_DTYPES = ("float32", "bfloat16")
+
+_TORCH_TO_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+_kernels: dict = {}
+_lock = threading.Lock()
+_fns: dict = {}  # short key -> the compiled kernel's raw callable (fast path per call)
+_dummy_flags: dict = {}
+
+
+def _variant_name(v: dict) -> str:
+    if v["op"] == "prefill_prep":
+        return f"gdn_prefill_prep_hv{v['num_v_heads']}_hk{v['num_k_heads']}_{v['io_dtype']}"
+    return (
+        f"gdn_prefill_main_hv{v['num_v_heads']}_hk{v['num_k_heads']}_{v['io_dtype']}"
+        f"_pool{v['pool_dtype']}_vs{v['v_split']}"
+    )
+
+
+def prep_variant(num_v_heads: int, num_k_heads: int, io_dtype: str) -> dict:
+    v = {"op": "prefill_prep", "num_v_heads": num_v_heads, "num_k_heads": num_k_heads, "io_dtype": io_dtype}
+    v["name"] = _variant_name(v)
+    return v
+
+
+def main_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str, v_split: int) -> dict:
+    v = {
+        "op": "prefill_main",
+        "num_v_heads": num_v_heads,
+        "num_k_heads": num_k_heads,
+        "io_dtype": io_dtype,
+        "pool_dtype": pool_dtype,
+        "v_split": v_split,
+    }
+    v["name"] = _variant_name(v)
+    return v
+
+
+def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
+    """Every compiled prefill kernel a deployment with these (per-GPU) head counts can need:
+    prep per io dtype, main per (io dtype, pool dtype, v_split). JSON-serialisable dicts."""
+    if num_k_heads <= 0 or num_v_heads % num_k_heads:
+        raise ValueError(f"num_v_heads ({num_v_heads}) must be a positive multiple of num_k_heads ({num_k_heads})")
+    out = [prep_variant(num_v_heads, num_k_heads, io) for io in IO_DTYPES]
+    for io in IO_DTYPES:
+        for pool in POOL_DTYPES:
+            for vs in V_SPLITS:
+                out.append(main_variant(num_v_heads, num_k_heads, io, pool, vs))
+    return out
+
+
+def build(variant: dict, target: str = ARCH):
+    """Compile (or load from TileLang's cache) one variant for target "sm_90a" or "sm_100a";
+    returns the TileLang JITKernel. Kept in-process: a second call is a dict lookup."""
+    key = (variant["name"], target)
+    kern = _kernels.get(key)
+    if kern is not None:
+        return kern
+    import tilelang
+
+    with _lock:
+        kern = _kernels.get(key)
+        if kern is None:
+            hv, hk, io = variant["num_v_heads"], variant["num_k_heads"], variant["io_dtype"]
+            if variant["op"] == "prefill_prep":
+                func, cfg = prefill_prep.prep_func(hv, hk, io), prefill_prep.PASS_CONFIGS
+            elif variant["op"] == "prefill_main":
+                func, _ = prefill_main.main_func(hv, hk, io, variant["pool_dtype"], variant["v_split"])
+                cfg = prefill_main.PASS_CONFIGS
+            else:
+                raise ValueError(f"variant['op'] must be prefill_prep or prefill_main, got {variant['op']!r}")
+            if target not in ("sm_90a", "sm_100a"):
+                raise ValueError(f"target: expected 'sm_90a' or 'sm_100a', got {target!r}")
+            kern = tilelang.compile(
+                func, target={"kind": "cuda", "arch": target}, execution_backend="tvm_ffi", pass_configs=cfg
+            )
+            _kernels[key] = kern
+    return kern
+
+
+def _plan_scratch(plan, hv: int, device):
+    """(number of chunks, gcum [T, Hv] fp32, M [T, Hv, 64] fp16) for this plan, allocated once per
+    plan and head count and kept in plan.kernel_cache: every GDN layer of a step reuses them."""
+    cache = getattr(plan, "kernel_cache", None)
+    key = ("hopper_prefill_ws", hv)
+    hit = cache.get(key) if cache is not None else None
+    if hit is not None:
+        return hit
+    ntok = sum(int(L) for L in plan.seq_lens)
+    nchunks = sum((int(L) + CHUNK - 1) // CHUNK for L in plan.seq_lens)
+    rows = max(ntok, 1)  # TMA descriptors need a non-empty tensor; row 0 is never read when T == 0
+    gcum = torch.empty((rows, hv), dtype=torch.float32, device=device)
+    mbuf = torch.empty((rows, hv, CHUNK), dtype=torch.float16, device=device)
+    hit = (nchunks, gcum, mbuf)
+    if cache is not None:
+        cache[key] = hit
+    return hit
+
+
+def _check_tma_strides(**tensors) -> None:
+    """TMA tile loads need 16-byte aligned bases and strides (true for engine layouts)."""
+    for name, t in tensors.items():
+        if t.data_ptr() % 16 or any((st * t.element_size()) % 16 for st in t.stride()[:-1]):
+            raise ValueError(
+                f"{name}: expected a 16-byte aligned base and token/head strides that are multiples of "
+                f"16 bytes, got strides {tuple(t.stride())} for dtype {t.dtype}"
+            )
+
+
+def _fn(variant: dict, short_key: tuple):
+    fn = build(variant, ARCH).torch_function
+    _fns[short_key] = fn
+    return fn
+
+
+def _flags_dummy(device) -> torch.Tensor:
+    t = _dummy_flags.get(device)
+    if t is None:
+        t = torch.ones(1, dtype=torch.uint8, device=device)
+        _dummy_flags[device] = t
+    return t
+
+
+def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale, out) -> None:
+    """Chunked GDN prefill, in place on the pool (contract: qla_serve/kernels/__init__ and DESIGN.md).
+
+    q, k [T, Hk, 128], v [T, Hv, 128] bf16/fp16 (last dim contiguous), g, beta [T, Hv] fp32
+    contiguous, pool [S, Hv, 128(V), 128(K)] fp32/bf16 (inner dims contiguous), slot_ids [N] int32,
+    has_initial_state [N] bool or None, plan: PrefillPlan (cu_seqlens, chunk_offsets on device;
+    strategy "plain"/"vsplit" with v_split), out [T, Hv, 128] q's dtype, fully written.
+    Sequences with slot < 0 run from a zero state: their rows of `out` are computed, the pool is
+    neither read nor written for them.
+    """
+    strategy = getattr(plan, "strategy", "plain")
+    if strategy not in SUPPORTED_STRATEGIES:
+        raise ValueError(f"plan.strategy must be one of {sorted(SUPPORTED_STRATEGIES)} on {ARCH}, got {strategy!r}")
+    vs = int(getattr(plan, "v_split", 1))
+    if vs not in V_SPLITS:
+        raise ValueError(f"plan.v_split must be one of {V_SPLITS}, got {vs}")
+    ntok = q.shape[0]
+    nseq = slot_ids.shape[0]
+    hk, hv = k.shape[1], v.shape[1]
+    io = _TORCH_TO_TL[q.dtype]
+    pool_dt = _TORCH_TO_TL[pool.dtype]
+    kp = _fns.get((hv, hk, io)) or _fn(prep_variant(hv, hk, io), (hv, hk, io))
+    km = _fns.get((hv, hk, io, pool_dt, vs)) or _fn(main_variant(hv, hk, io, pool_dt, vs), (hv, hk, io, pool_dt, vs))
+    if scale is None:
+        scale = 128**-0.5
+    if has_initial_state is None:
+        flags, all_init = _flags_dummy(q.device), 1
+    else:
+        flags, all_init = has_initial_state.view(torch.uint8), 0
+    if nseq == 0:
+        return
+    nchunks, gcum, mbuf = _plan_scratch(plan, hv, q.device)
+    if ntok == 0:  # only empty sequences: nothing to compute, final state = initial state
+        q, k, v, out, g, beta = (_one_row(x) for x in (q, k, v, out, g, beta))
+    else:
+        _check_tma_strides(q=q, k=k, v=v)
+    if nchunks > 0:
+        kp(k, g, beta, plan.cu_seqlens, plan.chunk_offsets, gcum, mbuf, nchunks)
+    km(q, k, v, gcum, mbuf, pool, slot_ids, flags, plan.cu_seqlens, out, float(scale), all_init)
+
+
+def _one_row(x):
+    """A 1-row stand-in for a 0-row tensor (kernels index no row of it when every length is 0)."""
+    return torch.zeros((1,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)

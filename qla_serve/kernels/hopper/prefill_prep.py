@@ -1,0 +1,147 @@
+"""Prefill stage 1 (state-free, fully parallel): per (chunk, v-head) gate cumsum and the
+gated, beta-scaled inverse M = (Gamma o A) diag(beta).
+
+Grid: one CTA of 128 threads per (chunk c, v-head h); chunks are numbered through the plan's
+``chunk_offsets`` (chunk c belongs to the sequence s with chunk_offsets[s] <= c < chunk_offsets[s+1],
+found by a binary search in the kernel, so no per-chunk index tensor is needed).
+
+For a chunk of n <= 64 tokens t0..t0+n-1 of head h (qk-head h // (Hv // Hk)):
+  gc[i]   = sum_{j<=i} g[t0+j, h]                           (chunk-local cumsum, fp32)
+  L       = StrictLower(diag(beta) K K^T)                    (gate-free)
+  A       = (I + L)^-1
+  M[i, j] = A[i, j] * exp(gc[i] - gc[j]) * beta[j]  (i >= j), 0 above the diagonal
+which is the gated inverse by a similarity transform (Gamma o A = D A D^-1, D = diag(exp(gc))),
+so the C^2 exponentials are paid once here, off the sequential chain of stage 2.
+
+The inverse is blocked: the four 16x16 diagonal blocks of I + L are inverted by forward
+substitution in fp32 on the CUDA cores (Dinv), then with N = Dinv L_off (strictly block-lower,
+N^4 = 0): (I + L)^-1 = (I - N + N^2 - N^3) Dinv, four 64x64x64 fp16 tensor-core GEMMs with fp32
+accumulation. fp16 (11-bit mantissa) rather than bf16 for every GEMM operand: the bf16 variant
+misses the 2e-3 relative-L2 budget against the float64 recurrence (see benchmarks/prefill.md).
+
+Outputs (workspace, written only for the chunk's n valid rows):
+  gcum [T, Hv] fp32, M [T, Hv, 64] fp16.
+"""
+
+
+import tilelang
+import tilelang.language as T
+
+C = 64  # chunk length
+DK = 128
+
+PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
+
+
+def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str):
+    """Build the stage-1 PrimFunc for (Hv, Hk, io dtype); T (tokens), N (sequences) and
+    the number of chunks are symbolic, so one compile serves every batch."""
+    Hv, Hk = num_v_heads, num_k_heads
+    group = Hv // Hk
+    ntok = T.dynamic("ntok")
+    nseq = T.dynamic("nseq")
+    sk0 = T.dynamic("sk0")
+    sk1 = T.dynamic("sk1")
+    mm_dtype = "float16"
+    acc = "float32"
+
+    @T.prim_func
+    def gdn_prefill_prep(
+        k: T.StridedTensor((ntok, Hk, DK), (sk0, sk1, 1), io_dtype),
+        g: T.Tensor((ntok, Hv), "float32"),
+        beta: T.Tensor((ntok, Hv), "float32"),
+        cu_seqlens: T.Tensor((nseq + 1,), "int32"),
+        chunk_offsets: T.Tensor((nseq + 1,), "int32"),
+        gcum: T.Tensor((ntok, Hv), "float32"),
+        mbuf: T.Tensor((ntok, Hv, C), mm_dtype),
+        num_chunks: T.int32,
+    ):
+        with T.Kernel(num_chunks, Hv, threads=128) as (cid, h):
+            hk = h // group
+            convert = io_dtype != mm_dtype
+            kr_s = T.alloc_shared((C, DK), io_dtype)
+            k_s = T.alloc_shared((C, DK), mm_dtype) if convert else kr_s
+            g_s = T.alloc_shared((C,), acc)
+            b_s = T.alloc_shared((C,), acc)
+            l_s = T.alloc_shared((C, C), acc)
+            dinv_s = T.alloc_shared((C, C), mm_dtype)
+            loff_s = T.alloc_shared((C, C), mm_dtype)
+            n_s = T.alloc_shared((C, C), mm_dtype)
+            n2_s = T.alloc_shared((C, C), mm_dtype)
+            y_s = T.alloc_shared((C, C), mm_dtype)
+            xd_s = T.alloc_shared((C, 16), acc)
+            kk_f = T.alloc_fragment((C, C), acc)
+            t_f = T.alloc_fragment((C, C), acc)
+            n_f = T.alloc_fragment((C, C), acc)
+            sub_f = T.alloc_fragment((4, 16), acc)
+
+            # Which sequence owns chunk cid: largest s with chunk_offsets[s] <= cid.
+            lo = T.alloc_var("int32")
+            hi = T.alloc_var("int32")
+            lo = 0
+            hi = nseq
+            for _ in T.serial(24):
+                if hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    if chunk_offsets[mid] <= cid:
+                        lo = mid
+                    else:
+                        hi = mid
+            t0 = cu_seqlens[lo] + (cid - chunk_offsets[lo]) * C
+            n = T.min(cu_seqlens[lo + 1] - t0, C)
+
+            for i in T.Parallel(C):
+                g_s[i] = T.if_then_else(i < n, g[t0 + i, h], 0.0)
+                b_s[i] = T.if_then_else(i < n, beta[t0 + i, h], 0.0)
+            # Bulk (TMA) tile load; rows >= n belong to the next sequence (or are zero past T):
+            # they only enter rows >= n of K K^T, which the solve and M never mix into rows < n.
+            T.copy(k[t0:t0 + C, hk, 0:DK], kr_s)
+            if convert:
+                for i, d in T.Parallel(C, DK):
+                    k_s[i, d] = T.cast(kr_s[i, d], mm_dtype)
+            T.cumsum(src=g_s, dim=0)
+            for i in T.Parallel(C):
+                if i < n:
+                    gcum[t0 + i, h] = g_s[i]
+
+            # L = StrictLower(diag(beta) K K^T), fp32.
+            T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
+            for i, j in T.Parallel(C, C):
+                l_s[i, j] = T.if_then_else(i > j, kk_f[i, j] * b_s[i], 0.0)
+
+            # Diagonal 16x16 blocks of (I + L): forward substitution, rows r = 0..15,
+            # all four blocks and 16 columns at once. xd_s[b*16 + r, c] = Dinv_b[r, c].
+            for b, c in T.Parallel(4, 16):
+                xd_s[b * 16, c] = T.if_then_else(c == 0, 1.0, 0.0)
+            for r in T.unroll(1, 16):
+                T.clear(sub_f)
+                for m in T.unroll(r):
+                    for b, c in T.Parallel(4, 16):
+                        sub_f[b, c] += l_s[b * 16 + r, b * 16 + m] * xd_s[b * 16 + m, c]
+                for b, c in T.Parallel(4, 16):
+                    xd_s[b * 16 + r, c] = T.if_then_else(c == r, 1.0, 0.0) - sub_f[b, c]
+
+            for i, j in T.Parallel(C, C):
+                dinv_s[i, j] = T.if_then_else(i // 16 == j // 16, T.cast(xd_s[i, j % 16], mm_dtype), T.cast(0, mm_dtype))
+                loff_s[i, j] = T.if_then_else(i // 16 > j // 16, T.cast(l_s[i, j], mm_dtype), T.cast(0, mm_dtype))
+            # N = Dinv L_off ; N2 = N N ; N3 = N N2 ; Y = I - N + N2 - N3 ; A = Y Dinv
+            T.gemm(dinv_s, loff_s, n_f, clear_accum=True)
+            T.copy(n_f, n_s)
+            T.gemm(n_s, n_s, t_f, clear_accum=True)
+            T.copy(t_f, n2_s)
+            for i, j in T.Parallel(C, C):
+                n_f[i, j] = t_f[i, j] - n_f[i, j]
+            T.gemm(n_s, n2_s, t_f, clear_accum=True)
+            for i, j in T.Parallel(C, C):
+                y_s[i, j] = T.cast(T.if_then_else(i == j, 1.0, 0.0) + n_f[i, j] - t_f[i, j], mm_dtype)
+            T.gemm(y_s, dinv_s, t_f, clear_accum=True)
+
+            # M = (Gamma o A) diag(beta), lower triangle incl. diagonal.
+            for i, j in T.Parallel(C, C):
+                if i < n:
+                    mbuf[t0 + i, h, j] = T.cast(
+                        T.if_then_else(i >= j, t_f[i, j] * T.exp(g_s[i] - g_s[j]) * b_s[j], 0.0),
+                        mm_dtype,
+                    )
+
+    return gdn_prefill_prep

@@ -1,0 +1,183 @@
+"""GPU tests of the TileLang prefill kernels (qla_serve.kernels.hopper.prefill) against the
+float64 per-token recurrence (qla_serve.kernels.reference.recurrent_gdn, the truth).
+
+Every check draws fresh random inputs: unit-norm q/k and v as strided views of one fused
+projection (as engines pass them), realistic gates g = -exp(A_log) * softplus(x + dt_bias) with a
+quarter of the heads at g = 0, beta in (0.01, 0.99); pools are strided (stride(0) > one slot),
+poisoned outside the batch's live slots (those must stay bit-identical) and `out` is filled with
+NaN first (every row must be written). Sequences with slot id < 0 are padding: their rows are
+computed from a zero state, nothing is read or written in the pool.
+
+Tolerances (relative L2 over the whole tensor): 2e-3 for outputs and fp32-pool final states.
+A bf16 output alone is 1.6e-3 from the exact one (bf16 rounding), so the kernel's own error must
+stay near 1e-3. bf16 pools store the state rounded to bf16 (unit roundoff 2^-9): 6e-3 there.
+"""
+
+import dataclasses
+import math
+import random
+
+import pytest
+import torch
+
+from qla_serve.kernels import reference
+
+pytestmark = pytest.mark.gpu
+
+HD = 128
+TOL = 2e-3
+TOL_BF16_STATE = 6e-3
+HEADS = [(2, 8), (4, 16), (8, 24), (16, 32), (16, 64)]
+
+
+def _mod():
+    from qla_serve.kernels.hopper import prefill_api as mod
+    return mod
+
+
+def rel(x, ref):
+    x, ref = x.double(), ref.double()
+    return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def make_case(lens, Hk, Hv, *, io=torch.bfloat16, gen, dev="cuda"):
+    T = sum(lens)
+    width = (2 * Hk + Hv) * HD + 64
+    proj = torch.randn(max(T, 1), width, generator=gen, device=dev)[:T]
+    q = reference.l2norm(proj[:, : Hk * HD].view(T, Hk, HD))
+    k = reference.l2norm(proj[:, Hk * HD: 2 * Hk * HD].view(T, Hk, HD))
+    proj[:, : Hk * HD] = q.reshape(T, -1)
+    proj[:, Hk * HD: 2 * Hk * HD] = k.reshape(T, -1)
+    proj = proj.to(io)
+    q = proj[:, : Hk * HD].view(T, Hk, HD)
+    k = proj[:, Hk * HD: 2 * Hk * HD].view(T, Hk, HD)
+    v = proj[:, 2 * Hk * HD: (2 * Hk + Hv) * HD].view(T, Hv, HD)
+    A_log = torch.log(torch.rand(Hv, generator=gen, device=dev) * 15 + 1)
+    dt = torch.rand(Hv, generator=gen, device=dev) * 0.099 + 0.001
+    x = torch.randn(T, Hv, generator=gen, device=dev)
+    g = -torch.exp(A_log) * torch.nn.functional.softplus(x + torch.log(torch.expm1(dt)))
+    g[:, : max(1, Hv // 4)] = 0.0  # a quarter of the heads do not decay
+    beta = torch.rand(T, Hv, generator=gen, device=dev) * 0.98 + 0.01
+    return q, k, v, g.contiguous(), beta
+
+
+def make_pool(S, Hv, dtype, gen, pad=512, dev="cuda"):
+    """Pool [S, Hv, 128, 128] with stride(0) = Hv*128*128 + pad, random states (poison)."""
+    slot = Hv * HD * HD + pad
+    flat = (torch.randn(S * slot, generator=gen, device=dev) * 0.3).to(dtype)
+    return flat.as_strided((S, Hv, HD, HD), (slot, HD * HD, HD, 1))
+
+
+def make_plan(lens, Hv, Hk, v_split):
+    import qla_serve
+    plan = qla_serve.plan_prefill(lens, Hv, Hk, device="cuda", cp="off", arch="sm90",
+                                  supported_strategies={"plain", "vsplit"})
+    return dataclasses.replace(plan, strategy="plain" if v_split == 1 else "vsplit", v_split=v_split)
+
+
+def run_case(lens, Hk, Hv, *, pool_dtype=torch.float32, v_split=1, io=torch.bfloat16, seed=0,
+             pad_frac=0.0, init_frac=0.8, all_init=False, extra_slots=3):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rng = random.Random(seed)
+    N = len(lens)
+    q, k, v, g, beta = make_case(lens, Hk, Hv, io=io, gen=gen)
+    S = N + extra_slots
+    pool = make_pool(S, Hv, pool_dtype, gen)
+    ids = list(range(S))
+    rng.shuffle(ids)
+    slot_ids = [ids[i] if rng.random() >= pad_frac else -1 for i in range(N)]
+    has = [rng.random() < init_frac for _ in range(N)]
+    slot_t = torch.tensor(slot_ids, dtype=torch.int32, device="cuda")
+    has_t = None if all_init else torch.tensor(has, dtype=torch.bool, device="cuda")
+    if all_init:
+        has = [True] * N
+    before = pool.clone()
+    init = torch.zeros(N, Hv, HD, HD, dtype=torch.float64, device="cuda")
+    for i, s in enumerate(slot_ids):
+        if s >= 0 and has[i]:
+            init[i] = pool[s].double()
+    T = sum(lens)
+    out = torch.full((T, Hv, HD), float("nan"), dtype=io, device="cuda")
+    plan = make_plan(lens, Hv, Hk, v_split)
+    _mod().prefill(q, k, v, g, beta, pool, slot_t, plan, has_initial_state=has_t,
+                   scale=HD ** -0.5, out=out)
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    o_ref, s_ref = reference.recurrent_gdn(q.double(), k.double(), v.double(), g.double(),
+                                           beta.double(), cu, init, HD ** -0.5)
+    assert not torch.isnan(out).any(), "output rows left unwritten or NaN"
+    e_o = rel(out, o_ref) if T else 0.0
+    live = [i for i, s in enumerate(slot_ids) if s >= 0]
+    e_s = 0.0
+    if live:
+        idx = torch.tensor([slot_ids[i] for i in live], device="cuda")
+        got = pool[idx]
+        assert not torch.isnan(got).any()
+        e_s = rel(got, s_ref[live])
+    untouched = sorted(set(range(S)) - {s for s in slot_ids if s >= 0})
+    if untouched:
+        u = torch.tensor(untouched, device="cuda")
+        assert torch.equal(pool[u].view(torch.int16 if pool_dtype == torch.bfloat16 else torch.int32),
+                           before[u].view(torch.int16 if pool_dtype == torch.bfloat16 else torch.int32)), \
+            "slots outside the batch changed"
+    tol_s = TOL if pool_dtype == torch.float32 else TOL_BF16_STATE
+    assert e_o <= TOL, f"o rel L2 {e_o:.3e} > {TOL}"
+    assert e_s <= tol_s, f"state rel L2 {e_s:.3e} > {tol_s}"
+    return e_o, e_s
+
+
+EDGE_LENS = [0, 1, 63, 64, 65, 130, 7, 200]
+
+
+@pytest.mark.parametrize("Hk,Hv", HEADS)
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_heads_edge_lengths(Hk, Hv, pool_dtype):
+    """Lengths 0, 1, 63, 64, 65 (and a few more) in one batch, some padding slots, mixed
+    has_initial_state, for every head pair and both pool dtypes, v_split 1."""
+    e = run_case(EDGE_LENS, Hk, Hv, pool_dtype=pool_dtype, seed=Hv * 7 + Hk, pad_frac=0.2)
+    print(f"heads {Hk}/{Hv} pool {pool_dtype}: o {e[0]:.2e} state {e[1]:.2e}")
+
+
+@pytest.mark.parametrize("v_split", [1, 2, 4])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_vsplit(v_split, pool_dtype):
+    e = run_case([300, 65, 0, 1, 129], 2, 8, pool_dtype=pool_dtype, v_split=v_split, seed=v_split)
+    print(f"v_split {v_split} pool {pool_dtype}: o {e[0]:.2e} state {e[1]:.2e}")
+
+
+def test_fp16_io_all_initial():
+    e = run_case([100, 64, 1, 0, 333], 4, 16, io=torch.float16, all_init=True, seed=5)
+    print(f"fp16 io: o {e[0]:.2e} state {e[1]:.2e}")
+
+
+def test_many_sequences():
+    rng = random.Random(11)
+    lens = [rng.choice([0, 1, 5, 63, 64, 65, 100, 257]) for _ in range(64)]
+    e = run_case(lens, 4, 16, seed=11, pad_frac=0.1)
+    print(f"64 seqs: o {e[0]:.2e} state {e[1]:.2e}")
+
+
+@pytest.mark.parametrize("L,v_split", [(8191, 1), (8191, 4), (32768, 2)])
+def test_long(L, v_split):
+    e = run_case([L], 2, 8, v_split=v_split, seed=L + v_split, init_frac=1.0)
+    print(f"len {L} v_split {v_split}: o {e[0]:.2e} state {e[1]:.2e}")
+
+
+def test_randomized_loop():
+    """200 iterations of random small batches (heads, lengths, pool dtype, v_split, padding)."""
+    rng = random.Random(1234)
+    worst = [0.0, 0.0]
+    for it in range(200):
+        Hk, Hv = rng.choice(HEADS)
+        N = rng.randint(1, 8)
+        lens = [rng.choice([0, 1, rng.randint(1, 200)]) for _ in range(N)]
+        e = run_case(lens, Hk, Hv, pool_dtype=rng.choice([torch.float32, torch.bfloat16]),
+                     v_split=rng.choice([1, 2, 4]), seed=10_000 + it, pad_frac=0.15)
+        worst = [max(worst[0], e[0]), max(worst[1], e[1])]
+    print(f"randomized loop worst: o {worst[0]:.2e} state {worst[1]:.2e}")
+
+
+def test_no_sequences_touch_nothing():
+    """A 0-length-only batch still writes final = initial state; no NaN anywhere."""
+    run_case([0, 0, 0], 2, 8, seed=3)
