@@ -153,6 +153,8 @@ def _check_against(options: dict, engine: str, plugin_loaded: bool = False):
             # the flag, so without the plugin registered its absence is expected.
             if flag not in options and (engine == "sglang" or plugin_loaded):
                 problems.append(f"{src}: {flag} missing from {engine}'s parser")
+            elif plugin_loaded and options.get(flag) is not None and value not in options[flag]:
+                problems.append(f"{src}: {flag} {value} not among the plugin's choices {options[flag]}")
             continue
         if flag not in options:
             problems.append(f"{src}: {flag} is not an option of {engine}")
