@@ -10,10 +10,11 @@ modules only when it runs.
 """
 
 from .cli import add_cli_commands
-from .config import ENV_CP, TARGETS, ConfigError, DeploymentConfig, Problem, check_config, load_config
+from .config import (ENV_CP, TARGETS, ConfigError, DeploymentConfig, Problem, check_config, cp_from_env,
+                     load_config)
 from .render import EngineCommand, render_command
 
 __all__ = [
     "add_cli_commands", "ConfigError", "DeploymentConfig", "Problem", "check_config", "load_config",
-    "EngineCommand", "render_command", "ENV_CP", "TARGETS",
+    "EngineCommand", "render_command", "ENV_CP", "TARGETS", "cp_from_env",
 ]

@@ -72,6 +72,18 @@ MANAGED_FLAGS = {
 MANAGED_ENV = {ENV_CP: "qla.cp", "TILELANG_CACHE_DIR": "set by the image (docker/)"}
 
 
+def cp_from_env(environ=None) -> str:
+    """The cp mode a rendered deployment hands the engine: ``$QLA_SERVE_CP``, default "auto".
+
+    For the engine backends, once per process (``plan_prefill(..., cp=cp_from_env())``).
+    An unknown value is a ValueError naming the variable, never a silent "auto".
+    """
+    value = (os.environ if environ is None else environ).get(ENV_CP, "auto").strip().lower()
+    if value not in ("auto", "off", "exact"):
+        raise ValueError(f"{ENV_CP}: expected auto, off or exact, got {value!r}")
+    return value
+
+
 class _Strict(BaseModel):
     # Unknown keys are errors: a typo (`tensor_paralel_size`) must not silently
     # leave the default in place.

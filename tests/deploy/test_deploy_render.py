@@ -205,3 +205,17 @@ def test_rendered_flags_exist_in_live_engine_parsers(engine):
     # the snapshot is current for the flags we render
     snap = _snapshot()[engine]
     assert live["version"] == snap["version"], "engine upgraded: rerun extract_engine_flags.py --update"
+
+
+def test_cp_from_env_is_what_render_sets():
+    from qla_serve.deploy import cp_from_env
+
+    for mode in ("auto", "off", "exact"):
+        raw = yaml.safe_load(open(os.path.join(DEPLOY, "qwen3.5-27b-tp2.yaml")))
+        raw["qla"]["cp"] = mode
+        from qla_serve.deploy import DeploymentConfig
+        env = render_command(DeploymentConfig.model_validate(raw)).env
+        assert cp_from_env(env) == mode
+    assert cp_from_env({}) == "auto"
+    with pytest.raises(ValueError, match="QLA_SERVE_CP: expected auto, off or exact, got 'sometimes'"):
+        cp_from_env({"QLA_SERVE_CP": "sometimes"})
