@@ -51,6 +51,11 @@ def vllm_parser() -> argparse.ArgumentParser:
 def sglang_parser() -> argparse.ArgumentParser:
     from sglang.srt.server_args import ServerArgs
 
+    if _qla_plugin_registered("sglang"):
+        # launch_server loads plugins before parsing; do the same so flashqla is a choice.
+        from sglang.srt.plugins import load_plugins
+        load_plugins()
+
     p = argparse.ArgumentParser(prog="sglang.launch_server")
     ServerArgs.add_cli_args(p)
     return p
