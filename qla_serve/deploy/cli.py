@@ -4,7 +4,7 @@
     qla-serve config render FILE [--format shell|argv|json]
     qla-serve config render FILE... --format compose    (docker/compose.tp8-long.yaml)
     qla-serve precompile (--config FILE|DIR ... | --heads 2/8 ...) [--arch sm_90a,sm_100a]
-                         [--match REGEX] [--list] [--json OUT] [--no-progress]
+                         [--match REGEX] [--list] [--json OUT] [--no-progress] [--jobs N]
 
 Every handler returns its exit code: 0 ok, 1 a check or a build failed, 2 bad input
 (unreadable YAML, a bad --heads / --arch value).
@@ -29,6 +29,16 @@ def _parse_heads(text: str) -> tuple[int, int]:
     if hk <= 0 or hv <= 0 or hv % hk:
         raise argparse.ArgumentTypeError(f"expected positive counts with V a multiple of QK, got {text!r}")
     return hk, hv
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return n
 
 
 def _parse_arch(text: str) -> tuple[str, ...]:
@@ -155,7 +165,7 @@ def _cmd_precompile(args) -> int:
         print(f"[{_n[0]}/{len(jobs)}] {o.status:<8} {o.seconds:6.1f} s  {o.job.target} {o.job.name}{extra}",
               flush=True)
 
-    outcomes, summary = pc.run_jobs(jobs, modules, progress=not args.no_progress,
+    outcomes, summary = pc.run_jobs(jobs, modules, progress=not args.no_progress, workers=args.jobs,
                                     on_outcome=log_line if args.no_progress else None)
     summary.problems = problems + summary.problems
     print(summary.text())
@@ -199,6 +209,8 @@ def add_cli_commands(subparsers) -> None:
     pc.add_argument("--list", action="store_true", help="list the variant builds, compile nothing")
     pc.add_argument("--json", default=None, metavar="OUT", help="also write the summary as JSON")
     pc.add_argument("--no-progress", action="store_true", help="no progress bar (logs, CI)")
+    pc.add_argument("--jobs", "-j", type=_positive_int, default=1, metavar="N",
+                    help="build N variants at once in separate processes (default 1)")
     pc.set_defaults(fn=_precompile_entry(pc))
 
 

@@ -22,7 +22,10 @@ A variant dict is opaque here except for: ``name`` (shown, matched by ``--match`
 its state dtype and activation dtype; variants without these keys are all kept).
 
 Whether a build compiled or hit the cache is read from the cache itself: a build that
-adds an entry under ``<cache>/<version>/<platform>/kernels/`` compiled.
+adds an entry under ``<cache>/<version>/<platform>/kernels/`` compiled. With ``--jobs N``
+builds run in N spawned processes at once and each worker counts TileLang's cache writes
+of fresh compiles in its own process instead (the shared directory cannot tell whose
+entry is whose).
 """
 
 from __future__ import annotations
@@ -239,9 +242,62 @@ def _cache_entries(root: str) -> set[str]:
     return out
 
 
-def run_jobs(jobs: list[Job], modules: list[KernelModule], *, progress: bool = True,
+def _error_text(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _quiet_tilelang() -> None:
+    # TileLang logs two INFO lines per compile: they would tear the progress bar apart, and
+    # the per-build lines (or the bar) already say what is compiling.
+    if not quiet_logs_off():
+        tl_log = logging.getLogger("tilelang")
+        tl_log.setLevel(max(tl_log.level, logging.WARNING))
+
+
+def _save_counter() -> list[int]:
+    """Count TileLang's writes of freshly compiled kernels to its cache, in this process.
+
+    KernelCache saves an entry only after compiling (a disk hit just loads it), so the count
+    tells compiled from cached for builds run in this process, whatever other processes write
+    to the same cache at the same time (the directory diff cannot: --jobs > 1)."""
+    from tilelang.cache.kernel_cache import KernelCache
+
+    counter = getattr(KernelCache, "_qla_serve_saves", None)
+    if counter is None:
+        counter = [0]
+        original = KernelCache._save_kernel_to_disk
+
+        def counted(self, *args, **kwargs):
+            counter[0] += 1
+            return original(self, *args, **kwargs)
+
+        KernelCache._save_kernel_to_disk = counted
+        KernelCache._qla_serve_saves = counter
+    return counter
+
+
+def _build_in_worker(module: str, variant: dict, target: str) -> tuple[str, float, int, str]:
+    """One build in a worker process (--jobs > 1): (status, seconds, new entries, error)."""
+    saves = _save_counter()   # imports tilelang, which sets up its logger: quiet it after
+    _quiet_tilelang()
+    n0 = saves[0]
+    t0 = time.perf_counter()
+    try:
+        importlib.import_module(module).build(variant, target)
+    except Exception as e:
+        return "failed", time.perf_counter() - t0, 0, _error_text(e)
+    new = saves[0] - n0
+    return ("compiled" if new else "cached"), time.perf_counter() - t0, new, ""
+
+
+def run_jobs(jobs: list[Job], modules: list[KernelModule], *, progress: bool = True, workers: int = 1,
              on_outcome: Optional[Callable[[Outcome], None]] = None) -> tuple[list[Outcome], Summary]:
-    """Build every job through its module's ``build``; never stops at a failure."""
+    """Build every job through its module's ``build``; never stops at a failure.
+
+    ``workers`` > 1 builds in that many fresh (spawned) processes at once; TileLang's cache
+    writes are atomic (staging directory + rename), so concurrent builds are safe.
+    """
     from tilelang import env
 
     summary = Summary(cache_dir=cache_dir())
@@ -249,33 +305,50 @@ def run_jobs(jobs: list[Job], modules: list[KernelModule], *, progress: bool = T
         summary.problems.append("TileLang's kernel cache is disabled (TILELANG_DISABLE_CACHE?): "
                                 "precompiling would not persist anything")
         return [], summary
-    by_name = {m.name: m for m in modules}
-    outcomes: list[Outcome] = []
-    # TileLang logs two INFO lines per compile: they would tear the progress bar apart, and
-    # the per-build lines (or the bar) already say what is compiling.
-    tl_log = logging.getLogger("tilelang")
-    if not quiet_logs_off():
-        tl_log.setLevel(max(tl_log.level, logging.WARNING))
-    t_start = time.perf_counter()
+    _quiet_tilelang()
     from tqdm import tqdm
 
-    bar = tqdm(jobs, desc="precompile", unit="kernel", disable=not progress, file=sys.stderr,
-               dynamic_ncols=True)
-    for job in bar:
-        bar.set_postfix_str(f"{job.target} {job.name}"[-60:], refresh=False)
-        before = _cache_entries(summary.cache_dir)
-        t0 = time.perf_counter()
-        try:
-            by_name[job.module].build(job.variant, job.target)
-        except Exception as e:
-            msg = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-            out = Outcome(job, "failed", time.perf_counter() - t0, error=msg)
-        else:
-            new = len(_cache_entries(summary.cache_dir) - before)
-            out = Outcome(job, "compiled" if new else "cached", time.perf_counter() - t0, new)
+    by_name = {m.name: m for m in modules}
+    outcomes: list[Outcome] = []
+    bar = tqdm(total=len(jobs), desc="precompile", unit="kernel", disable=not progress,
+               file=sys.stderr, dynamic_ncols=True)
+
+    def done(out: Outcome) -> None:
         outcomes.append(out)
+        bar.set_postfix_str(f"{out.job.target} {out.job.name}"[-60:], refresh=False)
+        bar.update(1)
         if on_outcome:
             on_outcome(out)
+
+    t_start = time.perf_counter()
+    if workers <= 1:
+        for job in jobs:
+            before = _cache_entries(summary.cache_dir)
+            t0 = time.perf_counter()
+            try:
+                by_name[job.module].build(job.variant, job.target)
+            except Exception as e:
+                done(Outcome(job, "failed", time.perf_counter() - t0, error=_error_text(e)))
+            else:
+                new = len(_cache_entries(summary.cache_dir) - before)
+                done(Outcome(job, "compiled" if new else "cached", time.perf_counter() - t0, new))
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        # spawn, not fork: the parent has imported torch/TVM, whose threads do not survive fork.
+        with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as ex:
+            futures = {ex.submit(_build_in_worker, j.module, j.variant, j.target): j for j in jobs}
+            for fut in as_completed(futures):
+                job = futures[fut]
+                try:
+                    status, secs, new, err = fut.result()
+                except Exception as e:  # the worker died (e.g. out of memory)
+                    status, secs, new, err = "failed", 0.0, 0, _error_text(e)
+                done(Outcome(job, status, secs, new, err))
+        order = {j.key: i for i, j in enumerate(jobs)}
+        outcomes.sort(key=lambda o: order[o.job.key])
+    bar.close()
     summary.seconds = time.perf_counter() - t_start
     for o in outcomes:
         if o.status == "compiled":

@@ -110,7 +110,8 @@ def test_cli_list_and_bad_input(capsys):
 def test_precompile_one_small_config_then_all_cache_hits(tmp_path):
     """Compile, with nvcc and no GPU, one variant of every kernel family the TP8 config needs
     (decode, verify, prefill prep and main: the full config is ~16 builds x 3-20 s per arch)
-    for sm_90a into a fresh cache; a second process must then hit the cache for all of them."""
+    for sm_90a into a fresh cache; a second run (two worker processes) must then hit the cache
+    for all of them."""
     if not _nvcc():
         pytest.skip("nvcc not found")
     mods, _ = pc.discover_modules()
@@ -132,8 +133,9 @@ def test_precompile_one_small_config_then_all_cache_hits(tmp_path):
     assert (s1["compiled"], s1["cached"], s1["failed"]) == (len(firsts), 0, 0), s1
     assert f"{len(firsts)} compiled, 0 cached hits, 0 failed" in first.stdout
 
-    second = subprocess.run(cmd + ["--json", str(tmp_path / "2.json")], env=env, capture_output=True,
-                            text=True, timeout=900)
+    # The second run uses two worker processes: their per-process count must agree.
+    second = subprocess.run(cmd + ["--jobs", "2", "--json", str(tmp_path / "2.json")], env=env,
+                            capture_output=True, text=True, timeout=900)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     s2 = json.load(open(tmp_path / "2.json"))
     assert (s2["compiled"], s2["cached"], s2["failed"]) == (0, len(firsts), 0), s2
