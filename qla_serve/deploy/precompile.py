@@ -130,6 +130,12 @@ def discover_modules(packages: Iterable[str] = KERNEL_PACKAGES) -> tuple[list[Ke
         names = [pkg_name]
         try:
             pkg = importlib.import_module(pkg_name)
+        except ModuleNotFoundError as e:
+            if e.name != pkg_name:    # the package exists but needs something missing: loud
+                problems.append(f"module {pkg_name} failed to import: {type(e).__name__}: {e}")
+            # An absent package is no error by itself: an arch nobody serves is reported
+            # by enumerate_jobs ("no kernels registered for arch ...").
+            continue
         except Exception as e:  # a broken package is a loud error, not a skipped arch
             problems.append(f"module {pkg_name} failed to import: {type(e).__name__}: {e}")
             continue
