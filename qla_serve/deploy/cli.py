@@ -17,7 +17,7 @@ import os
 import sys
 from typing import Optional
 
-from .config import TARGETS, ConfigError, DeploymentConfig, check_config, load_config, read_yaml
+from .config import TARGETS, ConfigError, DeploymentConfig, check_config, load_config, read_yaml, resolve_config
 
 
 def _parse_heads(text: str) -> tuple[int, int]:
@@ -52,9 +52,10 @@ def _parse_arch(text: str) -> tuple[str, ...]:
 
 
 def _config_files(paths: list[str]) -> list[str]:
-    """Files as given; a directory stands for its *.yaml files (sorted)."""
+    """Files as given; a directory stands for its *.yaml files (sorted); a bare name that is
+    not a file is a shipped config (``qwen3.5-397b-a17b-tp8``)."""
     out = []
-    for p in paths:
+    for p in map(resolve_config, paths):
         if os.path.isdir(p):
             found = sorted(os.path.join(p, f) for f in os.listdir(p) if f.endswith((".yaml", ".yml")))
             if not found:

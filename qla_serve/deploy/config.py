@@ -342,6 +342,33 @@ _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
 
 
+def shipped_configs_dir() -> Optional[str]:
+    """configs/deploy/ as installed (``qla_serve.configs``) or in a source checkout."""
+    try:
+        from importlib.resources import files
+        d = files("qla_serve.configs") / "deploy"
+        if d.is_dir():
+            return str(d)
+    except ModuleNotFoundError:
+        pass
+    d = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                     "configs", "deploy")
+    return d if os.path.isdir(d) else None
+
+
+def resolve_config(name: str) -> str:
+    """A path as given if it exists, else a shipped config by name
+    (``qwen3.5-397b-a17b-tp8`` -> .../configs/deploy/qwen3.5-397b-a17b-tp8.yaml)."""
+    if os.path.exists(name) or os.sep in name:
+        return name
+    d = shipped_configs_dir()
+    if d:
+        for cand in (name, f"{name}.yaml"):
+            if os.path.isfile(os.path.join(d, cand)):
+                return os.path.join(d, cand)
+    return name
+
+
 def read_yaml(path: str | os.PathLike) -> Any:
     """Parse a YAML file; a missing file or bad YAML is a ConfigError (one problem)."""
     path = os.fspath(path)

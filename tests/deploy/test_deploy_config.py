@@ -210,3 +210,18 @@ def test_cli_config_check_exit_codes(tmp_path, capsys):
 
     (tmp_path / "broken.yaml").write_text("a: [\n")
     assert main(["config", "check", str(tmp_path / "broken.yaml")]) == 2
+
+
+def test_shipped_configs_by_name(tmp_path, monkeypatch, capsys):
+    """`qla-serve config render qwen3.5-397b-a17b-tp8` works from any directory (an installed
+    wheel has no checkout); a path that exists always wins over a name."""
+    from qla_serve.cli import main
+    from qla_serve.deploy.config import resolve_config
+
+    monkeypatch.chdir(tmp_path)
+    assert os.path.samefile(resolve_config("qwen3.5-397b-a17b-tp8"), os.path.join(DEPLOY, "qwen3.5-397b-a17b-tp8.yaml"))
+    assert main(["config", "check", "qwen3.5-27b-tp2"]) == 0
+    (tmp_path / "qwen3.5-27b-tp2").write_text("name: local\n")
+    assert resolve_config("qwen3.5-27b-tp2") == "qwen3.5-27b-tp2"
+    assert main(["config", "check", "no-such-deployment"]) == 2
+    assert "no-such-deployment: file not found" in capsys.readouterr().err
