@@ -243,6 +243,9 @@ class QlaQwenGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
             _stats.hit("qla:calls")
             if step.num_prefills:
                 _stats.hit("qla:resumed_prefill", step.info.get("resumed_prefills", 0))
+            if step.num_spec_decodes and step.num_accepted.device.type == "cpu":
+                # Tokens accepted in the previous step (> rows when drafts were accepted).
+                _stats.hit("qla:spec_accepted", int(step.num_accepted[: step.num_spec_decodes].sum()))
             _stats.flush()
 
 

@@ -44,12 +44,12 @@ def _tokenizer(out: pathlib.Path) -> None:
     fast.save_pretrained(str(out))
 
 
-def _config(kind: str, eos: int):
+def _config(kind: str, eos: int, linear_head_dim: int = 128):
     common = dict(
         vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
-        linear_value_head_dim=128, linear_conv_kernel_dim=4,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=linear_head_dim,
+        linear_value_head_dim=linear_head_dim, linear_conv_kernel_dim=4,
         layer_types=["linear_attention"] * 3 + ["full_attention"],
         max_position_embeddings=4096, tie_word_embeddings=False, rms_norm_eps=1e-6,
         bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
@@ -63,8 +63,12 @@ def _config(kind: str, eos: int):
     return Qwen3_5TextConfig(**common)
 
 
-def build_tiny_model(out_dir, kind: str = "qwen3_next", *, dtype: str = "bfloat16", seed: int = 0) -> pathlib.Path:
-    """Write a tiny random ``kind`` model to ``out_dir`` (created); returns the path."""
+def build_tiny_model(out_dir, kind: str = "qwen3_next", *, dtype: str = "bfloat16", seed: int = 0,
+                     linear_head_dim: int = 128) -> pathlib.Path:
+    """Write a tiny random ``kind`` model to ``out_dir`` (created); returns the path.
+
+    ``linear_head_dim`` != 128 builds a model qla_serve must refuse (tests of start-up errors).
+    """
     if kind not in KINDS:
         raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
     import torch
@@ -72,7 +76,7 @@ def build_tiny_model(out_dir, kind: str = "qwen3_next", *, dtype: str = "bfloat1
     out.mkdir(parents=True, exist_ok=True)
     _tokenizer(out)
     eos = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]["<|endoftext|>"]
-    config = _config(kind, eos)
+    config = _config(kind, eos, linear_head_dim)
     torch.manual_seed(seed)
     if kind == "qwen3_next":
         from transformers import Qwen3NextForCausalLM as Model

@@ -1,0 +1,97 @@
+"""End to end on CPU, offline: vLLM (LLM class) with linear_attn_backend=flashqla on tiny random
+Qwen3-Next and Qwen3.5 models, against transformers run on the same checkpoint.
+
+* float32 greedy tokens equal transformers' float32 greedy tokens (bf16 tokens of two correct
+  implementations drift apart on random weights from rounding alone, so fp32 is compared);
+* prompts are chunked (max_num_batched_tokens=32), so a prefill resumes from its saved state, and
+  short prompts decode while the long one still prefills (mixed decode + prefill steps);
+  prefix caching is on (vLLM's default, mamba_cache_mode 'align');
+* the path counters show qla_serve's prefill, decode and resumed-prefill paths ran in the
+  engine's worker process (this job process: VLLM_ENABLE_V1_MULTIPROCESSING=0) and vLLM's own
+  GDN layer and kernels ran zero times;
+* speculative decoding (prompt-lookup drafts, up to 3 tokens per verify, some accepted) gives
+  the same tokens;
+* the default backend is the control: vLLM's stock path runs and qla_serve's does not;
+* a model qla_serve cannot serve (linear head dim 64) fails at start-up with the reason.
+
+All engine jobs run in one subprocess (see _offline.py): importing vLLM dominates on 2 cores.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm is not installed (run scripts/setup_vllm_env.sh; tests use .venv-vllm)")
+
+from conftest import engine_env, run_jobs  # noqa: E402
+
+MAX_TOKENS = 12
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_models, tmp_path_factory):
+    from qla_serve.backends.vllm.tiny_model import build_tiny_model
+
+    tmp = tmp_path_factory.mktemp("offline")
+    hd64 = build_tiny_model(tmp / "hd64", "qwen3_next", linear_head_dim=64)
+    nxt, q35 = tiny_models["qwen3_next"], tiny_models["qwen3_5"]
+    jobs = {
+        "control": dict(engine="vllm", model=nxt, dtype="bfloat16", max_tokens=4),
+        "next": dict(engine="vllm", model=nxt, backend="flashqla", max_tokens=MAX_TOKENS, chunk=32),
+        "q35": dict(engine="vllm", model=q35, backend="flashqla", max_tokens=MAX_TOKENS, chunk=32),
+        "hd64": dict(engine="vllm", model=hd64, backend="flashqla", max_tokens=2),
+        # Last engine of the process: vLLM 0.32's CPU worker cannot start a second engine in a
+        # process after a speculative one (its Triton-override rebinding fails).
+        "next_spec": dict(engine="vllm", model=nxt, backend="flashqla", max_tokens=16, spec=True,
+                          prompts="spec"),
+        "hf_next": dict(engine="hf", model=nxt, max_tokens=MAX_TOKENS),
+        "hf_q35": dict(engine="hf", model=q35, max_tokens=MAX_TOKENS),
+        "hf_spec": dict(engine="hf", model=nxt, max_tokens=16, prompts="spec"),
+    }
+    out = run_jobs(list(jobs.values()), tmp, env=engine_env(tmp / "stats"))
+    return dict(zip(jobs, out["results"]))
+
+
+def _stock(counts: dict) -> dict:
+    return {k: v for k, v in counts.items() if k.startswith("stock:")}
+
+
+def _equal(got, want) -> str:
+    n = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w))
+    return f"{n}/{sum(len(w) for w in want)} tokens equal"
+
+
+@pytest.mark.parametrize("job,ref", [("next", "hf_next"), ("q35", "hf_q35")])
+def test_flashqla_fp32_greedy_equals_transformers(runs, job, ref):
+    got, want = runs[job], runs[ref]
+    assert "error" not in got, got.get("error")
+    assert got["tokens"] == want["tokens"], _equal(got["tokens"], want["tokens"])
+    c = got["counts"]
+    assert c.get("qla:prefill", 0) > 0 and c.get("qla:decode", 0) > 0, c
+    assert c.get("qla:resumed_prefill", 0) > 0, f"no chunked prefill resumed from its state: {c}"
+    assert _stock(c) == {}, f"vLLM's own GDN path ran: {c}"
+
+
+def test_flashqla_spec_decode_fp32_equals_transformers(runs):
+    got, want = runs["next_spec"], runs["hf_spec"]
+    assert "error" not in got, got.get("error")
+    assert got["tokens"] == want["tokens"], _equal(got["tokens"], want["tokens"])
+    c = got["counts"]
+    assert c.get("qla:spec", 0) > 0, c
+    # Some verify step resumed from a state after more than one accepted token.
+    assert c.get("qla:spec_accepted", 0) > c["qla:spec"], f"no draft was ever accepted: {c}"
+    assert _stock(c) == {}, c
+
+
+def test_default_backend_runs_vllms_own_path(runs):
+    """The control that makes the counters meaningful (vLLM's CPU GDN path is bf16-only)."""
+    c = runs["control"]["counts"]
+    assert _stock(c), c
+    assert not any(k.startswith("qla:") for k in c), c
+
+
+def test_flashqla_refuses_unsupported_model_at_startup(runs):
+    err = runs["hd64"].get("error", "")
+    assert "linear_attn_backend=flashqla cannot run layer" in err, err[-3000:]
+    assert "linear key/value head dim 128, the model has 64/64" in err
