@@ -1,0 +1,277 @@
+"""SGLang plugin: ``--linear-attn-backend flashqla`` through SGLang's own plugin hooks.
+
+Entry point (group ``sglang.srt.plugins``): :func:`register`. SGLang runs it in every process
+that calls ``sglang.srt.plugins.load_plugins()`` (server, scheduler/TP workers, detokenizer),
+before arguments are parsed. It
+
+1. adds ``flashqla`` to ``--linear-attn-backend``, ``--linear-attn-prefill-backend``,
+   ``--linear-attn-decode-backend`` (SGLang's ``add_linear_attn_kernel_backend_choices``) and
+   to ``--linear-attn-verify-backend`` (whose choice list SGLang copies when its field
+   annotations are first evaluated: :func:`_add_verify_choice` extends that copy too);
+2. registers :class:`~sglang.srt.plugins.hook_registry.HookRegistry` hooks (no SGLang file is
+   edited):
+
+   * AROUND ``GDNAttnBackend.__init__``: start-up checks (:func:`startup_problems`) — any
+     problem is a ``ValueError`` with the reason, before a kernel exists; never a fallback.
+   * AROUND ``GDNKernelDispatcher.__init__``: SGLang maps an unknown backend name to
+     ``LinearAttnKernelBackend.CUSTOM`` and its dispatcher raises on it, so the hook runs the
+     stock constructor with ``triton`` in place of ``flashqla`` and then points
+     ``decode_kernel`` / ``extend_kernel`` / ``verify_kernel`` at one
+     :class:`~.kernel.FlashQLAGDNKernel` for the phases that asked for flashqla.
+   * AROUND ``GDNAttnBackend.init_forward_metadata``: after SGLang builds its per-batch
+     metadata, plan the extend batch once from host lengths (``extend_seq_lens_cpu``), attach
+     it to the metadata (``forward_metadata.qla_extend``) and bind it to the kernel.
+
+Phase selection follows SGLang's flags: ``--linear-attn-decode-backend`` /
+``--linear-attn-prefill-backend`` override ``--linear-attn-backend``. Verify: an explicit
+``--linear-attn-verify-backend`` wins; unset, verify follows a flashqla decode (SGLang's own rule
+sends unset verify to triton except for flashinfer; flashqla asks for flashqla everywhere).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger("qla_serve.sglang")
+
+BACKEND = "flashqla"
+SUPPORTED_SGLANG = "0.5.23"
+
+GDN_BACKEND = "sglang.srt.layers.attention.linear.gdn_backend"
+TARGET_BACKEND_INIT = f"{GDN_BACKEND}.GDNAttnBackend.__init__"
+TARGET_DISPATCHER_INIT = f"{GDN_BACKEND}.GDNKernelDispatcher.__init__"
+TARGET_METADATA = f"{GDN_BACKEND}.GDNAttnBackend.init_forward_metadata"
+
+_registered = False
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+# ---------------------------------------------------------------------------------------------
+
+def register() -> None:
+    """The ``sglang.srt.plugins`` entry point. Idempotent."""
+    global _registered
+    if _registered:
+        return
+    import sglang
+    from sglang.srt.arg_groups.choices import add_linear_attn_kernel_backend_choices
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    if sglang.__version__ != SUPPORTED_SGLANG:
+        # Private internals are hooked; an unknown version may break them in silence.
+        log.warning("qla_serve's SGLang plugin supports sglang==%s, found %s: the start-up checks "
+                    "still run, but the hooked internals may have moved", SUPPORTED_SGLANG,
+                    sglang.__version__)
+    add_linear_attn_kernel_backend_choices([BACKEND])
+    _add_verify_choice()
+    HookRegistry.register(TARGET_BACKEND_INIT, _backend_init_hook, HookType.AROUND)
+    HookRegistry.register(TARGET_DISPATCHER_INIT, _dispatcher_init_hook, HookType.AROUND)
+    HookRegistry.register(TARGET_METADATA, _init_forward_metadata_hook, HookType.AROUND)
+    _registered = True
+
+
+def _add_verify_choice() -> None:
+    """``--linear-attn-verify-backend`` takes ``CHOICES + ["nv_cutedsl"]``, a new list made when
+    ``ExecMamba``'s annotations are evaluated; if that already happened, extend that list."""
+    import typing
+
+    from sglang.srt.arg_groups.fields.exec_ import ExecMamba
+
+    hint = typing.get_type_hints(ExecMamba, include_extras=True)["linear_attn_verify_backend"]
+    for meta in getattr(hint, "__metadata__", ()):
+        choices = getattr(meta, "choices", None)
+        if isinstance(choices, list) and BACKEND not in choices:
+            choices.append(BACKEND)
+
+
+# ---------------------------------------------------------------------------------------------
+# Which phases asked for flashqla
+# ---------------------------------------------------------------------------------------------
+
+def requested_phases(mamba=None) -> dict[str, bool]:
+    """{"decode", "prefill", "verify"} -> whether that phase asked for flashqla.
+
+    ``mamba`` is SGLang's ``get_exec().mamba`` view (raw flag strings: an unknown name is
+    ``CUSTOM`` in SGLang's enum, so the enum cannot tell flashqla apart).
+    """
+    if mamba is None:
+        from sglang.srt.runtime_context import get_exec
+        mamba = get_exec().mamba
+    base = mamba.linear_attn_backend
+    decode = mamba.linear_attn_decode_backend or base
+    prefill = mamba.linear_attn_prefill_backend or base
+    verify = mamba.linear_attn_verify_backend
+    if verify is None:
+        verify = decode if decode == BACKEND else None
+    return {"decode": decode == BACKEND, "prefill": prefill == BACKEND, "verify": verify == BACKEND}
+
+
+# ---------------------------------------------------------------------------------------------
+# Start-up checks
+# ---------------------------------------------------------------------------------------------
+
+def startup_problems(phases: dict[str, bool], *, ssm_shape, ssm_dtype, device) -> list[str]:
+    """Reasons flashqla cannot run as requested (empty: fine). Host metadata only.
+
+    ssm_shape: the mamba pool's temporal state shape [layers, size+1, Hv, V, K].
+    """
+    from sglang.srt.runtime_context import get_exec, get_spec
+
+    import qla_serve.ops as ops
+
+    wanted = [p for p, on in phases.items() if on]
+    if not wanted:
+        return []
+    problems = []
+    flag = "--linear-attn-backend flashqla"
+    if len(ssm_shape) != 5 or tuple(ssm_shape[-2:]) != (128, 128):
+        problems.append(f"{flag}: qla_serve's GDN kernels need key/value head dim 128; this model's "
+                        f"state pool is {list(ssm_shape)} ([layers, slots, Hv, V, K])")
+    if ssm_dtype not in (torch.float32, torch.bfloat16):
+        problems.append(f"{flag}: --mamba-ssm-dtype must be float32 or bfloat16, got {ssm_dtype}")
+    if phases["prefill"] and getattr(get_exec().mamba, "enable_mamba_extra_buffer", False):
+        problems.append("--linear-attn-prefill-backend flashqla: the extra_buffer radix-cache mode "
+                        "needs per-chunk states from prefill, which qla_serve does not produce; "
+                        "use --mamba-radix-cache-strategy no_buffer (or --disable-radix-cache), or "
+                        "--linear-attn-prefill-backend triton")
+    topk = get_spec().speculative_eagle_topk or 0
+    if phases["verify"] and topk > 1:
+        problems.append(f"--linear-attn-verify-backend flashqla: tree drafts (--speculative-eagle-topk "
+                        f"{topk}) are not supported (SGLang would run them on Triton); use topk 1 or "
+                        "--linear-attn-verify-backend triton")
+    device = torch.device(device)
+    op_of = {"decode": "decode", "prefill": "prefill", "verify": "verify"}
+    for phase in wanted:
+        try:
+            path, why = ops.explain_path(op_of[phase], device)
+        except (RuntimeError, ValueError) as exc:  # a forced QLA_SERVE_OP_PATH that cannot run
+            problems.append(f"flashqla {phase}: {exc}")
+            continue
+        # On a GPU only qla_serve's TileLang kernels count; the FLA / reference paths run only
+        # when the operator forces them with QLA_SERVE_OP_PATH (then it is their choice).
+        import os
+        if device.type == "cuda" and path != "tilelang" and os.environ.get("QLA_SERVE_OP_PATH", "auto") == "auto":
+            _, tl_why = _tilelang_reason(ops, op_of[phase], device)
+            problems.append(f"flashqla {phase}: no qla_serve TileLang kernel on {device} ({tl_why}); "
+                            "pick another --linear-attn-*-backend for this phase, or set "
+                            "QLA_SERVE_OP_PATH=fla|reference to run qla_serve's slower paths on purpose")
+    return problems
+
+
+def _tilelang_reason(ops, op: str, device) -> tuple[str, str]:
+    import os
+    old = os.environ.get("QLA_SERVE_OP_PATH")
+    os.environ["QLA_SERVE_OP_PATH"] = "tilelang"
+    try:
+        return ops.explain_path(op, device)
+    except RuntimeError as exc:
+        return "tilelang", str(exc)
+    finally:
+        if old is None:
+            os.environ.pop("QLA_SERVE_OP_PATH", None)
+        else:
+            os.environ["QLA_SERVE_OP_PATH"] = old
+
+
+# ---------------------------------------------------------------------------------------------
+# Hooks
+# ---------------------------------------------------------------------------------------------
+
+def _verify_flag():
+    from sglang.srt.runtime_context import get_exec
+    return get_exec().mamba.linear_attn_verify_backend
+
+
+def _backend_init_hook(original, self, model_runner, *args, **kwargs):
+    phases = requested_phases()
+    if any(phases.values()):
+        temporal = model_runner.req_to_token_pool.mamba_pool.mamba_cache.temporal
+        problems = startup_problems(phases, ssm_shape=tuple(temporal.shape), ssm_dtype=temporal.dtype,
+                                    device=model_runner.device)
+        if problems:
+            raise ValueError("qla_serve (SGLang --linear-attn-backend flashqla) cannot start:\n  - "
+                             + "\n  - ".join(problems))
+    return original(self, model_runner, *args, **kwargs)
+
+
+def _dispatcher_init_hook(original, self, decode_backend, prefill_backend, verify_backend=None):
+    from sglang.srt.layers.attention.linear.utils import LinearAttnKernelBackend
+
+    requested = requested_phases()
+    # A phase is ours when its flag says flashqla and SGLang's enum could not place the name
+    # (CUSTOM); an unset verify flag follows a flashqla decode (resolve_linear_attn_backends
+    # turned it into triton by then).
+    phases = {
+        "decode": requested["decode"] and decode_backend.is_custom(),
+        "prefill": requested["prefill"] and prefill_backend.is_custom(),
+        "verify": requested["verify"] and (verify_backend is None or verify_backend.is_custom()
+                                           or _verify_flag() is None),
+    }
+    if not any(phases.values()):
+        return original(self, decode_backend, prefill_backend, verify_backend)
+    triton = LinearAttnKernelBackend.TRITON
+    # The stock constructor builds the Triton kernel (tree verify always uses it) and every
+    # other flag; flashqla phases are handed triton there and replaced right after.
+    original(self, triton if phases["decode"] else decode_backend,
+             triton if phases["prefill"] else prefill_backend,
+             triton if phases["verify"] else verify_backend)
+    from .kernel import FlashQLAGDNKernel
+
+    kernel = FlashQLAGDNKernel(tuple(p for p, on in phases.items() if on))
+    if phases["decode"]:
+        self.decode_kernel = kernel
+        self.supports_packed_decode = False
+    if phases["prefill"]:
+        self.extend_kernel = kernel
+    if phases["verify"]:
+        self.verify_kernel = kernel
+        self.verify_kernel_is_flashinfer = False
+    self.qla_kernel = kernel
+    log.info("qla_serve flashqla GDN kernels: decode=%s extend=%s verify=%s",
+             type(self.decode_kernel).__name__, type(self.extend_kernel).__name__,
+             type(self.verify_kernel).__name__)
+
+
+def _init_forward_metadata_hook(original, self, forward_batch, *args, **kwargs):
+    result = original(self, forward_batch, *args, **kwargs)
+    kernel = getattr(self.kernel_dispatcher, "qla_kernel", None)
+    if kernel is not None and self.kernel_dispatcher.extend_kernel is kernel:
+        batch = plan_extend_batch(self, forward_batch)
+        self.forward_metadata.qla_extend = batch
+        kernel.bind_batch(batch)
+    return result
+
+
+def plan_extend_batch(backend, forward_batch):
+    """Once per forward batch: the host lengths of a plain extend (None for other modes).
+
+    The PrefillPlan itself is built by the first GDN layer that runs (it needs the TP-local
+    head counts, which the layer's tensors carry) and cached on this object, which lives on the
+    forward metadata: every later layer of the step reuses it.
+    """
+    from .kernel import ExtendBatch
+
+    mode = forward_batch.forward_mode
+    meta = backend.forward_metadata
+    if not mode.is_extend() or mode.is_target_verify() or getattr(backend, "mis_metadata", None) is not None:
+        return None
+    lens = forward_batch.extend_seq_lens_cpu
+    qsl = meta.query_start_loc
+    if lens is None or qsl is None or len(lens) != qsl.shape[0] - 1:
+        return None  # the kernel plans from query_start_loc itself, with a logged warning
+    lens = tuple(int(n) for n in lens)
+    return ExtendBatch(query_start_loc=qsl, seq_lens=lens, num_tokens=sum(lens), cp=_cp())
+
+
+_CP = None
+
+
+def _cp() -> str:
+    global _CP
+    if _CP is None:
+        from qla_serve.deploy.config import cp_from_env
+        _CP = cp_from_env()
+    return _CP
