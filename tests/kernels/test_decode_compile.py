@@ -13,8 +13,11 @@ import os
 import pytest
 import torch
 
-# importlib: the package re-exports a function named `decode`, which shadows the submodule.
-dec = importlib.import_module("qla_serve.kernels.hopper.decode")
+# The package re-exports a function named `decode` that shadows the submodule; import it
+# through the package's loader, which keeps the package's wrappers in place.
+_pkg = importlib.import_module("qla_serve.kernels.hopper")
+dec = _pkg._decode_module() if hasattr(_pkg, "_decode_module") else \
+    importlib.import_module("qla_serve.kernels.hopper.decode")
 
 HV, HK = 8, 2
 
@@ -32,6 +35,9 @@ def _subset():
         out.append(next(v for v in vs.values() if (v["op"], v["io_dtype"], v["pool_dtype"],
                                                    v["gating"], v["l2norm"]) == (op, io, pool, gating, l2)
                         and v.get("param_dtype") in (None, "float32")))
+    # The other tile family (q/k staged in shared memory, occupancy hint).
+    out.append(dec._variant("decode", HV, HK, "bfloat16", "float32", "ab", "bfloat16", "float32",
+                            True, "bv32s-mb8"))
     return out
 
 
@@ -68,6 +74,8 @@ def test_bad_variants_and_targets_are_rejected():
         dec.build(v, "sm_80")
     with pytest.raises(ValueError, match="pool dtype"):
         dec.build(dict(v, pool_dtype="float16"), "sm_90a")
+    with pytest.raises(ValueError, match="tile"):
+        dec.build(dict(v, tile="bv48"), "sm_90a")
     with pytest.raises(ValueError, match="num_v_heads"):
         dec.kernel_variants(6, 4)
 

@@ -23,8 +23,11 @@ TOL_BF16_STATE = 6e-3
 
 
 def _mod():
-    # importlib: the package re-exports a function named `decode`, shadowing the submodule.
-    return importlib.import_module("qla_serve.kernels.hopper.decode")
+    # The package re-exports a function named `decode` that shadows the submodule; import it
+    # through the package's loader, which keeps the package's wrappers in place.
+    pkg = importlib.import_module("qla_serve.kernels.hopper")
+    loader = getattr(pkg, "_decode_module", None)
+    return loader() if loader else importlib.import_module("qla_serve.kernels.hopper.decode")
 
 
 def rel(x, ref):
@@ -107,6 +110,10 @@ CASES = [
 
 @pytest.mark.parametrize("Hk,Hv,B,pdt,io,gating,l2", CASES)
 def test_decode_matches_reference_and_leaves_other_slots(Hk, Hv, B, pdt, io, gating, l2):
+    _check_decode(Hk, Hv, B, pdt, io, gating, l2)
+
+
+def _check_decode(Hk, Hv, B, pdt, io, gating, l2):
     gen = torch.Generator(device="cuda").manual_seed(1000 + B * Hv)
     S = B + 13
     pool, base = make_pool(S, Hv, pdt, gen)
@@ -179,6 +186,21 @@ def _verify_case(seq_lens, Hk, Hv, pdt, gating, l2, gen, D=None):
 
 @pytest.mark.parametrize("pdt,gating,l2", [(torch.float32, "ab", True), (torch.bfloat16, "gb", False)])
 def test_verify_intermediates_equal_sequential_decode(pdt, gating, l2):
+    _check_verify(pdt, gating, l2)
+
+
+@pytest.mark.parametrize("tile", ["bv32", "bv64", "bv32s-mb8", "bv16w2", "bv8w1s-mb32"])
+def test_every_tile_shape_is_correct(tile, monkeypatch):
+    """The kernel's tile (state rows per block, q/k in registers or shared memory) is a
+    per-dtype tuning choice: every tile must give the same, correct results."""
+    monkeypatch.setattr(_mod(), "TILE_OVERRIDE", tile)
+    _check_decode(2, 8, 37, torch.float32, torch.bfloat16, "ab", True)
+    _check_decode(2, 8, 19, torch.bfloat16, torch.bfloat16, "gb", False)
+    _check_verify(torch.float32, "ab", True)
+    _check_verify(torch.bfloat16, "gb", False)
+
+
+def _check_verify(pdt, gating, l2):
     gen = torch.Generator(device="cuda").manual_seed(11)
     Hk, Hv = 2, 8
     seq_lens = [4, 0, 1, 4, 3, 4, 2]

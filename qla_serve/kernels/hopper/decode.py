@@ -2,16 +2,21 @@
 
 Decode is memory-bound: each live slot's [Hv, 128(V), 128(K)] state is read once from
 ``pool[slot]`` and written once back in place; everything else (q, k, v, gates, output) is
-~1% of the traffic. The kernel is plain SIMT code (no tensor cores, no shared memory):
+~1% of the traffic. The kernel is plain SIMT code (no tensor cores):
 
 * grid ``(128 // BV, Hv, B)``: one block per (V-tile of BV rows, v-head, sequence); several
   blocks per head so that batch 1 still spreads over ``Hv * 128 / BV`` blocks;
-* 128 threads = 4 warps; a warp holds 4 state rows at a time, 8 lanes per row, each lane
-  16 K-columns in 16-byte vectors (4 fp32 or 8 bf16 values) so that the 8 lanes of a row
-  read 128 (fp32) or 256 (bf16) contiguous bytes per load instruction; each thread keeps
-  ``R = BV // 16`` rows x 16 columns of the state in fp32 registers;
+* W warps per block (4 by default); a warp holds 4 state rows at a time, 8 lanes per row,
+  each lane 16 K-columns in 16-byte vectors (4 fp32 or 8 bf16 values) so that the 8 lanes of
+  a row read 128 (fp32) or 256 (bf16) contiguous bytes per load instruction; each thread
+  keeps ``R = BV / (4 W)`` rows x 16 columns of the state in fp32 registers;
 * per row the two dot products (S k and S q) are a 16-term local sum plus 3 xor-shuffles
-  among the row's 8 lanes; q/k l2 norms likewise (every block recomputes them: 256 bytes).
+  among the row's 8 lanes; q/k l2 norms likewise (every block recomputes them: 256 bytes);
+  the "s" tiles stage q/k per warp in shared memory instead of registers.
+
+The tile (:func:`parse_tile`: rows per block, warps, q/k staging, occupancy hint) is part of
+the variant; :data:`DEFAULT_TILES` holds the per-pool-dtype choice measured on the H200
+(benchmarks/decode.md: the tiles are within a few % of each other at batch >= 32).
 
 Math (V-first state S [V, K], fp32 registers whatever the pool dtype)::
 
@@ -39,6 +44,7 @@ of a fused projection.
 # which refer to closure variables (head counts, dtypes).
 import os
 import threading
+import warnings
 from typing import Any
 
 import torch
@@ -48,7 +54,6 @@ _LANES = 8            # lanes per state row
 _COLS = 16            # K columns per lane (HEAD_DIM // _LANES)
 _WARPS = 4
 _ROWS_PER_WARP_STEP = 32 // _LANES   # 4 rows per warp per register row
-DEFAULT_BLOCK_ROWS = 32
 
 _TORCH_TO_TL = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _POOL_DTYPES = ("float32", "bfloat16")
@@ -67,13 +72,41 @@ _PASS_CONFIGS = {"tl.disable_safe_memory_legalize": True}
 # ----------------------------------------------------------------------------------------
 
 def _variant(op: str, hv: int, hk: int, io: str, pool: str, gating: str, ab: str | None,
-             param: str | None, l2norm: bool, block_rows: int = DEFAULT_BLOCK_ROWS) -> dict:
-    """A JSON-serialisable variant description; ``name`` identifies it uniquely."""
+             param: str | None, l2norm: bool, tile: str | None = None) -> dict:
+    """A JSON-serialisable variant description; ``name`` identifies it uniquely.
+
+    ``tile`` (see :func:`parse_tile`) defaults to the choice for the pool dtype.
+    """
+    tile = tile or default_tile(pool)
+    parse_tile(tile)
     gate = "gb" if gating == "gb" else f"ab-{ab}-{param}"
-    name = (f"gdn_{op}_hv{hv}_hk{hk}_{io}_pool-{pool}_{gate}_l2{int(l2norm)}_bv{block_rows}")
+    name = f"gdn_{op}_hv{hv}_hk{hk}_{io}_pool-{pool}_{gate}_l2{int(l2norm)}_{tile}"
     return {"name": name, "op": op, "num_v_heads": hv, "num_k_heads": hk, "io_dtype": io,
             "pool_dtype": pool, "gating": gating, "ab_dtype": ab, "param_dtype": param,
-            "l2norm": bool(l2norm), "block_rows": block_rows}
+            "l2norm": bool(l2norm), "tile": tile}
+
+
+def parse_tile(tile: str) -> tuple[int, int, bool, int]:
+    """Tile spec "bv<rows>[w<warps>][s][-mb<n>]" -> (state rows per block, warps per block,
+    q/k staged in shared memory, min-blocks-per-SM hint (0: none)). Each thread holds
+    R = rows / (4 * warps) rows (1, 2 or 4) x 16 columns of the state. E.g. "bv32s-mb8",
+    "bv8w1" (one warp, 8 rows: 16 blocks per head)."""
+    import re
+    m = re.fullmatch(r"bv(8|16|32|64)(?:w([124]))?(s?)(?:-mb(\d+))?", str(tile))
+    if not m or int(m.group(1)) // (4 * int(m.group(2) or _WARPS)) not in (1, 2, 4) \
+            or int(m.group(1)) % (4 * int(m.group(2) or _WARPS)):
+        raise ValueError(f"variant tile: expected 'bv<rows>[w<1|2|4>][s][-mb<n>]' with rows / "
+                         f"(4 * warps) in (1, 2, 4), got {tile!r}")
+    return int(m.group(1)), int(m.group(2) or _WARPS), m.group(3) == "s", int(m.group(4) or 0)
+
+
+# Measured on the H200 (benchmarks/decode.md, tile sweep): no tile beats bv32 by more than 3% for fp32
+# pools; bv64 for bf16 pools at batch >= 32 (smaller tiles win ~10% at batch <= 8).
+DEFAULT_TILES = {"float32": "bv32", "bfloat16": "bv64"}
+
+
+def default_tile(pool_dtype: str) -> str:
+    return DEFAULT_TILES.get(pool_dtype, "bv32")
 
 
 def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
@@ -81,8 +114,9 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
 
     Matrix: op {decode, verify} x io dtype {bf16, fp16} x pool {fp32, bf16} x gating
     {g/beta fp32, raw a/b in the io dtype with A_log/dt_bias fp32, a/b and A_log/dt_bias in
-    the io dtype} x l2norm {off, on} = 48 variants. Other gate dtype combinations compile on
-    first use (JIT, same cache).
+    the io dtype} x l2norm {off, on} = 48 variants, each with its pool dtype's default tile.
+    Other gate dtype combinations and tile overrides (TILE_OVERRIDE) compile on first use
+    (JIT, same cache).
     """
     _check_heads(num_v_heads, num_k_heads)
     out = []
@@ -117,8 +151,7 @@ def _check_variant(v: dict) -> None:
                                  f"expected one of {_GATE_DTYPES}, got {v[key]}")
     elif v["gating"] != "gb":
         raise ValueError(f"variant gating: expected 'gb' or 'ab', got {v['gating']!r}")
-    if v["block_rows"] not in (16, 32, 64):
-        raise ValueError(f"variant block_rows: expected 16, 32 or 64, got {v['block_rows']}")
+    parse_tile(v["tile"])
 
 
 # ----------------------------------------------------------------------------------------
@@ -135,8 +168,8 @@ def _program(variant: dict):
     fused = variant["gating"] == "ab"
     gdt = variant["ab_dtype"] if fused else "float32"
     prm = variant["param_dtype"] if fused else "float32"
-    BV = variant["block_rows"]
-    R = BV // (_WARPS * _ROWS_PER_WARP_STEP)       # register rows per thread
+    BV, W, QK_SMEM, MIN_BLOCKS = parse_tile(variant["tile"])
+    R = BV // (W * _ROWS_PER_WARP_STEP)            # register rows per thread
     NV = HEAD_DIM // BV
     VEC = 4 if pdt == "float32" else 8             # 16-byte vectors of the state
     NCH = _COLS // VEC                             # vector chunks per lane and row
@@ -147,10 +180,11 @@ def _program(variant: dict):
     # Dynamic sizes and strides: bound from the tensors at each call (tvm-ffi reads them).
     sqb, sqh, skb, skh, svb, svh, sob, soh = T.dynamic("sqb sqh skb skh svb svh sob soh")
     sg0, sg1, sb0, sb1, sp, sal, sdt = T.dynamic("sg0 sg1 sb0 sb1 sp sal sdt")
+    sal0, sdt0 = T.dynamic("sal0 sdt0")
     S = T.dynamic("S")
 
     @T.macro
-    def load_qk(Q, Kt, tq, hk, lk, qv, kv, scale):
+    def load_qk_regs(Q, Kt, tq, hk, lk, qv, kv, scale):
         # q, k columns of this lane; l2norm over the 8 lanes of the row; scale folded into q.
         for c in T.unroll(NCH):
             for e in T.vectorized(VEC):
@@ -177,6 +211,39 @@ def _program(variant: dict):
                 qv[e] = qv[e] * scale
 
     @T.macro
+    def load_qk_smem(Q, Kt, tq, hk, tx, Sq, Sk, scale):
+        # Each warp stages its own fp32 copy of (normalised, scaled) q and k in shared memory:
+        # lane l holds elements 4l..4l+3, the norms are 5 xor-shuffles over the warp, and only
+        # warp-level syncs are needed. Frees 32 registers per thread for occupancy.
+        w = tx // 32
+        ln = tx % 32
+        a4 = T.alloc_local((4,), f32)
+        b4 = T.alloc_local((4,), f32)
+        for e in T.vectorized(4):
+            a4[e] = T.cast(Q[tq, hk, ln * 4 + e], f32)
+            b4[e] = T.cast(Kt[tq, hk, ln * 4 + e], f32)
+        if l2:
+            sq = T.alloc_var(f32)
+            sk = T.alloc_var(f32)
+            sq = a4[0] * a4[0] + a4[1] * a4[1] + a4[2] * a4[2] + a4[3] * a4[3]
+            sk = b4[0] * b4[0] + b4[1] * b4[1] + b4[2] * b4[2] + b4[3] * b4[3]
+            for m in T.unroll(5):
+                sq += T.shfl_xor(sq, 1 << m)
+                sk += T.shfl_xor(sk, 1 << m)
+            rq = T.rsqrt(sq + 1e-6) * scale
+            rk = T.rsqrt(sk + 1e-6)
+            T.sync_warp()          # previous token's readers are done with Sq/Sk
+            for e in T.vectorized(4):
+                Sq[w, ln * 4 + e] = a4[e] * rq
+                Sk[w, ln * 4 + e] = b4[e] * rk
+        else:
+            T.sync_warp()
+            for e in T.vectorized(4):
+                Sq[w, ln * 4 + e] = a4[e] * scale
+                Sk[w, ln * 4 + e] = b4[e]
+        T.sync_warp()
+
+    @T.macro
     def gates(Ga, Gb, A_log, dt_bias, t, h, gb):
         # gb[0] = alpha = exp(g), gb[1] = beta
         if fused:
@@ -189,29 +256,73 @@ def _program(variant: dict):
             gb[1] = Gb[t, h]
 
     @T.macro
-    def step(st, qv, kv, Vt, Out, t, h, row0, lk, gb):
+    def step(st, qv, kv, Sq, Sk, Vt, Out, t, h, row0, lk, w, gb):
         # One token on this thread's R rows: decay, delta rule, output (lane 0 of each row).
         for r in T.unroll(R):
             d = T.alloc_var(f32)
             d = 0.0
             for e in T.unroll(_COLS):
                 st[r, e] = st[r, e] * gb[0]
-                d += st[r, e] * kv[e]
+                if QK_SMEM:
+                    d += st[r, e] * Sk[w, (e // VEC) * CH + lk * VEC + e % VEC]
+                else:
+                    d += st[r, e] * kv[e]
             for m in T.unroll(3):
                 d += T.shfl_xor(d, 1 << m)
             delta = gb[1] * (T.cast(Vt[t, h, row0 + r * _ROWS_PER_WARP_STEP], f32) - d)
             o = T.alloc_var(f32)
             o = 0.0
             for e in T.unroll(_COLS):
-                st[r, e] = st[r, e] + delta * kv[e]
-                o += st[r, e] * qv[e]
+                if QK_SMEM:
+                    st[r, e] = st[r, e] + delta * Sk[w, (e // VEC) * CH + lk * VEC + e % VEC]
+                    o += st[r, e] * Sq[w, (e // VEC) * CH + lk * VEC + e % VEC]
+                else:
+                    st[r, e] = st[r, e] + delta * kv[e]
+                    o += st[r, e] * qv[e]
             for m in T.unroll(3):
                 o += T.shfl_xor(o, 1 << m)
             if lk == 0:
                 Out[t, h, row0 + r * _ROWS_PER_WARP_STEP] = T.cast(o, io)
 
+    @T.macro
+    def load_state(Pool, slot, h, st, row0, lk):
+        for r in T.unroll(R):
+            for c in T.unroll(NCH):
+                for e in T.vectorized(VEC):
+                    st[r, c * VEC + e] = T.cast(
+                        Pool[slot, h, row0 + r * _ROWS_PER_WARP_STEP, c * CH + lk * VEC + e], f32)
+
+    @T.macro
+    def store_state(Pool, slot, h, st, row0, lk):
+        for r in T.unroll(R):
+            for c in T.unroll(NCH):
+                for e in T.vectorized(VEC):
+                    Pool[slot, h, row0 + r * _ROWS_PER_WARP_STEP, c * CH + lk * VEC + e] = T.cast(
+                        st[r, c * VEC + e], pdt)
+
+    @T.macro
+    def store_inter(Inter, iid, j, h, st, row0, lk):
+        for r in T.unroll(R):
+            for c in T.unroll(NCH):
+                for e in T.vectorized(VEC):
+                    Inter[iid, j, h, row0 + r * _ROWS_PER_WARP_STEP, c * CH + lk * VEC + e] = T.cast(
+                        st[r, c * VEC + e], pdt)
+
+    @T.macro
+    def token(Q, Kt, Vt, Ga, Gb, A_log, dt_bias, Out, t, h, tx, row0, lk, st, qv, kv, Sq, Sk, gb, scale):
+        if QK_SMEM:
+            load_qk_smem(Q, Kt, t, h // G, tx, Sq, Sk, scale)
+        else:
+            load_qk_regs(Q, Kt, t, h // G, lk, qv, kv, scale)
+        gates(Ga, Gb, A_log, dt_bias, t, h, gb)
+        step(st, qv, kv, Sq, Sk, Vt, Out, t, h, row0, lk, tx // 32, gb)
+
     if op == "decode":
         B = T.dynamic("B")
+        # g/beta variant: A_log/dt_bias are unused; the host passes g/beta again in their place
+        # (same [B, Hv] fp32 shape) so that no dummy tensor or view is needed per call.
+        al_shape, al_str = ((Hv,), (sal,)) if fused else ((B, Hv), (sal0, sal))
+        dt_shape, dt_str = ((Hv,), (sdt,)) if fused else ((B, Hv), (sdt0, sdt))
 
         @T.prim_func
         def gdn_decode(
@@ -220,14 +331,16 @@ def _program(variant: dict):
             Vt: T.StridedTensor((B, Hv, HEAD_DIM), (svb, svh, 1), io),
             Ga: T.StridedTensor((B, Hv), (sg0, sg1), gdt),
             Gb: T.StridedTensor((B, Hv), (sb0, sb1), gdt),
-            A_log: T.StridedTensor((Hv,), (sal,), prm),
-            dt_bias: T.StridedTensor((Hv,), (sdt,), prm),
+            A_log: T.StridedTensor(al_shape, al_str, prm),
+            dt_bias: T.StridedTensor(dt_shape, dt_str, prm),
             Pool: T.StridedTensor((S, Hv, HEAD_DIM, HEAD_DIM), (sp, HEAD_DIM * HEAD_DIM, HEAD_DIM, 1), pdt),
             Slots: T.Tensor((B,), "int32"),
             Out: T.StridedTensor((B, Hv, HEAD_DIM), (sob, soh, 1), io),
             scale: T.float32,
         ):
-            with T.Kernel(NV, Hv, B, threads=_WARPS * 32) as (bv, h, i):
+            with T.Kernel(NV, Hv, B, threads=W * 32) as (bv, h, i):
+                if MIN_BLOCKS:
+                    T.annotate_min_blocks_per_sm(MIN_BLOCKS)
                 T.assume(sp % VEC == 0)
                 T.assume(sqb % VEC == 0)
                 T.assume(sqh % VEC == 0)
@@ -239,23 +352,15 @@ def _program(variant: dict):
                 st = T.alloc_local((R, _COLS), f32)
                 qv = T.alloc_local((_COLS,), f32)
                 kv = T.alloc_local((_COLS,), f32)
+                Sq = T.alloc_shared((W, HEAD_DIM), f32)
+                Sk = T.alloc_shared((W, HEAD_DIM), f32)
                 gb = T.alloc_local((2,), f32)
                 slot = Slots[i]
                 if slot >= 0:
                     # Issue the state loads first: they are the long pole.
-                    for r in T.unroll(R):
-                        for c in T.unroll(NCH):
-                            for e in T.vectorized(VEC):
-                                st[r, c * VEC + e] = T.cast(
-                                    Pool[slot, h, row0 + r * _ROWS_PER_WARP_STEP, c * CH + lk * VEC + e], f32)
-                    load_qk(Q, Kt, i, h // G, lk, qv, kv, scale)
-                    gates(Ga, Gb, A_log, dt_bias, i, h, gb)
-                    step(st, qv, kv, Vt, Out, i, h, row0, lk, gb)
-                    for r in T.unroll(R):
-                        for c in T.unroll(NCH):
-                            for e in T.vectorized(VEC):
-                                Pool[slot, h, row0 + r * _ROWS_PER_WARP_STEP, c * CH + lk * VEC + e] = T.cast(
-                                    st[r, c * VEC + e], pdt)
+                    load_state(Pool, slot, h, st, row0, lk)
+                    token(Q, Kt, Vt, Ga, Gb, A_log, dt_bias, Out, i, h, tx, row0, lk, st, qv, kv, Sq, Sk, gb, scale)
+                    store_state(Pool, slot, h, st, row0, lk)
                 else:
                     if lk == 0:
                         for r in T.unroll(R):
@@ -265,6 +370,8 @@ def _program(variant: dict):
 
     Tt, N, S2, D = T.dynamic("T N S2 D")
     si0, si1 = T.dynamic("si0 si1")
+    al_shape, al_str = ((Hv,), (sal,)) if fused else ((Tt, Hv), (sal0, sal))
+    dt_shape, dt_str = ((Hv,), (sdt,)) if fused else ((Tt, Hv), (sdt0, sdt))
 
     @T.prim_func
     def gdn_verify(
@@ -273,8 +380,8 @@ def _program(variant: dict):
         Vt: T.StridedTensor((Tt, Hv, HEAD_DIM), (svb, svh, 1), io),
         Ga: T.StridedTensor((Tt, Hv), (sg0, sg1), gdt),
         Gb: T.StridedTensor((Tt, Hv), (sb0, sb1), gdt),
-        A_log: T.StridedTensor((Hv,), (sal,), prm),
-        dt_bias: T.StridedTensor((Hv,), (sdt,), prm),
+        A_log: T.StridedTensor(al_shape, al_str, prm),
+        dt_bias: T.StridedTensor(dt_shape, dt_str, prm),
         Pool: T.StridedTensor((S, Hv, HEAD_DIM, HEAD_DIM), (sp, HEAD_DIM * HEAD_DIM, HEAD_DIM, 1), pdt),
         Slots: T.Tensor((N,), "int32"),
         Cu: T.Tensor((N + 1,), "int32"),
@@ -284,7 +391,9 @@ def _program(variant: dict):
         Out: T.StridedTensor((Tt, Hv, HEAD_DIM), (sob, soh, 1), io),
         scale: T.float32,
     ):
-        with T.Kernel(NV, Hv, N, threads=_WARPS * 32) as (bv, h, i):
+        with T.Kernel(NV, Hv, N, threads=W * 32) as (bv, h, i):
+            if MIN_BLOCKS:
+                T.annotate_min_blocks_per_sm(MIN_BLOCKS)
             T.assume(sp % VEC == 0)
             T.assume(si0 % VEC == 0)
             T.assume(si1 % VEC == 0)
@@ -298,29 +407,21 @@ def _program(variant: dict):
             st = T.alloc_local((R, _COLS), f32)
             qv = T.alloc_local((_COLS,), f32)
             kv = T.alloc_local((_COLS,), f32)
+            Sq = T.alloc_shared((W, HEAD_DIM), f32)
+            Sk = T.alloc_shared((W, HEAD_DIM), f32)
             gb = T.alloc_local((2,), f32)
             slot = Slots[i]
             iid = InterIds[i]
             bos = Cu[i]
             n = Cu[i + 1] - bos
             if slot >= 0 and iid >= 0:
-                for r in T.unroll(R):
-                    for c in T.unroll(NCH):
-                        for e in T.vectorized(VEC):
-                            st[r, c * VEC + e] = T.cast(
-                                Pool[slot, h, row0 + r * _ROWS_PER_WARP_STEP, c * CH + lk * VEC + e], f32)
+                load_state(Pool, slot, h, st, row0, lk)
                 for j in T.serial(n):
-                    load_qk(Q, Kt, bos + j, h // G, lk, qv, kv, scale)
-                    gates(Ga, Gb, A_log, dt_bias, bos + j, h, gb)
-                    step(st, qv, kv, Vt, Out, bos + j, h, row0, lk, gb)
+                    token(Q, Kt, Vt, Ga, Gb, A_log, dt_bias, Out, bos + j, h, tx, row0, lk, st, qv, kv, Sq, Sk, gb, scale)
                     # Memory safety only: ops guarantees lengths <= D; a longer sequence still
                     # gets its outputs but cannot write past the intermediate buffer.
                     if j < D:
-                        for r in T.unroll(R):
-                            for c in T.unroll(NCH):
-                                for e in T.vectorized(VEC):
-                                    Inter[iid, j, h, row0 + r * _ROWS_PER_WARP_STEP, c * CH + lk * VEC + e] = T.cast(
-                                        st[r, c * VEC + e], pdt)
+                        store_inter(Inter, iid, j, h, st, row0, lk)
             else:
                 if lk == 0:
                     for j in T.serial(n):
@@ -348,13 +449,18 @@ def build(variant: dict, target: str):
                             execution_backend="tvm_ffi", pass_configs=dict(_PASS_CONFIGS))
 
 
-_CACHE: dict[tuple, Any] = {}
-_CACHE_LOCK = threading.Lock()
 _ARCH: dict[int, str] = {}
+_BUILD_LOCK = threading.Lock()
+# (op, device index, q dtype, pool dtype, gate dtypes, l2norm, Hv, Hk, tile) -> launch function.
+# Keyed on torch objects so that a hit costs one tuple hash (the host budget is a few µs).
+_FAST: dict[tuple, Any] = {}
+
+# Tile override for benchmarks/tuning: the environment variable QLA_DECODE_TILE (read once at
+# import) or assigning TILE_OVERRIDE, e.g. "bv32s-mb8" (see parse_tile).
+TILE_OVERRIDE: str | None = os.environ.get("QLA_DECODE_TILE") or None
 
 
-def _device_target(device: torch.device) -> str:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
+def _device_target(idx: int) -> str:
     arch = _ARCH.get(idx)
     if arch is None:
         major, minor = torch.cuda.get_device_capability(idx)
@@ -369,29 +475,58 @@ def _device_target(device: torch.device) -> str:
     return arch
 
 
-def _kernel(key: tuple, device: torch.device):
-    """Compiled kernel function for ``key`` (a variant tuple) on ``device``; cached in-process."""
-    fn = _CACHE.get(key)
-    if fn is None:
-        with _CACHE_LOCK:
-            fn = _CACHE.get(key)
-            if fn is None:
-                op, hv, hk, io, pool, gating, ab, param, l2, bv = key[:10]
-                variant = _variant(op, hv, hk, io, pool, gating, ab, param, l2, bv)
-                fn = build(variant, key[10]).torch_function
-                _CACHE[key] = fn
-    return fn
-
-
-def _dtype_name(t: torch.Tensor, what: str, allowed: tuple[str, ...]) -> str:
-    name = _TORCH_TO_TL.get(t.dtype)
+def _dtype_name(dt: torch.dtype, what: str, allowed: tuple[str, ...]) -> str:
+    name = _TORCH_TO_TL.get(dt)
     if name not in allowed:
-        raise TypeError(f"{what}: expected dtype in {allowed}, got {t.dtype}")
+        raise TypeError(f"{what}: expected dtype in {allowed}, got {dt}")
     return name
 
 
-def _check_alignment(vec: int, pool: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                     inter: torch.Tensor | None = None) -> None:
+def _launcher(op, q, pool, g, a, A_log, dt_bias, b, beta, l2, tile):
+    """Slow path of the lookup: validate dtypes, name the variant, compile or load it (TileLang
+    disk cache, explicit target of the device), and return the raw tvm-ffi function."""
+    io = _dtype_name(q.dtype, "q", _IO_DTYPES)
+    pdt = _dtype_name(pool.dtype, "pool", _POOL_DTYPES)
+    if g is not None:
+        if g.dtype != torch.float32 or beta.dtype != torch.float32:
+            raise TypeError(f"g/beta: expected float32, got {g.dtype}/{beta.dtype}")
+        gating, ab, param = "gb", None, None
+    else:
+        gating = "ab"
+        ab = _dtype_name(a.dtype, "a", _GATE_DTYPES)
+        param = _dtype_name(A_log.dtype, "A_log", _GATE_DTYPES)
+        if b.dtype != a.dtype:
+            raise TypeError(f"b: expected the dtype of a ({a.dtype}), got {b.dtype}")
+        if dt_bias.dtype != A_log.dtype:
+            raise TypeError(f"dt_bias: expected the dtype of A_log ({A_log.dtype}), got {dt_bias.dtype}")
+    idx = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    variant = _variant(op, pool.shape[1], q.shape[1], io, pdt, gating, ab, param, l2, tile)
+    with _BUILD_LOCK:
+        kernel = build(variant, _device_target(idx))
+    return _raw_function(kernel)
+
+
+def _raw_function(kernel):
+    """The raw tvm-ffi function of the kernel's host wrapper.
+
+    Calling it directly skips the tilelang adapter's per-call Python loop (output allocation,
+    dynamic-shape bookkeeping) that this module does not use; it is the very function the
+    adapter ends up calling, and reads the CUDA stream from torch's current stream the same
+    way. A kernel loaded from TileLang's disk cache holds a loaded module; a fresh compile holds
+    an executable to link first. Anything else: the adapter's own callable (same kernel, slower
+    host path), with a warning.
+    """
+    exe = kernel.adapter.get_exportable_executable()
+    mod = exe.jit() if hasattr(type(exe), "jit") else exe
+    try:
+        return mod.main
+    except AttributeError:
+        warnings.warn("qla_serve decode: TileLang's host function not found; using the adapter "
+                      "callable (correct, but ~15 µs more host time per call)", RuntimeWarning)
+        return kernel.torch_function
+
+
+def _check_alignment(vec: int, pool, q, k, inter=None) -> None:
     """Vector-access preconditions (see module docstring); host metadata only."""
     bad = None
     if pool.stride(0) % vec or pool.data_ptr() % 16:
@@ -408,36 +543,17 @@ def _check_alignment(vec: int, pool: torch.Tensor, q: torch.Tensor, k: torch.Ten
                          f"data pointer (16-byte vector access)")
 
 
-def _key(op, q, pool, g, a, A_log, use_qk_l2norm, block_rows):
-    io = _dtype_name(q, "q", _IO_DTYPES)
-    pdt = _dtype_name(pool, "pool", _POOL_DTYPES)
-    if g is not None:
-        gating, ab, param = "gb", None, None
-    else:
-        gating = "ab"
-        ab = _dtype_name(a, "a", _GATE_DTYPES)
-        param = _dtype_name(A_log, "A_log", _GATE_DTYPES)
-    return (op, pool.shape[1], q.shape[1], io, pdt, gating, ab, param, bool(use_qk_l2norm),
-            block_rows, _device_target(q.device))
-
-
-def _block_rows() -> int:
-    env = os.environ.get("QLA_DECODE_BLOCK_ROWS")
-    return int(env) if env else DEFAULT_BLOCK_ROWS
-
-
-def _gate_args(g, beta, a, b, A_log, dt_bias):
-    if g is not None:
-        if g.dtype != torch.float32 or beta.dtype != torch.float32:
-            raise TypeError(f"g/beta: expected float32, got {g.dtype}/{beta.dtype}")
-        # A_log/dt_bias are unused by the g/beta variant, but the kernel signature still has
-        # [Hv] fp32 (strided) buffers: pass a row of g so that nothing is allocated.
-        return g, beta, g[0], g[0]
-    if A_log.dtype != dt_bias.dtype:
-        raise TypeError(f"dt_bias: expected the dtype of A_log ({A_log.dtype}), got {dt_bias.dtype}")
-    if b.dtype != a.dtype:
-        raise TypeError(f"b: expected the dtype of a ({a.dtype}), got {b.dtype}")
-    return a, b, A_log, dt_bias
+def _lookup(op, q, pool, g, beta, a, b, A_log, dt_bias, l2):
+    pdt = pool.dtype
+    tile = TILE_OVERRIDE
+    fused = g is None
+    key = (op, q.device, q.dtype, pdt, fused, a.dtype if fused else None,
+           A_log.dtype if fused else None, bool(l2), pool.shape[1], q.shape[1], tile)
+    fn = _FAST.get(key)
+    if fn is None:
+        fn = _launcher(op, q, pool, g, a, A_log, dt_bias, b, beta, l2, tile)
+        _FAST[key] = fn
+    return fn
 
 
 def decode(q, k, v, pool, slot_ids, *, g, beta, a, b, A_log, dt_bias, use_qk_l2norm, scale, out):
@@ -450,12 +566,12 @@ def decode(q, k, v, pool, slot_ids, *, g, beta, a, b, A_log, dt_bias, use_qk_l2n
     """
     if q.shape[0] == 0:
         return
-    bv = _block_rows()
-    fn = _kernel(_key("decode", q, pool, g, a, A_log, use_qk_l2norm, bv), q.device)
+    fn = _lookup("decode", q, pool, g, beta, a, b, A_log, dt_bias, use_qk_l2norm)
     _check_alignment(4 if pool.dtype == torch.float32 else 8, pool, q, k)
-    ga, gb, al, dtb = _gate_args(g, beta, a, b, A_log, dt_bias)
-    fn(q, k, v, ga, gb, al, dtb, pool, slot_ids, out,
-       float(HEAD_DIM ** -0.5 if scale is None else scale))
+    if g is None:
+        fn(q, k, v, a, b, A_log, dt_bias, pool, slot_ids, out, HEAD_DIM ** -0.5 if scale is None else float(scale))
+    else:   # the g/beta variant takes g/beta again in place of A_log/dt_bias (unused)
+        fn(q, k, v, g, beta, g, beta, pool, slot_ids, out, HEAD_DIM ** -0.5 if scale is None else float(scale))
 
 
 def verify(q, k, v, pool, slot_ids, cu_seqlens, intermediate, intermediate_ids, *, g, beta, a, b,
@@ -467,14 +583,17 @@ def verify(q, k, v, pool, slot_ids, cu_seqlens, intermediate, intermediate_ids, 
     q, k [T, Hk, 128], v [T, Hv, 128]; g, beta [T, Hv] fp32 or a, b [T, Hv] + A_log, dt_bias
     [Hv]; slot_ids, intermediate_ids [N] int32, cu_seqlens [N+1] int32; out [T, Hv, 128].
     A sequence with slot or intermediate id < 0 is padding: zero output, nothing written.
+    Sequence lengths must not exceed D (ops' contract); longer ones get outputs for every
+    token but intermediate states for the first D only (never a write out of bounds).
     """
-    if intermediate.dtype != pool.dtype:
-        raise TypeError(f"intermediate: expected the pool dtype {pool.dtype}, got {intermediate.dtype}")
     if slot_ids.shape[0] == 0:
         return
-    bv = _block_rows()
-    fn = _kernel(_key("verify", q, pool, g, a, A_log, use_qk_l2norm, bv), q.device)
+    if intermediate.dtype != pool.dtype:
+        raise TypeError(f"intermediate: expected the pool dtype {pool.dtype}, got {intermediate.dtype}")
+    fn = _lookup("verify", q, pool, g, beta, a, b, A_log, dt_bias, use_qk_l2norm)
     _check_alignment(4 if pool.dtype == torch.float32 else 8, pool, q, k, intermediate)
-    ga, gb, al, dtb = _gate_args(g, beta, a, b, A_log, dt_bias)
-    fn(q, k, v, ga, gb, al, dtb, pool, slot_ids, cu_seqlens, intermediate, intermediate_ids, out,
-       float(HEAD_DIM ** -0.5 if scale is None else scale))
+    s = HEAD_DIM ** -0.5 if scale is None else float(scale)
+    if g is None:
+        fn(q, k, v, a, b, A_log, dt_bias, pool, slot_ids, cu_seqlens, intermediate, intermediate_ids, out, s)
+    else:
+        fn(q, k, v, g, beta, g, beta, pool, slot_ids, cu_seqlens, intermediate, intermediate_ids, out, s)
