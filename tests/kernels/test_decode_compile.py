@@ -35,6 +35,7 @@ def _subset():
         out.append(next(v for v in vs.values() if (v["op"], v["io_dtype"], v["pool_dtype"],
                                                    v["gating"], v["l2norm"]) == (op, io, pool, gating, l2)
                         and v.get("param_dtype") in (None, "float32")))
+    out.append(dec._commit_variant(HV, "bfloat16", "int64"))
     # The other tile family (q/k staged in shared memory, occupancy hint).
     out.append(dec._variant("decode", HV, HK, "bfloat16", "float32", "ab", "bfloat16", "float32",
                             True, "bv32s-mb8"))
@@ -53,7 +54,7 @@ def test_variant_compiles(variant, target):
     # The state must move in 16-byte vectors (the kernel is memory-bound): fp32 pools as
     # float4, bf16 pools as uint4 (8 x bf16). A scalar fallback would halve the bandwidth.
     vec = "float4" if variant["pool_dtype"] == "float32" else "uint4"
-    assert f"*({vec}*)(Pool" in src, "state loads are not vectorised"
+    assert f"*({vec}*)(Pool" in src, "state accesses are not vectorised"
     # Batch is dynamic: one compile for every B / T (no literal batch in the launch grid).
     assert ("int B" in src) if variant["op"] == "decode" else ("int N" in src)
 
@@ -61,11 +62,12 @@ def test_variant_compiles(variant, target):
 def test_kernel_variants_are_unique_and_json_serialisable():
     vs = dec.kernel_variants(32, 16)
     names = [v["name"] for v in vs]
-    assert len(names) == len(set(names)) == 48
+    assert len(names) == len(set(names)) == 52
     assert json.loads(json.dumps(vs)) == vs
     assert {v["pool_dtype"] for v in vs} == {"float32", "bfloat16"}
-    assert {v["io_dtype"] for v in vs} == {"bfloat16", "float16"}
-    assert {v["op"] for v in vs} == {"decode", "verify"}
+    assert {v["io_dtype"] for v in vs if v["op"] != "commit"} == {"bfloat16", "float16"}
+    assert {v["op"] for v in vs} == {"decode", "verify", "commit"}
+    assert {v["tile"] for v in vs if v["op"] != "commit"} == set(dec.DEFAULT_TILES.values())
 
 
 def test_bad_variants_and_targets_are_rejected():

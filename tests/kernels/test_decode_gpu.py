@@ -302,3 +302,31 @@ def test_decode_rejects_misaligned_pool_stride():
     c = make_case(2, 2, Hv, gen=gen)
     with pytest.raises(ValueError, match="pool"):
         run_decode(c, pool, torch.tensor([0, 1], dtype=torch.int32, device="cuda"), False)
+
+
+@pytest.mark.parametrize("pdt,acc_dtype", [(torch.float32, torch.int32), (torch.bfloat16, torch.int64)])
+def test_commit_copies_the_accepted_state_and_nothing_else(pdt, acc_dtype):
+    """commit_verified: pool[slot_i] = intermediate[iid_i, acc_i - 1] (bit-exact copy) for live
+    sequences with acc_i > 0; padding slots / ids and acc = 0 leave everything untouched."""
+    gen = torch.Generator(device="cuda").manual_seed(17)
+    Hv, N, D = 8, 6, 4
+    pool, base = make_pool(N + 4, Hv, pdt, gen)
+    slots = live_slots(N, N + 4, gen)
+    slot_gap = D * Hv * HD * HD + 256
+    inter_full = torch.randn((N + 2) * slot_gap, generator=gen, device="cuda").to(pdt)
+    inter = inter_full.as_strided((N + 2, D, Hv, HD, HD), (slot_gap, Hv * HD * HD, HD * HD, HD, 1))
+    iids = torch.randperm(N + 2, generator=gen, device="cuda")[:N].to(torch.int32)
+    acc = torch.tensor([1, 4, 0, 2, 3, 1], dtype=acc_dtype, device="cuda")
+    slots[5] = -1                              # padding slot
+    iids[4] = -1                               # padding intermediate id
+    before = base.clone()
+    expect = pool.clone()
+    for i in range(N):
+        if int(slots[i]) >= 0 and int(iids[i]) >= 0 and int(acc[i]) > 0:
+            expect[int(slots[i])] = inter[int(iids[i]), int(acc[i]) - 1]
+    _mod().commit_verified(pool, slots, inter, iids, acc)
+    torch.cuda.synchronize()
+    assert torch.equal(pool, expect)
+    touched = torch.zeros_like(base, dtype=torch.bool)
+    touched.as_strided(pool.shape, pool.stride())[:] = True
+    assert torch.equal(base[~touched].view(torch.uint8), before[~touched].view(torch.uint8))

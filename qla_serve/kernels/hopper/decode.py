@@ -60,6 +60,8 @@ _POOL_DTYPES = ("float32", "bfloat16")
 _IO_DTYPES = ("bfloat16", "float16")
 _GATE_DTYPES = ("float32", "bfloat16", "float16")
 _TARGETS = ("sm_90a", "sm_100a")
+_ACC_DTYPES = ("int32", "int64")
+_TORCH_INT = {torch.int32: "int32", torch.int64: "int64"}
 
 # Pass configs: the safe-memory pass would guard every pool access with `slot < S` (slot ids
 # are data), which both costs a compare per load and defeats vectorisation; ops.py validated
@@ -114,7 +116,8 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
 
     Matrix: op {decode, verify} x io dtype {bf16, fp16} x pool {fp32, bf16} x gating
     {g/beta fp32, raw a/b in the io dtype with A_log/dt_bias fp32, a/b and A_log/dt_bias in
-    the io dtype} x l2norm {off, on} = 48 variants, each with its pool dtype's default tile.
+    the io dtype} x l2norm {off, on} = 48 variants, each with its pool dtype's default tile;
+    plus 4 commit variants (pool dtype x num_accepted int32/int64).
     Other gate dtype combinations and tile overrides (TILE_OVERRIDE) compile on first use
     (JIT, same cache).
     """
@@ -127,7 +130,16 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
                     for l2 in (False, True):
                         out.append(_variant(op, num_v_heads, num_k_heads, io, pool, gating, ab,
                                             param, l2))
+    for pool in _POOL_DTYPES:
+        for acc in _ACC_DTYPES:
+            out.append(_commit_variant(num_v_heads, pool, acc))
     return out
+
+
+def _commit_variant(hv: int, pool: str, acc: str) -> dict:
+    """Variant of the commit kernel (copy of the accepted intermediate state into the slot)."""
+    return {"name": f"gdn_commit_hv{hv}_pool-{pool}_acc-{acc}", "op": "commit",
+            "num_v_heads": hv, "pool_dtype": pool, "acc_dtype": acc}
 
 
 def _check_heads(hv: int, hk: int) -> None:
@@ -431,6 +443,52 @@ def _program(variant: dict):
     return gdn_verify
 
 
+def _commit_program(variant: dict):
+    """TileLang PrimFunc of the commit kernel: for each sequence i with slot_ids[i] >= 0,
+    intermediate_ids[i] >= 0 and num_accepted[i] > 0, copy
+    ``intermediate[intermediate_ids[i], num_accepted[i] - 1]`` ([Hv, 128, 128]) into
+    ``pool[slot_ids[i]]``. Grid (4, Hv, N), 128 threads, 16-byte vectors; no host sync, so a
+    speculative step (verify + commit) stays graph-capturable."""
+    import tilelang.language as T
+
+    Hv, pdt, acc = variant["num_v_heads"], variant["pool_dtype"], variant["acc_dtype"]
+    _check_heads(Hv, 1)
+    if pdt not in _POOL_DTYPES:
+        raise ValueError(f"pool dtype: commit supports {_POOL_DTYPES}, got {pdt}")
+    if acc not in _ACC_DTYPES:
+        raise ValueError(f"num_accepted dtype: commit supports {_ACC_DTYPES}, got {acc}")
+    VEC = 4 if pdt == "float32" else 8
+    BV, NT = 32, 128
+    ROWS = NT * VEC // HEAD_DIM            # rows covered by one pass of the block
+    S, N, S2, D, sp, si0, si1 = T.dynamic("S N S2 D sp si0 si1")
+
+    @T.prim_func
+    def gdn_commit(
+        Pool: T.StridedTensor((S, Hv, HEAD_DIM, HEAD_DIM), (sp, HEAD_DIM * HEAD_DIM, HEAD_DIM, 1), pdt),
+        Slots: T.Tensor((N,), "int32"),
+        Inter: T.StridedTensor((S2, D, Hv, HEAD_DIM, HEAD_DIM),
+                               (si0, si1, HEAD_DIM * HEAD_DIM, HEAD_DIM, 1), pdt),
+        InterIds: T.Tensor((N,), "int32"),
+        Acc: T.Tensor((N,), acc),
+    ):
+        with T.Kernel(HEAD_DIM // BV, Hv, N, threads=NT) as (bv, h, i):
+            T.assume(sp % VEC == 0)
+            T.assume(si0 % VEC == 0)
+            T.assume(si1 % VEC == 0)
+            tx = T.get_thread_binding()
+            slot = Slots[i]
+            iid = InterIds[i]
+            j = T.cast(Acc[i], "int32") - 1
+            # j < D: memory safety only (ops validates num_accepted <= D).
+            if slot >= 0 and iid >= 0 and j >= 0 and j < D:
+                for p in T.unroll(BV // ROWS):
+                    for e in T.vectorized(VEC):
+                        Pool[slot, h, bv * BV + p * ROWS + tx * VEC // HEAD_DIM, (tx * VEC) % HEAD_DIM + e] = \
+                            Inter[iid, j, h, bv * BV + p * ROWS + tx * VEC // HEAD_DIM, (tx * VEC) % HEAD_DIM + e]
+
+    return gdn_commit
+
+
 # ----------------------------------------------------------------------------------------
 # Compilation and in-process cache
 # ----------------------------------------------------------------------------------------
@@ -445,7 +503,8 @@ def build(variant: dict, target: str):
 
     if target not in _TARGETS:
         raise ValueError(f"target: expected one of {_TARGETS}, got {target!r}")
-    return tilelang.compile(_program(variant), target={"kind": "cuda", "arch": target},
+    prog = _commit_program(variant) if variant.get("op") == "commit" else _program(variant)
+    return tilelang.compile(prog, target={"kind": "cuda", "arch": target},
                             execution_backend="tvm_ffi", pass_configs=dict(_PASS_CONFIGS))
 
 
@@ -597,3 +656,37 @@ def verify(q, k, v, pool, slot_ids, cu_seqlens, intermediate, intermediate_ids, 
         fn(q, k, v, a, b, A_log, dt_bias, pool, slot_ids, cu_seqlens, intermediate, intermediate_ids, out, s)
     else:
         fn(q, k, v, g, beta, g, beta, pool, slot_ids, cu_seqlens, intermediate, intermediate_ids, out, s)
+
+
+def commit_verified(pool, slot_ids, intermediate, intermediate_ids, num_accepted):
+    """In-place commit of the accepted speculative step: ``pool[slot_ids[i]] =
+    intermediate[intermediate_ids[i], num_accepted[i] - 1]`` for every sequence with
+    slot_ids[i] >= 0, intermediate_ids[i] >= 0 and num_accepted[i] > 0; other slots untouched.
+
+    pool [S, Hv, 128, 128], intermediate [S', D, Hv, 128, 128] (pool dtype), slot_ids /
+    intermediate_ids [N] int32, num_accepted [N] int32 or int64. No host sync, no allocation.
+    """
+    if slot_ids.shape[0] == 0:
+        return
+    key = ("commit", pool.device, pool.dtype, num_accepted.dtype, pool.shape[1])
+    fn = _FAST.get(key)
+    if fn is None:
+        if intermediate.dtype != pool.dtype:
+            raise TypeError(f"intermediate: expected the pool dtype {pool.dtype}, got {intermediate.dtype}")
+        pdt = _dtype_name(pool.dtype, "pool", _POOL_DTYPES)
+        acc = _TORCH_INT.get(num_accepted.dtype)
+        if acc is None:
+            raise TypeError(f"num_accepted: expected int32 or int64, got {num_accepted.dtype}")
+        idx = pool.device.index if pool.device.index is not None else torch.cuda.current_device()
+        with _BUILD_LOCK:
+            kernel = build(_commit_variant(pool.shape[1], pdt, acc), _device_target(idx))
+        fn = _FAST[key] = _raw_function(kernel)
+    if intermediate.dtype != pool.dtype:
+        raise TypeError(f"intermediate: expected the pool dtype {pool.dtype}, got {intermediate.dtype}")
+    vec = 4 if pool.dtype == torch.float32 else 8
+    if pool.stride(0) % vec or pool.data_ptr() % 16:
+        raise ValueError(f"pool: slot stride must be a multiple of {vec} elements, data 16-byte aligned")
+    if intermediate.stride(0) % vec or intermediate.stride(1) % vec or intermediate.data_ptr() % 16:
+        raise ValueError(f"intermediate: strides (0, 1) must be multiples of {vec} elements, data "
+                         f"16-byte aligned")
+    fn(pool, slot_ids, intermediate, intermediate_ids, num_accepted)
