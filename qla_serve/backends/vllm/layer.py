@@ -47,7 +47,7 @@ from qla_serve.backends import gdn_layer
 from qla_serve.backends.vllm import CONFIG_KEY, _stats
 from qla_serve.backends.vllm.plugin import resolve_backend
 
-log = logging.getLogger("qla_serve.vllm")
+log = logging.getLogger("vllm.qla_serve")  # under vLLM's logger: its handlers and format
 
 OP_NAME = "qla_serve_gdn_core"
 LAYER_NAME = "QwenGatedDeltaNetAttention"

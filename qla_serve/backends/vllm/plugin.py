@@ -14,7 +14,7 @@ import logging
 
 from qla_serve.backends.vllm import BACKENDS, CONFIG_KEY, DEFAULT_BACKEND
 
-log = logging.getLogger("qla_serve.vllm")
+log = logging.getLogger("vllm.qla_serve")  # under vLLM's logger: its handlers and format
 
 FLAG = "--linear-attn-backend"
 HELP = ("Linear-attention (Gated DeltaNet) backend: 'vllm' runs vLLM's own GDN kernels; "
