@@ -47,10 +47,14 @@ from qla_serve.kernels.reference import l2norm
 
 log = logging.getLogger("qla_serve.sglang")
 
-try:  # the base class lives in the engine; this module is imported only with sglang present
+try:  # SGLang's base class when SGLang is installed (always so under the plugin)
     from sglang.srt.layers.attention.linear.kernels.kernel_backend import LinearAttnKernelBase
-except ImportError as exc:  # pragma: no cover - guarded by the plugin entry point
-    raise ImportError("qla_serve.backends.sglang.kernel needs sglang==0.5.23 installed") from exc
+    HAVE_SGLANG = True
+except ImportError:
+    # Without SGLang the class still works on SGLang-shaped tensors: the GPU tests run it on a
+    # machine that has qla_serve's kernels but no SGLang. The plugin never gets here.
+    LinearAttnKernelBase = object
+    HAVE_SGLANG = False
 
 HEAD_DIM = 128
 

@@ -132,7 +132,7 @@ def startup_problems(phases: dict[str, bool], *, ssm_shape, ssm_dtype, device) -
                         f"state pool is {list(ssm_shape)} ([layers, slots, Hv, V, K])")
     if ssm_dtype not in (torch.float32, torch.bfloat16):
         problems.append(f"{flag}: --mamba-ssm-dtype must be float32 or bfloat16, got {ssm_dtype}")
-    if phases["prefill"] and getattr(get_exec().mamba, "enable_mamba_extra_buffer", False):
+    if phases["prefill"] and get_exec().mamba.enable_mamba_extra_buffer:
         problems.append("--linear-attn-prefill-backend flashqla: the extra_buffer radix-cache mode "
                         "needs per-chunk states from prefill, which qla_serve does not produce; "
                         "use --mamba-radix-cache-strategy no_buffer (or --disable-radix-cache), or "

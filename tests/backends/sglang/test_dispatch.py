@@ -1,0 +1,129 @@
+"""Which kernel SGLang's GDN dispatcher runs per phase, for each flag combination, and the
+start-up refusals — with the plugin loaded by SGLang's ``load_plugins()`` into the real classes.
+
+Combinations go through SGLang's own path: flags published with its server-args context,
+``resolve_linear_attn_backends()`` (what the attention registry calls), then the hooked
+``GDNKernelDispatcher``. Refusals go through the hooked ``GDNAttnBackend.__init__`` as SGLang's
+GDN test kit builds it (see test_sglang_kit.py for what the kit swaps on CPU).
+"""
+
+from __future__ import annotations
+
+import unittest
+
+import pytest
+import torch
+
+pytest.importorskip("sglang", reason="needs sglang==0.5.23 (.venv-sglang: bash scripts/setup_sglang_env.sh)")
+
+pytestmark = pytest.mark.engine
+
+Q, T = "FlashQLAGDNKernel", "TritonGDNKernel"
+
+# flags -> (decode, extend, verify) kernel class names
+COMBOS = [
+    (dict(linear_attn_backend="flashqla"), (Q, Q, Q)),
+    (dict(linear_attn_backend="flashqla", linear_attn_verify_backend="triton"), (Q, Q, T)),
+    (dict(linear_attn_backend="flashqla", linear_attn_prefill_backend="triton"), (Q, T, Q)),
+    (dict(linear_attn_backend="flashqla", linear_attn_decode_backend="triton"), (T, Q, T)),
+    (dict(linear_attn_prefill_backend="flashqla"), (T, Q, T)),
+    (dict(linear_attn_decode_backend="flashqla"), (Q, T, Q)),
+    (dict(linear_attn_decode_backend="flashqla", linear_attn_verify_backend="triton"), (Q, T, T)),
+    (dict(linear_attn_verify_backend="flashqla"), (T, T, Q)),
+    (dict(), (T, T, T)),
+]
+
+
+@pytest.mark.parametrize("flags,expected", COMBOS, ids=[",".join(f"{k[12:]}={v}" for k, v in f.items()) or "defaults"
+                                                         for f, _ in COMBOS])
+def test_flag_combination_installs_kernels(sglang_plugin, flags, expected):
+    from sglang.srt.layers.attention.linear.gdn_backend import GDNKernelDispatcher
+    from sglang.srt.layers.attention.linear.utils import resolve_linear_attn_backends
+    from sglang.srt.runtime_context import get_context
+
+    with get_context().override_server_args(**flags):
+        b = resolve_linear_attn_backends()
+        d = GDNKernelDispatcher(b.decode, b.prefill, b.verify)
+    got = tuple(type(x).__name__ for x in (d.decode_kernel, d.extend_kernel, d.verify_kernel))
+    assert got == expected
+    assert type(d.tree_verify_kernel).__name__ == T  # SGLang's tree-draft verify stays Triton
+    if Q in expected:
+        kernels = {id(x) for x in (d.decode_kernel, d.extend_kernel, d.verify_kernel) if type(x).__name__ == Q}
+        assert kernels == {id(d.qla_kernel)}, "one flashqla kernel object per dispatcher"
+        if expected[0] == Q:  # SGLang must not take its packed (Triton-only) decode route
+            assert d.supports_packed_decode is False
+    else:
+        assert not hasattr(d, "qla_kernel")
+
+
+def test_another_custom_backend_name_is_not_taken(sglang_plugin):
+    """A CUSTOM name that is not flashqla stays SGLang's business (its dispatcher raises)."""
+    from sglang.srt.layers.attention.linear.gdn_backend import GDNKernelDispatcher
+    from sglang.srt.layers.attention.linear.utils import LinearAttnKernelBackend
+    from sglang.srt.runtime_context import get_context
+
+    custom = LinearAttnKernelBackend("someone_elses")
+    assert custom.is_custom()
+    with get_context().override_server_args():
+        with pytest.raises(ValueError, match="Unsupported GDN decode backend"):
+            GDNKernelDispatcher(custom, LinearAttnKernelBackend.TRITON, None)
+
+
+def _build(kit, **case_kw):
+    import dataclasses
+    case = next(c for c in kit.make_gdn_cases("triton") if c.name == "gdn_extend_page_size_1")
+    case = dataclasses.replace(case, backend="torch_native", **case_kw)
+    return kit.build_gdn_attention_fixture(unittest.TestCase(), case, head_k_dim=128, head_v_dim=128,
+                                           device="cpu", dtype=torch.bfloat16)
+
+
+def test_startup_accepts_a_good_configuration(gdn_kit):
+    fixture = _build(gdn_kit(linear_attn_backend="flashqla"))
+    assert type(fixture.backend.linear_attn_backend.kernel_dispatcher.extend_kernel).__name__ == Q
+
+
+def test_startup_refuses_head_dim_other_than_128(gdn_kit):
+    kit = gdn_kit(linear_attn_backend="flashqla")
+    import dataclasses
+    case = dataclasses.replace(kit.make_gdn_cases("triton")[0], backend="torch_native")
+    with pytest.raises(ValueError, match="head dim 128"):
+        kit.build_gdn_attention_fixture(unittest.TestCase(), case, head_k_dim=32, head_v_dim=32,
+                                        device="cpu", dtype=torch.bfloat16)
+
+
+def test_startup_refuses_extra_buffer(gdn_kit):
+    kit = gdn_kit(linear_attn_prefill_backend="flashqla", mamba_radix_cache_strategy="extra_buffer")
+    with pytest.raises(ValueError, match="extra_buffer"):
+        _build(kit)
+
+
+def test_extra_buffer_is_fine_when_prefill_is_not_flashqla(gdn_kit):
+    kit = gdn_kit(linear_attn_decode_backend="flashqla", linear_attn_verify_backend="triton",
+                  mamba_radix_cache_strategy="extra_buffer")
+    d = _build(kit).backend.linear_attn_backend.kernel_dispatcher
+    assert (type(d.decode_kernel).__name__, type(d.extend_kernel).__name__) == (Q, T)
+
+
+def test_startup_refuses_tree_drafts_with_flashqla_verify(gdn_kit):
+    kit = gdn_kit(linear_attn_backend="flashqla", speculative_eagle_topk=4)
+    with pytest.raises(ValueError, match="tree drafts"):
+        _build(kit)
+
+
+def test_startup_refuses_a_path_that_cannot_run(gdn_kit, monkeypatch):
+    monkeypatch.setenv("QLA_SERVE_OP_PATH", "tilelang")   # TileLang kernels need a GPU
+    with pytest.raises(ValueError, match="cannot start"):
+        _build(gdn_kit(linear_attn_backend="flashqla"))
+
+
+def test_startup_problems_pool_dtype(sglang_plugin):
+    from sglang.srt.runtime_context import get_context
+
+    with get_context().override_server_args(linear_attn_backend="flashqla"):
+        phases = sglang_plugin.requested_phases()
+        assert phases == {"decode": True, "prefill": True, "verify": True}
+        ok = sglang_plugin.startup_problems(phases, ssm_shape=(3, 9, 4, 128, 128), ssm_dtype=torch.float32,
+                                            device="cpu")
+        bad = sglang_plugin.startup_problems(phases, ssm_shape=(3, 9, 4, 128, 128), ssm_dtype=torch.float16,
+                                             device="cpu")
+    assert ok == [] and len(bad) == 1 and "float32 or bfloat16" in bad[0]

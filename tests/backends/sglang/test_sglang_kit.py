@@ -1,0 +1,121 @@
+"""SGLang's own GDN test kit, driving the real backend and pool with flashqla selected.
+
+The kit (``sglang/test/kits/attention_unittest/attention_methods/gdn_attention.py``, shipped in
+the wheel) builds a mock model runner with SGLang's real ``HybridReqToTokenPool`` / mamba pool,
+the real ``GDNAttnBackend`` + ``HybridLinearAttnBackend``, a ``RadixLinearAttention`` layer and
+real ``ForwardBatch`` objects, runs the layer eagerly and compares outputs (and decode final
+states) with its own pure-torch token-by-token reference. Here the mock runner's flags select
+flashqla (so the plugin's hooks install FlashQLAGDNKernel), with head dims 128 (qla_serve's).
+
+Replaced because they cannot run on a CPU machine (see conftest.py, ``gdn_kit``): SGLang's Triton
+ops ``causal_conv1d_fn``, ``causal_conv1d_update`` and ``fused_gdn_gating`` in gdn_backend (torch
+equivalents), the full-attention backend (``torch_native`` instead of ``triton``; the kit model
+has no full-attention layer), ``torch.cuda.get/set_rng_state`` (CPU generator), and the parallel
+ranks stamped as a single rank. Everything on the GDN path between the layer and the kernel is
+SGLang's. On CPU, qla_serve's ops run their torch reference path.
+"""
+
+from __future__ import annotations
+
+import unittest
+
+import pytest
+import torch
+
+pytest.importorskip("sglang", reason="needs sglang==0.5.23 (.venv-sglang: bash scripts/setup_sglang_env.sh)")
+
+pytestmark = pytest.mark.engine
+
+FLASHQLA = dict(linear_attn_backend="flashqla")
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Counts calls into qla_serve's ops (as the kernel class reaches them)."""
+    import qla_serve
+    from qla_serve.backends.sglang import kernel as K
+
+    calls = {"gdn_prefill": 0, "gdn_decode": 0}
+    for name in calls:
+        real = getattr(qla_serve, name)
+
+        def wrapped(*a, _real=real, _name=name, **kw):
+            calls[_name] += 1
+            return _real(*a, **kw)
+        monkeypatch.setattr(K.qla_serve, name, wrapped)
+    return calls
+
+
+def _cases(kit):
+    return [dataclass_replace(c, backend="torch_native") for c in kit.make_gdn_cases("triton")]
+
+
+def dataclass_replace(case, **kw):
+    import dataclasses
+    return dataclasses.replace(case, **kw)
+
+
+def test_kit_cases_with_flashqla(gdn_kit, counted):
+    from qla_serve.backends.sglang.kernel import FlashQLAGDNKernel
+
+    kit = gdn_kit(**FLASHQLA)
+    tc = unittest.TestCase()
+    cases = _cases(kit)
+    assert {c.forward_mode.is_decode() for c in cases} == {True, False}
+    for case in cases:
+        fixture = kit.build_gdn_attention_fixture(tc, case, head_k_dim=128, head_v_dim=128,
+                                                  device="cpu", dtype=torch.bfloat16)
+        disp = fixture.backend.linear_attn_backend.kernel_dispatcher
+        for kern in (disp.decode_kernel, disp.extend_kernel, disp.verify_kernel):
+            assert isinstance(kern, FlashQLAGDNKernel), case.name
+        before = dict(counted)
+        kit.run_gdn_attention_case(tc, case, head_k_dim=128, head_v_dim=128, device="cpu",
+                                   dtype=torch.bfloat16)
+        op = "gdn_decode" if case.forward_mode.is_decode() else "gdn_prefill"
+        assert counted[op] > before[op], f"{case.name}: flashqla kernel did not run"
+    assert counted["gdn_decode"] and counted["gdn_prefill"]
+
+
+def test_kit_extend_plans_once_per_batch(gdn_kit):
+    """init_forward_metadata (hooked) plans the batch; the kernel reuses that plan."""
+    kit = gdn_kit(**FLASHQLA)
+    tc = unittest.TestCase()
+    case = next(c for c in _cases(kit) if c.name == "gdn_extend_ragged_page_boundary")
+    fixture = kit.build_gdn_attention_fixture(tc, case, head_k_dim=128, head_v_dim=128, device="cpu",
+                                              dtype=torch.bfloat16)
+    kit.run_gdn_fixture_eager(fixture)
+    linear = fixture.backend.linear_attn_backend
+    batch = linear.forward_metadata.qla_extend
+    assert batch is not None and batch.seq_lens == case.extend_lens
+    assert batch.query_start_loc is linear.forward_metadata.query_start_loc
+    assert batch.plan is not None and batch.plan.seq_lens == case.extend_lens
+    assert linear.kernel_dispatcher.extend_kernel._warned_unplanned is False
+
+
+def test_kit_catches_a_wrong_kernel(gdn_kit, monkeypatch):
+    """Control: the kit's reference does fail a kernel that is wrong (here: no q/k L2 norm)."""
+    from qla_serve.backends.sglang import kernel as K
+
+    kit = gdn_kit(**FLASHQLA)
+    monkeypatch.setattr(K, "l2norm", lambda x: x.contiguous())
+    case = next(c for c in _cases(kit) if c.name == "gdn_extend_zero_prefix_input_page_edges")
+    with pytest.raises(AssertionError):
+        kit.run_gdn_attention_case(unittest.TestCase(), case, head_k_dim=128, head_v_dim=128,
+                                   device="cpu", dtype=torch.bfloat16)
+
+
+def test_kit_pool_layout_is_what_the_kernel_assumes(gdn_kit):
+    """SGLang's pool: [layers, size+1, Hv, V, K] per layer [size+1, Hv, 128, 128]; slot 0 never
+    handed to a request (MambaSlotAllocator's free list starts at 1), which is why the kernel
+    treats 0 as padding."""
+    kit = gdn_kit(**FLASHQLA)
+    case = _cases(kit)[0]
+    fixture = kit.build_gdn_attention_fixture(unittest.TestCase(), case, head_k_dim=128, head_v_dim=128,
+                                              device="cpu", dtype=torch.bfloat16)
+    r2t = fixture.runner.req_to_token_pool
+    temporal = r2t.mamba_pool.mamba_cache.temporal
+    assert temporal.shape[1:] == (r2t.mamba_pool.size + 1, case.num_v_heads, 128, 128)
+    assert r2t.mamba2_layer_cache(0).temporal.shape == temporal.shape[1:]
+    alloc = r2t.mamba_allocator
+    alloc.clear()
+    assert int(alloc.free_slots.min()) == 1 and alloc.available_size() == r2t.mamba_pool.size
