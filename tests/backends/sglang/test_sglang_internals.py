@@ -1,0 +1,161 @@
+"""Tripwire: the SGLang 0.5.23 internals the plugin relies on, so an SGLang upgrade fails here.
+
+Checked against the installed wheel: the version; the plugin group, loader and HookRegistry
+API; the flag fields and the choice-list hook; the backend enum's CUSTOM fallback; the
+dispatcher's constructor and attributes; the kernel interface (methods, keyword arguments,
+class flags); what GDNAttnBackend passes to its kernels (call sites, by source); the metadata
+fields the plan hook reads; the pool and padding conventions.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+pytest.importorskip("sglang", reason="needs sglang==0.5.23 (.venv-sglang: bash scripts/setup_sglang_env.sh)")
+
+pytestmark = pytest.mark.engine
+
+
+def _params(fn):
+    return list(inspect.signature(fn).parameters)
+
+
+def test_version():
+    import sglang
+    from qla_serve.backends.sglang.plugin import SUPPORTED_SGLANG
+
+    assert sglang.__version__ == SUPPORTED_SGLANG == "0.5.23"
+
+
+def test_plugin_loader_and_hook_registry():
+    import sglang.srt.plugins as plugins
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    assert plugins.GENERAL_PLUGINS_GROUP == "sglang.srt.plugins"
+    assert callable(plugins.load_plugins)
+    assert _params(HookRegistry.register)[:3] == ["target", "hook", "hook_type"]
+    assert HookType.AROUND.value == "around"
+    assert hasattr(HookRegistry, "_patched")  # the tests read which targets were applied
+
+
+def test_entry_point_registered():
+    from importlib.metadata import entry_points
+
+    eps = {e.name: e.value for e in entry_points(group="sglang.srt.plugins")}
+    assert eps.get("qla_serve") == "qla_serve.backends.sglang:register", eps
+
+
+def test_flag_fields_and_choices():
+    import typing
+
+    from sglang.srt.arg_groups import choices
+    from sglang.srt.arg_groups.fields.exec_ import ExecMamba
+    from sglang.srt.layers.attention.linear.utils import LinearAttnKernelBackend
+
+    # add_linear_attn_kernel_backend_choices is the shared list's extend (decode/prefill/base).
+    assert choices.add_linear_attn_kernel_backend_choices.__self__ is choices.LINEAR_ATTN_KERNEL_BACKEND_CHOICES
+    fields = set(ExecMamba.__struct_fields__)
+    for f in ("linear_attn_backend", "linear_attn_decode_backend", "linear_attn_prefill_backend",
+              "linear_attn_verify_backend", "mamba_radix_cache_strategy"):
+        assert f in fields, f
+    assert hasattr(ExecMamba, "enable_mamba_extra_buffer")  # derived; the extra_buffer check reads it
+    hint = typing.get_type_hints(ExecMamba, include_extras=True)["linear_attn_verify_backend"]
+    assert any(isinstance(getattr(m, "choices", None), list) for m in hint.__metadata__)
+    assert LinearAttnKernelBackend("flashqla") is LinearAttnKernelBackend.CUSTOM
+
+
+def test_resolve_backends_rule():
+    """Unset verify follows decode only for flashinfer, else triton (the plugin adds flashqla)."""
+    from sglang.srt.layers.attention.linear.utils import resolve_linear_attn_backends
+    from sglang.srt.runtime_context import get_context
+
+    with get_context().override_server_args(linear_attn_backend="triton", linear_attn_decode_backend="flashinfer"):
+        assert resolve_linear_attn_backends().verify.value == "flashinfer"
+    with get_context().override_server_args(linear_attn_backend="cutedsl"):
+        assert resolve_linear_attn_backends().verify.value == "triton"
+
+
+def test_dispatcher_constructor_and_attributes():
+    from sglang.srt.layers.attention.linear.gdn_backend import GDNKernelDispatcher
+    from sglang.srt.layers.attention.linear.utils import LinearAttnKernelBackend as B
+    from sglang.srt.runtime_context import get_context
+
+    sig = inspect.signature(GDNKernelDispatcher.__init__)
+    assert list(sig.parameters) == ["self", "decode_backend", "prefill_backend", "verify_backend"]
+    assert sig.parameters["verify_backend"].default is None
+    with get_context().override_server_args():
+        d = GDNKernelDispatcher(B.TRITON, B.TRITON, B.TRITON)
+    for attr in ("decode_kernel", "extend_kernel", "verify_kernel", "tree_verify_kernel",
+                 "verify_kernel_is_flashinfer", "supports_packed_decode"):
+        assert hasattr(d, attr), attr
+    # The dispatcher forwards to these kernel methods with these names.
+    src = inspect.getsource(GDNKernelDispatcher)
+    for call in ("self.decode_kernel.decode(", "self.extend_kernel.extend(", "verify_kernel.target_verify(",
+                 "self.decode_kernel.packed_decode("):
+        assert call in src, call
+    with pytest.raises(ValueError, match="Unsupported GDN decode backend"):
+        with get_context().override_server_args():
+            GDNKernelDispatcher(B("not_a_backend"), B.TRITON)
+
+
+def test_kernel_interface():
+    from sglang.srt.layers.attention.linear.kernels.kernel_backend import LinearAttnKernelBase
+
+    assert LinearAttnKernelBase.__abstractmethods__ == frozenset({"decode", "extend"})
+    assert _params(LinearAttnKernelBase.decode) == ["self", "q", "k", "v", "a", "b", "A_log", "dt_bias",
+                                                    "ssm_states", "cache_indices", "query_start_loc", "kwargs"]
+    assert _params(LinearAttnKernelBase.extend) == ["self", "q", "k", "v", "g", "beta", "ssm_states",
+                                                    "cache_indices", "query_start_loc", "kwargs"]
+    assert _params(LinearAttnKernelBase.target_verify) == ["self", "A_log", "dt_bias", "q", "k", "v", "a", "b",
+                                                           "ssm_states", "cache_indices", "query_start_loc",
+                                                           "kwargs"]
+    for flag in ("uses_state_checkpoints", "supports_strided_target_verify_qkv",
+                 "supports_track_state_snapshot", "supports_fused_chain_verify"):
+        assert getattr(LinearAttnKernelBase, flag) is False, flag
+
+
+def test_backend_call_sites():
+    """What GDNAttnBackend hands the kernels: the keyword names the kernel class reads."""
+    from sglang.srt.layers.attention.linear import gdn_backend
+
+    src = inspect.getsource(gdn_backend.GDNAttnBackend)
+    # extend: fp32 gates from fused_gdn_gating, output buffer, extra_buffer snapshot args
+    for kw in ("g=g,", "beta=beta,", "cache_indices=state_cache_indices,", "query_start_loc=query_start_loc,",
+               'output=kwargs.get("linear_attn_output")', "track_state=h_track_buf,"):
+        assert kw in src, kw
+    # verify: per-draft state buffer and its indices, tree parent pointers
+    for kw in ("intermediate_states_buffer=intermediate_state_cache,",
+               "intermediate_state_indices=intermediate_state_indices,",
+               "cache_steps=forward_batch.spec_info.draft_token_num,",
+               "retrieve_parent_token=retrieve_parent_token,"):
+        assert kw in src, kw
+    # decode: [1, bs, H, D] views of the split conv output
+    assert "query = query.view(1, bs, layer.num_q_heads, layer.head_q_dim)" in src
+    assert _params(gdn_backend.GDNAttnBackend.__init__) == ["self", "model_runner"]
+    assert _params(gdn_backend.GDNAttnBackend.init_forward_metadata) == ["self", "forward_batch"]
+    # MIS (inplace_update=False) is refused for non-triton prefill by SGLang itself
+    assert "requires the Triton linear-attention prefill" in inspect.getsource(gdn_backend.validate_gdn_mis_backend)
+
+
+def test_forward_metadata_fields():
+    import dataclasses
+
+    from sglang.srt.layers.attention.mamba.mamba2_metadata import ForwardMetadata
+
+    names = {f.name for f in dataclasses.fields(ForwardMetadata)}
+    assert {"query_start_loc", "mamba_cache_indices", "has_mamba_track_mask"} <= names
+    assert not hasattr(ForwardMetadata, "__slots__")  # the plan hook attaches qla_extend to it
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    assert "extend_seq_lens_cpu" in {f.name for f in dataclasses.fields(ForwardBatch)}
+
+
+def test_pool_and_padding_conventions():
+    from sglang.srt.layers.attention import hybrid_linear_attn_backend as h
+    from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator
+
+    assert "torch.arange(\n            1, self.size + 1" in inspect.getsource(MambaSlotAllocator.clear)
+    src = inspect.getsource(h.MambaAttnBackendBase)
+    assert "mamba_indices[bs - num_padding :] = -1" in src       # CUDA-graph padding rows
+    assert "padding slot 0" in src                              # eager padding rows
