@@ -13,7 +13,7 @@ import inspect
 
 import pytest
 
-pytest.importorskip("vllm", reason="vllm is not installed (run scripts/setup_vllm_env.sh; tests use .venv-vllm)")
+pytest.importorskip("vllm.engine.arg_utils", reason="vllm is not installed (run scripts/setup_vllm_env.sh; tests use .venv-vllm)")
 
 import importlib.metadata as md  # noqa: E402
 

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("vllm", reason="vllm is not installed (run scripts/setup_vllm_env.sh; tests use .venv-vllm)")
+pytest.importorskip("vllm.engine.arg_utils", reason="vllm is not installed (run scripts/setup_vllm_env.sh; tests use .venv-vllm)")
 
-from conftest import engine_env, run_jobs  # noqa: E402
+from vllm_helpers import engine_env, run_jobs  # noqa: E402
 
 MAX_TOKENS = 12
 pytestmark = pytest.mark.engine

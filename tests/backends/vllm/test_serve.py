@@ -21,9 +21,9 @@ import urllib.request
 
 import pytest
 
-pytest.importorskip("vllm", reason="vllm is not installed (run scripts/setup_vllm_env.sh; tests use .venv-vllm)")
+pytest.importorskip("vllm.engine.arg_utils", reason="vllm is not installed (run scripts/setup_vllm_env.sh; tests use .venv-vllm)")
 
-from conftest import engine_env  # noqa: E402
+from vllm_helpers import engine_env  # noqa: E402
 
 from qla_serve.backends.vllm._stats import read_all  # noqa: E402
 
