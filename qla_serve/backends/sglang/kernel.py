@@ -43,7 +43,6 @@ from dataclasses import dataclass
 import torch
 
 import qla_serve
-from qla_serve.kernels.reference import l2norm
 
 log = logging.getLogger("qla_serve.sglang")
 
@@ -57,6 +56,13 @@ except ImportError:
     HAVE_SGLANG = False
 
 HEAD_DIM = 128
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum x^2 + eps) over the last dim, summed in fp32 (as SGLang's Triton kernels do),
+    returned contiguous in x's dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def _slots(cache_indices: torch.Tensor) -> torch.Tensor:
@@ -194,7 +200,7 @@ class FlashQLAGDNKernel(LinearAttnKernelBase):
             o[0, n:].zero_()
         # SGLang's Triton path normalises q and k inside its kernel; gdn_prefill takes them
         # normalised (one extra pass over q/k, fused once the prefill kernel grows the flag).
-        qn, kn = l2norm(q3[:n]), l2norm(k3[:n])
+        qn, kn = _l2norm(q3[:n]), _l2norm(k3[:n])
         qla_serve.gdn_prefill(qn, kn, v3[:n], g2[:n].float(), beta2[:n].float(), ssm_states,
                               _slots(cache_indices), batch.plan_for(Hv, Hk), out=o[0, :n])
         return o, None, None
