@@ -201,17 +201,29 @@ def _run_spec(device, io_dtype, pool_dtype, with_prefill, seed=1):
             assert torch.equal(ssm[s], ssm0[s]), f"ssm slot {s} changed"
 
 
-def test_nonspec_mixed_batch_cpu():
-    _run_nonspec("cpu", torch.float32, torch.float32)
-
-
-def test_nonspec_bf16_pool_cpu():
-    _run_nonspec("cpu", torch.float32, torch.bfloat16)
+@pytest.mark.parametrize("io_dtype,pool_dtype", [(torch.float32, torch.float32),
+                                                 (torch.float32, torch.bfloat16),
+                                                 (torch.bfloat16, torch.float32)])
+def test_nonspec_mixed_batch_cpu(io_dtype, pool_dtype):
+    _run_nonspec("cpu", io_dtype, pool_dtype)
 
 
 @pytest.mark.parametrize("with_prefill", [False, True])
-def test_spec_batch_cpu(with_prefill):
-    _run_spec("cpu", torch.float32, torch.float32, with_prefill)
+@pytest.mark.parametrize("io_dtype", [torch.float32, torch.bfloat16])
+def test_spec_batch_cpu(with_prefill, io_dtype):
+    _run_spec("cpu", io_dtype, torch.float32, with_prefill)
+
+
+def test_step_plan_reuses_host_parts():
+    """A step with the same prefill lengths takes the previous step's plan and conv indices."""
+    kw = dict(num_actual_tokens=5, num_v_heads=HV, num_k_heads=HK, conv_width=W, device="cpu",
+              prefill_lens=[3, 2], prefill_slots=torch.tensor([1, 2], dtype=torch.int32),
+              prefill_has_initial_state=torch.tensor([True, False]))
+    first = GL.make_step_plan(**kw)
+    again = GL.make_step_plan(**kw, reuse=first)
+    assert again.prefill_plan is first.prefill_plan and again.prefill_conv is first.prefill_conv
+    other = GL.make_step_plan(**{**kw, "prefill_lens": [4, 1]}, reuse=first)
+    assert other.prefill_plan is not first.prefill_plan and other.prefill_plan.seq_lens == (4, 1)
 
 
 def test_prefill_conv_index_layout():

@@ -8,7 +8,8 @@ Hook points (vLLM 0.32/0.33 internals, checked by tests/backends/vllm/test_hooks
 * ``get_attn_backend``: with flashqla the layer's KV-cache group gets a metadata builder
   subclass whose ``build`` (once per step per group) turns vLLM's metadata and CPU-side lengths
   into a :class:`qla_serve.backends.gdn_layer.StepPlan`, attached to the metadata object that
-  every GDN layer of the group reads. Identical step shapes reuse the previous plan.
+  every GDN layer of the group reads. Groups built in the same step (and consecutive steps with
+  the same prefill lengths) share one PrefillPlan.
 * One custom op, ``torch.ops.vllm.qla_serve_gdn_core`` (``direct_register_custom_op``), holds
   the layer's work between the projections (conv, gating, recurrence, state updates), so
   torch.compile and piecewise CUDA graphs treat it as opaque, like vLLM's own core op.
@@ -109,7 +110,6 @@ class QlaGDNMetadataBuilder(GDNAttentionMetadataBuilder):
         self.qla_num_v_heads = text.linear_num_value_heads // tp
         self.qla_num_k_heads = text.linear_num_key_heads // tp
         self.qla_conv_width = text.linear_conv_kernel_dim
-        self._qla_last = None  # (key, StepPlan): consecutive steps with equal shapes share it
 
     def build(self, common_prefix_len, common_attn_metadata, *args, **kwargs):
         md = super().build(common_prefix_len, common_attn_metadata, *args, **kwargs)
@@ -141,7 +141,10 @@ class QlaGDNMetadataBuilder(GDNAttentionMetadataBuilder):
                 resumed = sum(1 for s, n in zip(seq, prefill_lens) if n > 0 and s > n)
         Ns = md.num_spec_decodes
         mixed_spec = Ns > 0 and (md.num_prefills > 0 or md.num_decodes > 0)
-        key = (md.num_actual_tokens, Td, prefill_lens, Ns, md.num_spec_decode_tokens)
+        # GDN layers may sit in several KV-cache groups (one builder each) that all build in the
+        # same step with the same lengths: they share one PrefillPlan through _LAST_STEP.
+        key = (prefill_lens, self.qla_num_v_heads, self.qla_num_k_heads, self.qla_conv_width, str(self.device))
+        last = _LAST_STEP.get("step") if _LAST_STEP.get("key") == key else None
         step = gdn_layer.make_step_plan(
             num_actual_tokens=md.num_actual_tokens, num_v_heads=self.qla_num_v_heads,
             num_k_heads=self.qla_num_k_heads, conv_width=self.qla_conv_width, device=self.device,
@@ -156,10 +159,16 @@ class QlaGDNMetadataBuilder(GDNAttentionMetadataBuilder):
             spec_token_idx=md.spec_token_indx if mixed_spec else None,
             non_spec_token_idx=md.non_spec_token_indx if mixed_spec else None,
             null_slot=NULL_BLOCK_ID,
-            reuse=self._qla_last[1] if self._qla_last and self._qla_last[0] == key else None)
+            reuse=last)
         step.info["resumed_prefills"] = resumed
-        self._qla_last = (key, step)
+        if step.prefill_plan is not None:
+            if _stats.enabled() and (last is None or last.prefill_plan is not step.prefill_plan):
+                _stats.hit("qla:prefill_plans")
+            _LAST_STEP.update(key=key, step=step)
         return step
+
+
+_LAST_STEP: dict = {}  # the last step's host-built prefill parts, shared across KV-cache groups
 
 
 class QlaGDNAttentionBackend(GDNAttentionBackend):
@@ -242,6 +251,7 @@ class QlaQwenGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         if counting:
             _stats.hit("qla:calls")
             if step.num_prefills:
+                _stats.hit("qla:prefill_layer_calls")
                 _stats.hit("qla:resumed_prefill", step.info.get("resumed_prefills", 0))
             if step.num_spec_decodes and step.num_accepted.device.type == "cpu":
                 # Tokens accepted in the previous step (> rows when drafts were accepted).

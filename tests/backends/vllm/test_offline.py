@@ -70,6 +70,8 @@ def test_flashqla_fp32_greedy_equals_transformers(runs, job, ref):
     c = got["counts"]
     assert c.get("qla:prefill", 0) > 0 and c.get("qla:decode", 0) > 0, c
     assert c.get("qla:resumed_prefill", 0) > 0, f"no chunked prefill resumed from its state: {c}"
+    # One PrefillPlan per step, shared by the 3 GDN layers (not one per layer).
+    assert 0 < 3 * c["qla:prefill_plans"] <= c["qla:prefill_layer_calls"], c
     assert _stock(c) == {}, f"vLLM's own GDN path ran: {c}"
 
 
