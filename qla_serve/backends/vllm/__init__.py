@@ -32,11 +32,19 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from qla_serve.backends.vllm import _stats, layer, plugin
+    from qla_serve.backends.vllm import _stats, plugin
 
     plugin.patch_engine_args()
-    layer.install()
-    if _stats.enabled():
+    try:
+        from qla_serve.backends.vllm import layer
+        layer.install()
+    except Exception as exc:
+        # A vLLM whose GDN internals moved: keep vLLM usable with its own backend, and make a
+        # flashqla request fail at start-up with this reason (plugin.create_engine_config).
+        plugin.INSTALL_ERROR = f"{type(exc).__name__}: {exc}"
+        plugin.log.error("qla_serve: the flashqla GDN backend could not be installed into this "
+                         "vLLM (%s); --linear-attn-backend flashqla will be refused", plugin.INSTALL_ERROR)
+    if _stats.enabled() and plugin.INSTALL_ERROR is None:
         _stats.install_stock_counters()
     _registered = True
 

@@ -15,6 +15,7 @@ import logging
 from qla_serve.backends.vllm import BACKENDS, CONFIG_KEY, DEFAULT_BACKEND
 
 log = logging.getLogger("vllm.qla_serve")  # under vLLM's logger: its handlers and format
+INSTALL_ERROR: str | None = None  # why the layer hooks could not be installed, if they could not
 
 FLAG = "--linear-attn-backend"
 HELP = ("Linear-attention (Gated DeltaNet) backend: 'vllm' runs vLLM's own GDN kernels; "
@@ -66,6 +67,10 @@ def patch_engine_args() -> None:
     def create_engine_config(self, *args, **kwargs):
         backend = resolve_backend(self.additional_config)
         if backend != DEFAULT_BACKEND:
+            if INSTALL_ERROR is not None:
+                raise RuntimeError(f"linear_attn_backend={backend} cannot run: qla_serve's vLLM "
+                                   f"hooks failed to install ({INSTALL_ERROR}); see docs/vllm.md "
+                                   "for the supported vLLM versions")
             log.info("qla_serve: linear_attn_backend=%s requested", backend)
         return orig_create(self, *args, **kwargs)
 

@@ -131,6 +131,17 @@ def test_registration_is_idempotent(registered):
     assert all(p.annotation is not inspect.Parameter.empty for p in hints.values())
 
 
+def test_failed_install_refuses_flashqla(registered, monkeypatch):
+    """A vLLM whose internals moved keeps its own backend; a flashqla request says why it fails."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from qla_serve.backends.vllm import plugin
+    assert plugin.INSTALL_ERROR is None
+    monkeypatch.setattr(plugin, "INSTALL_ERROR", "ImportError: cannot import name 'X'")
+    with pytest.raises(RuntimeError, match=r"flashqla cannot run: qla_serve's vLLM hooks failed to install \(ImportError"):
+        EngineArgs(model="m", additional_config={"linear_attn_backend": "flashqla"}).create_engine_config()
+
+
 def test_entry_point_is_declared():
     eps = {e.value for e in md.entry_points(group="vllm.general_plugins")}
     assert "qla_serve.backends.vllm:register" in eps, (
