@@ -45,6 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--v-split", default="auto", help="qla_serve v_split: auto (planner) or 1/2/4")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--graph-calls", type=int, default=5)
+    parser.add_argument("--breakdown", action="store_true", help="also time qla_serve's prep and main kernels apart")
     parser.add_argument("--check", action="store_true", help="also report qla_serve vs FLA rel. L2 difference")
     parser.add_argument("--json", default=None)
     parser.add_argument("--md", default=None)
@@ -123,7 +124,7 @@ def _host_ms(fn, reps, gpu_ms):
     return host, max(0.0, wall - gpu_ms)
 
 
-def _qla_fn(lens, hk, hv, data, v_split):
+def _qla_fn(lens, hk, hv, data, v_split, stages="prep,main"):
     import dataclasses
 
     import torch
@@ -145,7 +146,8 @@ def _qla_fn(lens, hk, hv, data, v_split):
 
     def fn():
         # the pool's states evolve from call to call; they stay bounded (the update is contractive)
-        mod.prefill(q, k, v, g, beta, pool, slots, plan, has_initial_state=None, scale=128**-0.5, out=out)
+        kw = {} if stages == "prep,main" else {"_stages": stages}
+        mod.prefill(q, k, v, g, beta, pool, slots, plan, has_initial_state=None, scale=128**-0.5, out=out, **kw)
 
     pool.copy_(h0)
     return fn, out, pool, plan
@@ -200,6 +202,10 @@ def run(args) -> int:
                     if impl == "qla":
                         fn, qla_out, _, plan = _qla_fn(lens, hk, hv, data, args.v_split)
                         rec["qla_plan"] = f"{plan.strategy}/vs{plan.v_split}"
+                        if args.breakdown:
+                            for st in ("prep", "main"):
+                                f2 = _qla_fn(lens, hk, hv, data, args.v_split, st)[0]
+                                rec[f"qla_{st}_gpu_ms"] = round(_gpu_time_ms(f2, args.reps, args.graph_calls)[0], 4)
                     else:
                         fn, res = _fla_fn(lens, data, impl)
                     gpu, how = _gpu_time_ms(fn, args.reps, args.graph_calls)

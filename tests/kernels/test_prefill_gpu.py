@@ -43,11 +43,11 @@ def rel(x, ref):
 def make_case(lens, Hk, Hv, *, io=torch.bfloat16, gen, dev="cuda"):
     T = sum(lens)
     width = (2 * Hk + Hv) * HD + 64
-    proj = torch.randn(max(T, 1), width, generator=gen, device=dev)[:T]
+    proj = torch.randn(T, width, generator=gen, device=dev)
     q = reference.l2norm(proj[:, : Hk * HD].view(T, Hk, HD))
     k = reference.l2norm(proj[:, Hk * HD: 2 * Hk * HD].view(T, Hk, HD))
-    proj[:, : Hk * HD] = q.reshape(T, -1)
-    proj[:, Hk * HD: 2 * Hk * HD] = k.reshape(T, -1)
+    proj[:, : Hk * HD] = q.reshape(T, Hk * HD)
+    proj[:, Hk * HD: 2 * Hk * HD] = k.reshape(T, Hk * HD)
     proj = proj.to(io)
     q = proj[:, : Hk * HD].view(T, Hk, HD)
     k = proj[:, Hk * HD: 2 * Hk * HD].view(T, Hk, HD)
@@ -164,16 +164,22 @@ def test_long(L, v_split):
     print(f"len {L} v_split {v_split}: o {e[0]:.2e} state {e[1]:.2e}")
 
 
+# (heads, pool dtype, v_split) combinations of the loop: those the tests above compile already
+# (compiling is the dominant cost on the device), i.e. every head pair and pool with v_split 1
+# and the 2/8 pair with v_split 2 and 4.
+LOOP_COMBOS = [(h, p, 1) for h in HEADS for p in (torch.float32, torch.bfloat16)] + [
+    ((2, 8), p, vs) for p in (torch.float32, torch.bfloat16) for vs in (2, 4)]
+
+
 def test_randomized_loop():
     """200 iterations of random small batches (heads, lengths, pool dtype, v_split, padding)."""
     rng = random.Random(1234)
     worst = [0.0, 0.0]
     for it in range(200):
-        Hk, Hv = rng.choice(HEADS)
+        (Hk, Hv), pool_dtype, vs = rng.choice(LOOP_COMBOS)
         N = rng.randint(1, 8)
         lens = [rng.choice([0, 1, rng.randint(1, 200)]) for _ in range(N)]
-        e = run_case(lens, Hk, Hv, pool_dtype=rng.choice([torch.float32, torch.bfloat16]),
-                     v_split=rng.choice([1, 2, 4]), seed=10_000 + it, pad_frac=0.15)
+        e = run_case(lens, Hk, Hv, pool_dtype=pool_dtype, v_split=vs, seed=10_000 + it, pad_frac=0.15)
         worst = [max(worst[0], e[0]), max(worst[1], e[1])]
     print(f"randomized loop worst: o {worst[0]:.2e} state {worst[1]:.2e}")
 

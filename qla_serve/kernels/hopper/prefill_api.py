@@ -1,11 +1,12 @@
 """GDN chunked prefill on Hopper (sm_90a): host side.
 
 Two TileLang kernels per call (see prefill_prep.py and prefill_main.py for the math):
-  1. prep  grid (chunks, Hv):          gcum [T, Hv] fp32, M = (Gamma o A) diag(beta) [T, Hv, 64] fp16
-  2. main  grid (v_split, Hv, N):      the sequential chunk walk with the state in registers,
-                                       pool slots read and written in place, every output row written.
-The only HBM intermediates are gcum and M (T * Hv * 132 bytes); W, U, V' and per-chunk states
-never leave the SM.
+  1. prep  grid (chunks, Hv):      per chunk gate cumsum gc, M = (Gamma o A) diag(beta) and
+                                   P = scale Lower(Gamma) o Q K^T (all state-free, fully parallel)
+  2. main  grid (v_split, Hv, N):  the sequential chunk walk with the state in registers, pool
+                                   slots read and written in place, every output row written.
+The HBM intermediates are gc, M and P (16.25 KB per chunk and head); W, U, V' and the per-chunk
+states never leave the SM.
 
 Strategies this module implements (the planner may only pick these): "plain" (v_split 1) and
 "vsplit" (v_split 2 or 4: the value dimension of each head split across CTAs; exact, same bits
@@ -108,19 +109,20 @@ def build(variant: dict, target: str = ARCH):
 
 
 def _plan_scratch(plan, hv: int, device):
-    """(number of chunks, gcum [T, Hv] fp32, M [T, Hv, 64] fp16) for this plan, allocated once per
-    plan and head count and kept in plan.kernel_cache: every GDN layer of a step reuses them."""
+    """(number of chunks NC, gbuf [NC, Hv, 64] fp32, M and P [NC, Hv, 64, 64] fp16) for this plan,
+    allocated once per plan and head count and kept in plan.kernel_cache: every GDN layer of a
+    step reuses them (stage 1 rewrites them in full before stage 2 reads them)."""
     cache = getattr(plan, "kernel_cache", None)
     key = ("hopper_prefill_ws", hv)
     hit = cache.get(key) if cache is not None else None
     if hit is not None:
         return hit
-    ntok = sum(int(L) for L in plan.seq_lens)
     nchunks = sum((int(L) + CHUNK - 1) // CHUNK for L in plan.seq_lens)
-    rows = max(ntok, 1)  # TMA descriptors need a non-empty tensor; row 0 is never read when T == 0
-    gcum = torch.empty((rows, hv), dtype=torch.float32, device=device)
-    mbuf = torch.empty((rows, hv, CHUNK), dtype=torch.float16, device=device)
-    hit = (nchunks, gcum, mbuf)
+    rows = max(nchunks, 1)  # stage 2 never reads row 0 when there are no chunks
+    gbuf = torch.empty((rows, hv, CHUNK), dtype=torch.float32, device=device)
+    mbuf = torch.empty((rows, hv, CHUNK, CHUNK), dtype=torch.float16, device=device)
+    pbuf = torch.empty((rows, hv, CHUNK, CHUNK), dtype=torch.float16, device=device)
+    hit = (nchunks, gbuf, mbuf, pbuf)
     if cache is not None:
         cache[key] = hit
     return hit
@@ -137,7 +139,7 @@ def _check_tma_strides(**tensors) -> None:
 
 
 def _fn(variant: dict, short_key: tuple):
-    fn = build(variant, ARCH).torch_function
+    fn = build(variant, short_key[-1]).torch_function
     _fns[short_key] = fn
     return fn
 
@@ -150,7 +152,8 @@ def _flags_dummy(device) -> torch.Tensor:
     return t
 
 
-def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale, out) -> None:
+def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale, out, _stages="prep,main",
+            _target=ARCH) -> None:
     """Chunked GDN prefill, in place on the pool (contract: qla_serve/kernels/__init__ and DESIGN.md).
 
     q, k [T, Hk, 128], v [T, Hv, 128] bf16/fp16 (last dim contiguous), g, beta [T, Hv] fp32
@@ -158,7 +161,8 @@ def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale,
     has_initial_state [N] bool or None, plan: PrefillPlan (cu_seqlens, chunk_offsets on device;
     strategy "plain"/"vsplit" with v_split), out [T, Hv, 128] q's dtype, fully written.
     Sequences with slot < 0 run from a zero state: their rows of `out` are computed, the pool is
-    neither read nor written for them.
+    neither read nor written for them. ``_stages`` (benchmarks only) runs "prep" or "main" alone;
+    ``_target`` is the compile target ("sm_100a" from qla_serve.kernels.blackwell).
     """
     strategy = getattr(plan, "strategy", "plain")
     if strategy not in SUPPORTED_STRATEGIES:
@@ -171,8 +175,9 @@ def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale,
     hk, hv = k.shape[1], v.shape[1]
     io = _TORCH_TO_TL[q.dtype]
     pool_dt = _TORCH_TO_TL[pool.dtype]
-    kp = _fns.get((hv, hk, io)) or _fn(prep_variant(hv, hk, io), (hv, hk, io))
-    km = _fns.get((hv, hk, io, pool_dt, vs)) or _fn(main_variant(hv, hk, io, pool_dt, vs), (hv, hk, io, pool_dt, vs))
+    kp = _fns.get((hv, hk, io, _target)) or _fn(prep_variant(hv, hk, io), (hv, hk, io, _target))
+    kk = (hv, hk, io, pool_dt, vs, _target)
+    km = _fns.get(kk) or _fn(main_variant(hv, hk, io, pool_dt, vs), kk)
     if scale is None:
         scale = 128**-0.5
     if has_initial_state is None:
@@ -181,14 +186,16 @@ def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale,
         flags, all_init = has_initial_state.view(torch.uint8), 0
     if nseq == 0:
         return
-    nchunks, gcum, mbuf = _plan_scratch(plan, hv, q.device)
+    nchunks, gbuf, mbuf, pbuf = _plan_scratch(plan, hv, q.device)
     if ntok == 0:  # only empty sequences: nothing to compute, final state = initial state
         q, k, v, out, g, beta = (_one_row(x) for x in (q, k, v, out, g, beta))
     else:
         _check_tma_strides(q=q, k=k, v=v)
-    if nchunks > 0:
-        kp(k, g, beta, plan.cu_seqlens, plan.chunk_offsets, gcum, mbuf, nchunks)
-    km(q, k, v, gcum, mbuf, pool, slot_ids, flags, plan.cu_seqlens, out, float(scale), all_init)
+    if nchunks > 0 and "prep" in _stages:  # _stages: benchmarks time the two kernels apart
+        kp(q, k, g, beta, plan.cu_seqlens, plan.chunk_offsets, gbuf, mbuf, pbuf, float(scale))
+    if "main" in _stages:
+        km(q, k, v, gbuf, mbuf, pbuf, pool, slot_ids, flags, plan.cu_seqlens, plan.chunk_offsets, out,
+           float(scale), all_init)
 
 
 def _one_row(x):

@@ -2,18 +2,22 @@
 
 Grid: one CTA per (sequence s, v-head h, value slice vb) with the state slice
 S[:, vb*BV:(vb+1)*BV] (K-first, [128, BV], fp32) held in registers for the whole sequence:
-W, U, V' and the per-chunk states never reach HBM. BV = 128 / v_split; 256 threads for BV = 128
-(two warpgroups, 64 state registers each), 128 threads otherwise.
+W, U, V' and the per-chunk states never reach HBM. BV = 128 / v_split; the consumer is 256
+threads for BV = 128 (two warpgroups, 64 state registers each), 128 otherwise. The chunk loop is
+a T.Pipelined loop (2 stages): TileLang splits the CTA into a TMA producer (q, k, v tiles and
+stage 1's gc, M, P tiles, one mbarrier pair per buffer) and the consumer warpgroup(s).
 
-Per chunk (n <= 64 valid rows, rows >= n are zero-padded so every GEMM is full size), with
-gamma = exp(gc) from stage 1 and Ms = fp16 copy of the state:
+Per chunk (n <= 64 valid rows; tiles are loaded whole: rows >= n are the next sequence's or
+zero-filled past T, and only meet zero weights: M is lower triangular, dec = 0 there, W is
+masked), with gc, M, P from stage 1 (prefill_prep.py) and Ms = fp16 copy of the state:
   U     = K Ms                          [64, BV]
-  W     = V - diag(gamma) U             -> fp16 smem
-  V'    = M W                           (M = (Gamma o A) diag(beta) from stage 1)
-  O     = scale (diag(gamma) Q Ms + (Lower(Gamma) o Q K^T) V')
-  S    <- gamma_last S + K^T diag(gamma_last / gamma) V'     (rows >= n weighted 0)
-All GEMM operands are fp16 with fp32 accumulation (q/k/v are converted on load when io is bf16);
-see prefill_prep.py for why fp16 and not bf16.
+  W     = V - diag(exp(gc)) U           -> fp16 smem (rows >= n zeroed)
+  V'    = M W                           (M = (Gamma o A) diag(beta))
+  O     = scale diag(exp(gc)) Q Ms + P V'   (P = scale Lower(Gamma) o Q K^T)
+  S    <- gamma_last S + K^T diag(gamma_last / gamma) V'     (dec = 0 for rows >= n)
+All GEMM operands are fp16 with fp32 accumulation (q/k are converted in shared memory when io is
+bf16); see prefill_prep.py for why fp16 and not bf16. Shared memory at BV = 128 is 225 KB (of
+227 KB): W and V' share a buffer.
 
 Initial state: pool[slot_ids[s], h, vslice, :] (V-first, fp32 or bf16) read in place when
 slot >= 0 and has_initial_state[s]; otherwise zeros (padding slots, slot < 0, run from a zero
@@ -43,6 +47,7 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
     nseq = T.dynamic("nseq")
     nslot = T.dynamic("nslot")
     nhis = T.dynamic("nhis")
+    nchunk = T.dynamic("nchunk")
     sq0, sq1 = T.dynamic("sq0"), T.dynamic("sq1")
     sk0, sk1 = T.dynamic("sk0"), T.dynamic("sk1")
     sv0, sv1 = T.dynamic("sv0"), T.dynamic("sv1")
@@ -58,12 +63,14 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
         q: T.StridedTensor((ntok, Hk, DK), (sq0, sq1, 1), io_dtype),
         k: T.StridedTensor((ntok, Hk, DK), (sk0, sk1, 1), io_dtype),
         v: T.StridedTensor((ntok, Hv, DV), (sv0, sv1, 1), io_dtype),
-        gcum: T.Tensor((ntok, Hv), "float32"),
-        mbuf: T.Tensor((ntok, Hv, C), mm),
+        gbuf: T.Tensor((nchunk, Hv, C), "float32"),
+        mbuf: T.Tensor((nchunk, Hv, C, C), mm),
+        pbuf: T.Tensor((nchunk, Hv, C, C), mm),
         pool: T.StridedTensor((nslot, Hv, DV, DK), (sp0, DV * DK, DK, 1), pool_dtype),
         slot_ids: T.Tensor((nseq,), "int32"),
         has_init: T.Tensor((nhis,), "uint8"),
         cu_seqlens: T.Tensor((nseq + 1,), "int32"),
+        chunk_offsets: T.Tensor((nseq + 1,), "int32"),
         out: T.StridedTensor((ntok, Hv, DV), (so0, so1, 1), io_dtype),
         scale: T.float32,
         all_init: T.int32,
@@ -89,10 +96,10 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
             h_f = T.alloc_fragment((DK, BV), acc)
             u_f = T.alloc_fragment((C, BV), acc)
             o_f = T.alloc_fragment((C, BV), acc)
-            p_f = T.alloc_fragment((C, C), acc)
 
             bos = cu_seqlens[s]
             eos = cu_seqlens[s + 1]
+            coff = chunk_offsets[s]
             slot = slot_ids[s]
             load = T.alloc_var("int32")
             load = 0
@@ -116,27 +123,28 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
                 # Bulk tile loads, unmasked: rows >= n (next sequence, or zero-filled past T) are
                 # finite and only ever meet zero weights below (M columns, dec, the causal mask),
                 # except W, which is masked explicitly.
+                cidx = coff + c
                 T.copy(q[t0:t0 + C, hk, 0:DK], qr_s)
                 T.copy(k[t0:t0 + C, hk, 0:DK], kr_s)
                 T.copy(v[t0:t0 + C, h, v0:v0 + BV], vr_s)
-                T.copy(mbuf[t0:t0 + C, h, 0:C], m_s)
+                T.copy(gbuf[cidx, h, 0:C], gc_s)
+                T.copy(mbuf[cidx, h, 0:C, 0:C], m_s)
+                T.copy(pbuf[cidx, h, 0:C, 0:C], p_s)
                 if convert:
                     for i, d in T.Parallel(C, DK):
                         q_s[i, d] = T.cast(qr_s[i, d], mm)
                         k_s[i, d] = T.cast(kr_s[i, d], mm)
-                for i in T.Parallel(C):
-                    gc_s[i] = T.if_then_else(i < n, gcum[t0 + i, h], 0.0)
                 for d, j in T.Parallel(DK, BV):
                     hs_s[d, j] = T.cast(h_f[d, j], mm)
                 for i in T.Parallel(C):
-                    gam_s[i] = T.exp(gc_s[i])
-                    dec_s[i] = T.if_then_else(i < n, T.exp(gcum[t0 + n - 1, h] - gc_s[i]), 0.0)
+                    gam_s[i] = T.exp(gc_s[i]) * scale
+                    dec_s[i] = T.if_then_else(i < n, T.exp(gc_s[C - 1] - gc_s[i]), 0.0)
 
                 # U = K S ; W = V - gamma U
                 T.gemm(k_s, hs_s, u_f, clear_accum=True, policy=col)
                 for i, j in T.Parallel(C, BV):
                     w_s[i, j] = T.cast(
-                        T.if_then_else(i < n, T.cast(vr_s[i, j], acc) - gam_s[i] * u_f[i, j], 0.0), mm
+                        T.if_then_else(i < n, T.cast(vr_s[i, j], acc) - T.exp(gc_s[i]) * u_f[i, j], 0.0), mm
                     )
                 # V' = M W
                 T.gemm(m_s, w_s, u_f, clear_accum=True, policy=col)
@@ -144,20 +152,17 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
                     vp_s[i, j] = T.cast(u_f[i, j], mm)
                     vpd_s[i, j] = T.cast(u_f[i, j] * dec_s[i], mm)
 
-                # O = scale * (diag(gamma) Q S + (Lower(Gamma) o Q K^T) V')
-                T.gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True, policy=col)
-                for i, j in T.Parallel(C, C):
-                    p_s[i, j] = T.cast(T.if_then_else(i >= j, p_f[i, j] * T.exp(gc_s[i] - gc_s[j]), 0.0), mm)
+                # O = scale diag(gamma) Q S + P V'   (P = scale Lower(Gamma) o Q K^T, from stage 1)
                 T.gemm(q_s, hs_s, o_f, clear_accum=True, policy=col)
                 for i, j in T.Parallel(C, BV):
                     o_f[i, j] = o_f[i, j] * gam_s[i]
                 T.gemm(p_s, vp_s, o_f, policy=col)
                 for i, j in T.Parallel(C, BV):
                     if i < n:
-                        out[t0 + i, h, v0 + j] = T.cast(o_f[i, j] * scale, io_dtype)
+                        out[t0 + i, h, v0 + j] = T.cast(o_f[i, j], io_dtype)
 
                 # S <- gamma_last S + K^T diag(gamma_last / gamma) V'
-                gl = T.exp(gcum[t0 + n - 1, h])
+                gl = T.exp(gc_s[C - 1])
                 for d, j in T.Parallel(DK, BV):
                     h_f[d, j] = h_f[d, j] * gl
                 T.gemm(k_s, vpd_s, h_f, transpose_A=True, policy=row)

@@ -19,8 +19,10 @@ N^4 = 0): (I + L)^-1 = (I - N + N^2 - N^3) Dinv, four 64x64x64 fp16 tensor-core 
 accumulation. fp16 (11-bit mantissa) rather than bf16 for every GEMM operand: the bf16 variant
 misses the 2e-3 relative-L2 budget against the float64 recurrence (see benchmarks/prefill.md).
 
-Outputs (workspace, written only for the chunk's n valid rows):
-  gcum [T, Hv] fp32, M [T, Hv, 64] fp16.
+Also P = scale * Lower(Gamma) o (Q K^T), the intra-chunk attention, which needs no state.
+
+Outputs (workspace, chunk-major so stage 2 loads each tile with one TMA copy; all 64 rows):
+  gbuf [NC, Hv, 64] fp32 (gc; rows >= n repeat gc[n-1]), M and P [NC, Hv, 64, 64] fp16.
 """
 
 
@@ -40,6 +42,9 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str):
     group = Hv // Hk
     ntok = T.dynamic("ntok")
     nseq = T.dynamic("nseq")
+    nchunk = T.dynamic("nchunk")
+    sq0 = T.dynamic("sq0")
+    sq1 = T.dynamic("sq1")
     sk0 = T.dynamic("sk0")
     sk1 = T.dynamic("sk1")
     mm_dtype = "float16"
@@ -47,20 +52,25 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str):
 
     @T.prim_func
     def gdn_prefill_prep(
+        q: T.StridedTensor((ntok, Hk, DK), (sq0, sq1, 1), io_dtype),
         k: T.StridedTensor((ntok, Hk, DK), (sk0, sk1, 1), io_dtype),
         g: T.Tensor((ntok, Hv), "float32"),
         beta: T.Tensor((ntok, Hv), "float32"),
         cu_seqlens: T.Tensor((nseq + 1,), "int32"),
         chunk_offsets: T.Tensor((nseq + 1,), "int32"),
-        gcum: T.Tensor((ntok, Hv), "float32"),
-        mbuf: T.Tensor((ntok, Hv, C), mm_dtype),
-        num_chunks: T.int32,
+        gbuf: T.Tensor((nchunk, Hv, C), "float32"),
+        mbuf: T.Tensor((nchunk, Hv, C, C), mm_dtype),
+        pbuf: T.Tensor((nchunk, Hv, C, C), mm_dtype),
+        scale: T.float32,
     ):
-        with T.Kernel(num_chunks, Hv, threads=128) as (cid, h):
+        with T.Kernel(nchunk, Hv, threads=128) as (cid, h):
             hk = h // group
             convert = io_dtype != mm_dtype
             kr_s = T.alloc_shared((C, DK), io_dtype)
             k_s = T.alloc_shared((C, DK), mm_dtype) if convert else kr_s
+            qr_s = T.alloc_shared((C, DK), io_dtype)
+            q_s = T.alloc_shared((C, DK), mm_dtype) if convert else qr_s
+            p_f = T.alloc_fragment((C, C), acc)
             g_s = T.alloc_shared((C,), acc)
             b_s = T.alloc_shared((C,), acc)
             l_s = T.alloc_shared((C, C), acc)
@@ -96,13 +106,22 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str):
             # Bulk (TMA) tile load; rows >= n belong to the next sequence (or are zero past T):
             # they only enter rows >= n of K K^T, which the solve and M never mix into rows < n.
             T.copy(k[t0:t0 + C, hk, 0:DK], kr_s)
+            T.copy(q[t0:t0 + C, hk, 0:DK], qr_s)
             if convert:
                 for i, d in T.Parallel(C, DK):
                     k_s[i, d] = T.cast(kr_s[i, d], mm_dtype)
+                    q_s[i, d] = T.cast(qr_s[i, d], mm_dtype)
+            # Rows >= n have g = 0, so they repeat gc[n-1]: stage 2 reads gamma_last as gc[63].
             T.cumsum(src=g_s, dim=0)
             for i in T.Parallel(C):
-                if i < n:
-                    gcum[t0 + i, h] = g_s[i]
+                gbuf[cid, h, i] = g_s[i]
+
+            # P = scale * Lower(Gamma) o Q K^T (state-free, so off stage 2's sequential chain).
+            T.gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)
+            for i, j in T.Parallel(C, C):
+                pbuf[cid, h, i, j] = T.cast(
+                    T.if_then_else(i >= j, p_f[i, j] * T.exp(g_s[i] - g_s[j]) * scale, 0.0), mm_dtype
+                )
 
             # L = StrictLower(diag(beta) K K^T), fp32.
             T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
@@ -137,11 +156,11 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str):
             T.gemm(y_s, dinv_s, t_f, clear_accum=True)
 
             # M = (Gamma o A) diag(beta), lower triangle incl. diagonal.
+            # All 64 rows are stored (rows >= n are finite and never weighted in stage 2).
             for i, j in T.Parallel(C, C):
-                if i < n:
-                    mbuf[t0 + i, h, j] = T.cast(
-                        T.if_then_else(i >= j, t_f[i, j] * T.exp(g_s[i] - g_s[j]) * b_s[j], 0.0),
-                        mm_dtype,
-                    )
+                mbuf[cid, h, i, j] = T.cast(
+                    T.if_then_else(i >= j, t_f[i, j] * T.exp(g_s[i] - g_s[j]) * b_s[j], 0.0),
+                    mm_dtype,
+                )
 
     return gdn_prefill_prep

@@ -1,0 +1,28 @@
+"""GDN kernels for Blackwell (sm_100a): for now the Hopper TileLang sources compiled for sm_100a.
+
+Prefill: qla_serve.kernels.hopper.prefill_* built with target "sm_100a" (TileLang lowers the
+same tile programs -- TMA loads, T.gemm -- for the target; no Hopper-only intrinsic is written by
+hand). They compile for sm_100a (tests/kernels/test_prefill_compile.py) but have NOT been run
+on Blackwell hardware; no tcgen05/TMEM-specific tuning has been done. Decode/verify come from
+qla_serve.kernels.hopper.decode, which picks the target from the device.
+"""
+
+import functools
+
+from qla_serve.kernels import hopper as _hopper
+from qla_serve.kernels.hopper import prefill_api as _prefill
+
+ARCH = "sm_100a"
+SUPPORTED_STRATEGIES = _prefill.SUPPORTED_STRATEGIES
+prefill = functools.partial(_prefill.prefill, _target=ARCH)
+decode = _hopper.decode
+verify = _hopper.verify
+
+
+def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
+    """Same variant list as Hopper (compiled here for sm_100a)."""
+    return _hopper.kernel_variants(num_v_heads, num_k_heads)
+
+
+def build(variant: dict, target: str = ARCH):
+    return _hopper.build(variant, target)

@@ -1,0 +1,72 @@
+"""Compile-only tests of the TileLang prefill kernels (marker `compile`: nvcc, no GPU).
+
+CI runs on 2 CPU cores, so the default set compiles one representative of each code path
+(~20-40 s each): the prep kernel, the main kernel for bf16 and fp16 io, fp32 and bf16 pools and
+v_split 1 (256 threads) / 2 / 4 (128 threads). The full variant matrix of one head pair is marked
+`slow` as well (deselect with -m "compile and not slow"). Compiling builds real cubins through
+nvcc and TileLang's cache, so a lowering or ptxas error fails here.
+"""
+
+import json
+
+import pytest
+
+from qla_serve.kernels.hopper import prefill_api as P
+
+pytestmark = pytest.mark.compile
+
+
+def test_kernel_variants_are_json_and_unique():
+    vs = P.kernel_variants(24, 8)
+    assert json.loads(json.dumps(vs)) == vs
+    names = [v["name"] for v in vs]
+    assert len(set(names)) == len(names)
+    assert {v["v_split"] for v in vs if v["op"] == "prefill_main"} == {1, 2, 4}
+    with pytest.raises(ValueError, match="num_v_heads"):
+        P.kernel_variants(10, 4)
+
+
+def test_package_union_and_dispatch():
+    from qla_serve.kernels import hopper
+
+    names = {v["name"] for v in hopper.kernel_variants(8, 2)}
+    assert {v["name"] for v in P.kernel_variants(8, 2)} <= names
+    assert hopper.ARCH == "sm_90a"
+    assert hopper.SUPPORTED_STRATEGIES == {"plain", "vsplit"}
+
+
+REPRESENTATIVES = [
+    P.prep_variant(8, 2, "bfloat16"),
+    P.main_variant(8, 2, "bfloat16", "float32", 1),
+    P.main_variant(8, 2, "bfloat16", "bfloat16", 4),
+    P.main_variant(8, 2, "float16", "float32", 2),
+]
+
+
+@pytest.mark.parametrize("variant", REPRESENTATIVES, ids=lambda v: v["name"])
+def test_compiles_sm90a(variant):
+    kern = P.build(variant, "sm_90a")
+    src = kern.get_kernel_source()
+    assert "wgmma" in src, "expected Hopper tensor-core (wgmma) code"
+    if variant["op"] == "prefill_main":
+        assert "tma_load" in src, "expected TMA tile loads in the chunk walk"
+
+
+def test_compiles_sm100a_portable():
+    """Blackwell: the same tile program lowered for sm_100a (mma.sync + TMA, no wgmma); not run
+    on Blackwell hardware."""
+    from qla_serve.kernels import blackwell
+
+    kern = blackwell.build(P.main_variant(8, 2, "bfloat16", "float32", 2), "sm_100a")
+    assert "wgmma" not in kern.get_kernel_source()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", P.kernel_variants(24, 8), ids=lambda v: v["name"])
+def test_compiles_sm90a_full_matrix(variant):
+    P.build(variant, "sm_90a")
+
+
+def test_bad_target_rejected():
+    with pytest.raises(ValueError, match="target"):
+        P.build(P.prep_variant(8, 2, "bfloat16"), "sm_80")
