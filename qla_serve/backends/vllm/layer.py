@@ -12,7 +12,9 @@ Hook points (vLLM 0.32/0.33 internals, checked by tests/backends/vllm/test_hooks
   the same prefill lengths) share one PrefillPlan.
 * One custom op, ``torch.ops.vllm.qla_serve_gdn_core`` (``direct_register_custom_op``), holds
   the layer's work between the projections (conv, gating, recurrence, state updates), so
-  torch.compile and piecewise CUDA graphs treat it as opaque, like vLLM's own core op.
+  torch.compile treats it as opaque; it is added to ``CompilationConfig._attention_ops`` (the
+  default splitting ops of piecewise CUDA graphs) and wrapped in ``eager_break_during_capture``,
+  exactly like vLLM's own ``qwen_gdn_attention_core``.
 
 The state cache is vLLM's, used in place: ``kv_cache[1]`` [blocks, Hv/TP, V, K] (page stride
 > slot) and ``kv_cache[0]`` the conv state in either layout; null block 0 is padding.
@@ -24,7 +26,9 @@ import logging
 import os
 
 import torch
+from vllm.compilation.breakable_cudagraph import eager_break_during_capture
 from vllm.config import get_current_vllm_config
+from vllm.config.compilation import CompilationConfig
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.custom_op import op_registry_oot
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
@@ -262,6 +266,7 @@ class QlaQwenGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
 _logged: list = []
 
 
+@eager_break_during_capture
 def qla_serve_gdn_core(mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
                        core_attn_out: torch.Tensor, layer_name: LayerNameType) -> None:
     """The custom op: conv + gating + recurrence + state updates of one GDN layer, in place."""
@@ -280,3 +285,7 @@ def install() -> None:
     if not hasattr(torch.ops.vllm, OP_NAME):
         direct_register_custom_op(op_name=OP_NAME, op_func=qla_serve_gdn_core,
                                   mutates_args=["core_attn_out"])
+    # Like vLLM's own GDN core op: a graph split point, so piecewise CUDA graphs never capture
+    # the op's host-side logic (prefill planning, index building) and run it eagerly.
+    if f"vllm::{OP_NAME}" not in CompilationConfig._attention_ops:
+        CompilationConfig._attention_ops.append(f"vllm::{OP_NAME}")

@@ -84,6 +84,8 @@ def test_metadata_hook_points():
 
 
 def test_op_and_context_hook_points():
+    from vllm.compilation.breakable_cudagraph import eager_break_during_capture
+    from vllm.config.compilation import CompilationConfig
     from vllm.forward_context import ForwardContext
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
     from vllm.utils import torch_utils
@@ -92,6 +94,9 @@ def test_op_and_context_hook_points():
     for name in ("_encode_layer_name", "_resolve_layer_name", "LayerNameType"):
         assert hasattr(torch_utils, name), name
     assert "no_compile_layers" in {f.name for f in dataclasses.fields(ForwardContext)}
+    # vLLM's own GDN core op is a splitting op for piecewise graphs; ours joins the same list.
+    assert "vllm::qwen_gdn_attention_core" in CompilationConfig._attention_ops
+    assert callable(eager_break_during_capture)
     assert isinstance(is_conv_state_dim_first(), bool)
 
 
@@ -126,6 +131,11 @@ def test_registration_is_idempotent(registered):
     assert op_registry_oot["QwenGatedDeltaNetAttention"] is layer.QlaQwenGatedDeltaNetAttention
     layer.install()
     assert hasattr(torch.ops.vllm, "qla_serve_gdn_core")
+    from vllm.config.compilation import CompilationConfig
+    assert CompilationConfig._attention_ops.count("vllm::qla_serve_gdn_core") == 1
+    cc = CompilationConfig(mode=3)  # VLLM_COMPILE: the default splitting ops include ours
+    cc.set_splitting_ops_for_v1(all2all_backend="naive")
+    assert "vllm::qla_serve_gdn_core" in cc.splitting_ops, cc.splitting_ops
     # Every parameter of the op is type-hinted (direct_register_custom_op infers the schema).
     hints = inspect.signature(layer.qla_serve_gdn_core).parameters
     assert all(p.annotation is not inspect.Parameter.empty for p in hints.values())
