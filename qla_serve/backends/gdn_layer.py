@@ -252,8 +252,8 @@ def _prefill_conv(x, conv_state, slots, has_initial_state, idx: PrefillConvIndex
     buf = torch.zeros(idx.num_rows, dim, dtype=torch.float32, device=x.device)
     buf[idx.x_rows] = x.float()
     hist = conv_state[slots.long(), :, : W - 1].to(torch.float32).transpose(1, 2)   # [Np, W-1, dim]
-    if has_initial_state is not None:
-        hist = hist * has_initial_state.view(-1, 1, 1).to(hist.dtype)
+    if has_initial_state is not None:  # where, not a product: a recycled slot may hold inf/nan
+        hist = torch.where(has_initial_state.view(-1, 1, 1), hist, torch.zeros_like(hist))
     buf[idx.hist_rows] = hist.reshape(-1, dim)
     w = weight.float()
     y = buf[idx.win_rows[0]] * w[:, 0]
@@ -347,7 +347,7 @@ def gdn_layer_forward(step: StepPlan, mixed_qkv: torch.Tensor, a: torch.Tensor, 
         if step.spec_token_idx is None:
             out[: xs.shape[0]].copy_(o_spec)
         else:
-            out.index_copy_(0, step.spec_token_idx, o_spec)
+            out.index_copy_(0, step.spec_token_idx.long(), o_spec)
         if on_call:
             on_call("spec", step.num_spec_decodes)
         if step.non_spec_token_idx is None or (Td + Tp) == 0:
@@ -381,7 +381,7 @@ def gdn_layer_forward(step: StepPlan, mixed_qkv: torch.Tensor, a: torch.Tensor, 
         if on_call:
             on_call("prefill", step.num_prefills)
     if out_n is not out:
-        out.index_copy_(0, step.non_spec_token_idx, out_n)
+        out.index_copy_(0, step.non_spec_token_idx.long(), out_n)
 
 
 def _spec_forward(step: StepPlan, xs, a, b, conv_weight, conv_bias, activation, conv_state,

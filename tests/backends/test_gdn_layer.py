@@ -80,6 +80,8 @@ def _run_nonspec(device, io_dtype, pool_dtype, seed=0):
     gen = torch.Generator().manual_seed(seed)
     S = 12
     conv, ssm = _cache(S, pool_dtype, device, gen)
+    conv[5].fill_(float("nan"))   # slot 5 starts a new request: its stale state must not be read
+    ssm[5].fill_(float("nan"))
     conv0, ssm0 = conv.clone(), ssm.clone()
     w, bias, A_log, dt_bias = _weights(gen, device)
     # 2 decodes (slots 3, 7), then prefills: new request (slot 5, no state), resumed chunk
@@ -142,7 +144,8 @@ def _run_spec(device, io_dtype, pool_dtype, with_prefill, seed=1):
     # Token order of the batch: prefill tokens and spec tokens interleaved (vLLM orders requests,
     # and maps each group through its own token index).
     perm = torch.randperm(T, generator=gen) if with_prefill else torch.arange(T)
-    spec_idx, non_idx = perm[:Ts].sort().values, perm[Ts:].sort().values
+    # int32 like vLLM's staged index buffers
+    spec_idx, non_idx = perm[:Ts].sort().values.int(), perm[Ts:].sort().values.int()
     x = torch.randn(T, DIM, generator=gen).to(device, io_dtype)
     a = torch.randn(T, HV, generator=gen).to(device, io_dtype)
     b = torch.randn(T, HV, generator=gen).to(device, io_dtype)
