@@ -94,16 +94,19 @@ def explain_path(op: str, device, io_dtype=torch.bfloat16) -> tuple[str, str]:
     raise AssertionError("unreachable: the reference path always runs")
 
 
-_logged: set = set()
+_resolved: dict = {}
 
 
-def _path(op: str, device, io_dtype) -> str:
-    path, why = explain_path(op, device, io_dtype)
-    key = (op, path, str(device))
-    if key not in _logged:
-        _logged.add(key)
-        level = logging.WARNING if (path != "tilelang" and torch.device(device).type == "cuda") else logging.INFO
+def _path(op: str, device: torch.device, io_dtype) -> str:
+    """The path for this call, resolved once per (op, device, dtype, forced path) and logged
+    then: the per-call cost is one dict lookup (decode's host time matters)."""
+    key = (op, device, io_dtype, os.environ.get("QLA_SERVE_OP_PATH"))
+    path = _resolved.get(key)
+    if path is None:
+        path, why = explain_path(op, device, io_dtype)
+        level = logging.WARNING if (path != "tilelang" and device.type == "cuda") else logging.INFO
         log.log(level, "qla_serve %s on %s runs the %s path (%s)", op, device, path, why)
+        _resolved[key] = path
     return path
 
 
