@@ -20,9 +20,11 @@ What SGLang passes (checked against the installed wheel by tests/backends/sglang
 * extend: ``q, k [1, T, Hk, 128]``, ``v [1, T, Hv, 128]`` (not normalised), ``g, beta [1, T, Hv]``
   fp32 (log-space decay, SGLang's ``fused_gdn_gating``), ``query_start_loc [N+1]`` int32 device.
   Every live slot is read as the initial state (SGLang zeroes a new request's slot before its
-  first extend) and overwritten with the final state. Returns ``(o [1, T, Hv, 128], None, h)``;
-  ``h`` (states before each 64-token chunk) is only read under the extra_buffer radix-cache
-  mode, which the plugin refuses at start-up, so it is None here.
+  first extend) and overwritten with the final state. Returns ``(o [1, T, Hv, 128], None, None)``.
+  SGLang's Triton kernel also returns ``h`` (the state before every 64-token chunk), which only
+  the extra_buffer radix cache reads, and only at one chunk boundary per tracked request; this
+  kernel declares ``supports_track_state_snapshot`` instead and fills SGLang's fp32
+  ``track_state [N, Hv, V, K]`` at ``track_chunk_idx`` (see :class:`TrackSplit`).
 * target_verify: q/k/v ``[1, T, *, 128]`` packed by ``query_start_loc`` (draft_token_num per
   request), raw a/b, ``intermediate_states_buffer [S', D, Hv, 128, 128]`` with
   ``intermediate_state_indices [N]``; the state after draft token j of request i goes to
@@ -103,6 +105,9 @@ class ExtendBatch:
     num_tokens: sum of the lengths (tokens past it are SGLang's physical padding).
     cp: the cp mode for the planner.
     plan: the PrefillPlan, built by the first layer that runs (it needs the TP-local heads).
+    track_chunks: extra_buffer prefix tracking, per request: snapshot the state after this many
+        ``chunk_size``-token chunks of the extend (-1: no snapshot); None when not tracking.
+    split: the two-pass layout for tracked batches (:class:`TrackSplit`), built on first use.
     """
 
     query_start_loc: torch.Tensor
@@ -110,6 +115,15 @@ class ExtendBatch:
     num_tokens: int
     cp: str = "auto"
     plan: "qla_serve.plan.PrefillPlan | None" = None
+    track_chunks: tuple | None = None
+    chunk_size: int = 64
+    split: "TrackSplit | None" = None
+
+    def split_for(self, num_v_heads: int, num_k_heads: int) -> "TrackSplit":
+        sp = self.split
+        if sp is None or (sp.head_plan.num_v_heads, sp.head_plan.num_k_heads) != (num_v_heads, num_k_heads):
+            sp = self.split = TrackSplit.build(self, num_v_heads, num_k_heads)
+        return sp
 
     def plan_for(self, num_v_heads: int, num_k_heads: int):
         p = self.plan
@@ -117,6 +131,54 @@ class ExtendBatch:
             p = self.plan = qla_serve.plan_prefill(list(self.seq_lens), num_v_heads, num_k_heads,
                                                    device=self.query_start_loc.device, cp=self.cp)
         return p
+
+
+@dataclass(eq=False)
+class TrackSplit:
+    """Two prefill passes that stop each tracked request at its snapshot boundary.
+
+    Request i is cut at b_i = track_chunks[i] * chunk_size tokens (its length when untracked):
+    the head pass runs tokens [0, b_i) of every request and leaves each slot at its boundary
+    state, where the snapshot is copied; the tail pass continues from the slot over the rest.
+    Tokens are gathered per pass (head_idx / tail_idx into the packed batch), so no token is
+    computed twice. All of it is built on the host from lengths, once per batch.
+    """
+
+    head_idx: torch.Tensor        # [sum b_i] int64 token positions
+    tail_idx: torch.Tensor        # [n - sum b_i]
+    head_plan: "qla_serve.plan.PrefillPlan"
+    tail_plan: "qla_serve.plan.PrefillPlan"
+    tail_live: torch.Tensor       # [N] bool: the request has tokens after its boundary
+    snap_rows: torch.Tensor       # [R] int64 rows that take a snapshot
+
+    @staticmethod
+    def build(batch: "ExtendBatch", num_v_heads: int, num_k_heads: int) -> "TrackSplit":
+        lens, chunks, cs = batch.seq_lens, batch.track_chunks, batch.chunk_size
+        if len(chunks) != len(lens):
+            raise ValueError(f"track_chunk_idx: expected one entry per request ({len(lens)}), got {len(chunks)}")
+        heads, tails, head_idx, tail_idx, rows = [], [], [], [], []
+        start = 0
+        for i, (n, c) in enumerate(zip(lens, chunks)):
+            b = n if c < 0 else c * cs
+            if b > n:
+                raise ValueError(f"track_chunk_idx: request {i} snapshots after {b} tokens, but its "
+                                 f"extend has {n}")
+            if c >= 0:
+                rows.append(i)
+            heads.append(b)
+            tails.append(n - b)
+            head_idx.extend(range(start, start + b))
+            tail_idx.extend(range(start + b, start + n))
+            start += n
+        dev = batch.query_start_loc.device
+
+        def up(x, dtype=torch.int64):
+            return torch.tensor(x, dtype=dtype).to(dev, non_blocking=True)
+
+        plan = lambda ls: qla_serve.plan_prefill(ls, num_v_heads, num_k_heads, device=dev, cp=batch.cp)  # noqa: E731
+        return TrackSplit(head_idx=up(head_idx), tail_idx=up(tail_idx), head_plan=plan(heads),
+                          tail_plan=plan(tails), tail_live=up([t > 0 for t in tails], torch.bool),
+                          snap_rows=up(rows))
 
 
 class FlashQLAGDNKernel(LinearAttnKernelBase):
@@ -128,7 +190,7 @@ class FlashQLAGDNKernel(LinearAttnKernelBase):
 
     # SGLang reads these class flags (kernel_backend.py / gdn_backend.py):
     supports_packed_decode = False          # no fused-projection decode entry; q/k/v views instead
-    supports_track_state_snapshot = False  # extra_buffer tracking is refused at start-up
+    supports_track_state_snapshot = True   # extend fills track_state (extra_buffer radix cache)
     uses_state_checkpoints = False
     supports_strided_target_verify_qkv = True  # gdn_verify takes token/head-strided views
     supports_fused_chain_verify = False
@@ -181,9 +243,6 @@ class FlashQLAGDNKernel(LinearAttnKernelBase):
             raise NotImplementedError("qla_serve flashqla extend always writes the final state "
                                       "back (inplace_update=False is multi-item scoring: use "
                                       "--linear-attn-prefill-backend triton)")
-        if track_state is not None:
-            raise NotImplementedError("qla_serve flashqla extend does not produce the fp32 track "
-                                      "snapshot (extra_buffer radix cache): refused at start-up")
         q3, k3, v3 = _tokens(q, "q"), _tokens(k, "k"), _tokens(v, "v")
         T, Hk, Hv = q3.shape[0], q3.shape[1], v3.shape[1]
         g2, beta2 = _gate2d(g, "g", T), _gate2d(beta, "beta", T)
@@ -201,9 +260,37 @@ class FlashQLAGDNKernel(LinearAttnKernelBase):
         # SGLang's Triton path normalises q and k inside its kernel; gdn_prefill takes them
         # normalised (one extra pass over q/k, fused once the prefill kernel grows the flag).
         qn, kn = _l2norm(q3[:n]), _l2norm(k3[:n])
-        qla_serve.gdn_prefill(qn, kn, v3[:n], g2[:n].float(), beta2[:n].float(), ssm_states,
-                              _slots(cache_indices), batch.plan_for(Hv, Hk), out=o[0, :n])
+        slots = _slots(cache_indices)
+        if track_state is None:
+            qla_serve.gdn_prefill(qn, kn, v3[:n], g2[:n].float(), beta2[:n].float(), ssm_states,
+                                  slots, batch.plan_for(Hv, Hk), out=o[0, :n])
+        else:
+            self._extend_tracked(batch, qn, kn, v3[:n], g2[:n].float(), beta2[:n].float(), ssm_states,
+                                 slots, o[0, :n], track_state, kwargs.get("track_chunk_idx"), Hv, Hk)
         return o, None, None
+
+    def _extend_tracked(self, batch, q, k, v, g, beta, pool, slots, out, track_state, track_chunk_idx,
+                        Hv, Hk):
+        """Extend with extra_buffer's snapshot: ``track_state[i]`` (fp32 [N, Hv, V, K]) gets the
+        state after ``track_chunk_idx[i]`` chunks of request i (rows with -1 are not written)."""
+        if batch.track_chunks is None:
+            if track_chunk_idx is None:
+                raise ValueError("track_chunk_idx: expected the per-request snapshot chunk with "
+                                 "track_state, got None")
+            if not self._warned_unplanned:
+                self._warned_unplanned = True
+                log.warning("qla_serve: SGLang extend with a track snapshot but no host track plan; "
+                            "reading track_chunk_idx on the host (one sync per call)")
+            batch.track_chunks = tuple(int(c) for c in track_chunk_idx.tolist())
+        sp = batch.split_for(Hv, Hk)
+        hi, ti = sp.head_idx, sp.tail_idx
+        o_head = qla_serve.gdn_prefill(q[hi], k[hi], v[hi], g[hi], beta[hi], pool, slots, sp.head_plan)
+        rows = sp.snap_rows
+        track_state[rows] = pool.index_select(0, slots.long()[rows]).to(track_state.dtype)
+        tail_slots = torch.where(sp.tail_live, slots, torch.full_like(slots, -1))
+        o_tail = qla_serve.gdn_prefill(q[ti], k[ti], v[ti], g[ti], beta[ti], pool, tail_slots, sp.tail_plan)
+        out.index_copy_(0, hi, o_head)
+        out.index_copy_(0, ti, o_tail)
 
     # ------------------------------------------------------------------ target_verify
     def target_verify(self, A_log, dt_bias, q, k, v, a, b, *, ssm_states, cache_indices,

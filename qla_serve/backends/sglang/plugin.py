@@ -19,8 +19,9 @@ before arguments are parsed. It
      ``decode_kernel`` / ``extend_kernel`` / ``verify_kernel`` at one
      :class:`~.kernel.FlashQLAGDNKernel` for the phases that asked for flashqla.
    * AROUND ``GDNAttnBackend.init_forward_metadata``: after SGLang builds its per-batch
-     metadata, plan the extend batch once from host lengths (``extend_seq_lens_cpu``), attach
-     it to the metadata (``forward_metadata.qla_extend``) and bind it to the kernel.
+     metadata, plan the extend batch once from host lengths (``extend_seq_lens_cpu``, and under
+     the extra_buffer radix cache the per-request snapshot chunks from SGLang's own host track
+     plan), attach it to the metadata (``forward_metadata.qla_extend``) and bind it to the kernel.
 
 Phase selection follows SGLang's flags: ``--linear-attn-decode-backend`` /
 ``--linear-attn-prefill-backend`` override ``--linear-attn-backend``. Verify: an explicit
@@ -118,7 +119,7 @@ def startup_problems(phases: dict[str, bool], *, ssm_shape, ssm_dtype, device) -
 
     ssm_shape: the mamba pool's temporal state shape [layers, size+1, Hv, V, K].
     """
-    from sglang.srt.runtime_context import get_exec, get_spec
+    from sglang.srt.runtime_context import get_spec
 
     import qla_serve.ops as ops
 
@@ -132,11 +133,6 @@ def startup_problems(phases: dict[str, bool], *, ssm_shape, ssm_dtype, device) -
                         f"state pool is {list(ssm_shape)} ([layers, slots, Hv, V, K])")
     if ssm_dtype not in (torch.float32, torch.bfloat16):
         problems.append(f"{flag}: --mamba-ssm-dtype must be float32 or bfloat16, got {ssm_dtype}")
-    if phases["prefill"] and get_exec().mamba.enable_mamba_extra_buffer:
-        problems.append("--linear-attn-prefill-backend flashqla: the extra_buffer radix-cache mode "
-                        "needs per-chunk states from prefill, which qla_serve does not produce; "
-                        "use --mamba-radix-cache-strategy no_buffer (or --disable-radix-cache), or "
-                        "--linear-attn-prefill-backend triton")
     topk = get_spec().speculative_eagle_topk or 0
     if phases["verify"] and topk > 1:
         problems.append(f"--linear-attn-verify-backend flashqla: tree drafts (--speculative-eagle-topk "
@@ -263,7 +259,18 @@ def plan_extend_batch(backend, forward_batch):
     if lens is None or qsl is None or len(lens) != qsl.shape[0] - 1:
         return None  # the kernel plans from query_start_loc itself, with a logged warning
     lens = tuple(int(n) for n in lens)
-    return ExtendBatch(query_start_loc=qsl, seq_lens=lens, num_tokens=sum(lens), cp=_cp())
+    batch = ExtendBatch(query_start_loc=qsl, seq_lens=lens, num_tokens=sum(lens), cp=_cp())
+    if meta.has_mamba_track_mask and backend._has_cpu_prefill_track_metadata(forward_batch):
+        # extra_buffer prefix tracking: the same host plan SGLang builds its track indices from,
+        # so the kernel knows where to cut each request without reading track_chunk_idx.
+        from sglang.srt.layers.attention.mamba.prefill_track_metadata import build_prefill_track_plan
+
+        tp = build_prefill_track_plan(
+            list(forward_batch.mamba_prefill_track_mask_cpu), list(forward_batch.mamba_track_seqlens_cpu),
+            list(lens), list(forward_batch.extend_prefix_lens_cpu), backend.mamba_chunk_size, mamba2=False)
+        batch.track_chunks = tuple(int(c) for c in tp.chunk_indices)
+        batch.chunk_size = backend.mamba_chunk_size
+    return batch
 
 
 _CP = None

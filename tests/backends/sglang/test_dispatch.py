@@ -91,10 +91,11 @@ def test_startup_refuses_head_dim_other_than_128(gdn_kit):
                                         device="cpu", dtype=torch.bfloat16)
 
 
-def test_startup_refuses_extra_buffer(gdn_kit):
+def test_extra_buffer_with_flashqla_prefill(gdn_kit):
+    """extra_buffer is served: the kernel fills SGLang's track snapshot (test_kernel_contract)."""
     kit = gdn_kit(linear_attn_prefill_backend="flashqla", mamba_radix_cache_strategy="extra_buffer")
-    with pytest.raises(ValueError, match="extra_buffer"):
-        _build(kit)
+    d = _build(kit).backend.linear_attn_backend.kernel_dispatcher
+    assert type(d.extend_kernel).__name__ == Q and d.extend_kernel.supports_track_state_snapshot
 
 
 def test_extra_buffer_is_fine_when_prefill_is_not_flashqla(gdn_kit):

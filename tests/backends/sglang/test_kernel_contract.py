@@ -36,7 +36,7 @@ def test_is_sglang_kernel():
     k = FlashQLAGDNKernel(("decode",))
     assert isinstance(k, LinearAttnKernelBase)
     assert k.supports_packed_decode is False and k.uses_state_checkpoints is False
-    assert k.supports_track_state_snapshot is False
+    assert k.supports_track_state_snapshot is True
 
 
 @pytest.mark.parametrize("pool_dtype", POOL_DTYPES)
@@ -132,8 +132,54 @@ def test_extend_refuses_what_it_cannot_do():
                   query_start_loc=torch.tensor([0, 2], dtype=torch.int32))
     with pytest.raises(NotImplementedError, match="inplace_update"):
         kern.extend(x, x, x, gb, gb, inplace_update=False, **common)
-    with pytest.raises(NotImplementedError, match="track snapshot"):
-        kern.extend(x, x, x, gb, gb, track_state=torch.zeros(1), **common)
+    with pytest.raises(ValueError, match="track_chunk_idx"):
+        kern.extend(x, x, x, gb, gb, track_state=torch.zeros(1, 2, 128, 128), **common)
+    with pytest.raises(ValueError, match="snapshots after 64 tokens"):
+        kern.extend(x, x, x, gb, gb, track_state=torch.zeros(1, 2, 128, 128),
+                    track_chunk_idx=torch.tensor([1], dtype=torch.int32), **common)
+
+
+@pytest.mark.parametrize("pool_dtype", POOL_DTYPES)
+@pytest.mark.parametrize("planned", [True, False], ids=["host-track-plan", "device-track-idx"])
+def test_extend_track_snapshot(pool_dtype, planned):
+    """extra_buffer radix cache: track_state[i] = state after track_chunk_idx[i] 64-token chunks of
+    request i's extend (fp32), rows with -1 untouched; outputs and final states as without it."""
+    gen = torch.Generator().manual_seed(5)
+    Hk, Hv, S = 2, 4, 8
+    lens = [150, 40, 70, 129, 0]
+    slots = [3, 1, 6, 2, 0]
+    chunks = [2, -1, 0, 1, -1]            # cut at 128, none, 0 (the initial state), 64, padding row
+    n = sum(lens)
+    q, k, v = C.mixed_views(n, Hk, Hv, torch.bfloat16, "cpu", gen)
+    a, b, A_log, dt_bias = C.raw_gates(n, Hv, torch.bfloat16, "cpu", gen)
+    g64, beta64 = C.gating64(a, b, A_log, dt_bias)
+    pool = C.pool(S, Hv, pool_dtype, "cpu", gen)
+    pool0 = pool.clone()
+    qsl = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32)
+    kern = FlashQLAGDNKernel(("prefill",))
+    batch = ExtendBatch(query_start_loc=qsl, seq_lens=tuple(lens), num_tokens=n,
+                        track_chunks=tuple(chunks) if planned else None)
+    kern.bind_batch(batch)
+    track = torch.full((len(lens), Hv, 128, 128), 7.0)
+    o, _, _ = kern.extend(q, k, v, g64.float()[None], beta64.float()[None], ssm_states=pool,
+                          cache_indices=torch.tensor(slots, dtype=torch.int32), query_start_loc=qsl,
+                          track_state=track, track_chunk_idx=torch.tensor(chunks, dtype=torch.int32))
+    o_ref, finals = C.oracle(q, k, v, g64, beta64, lens, slots, pool0)
+    assert C.rel(o[0], o_ref) < _tol(pool_dtype)
+    for s, fin in finals.items():
+        assert C.rel(pool[s], fin) < _tol(pool_dtype), f"slot {s}"
+    start = 0
+    for i, (ln, s, c) in enumerate(zip(lens, slots, chunks)):
+        if c < 0:
+            assert torch.all(track[i] == 7.0), f"row {i} has no snapshot but was written"
+        else:
+            cut = c * 64
+            _, fin = C.oracle(q[:, start:start + cut], k[:, start:start + cut], v[:, start:start + cut],
+                              g64[start:start + cut], beta64[start:start + cut], [cut], [s], pool0)
+            want = fin[s] if cut else pool0[s].double()
+            assert C.rel(track[i], want) < _tol(pool_dtype), f"row {i} snapshot"
+        start += ln
+    assert batch.split is not None and batch.track_chunks == tuple(chunks)
 
 
 @pytest.mark.parametrize("pool_dtype", POOL_DTYPES)

@@ -119,3 +119,49 @@ def test_kit_pool_layout_is_what_the_kernel_assumes(gdn_kit):
     alloc = r2t.mamba_allocator
     alloc.clear()
     assert int(alloc.free_slots.min()) == 1 and alloc.available_size() == r2t.mamba_pool.size
+
+
+def test_kit_extra_buffer_track_snapshot(gdn_kit):
+    """extra_buffer prefix tracking end to end on SGLang's side: the hooked metadata step plans
+    the cut from SGLang's host track plan, the kernel fills the fp32 snapshot, and SGLang's own
+    ``_track_mamba_state_extend`` copies it into the track slots. Checked against the float64
+    oracle for the state after the last whole 64-token chunk of each tracked request."""
+    import dataclasses
+
+    import _sglang_cases as C
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    kit = gdn_kit(linear_attn_backend="flashqla")
+    lens, track_dst = (100, 70, 30), [4, 5, 6]
+    case = dataclasses.replace(_cases(kit)[0], name="qla_track", forward_mode=ForwardMode.EXTEND,
+                               page_size=1, prefix_lens=(0, 0, 0), extend_lens=lens)
+    fixture = kit.build_gdn_attention_fixture(unittest.TestCase(), case, head_k_dim=128, head_v_dim=128,
+                                              max_context_len=128, device="cpu", dtype=torch.bfloat16,
+                                              runner_batch_size=6)
+    fb = fixture.forward_batch
+    track = [True, True, False]
+    fb.mamba_track_mask = torch.tensor(track)
+    fb.mamba_track_indices = torch.tensor(track_dst, dtype=torch.int64)
+    fb.mamba_track_seqlens = torch.tensor(lens, dtype=torch.int64)
+    fb.mamba_prefill_track_mask_cpu = list(track)
+    fb.mamba_track_seqlens_cpu = list(lens)
+    temporal = fixture.runner.req_to_token_pool.mamba2_layer_cache(0).temporal
+    temporal[4:7] = 9.0                                     # track slots: poisoned
+    pool0 = temporal.clone()
+    kit.run_gdn_fixture_eager(fixture)
+    linear = fixture.backend.linear_attn_backend
+    assert linear.forward_metadata.qla_extend.track_chunks == (1, 1, -1)
+
+    ref = fixture.reference_module
+    q, k, v = ref.split_qkv(fixture.mixed_qkv)              # conv is the identity in the kit
+    g64, beta64 = C.gating64(fixture.a, fixture.b, ref.A_log.detach(), ref.dt_bias.detach())
+    slots = kit._cache_indices(fixture).tolist()
+    start = 0
+    for i, n in enumerate(lens):
+        if track[i]:
+            cut = (n // 64) * 64
+            sl = slice(start, start + cut)
+            _, fin = C.oracle(q[:, sl], k[:, sl], v[:, sl], g64[sl], beta64[sl], [cut], [slots[i]], pool0)
+            assert C.rel(temporal[track_dst[i]], fin[slots[i]]) < 1e-2, f"request {i} snapshot"
+        start += n
+    assert torch.all(temporal[6] == 9.0), "an untracked request's track slot was written"
