@@ -10,7 +10,7 @@ import torch
 import qla_serve
 from qla_serve.kernels import reference as R
 
-from conftest import make_inputs, rel_err
+from gdn_inputs import make_inputs, rel_err
 
 pytestmark = pytest.mark.gpu
 

@@ -7,7 +7,7 @@ import torch
 import qla_serve
 from qla_serve.kernels import reference as R
 
-from conftest import make_inputs, rel_err
+from gdn_inputs import make_inputs, rel_err
 
 CASES = [([64], 2, 8), ([1, 63, 64, 65], 2, 4), ([0, 130, 0, 7], 1, 2), ([200], 4, 4)]
 
