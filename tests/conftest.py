@@ -1,4 +1,4 @@
-"""The the `gpu` marker's skip (no CUDA -> skipped with the reason)."""
+"""Skips tests with the `gpu` marker when CUDA is absent, with the reason."""
 
 import pytest
 import torch
