@@ -89,6 +89,41 @@ def test_extend_gpu(Hk, Hv, pool_dtype):
 
 
 @pytest.mark.parametrize("pool_dtype", POOL_DTYPES)
+def test_extend_track_snapshot_gpu(pool_dtype):
+    """extra_buffer: the fp32 snapshot after track_chunk_idx chunks, through two gathered passes."""
+    gen = torch.Generator().manual_seed(15)
+    Hk, Hv, S = 2, 8, 10
+    lens, slots, chunks = [700, 90, 64, 30], [2, 5, 9, 1], [10, -1, 0, 0]
+    n = sum(lens)
+    q, k, v = C.mixed_views(n, Hk, Hv, torch.bfloat16, DEV, gen)
+    a, b, A_log, dt_bias = C.raw_gates(n, Hv, torch.bfloat16, DEV, gen)
+    g64, beta64 = C.gating64(a, b, A_log, dt_bias)
+    pool = C.pool(S, Hv, pool_dtype, DEV, gen)
+    pool0 = pool.clone()
+    qsl = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32, device=DEV)
+    kern = FlashQLAGDNKernel(("prefill",))
+    kern.bind_batch(ExtendBatch(query_start_loc=qsl, seq_lens=tuple(lens), num_tokens=n, track_chunks=tuple(chunks)))
+    track = torch.full((len(lens), Hv, 128, 128), 7.0, device=DEV)
+    o, _, _ = kern.extend(q, k, v, g64.float()[None].to(DEV), beta64.float()[None].to(DEV), ssm_states=pool,
+                          cache_indices=torch.tensor(slots, dtype=torch.int32, device=DEV), query_start_loc=qsl,
+                          track_state=track, track_chunk_idx=torch.tensor(chunks, dtype=torch.int32, device=DEV))
+    o_ref, finals = C.oracle(q, k, v, g64, beta64, lens, slots, pool0.cpu())
+    assert C.rel(o[0], o_ref) < _tol(pool_dtype)
+    _check_slots(pool, pool0, finals, _tol(pool_dtype))
+    start = 0
+    for i, (ln, s_, c) in enumerate(zip(lens, slots, chunks)):
+        if c < 0:
+            assert torch.all(track[i] == 7.0)
+        else:
+            cut = c * 64
+            _, fin = C.oracle(q[:, start:start + cut], k[:, start:start + cut], v[:, start:start + cut],
+                              g64[start:start + cut], beta64[start:start + cut], [cut], [s_], pool0.cpu())
+            want = fin[s_] if cut else pool0[s_].double().cpu()
+            assert C.rel(track[i], want) < _tol(pool_dtype), f"row {i}"
+        start += ln
+
+
+@pytest.mark.parametrize("pool_dtype", POOL_DTYPES)
 def test_target_verify_gpu(pool_dtype):
     gen = torch.Generator().manual_seed(13)
     Hk, Hv, S, Dn = 2, 8, 12, 4

@@ -135,6 +135,9 @@ def test_backend_call_sites():
     assert "query = query.view(1, bs, layer.num_q_heads, layer.head_q_dim)" in src
     assert _params(gdn_backend.GDNAttnBackend.__init__) == ["self", "model_runner"]
     assert _params(gdn_backend.GDNAttnBackend.init_forward_metadata) == ["self", "forward_batch"]
+    # extra_buffer snapshot: allocated only for kernels that declare support, cut points per row
+    assert "extend_kernel.supports_track_state_snapshot" in src
+    assert "track_chunk_idx=(" in src
     # MIS (inplace_update=False) is refused for non-triton prefill by SGLang itself
     assert "requires the Triton linear-attention prefill" in inspect.getsource(gdn_backend.validate_gdn_mis_backend)
 
@@ -159,3 +162,16 @@ def test_pool_and_padding_conventions():
     src = inspect.getsource(h.MambaAttnBackendBase)
     assert "mamba_indices[bs - num_padding :] = -1" in src       # CUDA-graph padding rows
     assert "padding slot 0" in src                              # eager padding rows
+
+
+def test_extra_buffer_track_plan():
+    """The host track plan the metadata hook reuses, and SGLang's own extra_buffer gate."""
+    from sglang.srt.arg_groups import overrides
+    from sglang.srt.layers.attention.mamba.prefill_track_metadata import build_prefill_track_plan
+
+    tp = build_prefill_track_plan([True, True, False], [100, 128, 30], [100, 128, 30], [0, 0, 0], 64,
+                                  mamba2=False)
+    assert tp.chunk_indices == [1, -1, -1]             # 100 -> after 1 chunk; 128 aligned -> final state
+    assert tp.unaligned_rows == [0] and tp.final_rows == [1]
+    # docs/sglang.md: SGLang allows extra_buffer only with --linear-attn-backend triton
+    assert 'view.linear_attn_backend == "triton"' in inspect.getsource(overrides.supports_mamba_cache_extra_buffer)
