@@ -50,11 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _dec():
-    # The package re-exports a function named `decode` that shadows the submodule; import it
-    # through the package's loader, which keeps the package's wrappers in place.
-    pkg = importlib.import_module("qla_serve.kernels.hopper")
-    loader = getattr(pkg, "_decode_module", None)
-    return loader() if loader else importlib.import_module("qla_serve.kernels.hopper.decode")
+    # The package exports a function named `decode`; the submodule comes from sys.modules.
+    return importlib.import_module("qla_serve.kernels.hopper.decode")
 
 
 def _parse(args):

@@ -13,11 +13,8 @@ import os
 import pytest
 import torch
 
-# The package re-exports a function named `decode` that shadows the submodule; import it
-# through the package's loader, which keeps the package's wrappers in place.
-_pkg = importlib.import_module("qla_serve.kernels.hopper")
-dec = _pkg._decode_module() if hasattr(_pkg, "_decode_module") else \
-    importlib.import_module("qla_serve.kernels.hopper.decode")
+# The package exports a function named `decode`; the submodule comes from sys.modules.
+dec = importlib.import_module("qla_serve.kernels.hopper.decode")
 
 HV, HK = 8, 2
 

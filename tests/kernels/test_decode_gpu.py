@@ -23,11 +23,8 @@ TOL_BF16_STATE = 6e-3
 
 
 def _mod():
-    # The package re-exports a function named `decode` that shadows the submodule; import it
-    # through the package's loader, which keeps the package's wrappers in place.
-    pkg = importlib.import_module("qla_serve.kernels.hopper")
-    loader = getattr(pkg, "_decode_module", None)
-    return loader() if loader else importlib.import_module("qla_serve.kernels.hopper.decode")
+    # The package exports a function named `decode`; the submodule comes from sys.modules.
+    return importlib.import_module("qla_serve.kernels.hopper.decode")
 
 
 def rel(x, ref):

@@ -17,6 +17,8 @@ SUPPORTED_STRATEGIES = _prefill.SUPPORTED_STRATEGIES
 prefill = functools.partial(_prefill.prefill, _target=ARCH)
 decode = _hopper.decode
 verify = _hopper.verify
+commit_verified = _hopper.commit_verified
+TARGETS = ("sm_100a",)
 
 
 def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
