@@ -32,6 +32,7 @@ sends unset verify to triton except for flashinfer; flashqla asks for flashqla e
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -123,7 +124,10 @@ def startup_problems(phases: dict[str, bool], *, ssm_shape, ssm_dtype, device) -
 
     import qla_serve.ops as ops
 
-    wanted = [p for p, on in phases.items() if on]
+    spec = get_spec()
+    # Verify runs only under speculative decoding: without it, a flashqla verify (implied by a
+    # flashqla decode) is never called and must not block start-up.
+    wanted = [p for p, on in phases.items() if on and (p != "verify" or spec.speculative_algorithm)]
     if not wanted:
         return []
     problems = []
@@ -133,8 +137,8 @@ def startup_problems(phases: dict[str, bool], *, ssm_shape, ssm_dtype, device) -
                         f"state pool is {list(ssm_shape)} ([layers, slots, Hv, V, K])")
     if ssm_dtype not in (torch.float32, torch.bfloat16):
         problems.append(f"{flag}: --mamba-ssm-dtype must be float32 or bfloat16, got {ssm_dtype}")
-    topk = get_spec().speculative_eagle_topk or 0
-    if phases["verify"] and topk > 1:
+    topk = spec.speculative_eagle_topk or 0
+    if "verify" in wanted and topk > 1:
         problems.append(f"--linear-attn-verify-backend flashqla: tree drafts (--speculative-eagle-topk "
                         f"{topk}) are not supported (SGLang would run them on Triton); use topk 1 or "
                         "--linear-attn-verify-backend triton")
@@ -148,28 +152,23 @@ def startup_problems(phases: dict[str, bool], *, ssm_shape, ssm_dtype, device) -
             continue
         # On a GPU only qla_serve's TileLang kernels count; the FLA / reference paths run only
         # when the operator forces them with QLA_SERVE_OP_PATH (then it is their choice).
-        import os
         if device.type == "cuda" and path != "tilelang" and os.environ.get("QLA_SERVE_OP_PATH", "auto") == "auto":
-            _, tl_why = _tilelang_reason(ops, op_of[phase], device)
+            tl_why = _tilelang_reason(ops, op_of[phase], device)
             problems.append(f"flashqla {phase}: no qla_serve TileLang kernel on {device} ({tl_why}); "
                             "pick another --linear-attn-*-backend for this phase, or set "
                             "QLA_SERVE_OP_PATH=fla|reference to run qla_serve's slower paths on purpose")
     return problems
 
 
-def _tilelang_reason(ops, op: str, device) -> tuple[str, str]:
-    import os
-    old = os.environ.get("QLA_SERVE_OP_PATH")
-    os.environ["QLA_SERVE_OP_PATH"] = "tilelang"
-    try:
-        return ops.explain_path(op, device)
-    except RuntimeError as exc:
-        return "tilelang", str(exc)
-    finally:
-        if old is None:
-            os.environ.pop("QLA_SERVE_OP_PATH", None)
-        else:
-            os.environ["QLA_SERVE_OP_PATH"] = old
+def _tilelang_reason(ops, op: str, device) -> str:
+    """Why qla_serve's TileLang path does not run ``op`` on this CUDA device."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    mod = ops.kernel_module(ops._arch_of(index))
+    if isinstance(mod, str):
+        return mod
+    if not hasattr(mod, op):
+        return f"{mod.__name__} has no {op} kernel"
+    return f"{mod.__name__}.{op} exists but another path was chosen"
 
 
 # ---------------------------------------------------------------------------------------------

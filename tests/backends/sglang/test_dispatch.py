@@ -106,9 +106,20 @@ def test_extra_buffer_is_fine_when_prefill_is_not_flashqla(gdn_kit):
 
 
 def test_startup_refuses_tree_drafts_with_flashqla_verify(gdn_kit):
-    kit = gdn_kit(linear_attn_backend="flashqla", speculative_eagle_topk=4)
+    kit = gdn_kit(linear_attn_backend="flashqla", speculative_algorithm="EAGLE", speculative_eagle_topk=4)
     with pytest.raises(ValueError, match="tree drafts"):
         _build(kit)
+
+
+def test_verify_is_not_checked_without_speculative_decoding(gdn_kit, sglang_plugin):
+    """A flashqla decode implies a flashqla verify, which only matters under speculative decoding."""
+    from sglang.srt.runtime_context import get_context
+
+    with get_context().override_server_args(linear_attn_backend="flashqla", speculative_eagle_topk=4):
+        phases = sglang_plugin.requested_phases()
+        assert phases["verify"]
+        assert sglang_plugin.startup_problems(phases, ssm_shape=(1, 3, 2, 128, 128),
+                                              ssm_dtype=torch.float32, device="cpu") == []
 
 
 def test_startup_refuses_a_path_that_cannot_run(gdn_kit, monkeypatch):
