@@ -208,6 +208,14 @@ class QlaQwenGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
                     "; ".join(f"{op}: {p} ({why})" for op, (p, why) in paths.items()),
                     " — CPU runs qla_serve's torch reference path, for testing" if current_platform.is_cpu() else "")
 
+    def get_kv_cache_spec(self, vllm_config):
+        spec = super().get_kv_cache_spec(vllm_config)
+        if getattr(self, "qla_backend", None) == "flashqla" and getattr(spec, "num_prefill_checkpoint_blocks", 0):
+            raise RuntimeError(f"linear_attn_backend=flashqla cannot run layer {self.prefix}: this "
+                               "configuration asks GDN layers for mid-prefill state checkpoints "
+                               "(prefix caching), which flashqla does not write yet")
+        return spec
+
     def get_attn_backend(self):
         if getattr(self, "qla_backend", None) == "flashqla":
             return QlaGDNAttentionBackend

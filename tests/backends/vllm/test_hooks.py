@@ -47,6 +47,9 @@ def test_layer_hook_points():
     assert _params(L.fix_query_key_value_ordering) == ["self", "mixed_qkvz", "mixed_ba"]
     assert _params(L.split_ba) == ["self", "ba"]
     assert _params(L._output_projection) == ["self", "core_attn_out", "z"]
+    from vllm.v1.kv_cache_interface import MambaSpec
+    assert "num_prefill_checkpoint_blocks" in {f.name for f in dataclasses.fields(MambaSpec)}
+    assert _params(L.get_kv_cache_spec) == ["self", "vllm_config"]
     for name in ("get_state_dtype", "get_state_shape", "get_attn_backend", "forward"):
         assert callable(getattr(L, name)), name
     src = inspect.getsource(L.__init__)
