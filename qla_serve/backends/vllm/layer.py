@@ -265,6 +265,8 @@ class QlaQwenGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
             if step.num_prefills:
                 _stats.hit("qla:prefill_layer_calls")
                 _stats.hit("qla:resumed_prefill", step.info.get("resumed_prefills", 0))
+            if step.num_spec_decodes and step.num_prefills:
+                _stats.hit("qla:spec_with_prefill_calls")   # spec and prefill tokens interleaved
             if step.num_spec_decodes and step.num_accepted.device.type == "cpu":
                 # Tokens accepted in the previous step (> rows when drafts were accepted).
                 _stats.hit("qla:spec_accepted", int(step.num_accepted[: step.num_spec_decodes].sum()))

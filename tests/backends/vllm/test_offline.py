@@ -9,8 +9,8 @@ Qwen3-Next and Qwen3.5 models, against transformers run on the same checkpoint.
 * the path counters show qla_serve's prefill, decode and resumed-prefill paths ran in the
   engine's worker process (this job process: VLLM_ENABLE_V1_MULTIPROCESSING=0) and vLLM's own
   GDN layer and kernels ran zero times;
-* speculative decoding (prompt-lookup drafts, up to 3 tokens per verify, some accepted) gives
-  the same tokens;
+* speculative decoding (prompt-lookup drafts, up to 3 tokens per verify, some accepted, steps
+  mixing verifies with a chunked prefill) gives the same tokens;
 * the default backend is the control: vLLM's stock path runs and qla_serve's does not;
 * a model qla_serve cannot serve (linear head dim 64) fails at start-up with the reason.
 
@@ -44,7 +44,7 @@ def runs(tiny_models, tmp_path_factory):
         # Last engine of the process: vLLM 0.32's CPU worker cannot start a second engine in a
         # process after a speculative one (its Triton-override rebinding fails).
         "next_spec": dict(engine="vllm", model=nxt, backend="flashqla", max_tokens=16, spec=True,
-                          prompts="spec"),
+                          prompts="spec", chunk=16),
         "hf_next": dict(engine="hf", model=nxt, max_tokens=MAX_TOKENS),
         "hf_q35": dict(engine="hf", model=q35, max_tokens=MAX_TOKENS),
         "hf_spec": dict(engine="hf", model=nxt, max_tokens=16, prompts="spec"),
@@ -81,6 +81,8 @@ def test_flashqla_spec_decode_fp32_equals_transformers(runs):
     assert got["tokens"] == want["tokens"], _equal(got["tokens"], want["tokens"])
     c = got["counts"]
     assert c.get("qla:spec", 0) > 0, c
+    # Chunked prompts: some steps interleave spec decodes with a prefill's tokens.
+    assert c.get("qla:spec_with_prefill_calls", 0) > 0, c
     # Some verify step resumed from a state after more than one accepted token.
     assert c.get("qla:spec_accepted", 0) > c["qla:spec"], f"no draft was ever accepted: {c}"
     assert _stock(c) == {}, c
