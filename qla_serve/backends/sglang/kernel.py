@@ -150,6 +150,8 @@ class TrackSplit:
     tail_plan: "qla_serve.plan.PrefillPlan"
     tail_live: torch.Tensor       # [N] bool: the request has tokens after its boundary
     snap_rows: torch.Tensor       # [R] int64 rows that take a snapshot
+    num_head: int = 0             # host token counts: an empty pass is skipped
+    num_tail: int = 0
 
     @staticmethod
     def build(batch: "ExtendBatch", num_v_heads: int, num_k_heads: int) -> "TrackSplit":
@@ -178,7 +180,7 @@ class TrackSplit:
         plan = lambda ls: qla_serve.plan_prefill(ls, num_v_heads, num_k_heads, device=dev, cp=batch.cp)  # noqa: E731
         return TrackSplit(head_idx=up(head_idx), tail_idx=up(tail_idx), head_plan=plan(heads),
                           tail_plan=plan(tails), tail_live=up([t > 0 for t in tails], torch.bool),
-                          snap_rows=up(rows))
+                          snap_rows=up(rows), num_head=len(head_idx), num_tail=len(tail_idx))
 
 
 class FlashQLAGDNKernel(LinearAttnKernelBase):
@@ -284,13 +286,15 @@ class FlashQLAGDNKernel(LinearAttnKernelBase):
             batch.track_chunks = tuple(int(c) for c in track_chunk_idx.tolist())
         sp = batch.split_for(Hv, Hk)
         hi, ti = sp.head_idx, sp.tail_idx
-        o_head = qla_serve.gdn_prefill(q[hi], k[hi], v[hi], g[hi], beta[hi], pool, slots, sp.head_plan)
+        if sp.num_head:  # else every cut is at 0: the slots already hold the boundary states
+            o_head = qla_serve.gdn_prefill(q[hi], k[hi], v[hi], g[hi], beta[hi], pool, slots, sp.head_plan)
+            out.index_copy_(0, hi, o_head)
         rows = sp.snap_rows
         track_state[rows] = pool.index_select(0, slots.long()[rows]).to(track_state.dtype)
-        tail_slots = torch.where(sp.tail_live, slots, torch.full_like(slots, -1))
-        o_tail = qla_serve.gdn_prefill(q[ti], k[ti], v[ti], g[ti], beta[ti], pool, tail_slots, sp.tail_plan)
-        out.index_copy_(0, hi, o_head)
-        out.index_copy_(0, ti, o_tail)
+        if sp.num_tail:
+            tail_slots = torch.where(sp.tail_live, slots, torch.full_like(slots, -1))
+            o_tail = qla_serve.gdn_prefill(q[ti], k[ti], v[ti], g[ti], beta[ti], pool, tail_slots, sp.tail_plan)
+            out.index_copy_(0, ti, o_tail)
 
     # ------------------------------------------------------------------ target_verify
     def target_verify(self, A_log, dt_bias, q, k, v, a, b, *, ssm_states, cache_indices,

@@ -139,6 +139,34 @@ def test_extend_refuses_what_it_cannot_do():
                     track_chunk_idx=torch.tensor([1], dtype=torch.int32), **common)
 
 
+@pytest.mark.parametrize("lens,chunks", [([70, 30], [0, 0]), ([64, 5], [1, -1])], ids=["no-head", "no-tail"])
+def test_extend_track_snapshot_one_pass(lens, chunks):
+    """Every cut at 0 (the head pass is empty) or at the end (the tail pass is empty)."""
+    gen = torch.Generator().manual_seed(6)
+    Hk, Hv, slots = 2, 2, [1, 2]
+    n = sum(lens)
+    q, k, v = C.mixed_views(n, Hk, Hv, torch.bfloat16, "cpu", gen)
+    a, b, A_log, dt_bias = C.raw_gates(n, Hv, torch.bfloat16, "cpu", gen)
+    g64, beta64 = C.gating64(a, b, A_log, dt_bias)
+    pool = C.pool(3, Hv, torch.float32, "cpu", gen)
+    pool0 = pool.clone()
+    qsl = torch.tensor([0, lens[0], n], dtype=torch.int32)
+    kern = FlashQLAGDNKernel(("prefill",))
+    kern.bind_batch(ExtendBatch(query_start_loc=qsl, seq_lens=tuple(lens), num_tokens=n, track_chunks=tuple(chunks)))
+    track = torch.zeros(2, Hv, 128, 128)
+    o, _, _ = kern.extend(q, k, v, g64.float()[None], beta64.float()[None], ssm_states=pool,
+                          cache_indices=torch.tensor(slots, dtype=torch.int32), query_start_loc=qsl,
+                          track_state=track)
+    o_ref, finals = C.oracle(q, k, v, g64, beta64, lens, slots, pool0)
+    assert C.rel(o[0], o_ref) < 1e-2
+    for s, fin in finals.items():
+        assert C.rel(pool[s], fin) < 1e-2
+    if chunks[0] == 0:
+        assert torch.equal(track[0], pool0[1]) and torch.equal(track[1], pool0[2])  # initial states
+    else:
+        assert C.rel(track[0], finals[1]) < 1e-2 and torch.count_nonzero(track[1]) == 0
+
+
 @pytest.mark.parametrize("pool_dtype", POOL_DTYPES)
 @pytest.mark.parametrize("planned", [True, False], ids=["host-track-plan", "device-track-idx"])
 def test_extend_track_snapshot(pool_dtype, planned):
