@@ -49,7 +49,7 @@ from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
 
 import qla_serve
 from qla_serve.backends import gdn_layer
-from qla_serve.backends.vllm import CONFIG_KEY, _stats
+from qla_serve.backends.vllm import _stats
 from qla_serve.backends.vllm.plugin import resolve_backend
 
 log = logging.getLogger("vllm.qla_serve")  # under vLLM's logger: its handlers and format
