@@ -26,3 +26,6 @@ for engine in vllm sglang; do
     .venv-$engine/bin/python -m pytest -q tests/backends/$engine
   fi
 done
+# The deployment tests that check rendered flags against the installed engines' parsers.
+echo "== deploy: rendered engine flags against the engines' parsers"
+.venv/bin/python -m pytest -q tests/deploy -m engine
