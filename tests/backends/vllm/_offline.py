@@ -2,7 +2,7 @@
 
     python _offline.py JOBS.json      # [{"engine": "vllm"|"hf", "model": DIR, ...}, ...]
 
-Job keys: prompts ("spec" for SPEC_PROMPTS), backend (None = vLLM's default), dtype, max_tokens, chunk (max_num_batched_tokens,
+Job keys: prompts ("spec" for SPEC_PROMPTS), tp (tensor parallel size), backend (None = vLLM's default), dtype, max_tokens, chunk (max_num_batched_tokens,
 0 = vLLM's default), spec (prompt-lookup speculative decoding, 2 drafts). Each result has the
 greedy token ids per prompt, or "error" (the exception text) when the engine refused to start;
 vLLM jobs also get "counts", the qla_serve path counters of this process during that job.
@@ -39,6 +39,8 @@ def run_vllm(job) -> dict:
               enforce_eager=True, seed=0)
     if job.get("backend"):
         kw["additional_config"] = {"linear_attn_backend": job["backend"]}
+    if job.get("tp", 1) > 1:
+        kw["tensor_parallel_size"] = job["tp"]  # workers are separate processes (stats files)
     if job.get("chunk"):
         kw.update(enable_chunked_prefill=True, max_num_batched_tokens=job["chunk"])
     if job.get("spec"):

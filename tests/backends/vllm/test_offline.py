@@ -12,7 +12,8 @@ Qwen3-Next and Qwen3.5 models, against transformers run on the same checkpoint.
 * speculative decoding (prompt-lookup drafts, up to 3 tokens per verify, some accepted, steps
   mixing verifies with a chunked prefill) gives the same tokens;
 * the default backend is the control: vLLM's stock path runs and qla_serve's does not;
-* a model qla_serve cannot serve (linear head dim 64) fails at start-up with the reason.
+* a model qla_serve cannot serve (linear head dim 64) fails at start-up with the reason;
+* tensor parallel 2 (two worker processes, each with half the GDN heads) gives the same tokens.
 
 All engine jobs run in one subprocess (see _offline.py): importing vLLM dominates on 2 cores.
 """
@@ -23,7 +24,11 @@ import pytest
 
 pytest.importorskip("vllm.engine.arg_utils", reason="vllm is not installed (run scripts/setup_vllm_env.sh; tests use .venv-vllm)")
 
+import os  # noqa: E402
+
 from vllm_helpers import engine_env, run_jobs  # noqa: E402
+
+from qla_serve.backends.vllm._stats import read_all  # noqa: E402
 
 MAX_TOKENS = 12
 pytestmark = pytest.mark.engine
@@ -99,3 +104,24 @@ def test_flashqla_refuses_unsupported_model_at_startup(runs):
     err = runs["hd64"].get("error", "")
     assert "linear_attn_backend=flashqla cannot run layer" in err, err[-3000:]
     assert "linear key/value head dim 128, the model has 64/64" in err
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="TP=2 on CPU needs 2 cores (one per worker)")
+def test_flashqla_tensor_parallel_2(tiny_models, tmp_path):
+    """TP=2: the plugin loads in both worker processes, each serves its half of the GDN heads
+    (Hk/TP=1, Hv/TP=2) and the fp32 greedy tokens still equal transformers'."""
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    nxt = tiny_models["qwen3_next"]
+    env = engine_env(tmp_path / "stats", VLLM_ENABLE_V1_MULTIPROCESSING=1,
+                     VLLM_CPU_OMP_THREADS_BIND=f"{cpus[0]}|{cpus[1]}")
+    out = run_jobs([dict(engine="vllm", model=nxt, backend="flashqla", max_tokens=8, chunk=32, tp=2),
+                    dict(engine="hf", model=nxt, max_tokens=8)], tmp_path, env=env)
+    got, want = out["results"]
+    assert "error" not in got, got.get("error")
+    assert got["tokens"] == want["tokens"], _equal(got["tokens"], want["tokens"])
+    per = read_all(tmp_path / "stats")["per_pid"]
+    workers = {pid: c for pid, c in per.items() if c.get("qla:calls")}
+    assert len(workers) == 2 and out["pid"] not in workers, per
+    for c in workers.values():
+        assert c.get("qla:prefill", 0) > 0 and c.get("qla:decode", 0) > 0 and c.get("qla:resumed_prefill", 0) > 0, c
+    assert not any(k.startswith("stock:") for c in per.values() for k in c), per
