@@ -157,9 +157,10 @@ def check_cu_seqlens(name: str, cu, T: int) -> list[int] | None:
     return vals
 
 
-def check_out(out, shape: tuple, dtype: torch.dtype, device: torch.device):
+def output(out, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The caller's ``out`` after checking it, or a new (uninitialised) tensor."""
     if out is None:
-        return None
+        return torch.empty(shape, dtype=dtype, device=device)
     check_dtype("out", out, (dtype,))
     check_shape("out", out, shape)
     if out.device != device:

@@ -48,13 +48,14 @@ def _version_of(module: str) -> str:
     return str(getattr(mod, "__version__", "installed"))
 
 
-def _parse_heads(text: str) -> tuple[int, int]:
+def parse_heads(text: str) -> tuple[int, int]:
+    """``"Hk/Hv"`` (TP-local q/k heads / v heads, e.g. 2/8) -> (Hk, Hv); an argparse type."""
     try:
         hk, hv = (int(x) for x in text.split("/"))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--heads: expected QK/V head counts like 2/8, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected TP-local QK/V head counts like 2/8, got {text!r}")
     if hk <= 0 or hv <= 0 or hv % hk:
-        raise argparse.ArgumentTypeError(f"--heads: expected positive counts with V a multiple of QK, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected positive counts with V a multiple of QK, got {text!r}")
     return hk, hv
 
 
@@ -62,9 +63,9 @@ def _parse_seqlens(text: str) -> list[int]:
     try:
         lens = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--seqlens: expected comma-separated ints, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}")
     if not lens or any(n < 0 for n in lens):
-        raise argparse.ArgumentTypeError(f"--seqlens: expected one or more lengths >= 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected one or more lengths >= 0, got {text!r}")
     return lens
 
 
@@ -105,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("info", help="versions, GPU, the path each op takes").set_defaults(fn=_cmd_info)
 
     pl = sub.add_parser("plan", help="print the prefill plan for a batch")
-    pl.add_argument("--heads", type=_parse_heads, required=True, help="TP-local QK/V heads, e.g. 2/8")
+    pl.add_argument("--heads", type=parse_heads, required=True, help="TP-local QK/V heads, e.g. 2/8")
     pl.add_argument("--seqlens", type=_parse_seqlens, required=True, help="e.g. 32768,8192")
     pl.add_argument("--cp", choices=("auto", "off", "exact"), default="auto")
     pl.add_argument("--arch", choices=("sm90", "sm100"), default="sm90")
@@ -118,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     de = sub.add_parser("demo", help="varlen prefill + decode on the best path, checked against float64")
     de.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    de.add_argument("--heads", type=_parse_heads, default=(2, 8))
+    de.add_argument("--heads", type=parse_heads, default=(2, 8))
     de.add_argument("--seqlens", type=_parse_seqlens, default=[300, 1, 0, 129])
     de.add_argument("--decode-steps", type=int, default=4)
     de.add_argument("--seed", type=int, default=0)

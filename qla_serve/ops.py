@@ -28,6 +28,7 @@ from qla_serve.kernels import reference
 log = logging.getLogger("qla_serve")
 
 PATHS = ("tilelang", "fla", "reference")
+FLA_OPS = ("prefill", "decode")
 
 
 # ---------------------------------------------------------------------------------------
@@ -62,7 +63,8 @@ def _fla_error() -> str | None:
 
 
 def explain_path(op: str, device, io_dtype=torch.bfloat16) -> tuple[str, str]:
-    """(path, reason) that ``op`` ("prefill" | "decode" | "verify") takes on ``device``."""
+    """(path, reason) that ``op`` ("prefill" | "decode" | "verify" | "commit_verified") takes on
+    ``device`` for q/k/v of ``io_dtype``."""
     device = torch.device(device)
     forced = os.environ.get("QLA_SERVE_OP_PATH", "auto")
     if forced not in PATHS + ("auto",):
@@ -74,12 +76,15 @@ def explain_path(op: str, device, io_dtype=torch.bfloat16) -> tuple[str, str]:
             candidates.append(("tilelang", None, mod))
         elif not hasattr(mod, op):
             candidates.append(("tilelang", None, f"{mod.__name__} has no {op} kernel yet"))
-        elif io_dtype == torch.float32:
+        elif io_dtype == torch.float32:  # None: an op without q/k/v (commit_verified)
             candidates.append(("tilelang", None, "TileLang kernels take bf16/fp16 q/k/v, got float32"))
         else:
             candidates.append(("tilelang", "ok", f"{mod.__name__}.{op}"))
-        fla_err = _fla_error()
-        candidates.append(("fla", None if fla_err else "ok", fla_err or "FLA Triton fallback"))
+        if op in FLA_OPS:
+            fla_err = _fla_error()
+            candidates.append(("fla", None if fla_err else "ok", fla_err or "FLA Triton fallback"))
+        else:
+            candidates.append(("fla", None, f"FLA has no {op} that writes per-token states"))
     candidates.append(("reference", "ok", "torch reference" + (" (CPU tensors)" if device.type == "cpu" else "")))
     if forced != "auto":
         for path, ok, why in candidates:
@@ -120,6 +125,18 @@ def supported_prefill_strategies(device) -> frozenset[str]:
         mod = kernel_module(_arch_of(device.index if device.index is not None else torch.cuda.current_device()))
         return frozenset(getattr(mod, "SUPPORTED_STRATEGIES", {"plain"}))
     return frozenset({"plain"})
+
+
+def _run(op: str, device: torch.device, io_dtype, *args, **kwargs) -> None:
+    """Call ``op`` of the module that implements this call's path."""
+    path = _path(op, device, io_dtype)
+    if path == "tilelang":
+        mod = kernel_module(_arch_of(device.index))
+    elif path == "fla":
+        from qla_serve.kernels import fla_fallback as mod
+    else:
+        mod = reference
+    getattr(mod, op)(*args, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------
@@ -164,19 +181,10 @@ def gdn_prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state=Non
         V.check_shape("has_initial_state", has_initial_state, (N,))
     V.check_device(q.device, k=k, v=v, g=g, beta=beta, pool=pool, slot_ids=slot_ids,
                    has_initial_state=has_initial_state)
-    out = V.check_out(out, (T, Hv, V.HEAD_DIM), q.dtype, q.device)
-    if out is None:
-        out = torch.empty(T, Hv, V.HEAD_DIM, dtype=q.dtype, device=q.device)
-    path = _path("prefill", q.device, q.dtype)
+    out = V.output(out, (T, Hv, V.HEAD_DIM), q.dtype, q.device)
     slot_ids = slot_ids.to(q.device, torch.int32, non_blocking=True)
-    kwargs = dict(has_initial_state=has_initial_state, scale=_scale(scale), out=out)
-    if path == "tilelang":
-        kernel_module(_arch_of(q.device.index)).prefill(q, k, v, g, beta, pool, slot_ids, plan, **kwargs)
-    elif path == "fla":
-        from qla_serve.kernels import fla_fallback
-        fla_fallback.prefill(q, k, v, g, beta, pool, slot_ids, plan, **kwargs)
-    else:
-        reference.prefill(q, k, v, g, beta, pool, slot_ids, plan, **kwargs)
+    _run("prefill", q.device, q.dtype, q, k, v, g, beta, pool, slot_ids, plan,
+         has_initial_state=has_initial_state, scale=_scale(scale), out=out)
     return out
 
 
@@ -205,19 +213,9 @@ def gdn_decode(q, k, v, pool, slot_ids, *, g=None, beta=None, a=None, b=None, A_
     B, Hk, Hv = _check_step_inputs(q, k, v, pool, g, beta, a, b, A_log, dt_bias)
     V.check_index("slot_ids", slot_ids, B, pool.shape[0], unique_live=True)
     V.check_device(q.device, slot_ids=slot_ids)
-    out = V.check_out(out, (B, Hv, V.HEAD_DIM), q.dtype, q.device)
-    if out is None:
-        out = torch.empty(B, Hv, V.HEAD_DIM, dtype=q.dtype, device=q.device)
-    kwargs = dict(g=g, beta=beta, a=a, b=b, A_log=A_log, dt_bias=dt_bias,
-                  use_qk_l2norm=bool(use_qk_l2norm), scale=_scale(scale), out=out)
-    path = _path("decode", q.device, q.dtype)
-    if path == "tilelang":
-        kernel_module(_arch_of(q.device.index)).decode(q, k, v, pool, slot_ids, **kwargs)
-    elif path == "fla":
-        from qla_serve.kernels import fla_fallback
-        fla_fallback.decode(q, k, v, pool, slot_ids, **kwargs)
-    else:
-        reference.decode(q, k, v, pool, slot_ids, **kwargs)
+    out = V.output(out, (B, Hv, V.HEAD_DIM), q.dtype, q.device)
+    _run("decode", q.device, q.dtype, q, k, v, pool, slot_ids, g=g, beta=beta, a=a, b=b,
+         A_log=A_log, dt_bias=dt_bias, use_qk_l2norm=bool(use_qk_l2norm), scale=_scale(scale), out=out)
     return out
 
 
@@ -248,17 +246,10 @@ def gdn_verify(q, k, v, pool, slot_ids, cu_seqlens, intermediate, intermediate_i
     V.check_index("intermediate_ids", intermediate_ids, N, intermediate.shape[0], unique_live=True)
     V.check_device(q.device, slot_ids=slot_ids, cu_seqlens=cu_seqlens, intermediate=intermediate,
                    intermediate_ids=intermediate_ids)
-    out = V.check_out(out, (T, Hv, V.HEAD_DIM), q.dtype, q.device)
-    if out is None:
-        out = torch.empty(T, Hv, V.HEAD_DIM, dtype=q.dtype, device=q.device)
-    kwargs = dict(g=g, beta=beta, a=a, b=b, A_log=A_log, dt_bias=dt_bias,
-                  use_qk_l2norm=bool(use_qk_l2norm), scale=_scale(scale), out=out)
-    path = _path("verify", q.device, q.dtype)
-    args = (q, k, v, pool, slot_ids, cu_seqlens, intermediate, intermediate_ids)
-    if path == "tilelang":
-        kernel_module(_arch_of(q.device.index)).verify(*args, **kwargs)
-    else:  # FLA has no verify that writes per-token states into our layout
-        reference.verify(*args, **kwargs)
+    out = V.output(out, (T, Hv, V.HEAD_DIM), q.dtype, q.device)
+    _run("verify", q.device, q.dtype, q, k, v, pool, slot_ids, cu_seqlens, intermediate,
+         intermediate_ids, g=g, beta=beta, a=a, b=b, A_log=A_log, dt_bias=dt_bias,
+         use_qk_l2norm=bool(use_qk_l2norm), scale=_scale(scale), out=out)
     return out
 
 
@@ -273,10 +264,4 @@ def commit_verified(pool, slot_ids, intermediate, intermediate_ids, num_accepted
     V.check_index("slot_ids", slot_ids, N, pool.shape[0], unique_live=True)
     V.check_index("intermediate_ids", intermediate_ids, N, intermediate.shape[0], unique_live=True)
     V.check_index("num_accepted", num_accepted, N, intermediate.shape[1] + 1, unique_live=False)
-    mod = None
-    if pool.device.type == "cuda" and explain_path("verify", pool.device)[0] == "tilelang":
-        mod = kernel_module(_arch_of(pool.device.index))
-    if mod is not None and hasattr(mod, "commit_verified"):
-        mod.commit_verified(pool, slot_ids, intermediate, intermediate_ids, num_accepted)
-    else:
-        reference.commit_verified(pool, slot_ids, intermediate, intermediate_ids, num_accepted)
+    _run("commit_verified", pool.device, None, pool, slot_ids, intermediate, intermediate_ids, num_accepted)

@@ -17,18 +17,9 @@ import os
 import sys
 from typing import Optional
 
+from qla_serve.cli import parse_heads
+
 from .config import TARGETS, ConfigError, DeploymentConfig, check_config, load_config, read_yaml, resolve_config
-
-
-def _parse_heads(text: str) -> tuple[int, int]:
-    """``"Hk/Hv"`` (TP-local q/k heads / v heads, e.g. 2/8) -> (Hk, Hv)."""
-    try:
-        hk, hv = (int(x) for x in text.split("/"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected TP-local QK/V head counts like 2/8, got {text!r}")
-    if hk <= 0 or hv <= 0 or hv % hk:
-        raise argparse.ArgumentTypeError(f"expected positive counts with V a multiple of QK, got {text!r}")
-    return hk, hv
 
 
 def _positive_int(text: str) -> int:
@@ -202,7 +193,7 @@ def add_cli_commands(subparsers) -> None:
     src = pc.add_argument_group("what to compile (one or both)")
     src.add_argument("--config", action="append", metavar="FILE|DIR",
                      help="deployment config(s); its TP-local heads, dtypes and targets")
-    src.add_argument("--heads", type=_parse_heads, nargs="+", metavar="HK/HV",
+    src.add_argument("--heads", type=parse_heads, nargs="+", metavar="HK/HV",
                      help="TP-local QK/V head counts, e.g. 2/8 (all dtypes)")
     pc.add_argument("--arch", type=_parse_arch, default=None,
                     help="comma list of targets (default: the config's, else sm_90a,sm_100a)")

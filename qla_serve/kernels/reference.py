@@ -62,6 +62,19 @@ def _seq_bounds(cu_seqlens) -> list[tuple[int, int]]:
     return list(zip(cu[:-1], cu[1:]))
 
 
+def _setup(q, k, v, g, beta, cu_seqlens, scale):
+    """Shared set-up of both prefill forms: compute dtype, scale, GVA-expanded inputs in that
+    dtype, sequence bounds and zeroed outputs (o [T, Hv, V], final [N, Hv, V, K])."""
+    dt = _compute_dtype(q)
+    Hv, Kd, Vd = v.shape[1], q.shape[-1], v.shape[-1]
+    scale = Kd ** -0.5 if scale is None else scale
+    inputs = (_expand_heads(q.to(dt), Hv), _expand_heads(k.to(dt), Hv), v.to(dt), g.to(dt), beta.to(dt))
+    bounds = _seq_bounds(cu_seqlens)
+    o = torch.zeros(v.shape[0], Hv, Vd, dtype=dt, device=v.device)
+    final = torch.zeros(len(bounds), Hv, Vd, Kd, dtype=dt, device=v.device)
+    return dt, scale, inputs, bounds, o, final
+
+
 def recurrent_gdn(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None):
     """Per-token recurrence over packed sequences.
 
@@ -73,14 +86,8 @@ def recurrent_gdn(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None):
         o [T, Hv, V] in the compute dtype (float64 for float64 inputs, else float32) and
         final_state [N, Hv, V, K] in the same dtype.
     """
-    dt = _compute_dtype(q)
+    dt, scale, (qe, ke, ve, ge, be), bounds, o, final = _setup(q, k, v, g, beta, cu_seqlens, scale)
     Hv, Kd, Vd = v.shape[1], q.shape[-1], v.shape[-1]
-    scale = Kd ** -0.5 if scale is None else scale
-    qe, ke = _expand_heads(q.to(dt), Hv), _expand_heads(k.to(dt), Hv)
-    ve, ge, be = v.to(dt), g.to(dt), beta.to(dt)
-    bounds = _seq_bounds(cu_seqlens)
-    o = torch.zeros(v.shape[0], Hv, Vd, dtype=dt, device=v.device)
-    final = torch.zeros(len(bounds), Hv, Vd, Kd, dtype=dt, device=v.device)
     for i, (bos, eos) in enumerate(bounds):
         S = (initial_state[i].to(dt).clone() if initial_state is not None
              else torch.zeros(Hv, Vd, Kd, dtype=dt, device=v.device))
@@ -127,14 +134,8 @@ def chunked_gdn(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None, ch
     A = (I + StrictLower(diag(beta) K K^T))^-1; V' = (Gamma o A) diag(beta) (V - diag(gamma) K S);
     O = diag(gamma) Q S + (Lower(Gamma) o Q K^T) V'; S' = gamma_last S + K^T diag(gamma_last/gamma) V'.
     """
-    dt = _compute_dtype(q)
+    dt, scale, (qe, ke, ve, ge, be), bounds, o, final = _setup(q, k, v, g, beta, cu_seqlens, scale)
     Hv, Kd, Vd = v.shape[1], q.shape[-1], v.shape[-1]
-    scale = Kd ** -0.5 if scale is None else scale
-    qe, ke = _expand_heads(q.to(dt), Hv), _expand_heads(k.to(dt), Hv)
-    ve, ge, be = v.to(dt), g.to(dt), beta.to(dt)
-    bounds = _seq_bounds(cu_seqlens)
-    o = torch.zeros(v.shape[0], Hv, Vd, dtype=dt, device=v.device)
-    final = torch.zeros(len(bounds), Hv, Vd, Kd, dtype=dt, device=v.device)
     for i, (bos, eos) in enumerate(bounds):
         S = (initial_state[i].to(dt).transpose(-1, -2).clone() if initial_state is not None
              else torch.zeros(Hv, Kd, Vd, dtype=dt, device=v.device))

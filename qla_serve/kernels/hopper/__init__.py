@@ -14,7 +14,7 @@ from .decode import commit_verified, decode, verify
 from .prefill_api import SUPPORTED_STRATEGIES, prefill
 
 ARCH = "sm_90a"
-TARGETS = ("sm_90a", "sm_100a")
+TARGETS = ("sm_90a",)  # sm_100a builds come from qla_serve.kernels.blackwell
 
 __all__ = ["ARCH", "SUPPORTED_STRATEGIES", "TARGETS", "build", "commit_verified", "decode",
            "kernel_variants", "prefill", "verify"]
