@@ -1,4 +1,4 @@
-"""Shared helpers for the SGLang backend tests (``.venv-sglang/bin/python -m pytest tests/backends/sglang``).
+"""Shared helpers for the SGLang backend tests (``.venv-sglang/bin/python -m pytest tests/backends/sglang_plugin``).
 
 Every test module starts with ``pytest.importorskip("sglang")`` (except the GPU test, which
 needs no SGLang), so a venv without SGLang skips them with that reason. Nothing here imports

@@ -1,8 +1,8 @@
 """FlashQLAGDNKernel on a CUDA GPU with SGLang-shaped inputs, against the float64 oracle.
 
 Needs no SGLang (the kernel class falls back to a plain base without it), so it runs on the lent
-H200 with qla_serve's kernels: ``python -m pytest -m gpu tests/backends/sglang/test_kernel_gpu.py``.
-Shapes as SGLang 0.5.23 passes them (tests/backends/sglang/_sglang_cases.py): strided q/k/v
+H200 with qla_serve's kernels: ``python -m pytest -m gpu tests/backends/sglang_plugin/test_kernel_gpu.py``.
+Shapes as SGLang 0.5.23 passes them (tests/backends/sglang_plugin/_sglang_cases.py): strided q/k/v
 views, unnormalised q/k, raw a/b for decode/verify, fp32 g/beta for extend, a poisoned
 ``[size+1, Hv, 128, 128]`` pool (fp32 and bf16) with padding ids 0 and -1, TP-local heads 2/8
 (Qwen3.5-397B at TP8) and 4/8. Decode is also captured in a CUDA graph and replayed on new

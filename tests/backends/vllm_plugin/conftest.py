@@ -1,4 +1,4 @@
-"""Fixtures for the vLLM backend tests (run with `.venv-vllm/bin/python -m pytest tests/backends/vllm`).
+"""Fixtures for the vLLM backend tests (run with `.venv-vllm/bin/python -m pytest tests/backends/vllm_plugin`).
 
 Every test module starts with ``pytest.importorskip("vllm.engine.arg_utils")`` (not bare "vllm":
 this very folder is importable as a namespace package named vllm), so the core venv skips them

@@ -27,7 +27,7 @@ def engine_env(stats_dir=None, **extra) -> dict:
 
 
 def run_jobs(jobs, tmp_dir, *, env, timeout=480) -> dict:
-    """Run `python tests/backends/vllm/_offline.py JOBS.json` (one process for all jobs);
+    """Run `python tests/backends/vllm_plugin/_offline.py JOBS.json` (one process for all jobs);
     returns {"pid", "results": [...]} from its last stdout line."""
     path = pathlib.Path(tmp_dir) / "jobs.json"
     path.write_text(json.dumps([{k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in j.items()}

@@ -1,6 +1,6 @@
 """FlashQLAGDNKernel on SGLang's pool layout against a float64 oracle (CPU, real sglang base class).
 
-Inputs are shaped as SGLang 0.5.23's GDNAttnBackend passes them (tests/backends/sglang/_cases.py):
+Inputs are shaped as SGLang 0.5.23's GDNAttnBackend passes them (tests/backends/sglang_plugin/_cases.py):
 strided q/k/v views, unnormalised q/k, raw a/b for decode and verify, fp32 log-space g/beta for
 extend, a ``[size+1, Hv, 128, 128]`` pool in fp32 or bf16 filled with random values. Checked:
 outputs and final states of live requests; padding ids 0 (SGLang's dummy slot, also repeated)
