@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create or update .venv-sglang (repo root): SGLang 0.5.23 on CPU torch, for qla_serve's SGLang
-# backend tests (tests/backends/sglang). No model runs here (SGLang's CPU engine needs sgl_kernel
+# backend tests (tests/backends/sglang_plugin). No model runs here (SGLang's CPU engine needs sgl_kernel
 # CPU ops that no PyPI wheel has); the plugin, flags, backend, pool and GDN test kit all import.
 #
 #   torch==2.13.0 (CPU; a local wheel where the machine has one) FIRST
