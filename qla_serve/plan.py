@@ -32,11 +32,25 @@ from qla_serve.costmodel import CostModel, load_cost_model
 
 CHUNK = 64
 CP_MODES = ("auto", "off", "exact")
+ENV_CP = "QLA_SERVE_CP"
 V_SPLITS = (1, 2, 4)
 ALL_STRATEGIES = frozenset({"plain", "vsplit", "cp"})
 
 # Segment table columns.
 SEG_SEQ, SEG_FIRST_CHUNK, SEG_NUM_CHUNKS, SEG_CARRIED = range(4)
+
+
+def cp_from_env(environ=None) -> str:
+    """The cp mode a deployment hands the engine backends: ``$QLA_SERVE_CP``, default "auto".
+
+    The backends read it once per process (``plan_prefill(..., cp=cp_from_env())``); an
+    unknown value is a ValueError naming the variable, never a silent "auto".
+    """
+    import os
+    value = (os.environ if environ is None else environ).get(ENV_CP, "auto").strip().lower()
+    if value not in CP_MODES:
+        raise ValueError(f"{ENV_CP}: expected auto, off or exact, got {value!r}")
+    return value
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -29,6 +29,8 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from qla_serve.plan import ENV_CP, cp_from_env  # noqa: F401  (re-exported by qla_serve.deploy)
+
 # GPU targets qla_serve compiles TileLang kernels for. The "a" suffix matters:
 # plain sm_90 cannot lower the warpgroup instructions the Hopper kernels use.
 TARGETS = ("sm_90a", "sm_100a")
@@ -38,7 +40,6 @@ EngineName = Literal["vllm", "sglang"]
 
 # Environment variable that carries the config's cp mode to the engine processes
 # (API server and every TP worker inherit the environment; see render.py).
-ENV_CP = "QLA_SERVE_CP"
 
 # Flags `render` writes from the config's own fields. Passing one of them again in
 # engine.extra_args would leave two sources of truth (argparse keeps the last one),
@@ -70,18 +71,6 @@ MANAGED_FLAGS = {
     },
 }
 MANAGED_ENV = {ENV_CP: "qla.cp", "TILELANG_CACHE_DIR": "set by the image (docker/)"}
-
-
-def cp_from_env(environ=None) -> str:
-    """The cp mode a rendered deployment hands the engine: ``$QLA_SERVE_CP``, default "auto".
-
-    For the engine backends, once per process (``plan_prefill(..., cp=cp_from_env())``).
-    An unknown value is a ValueError naming the variable, never a silent "auto".
-    """
-    value = (os.environ if environ is None else environ).get(ENV_CP, "auto").strip().lower()
-    if value not in ("auto", "off", "exact"):
-        raise ValueError(f"{ENV_CP}: expected auto, off or exact, got {value!r}")
-    return value
 
 
 class _Strict(BaseModel):

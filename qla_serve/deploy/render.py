@@ -10,7 +10,7 @@ How qla_serve's settings reach the engine (one mechanism per setting, no duplica
 * cp mode (auto/off/exact): the environment variable ``QLA_SERVE_CP``. Chosen over
   vLLM's ``--additional-config`` because it works the same for both engines and the
   API server, engine core and every TP worker inherit it (spawned or forked).
-  The backends read it once at start-up with ``qla_serve.deploy.cp_from_env()``.
+  The backends read it once at start-up with ``qla_serve.plan.cp_from_env()``.
 
 * activation dtype: ``--dtype`` (both engines); precompile builds that dtype's variants.
 

@@ -321,5 +321,5 @@ class FlashQLAGDNKernel(LinearAttnKernelBase):
 
 def _cp_mode() -> str:
     """``$QLA_SERVE_CP`` (auto/off/exact), validated: a bad value is an error, not "auto"."""
-    from qla_serve.deploy.config import cp_from_env
+    from qla_serve.plan import cp_from_env
     return cp_from_env()

@@ -278,6 +278,6 @@ _CP = None
 def _cp() -> str:
     global _CP
     if _CP is None:
-        from qla_serve.deploy.config import cp_from_env
+        from qla_serve.plan import cp_from_env
         _CP = cp_from_env()
     return _CP

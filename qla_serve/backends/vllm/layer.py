@@ -51,6 +51,7 @@ import qla_serve
 from qla_serve.backends import gdn_layer
 from qla_serve.backends.vllm import _stats
 from qla_serve.backends.vllm.plugin import resolve_backend
+from qla_serve.plan import cp_from_env
 
 log = logging.getLogger("vllm.qla_serve")  # under vLLM's logger: its handlers and format
 
@@ -114,6 +115,7 @@ class QlaGDNMetadataBuilder(GDNAttentionMetadataBuilder):
         self.qla_num_v_heads = text.linear_num_value_heads // tp
         self.qla_num_k_heads = text.linear_num_key_heads // tp
         self.qla_conv_width = text.linear_conv_kernel_dim
+        self.qla_cp = cp_from_env()  # once per process: a bad $QLA_SERVE_CP fails start-up
 
     def build(self, common_prefix_len, common_attn_metadata, *args, **kwargs):
         md = super().build(common_prefix_len, common_attn_metadata, *args, **kwargs)
@@ -163,7 +165,7 @@ class QlaGDNMetadataBuilder(GDNAttentionMetadataBuilder):
             spec_token_idx=md.spec_token_indx if mixed_spec else None,
             non_spec_token_idx=md.non_spec_token_indx if mixed_spec else None,
             null_slot=NULL_BLOCK_ID,
-            reuse=last)
+            cp=self.qla_cp, reuse=last)
         step.info["resumed_prefills"] = resumed
         if step.prefill_plan is not None:
             if _stats.enabled() and (last is None or last.prefill_plan is not step.prefill_plan):
