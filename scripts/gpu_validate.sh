@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One device run that checks everything a GPU can: all `gpu` tests, the demo, the precompiled
+# cold start, and the host-time benchmarks. For the lent H200:
+#   run(command="bash scripts/gpu_validate.sh", carry=[".devbundle/site.tar.xz", ".devbundle/activate.sh",
+#       ".devbundle/stamp", ".gpucache/tlcache.tar.xz", ".gpucache/tl_tp8.tar.xz", ".gpucache/whl"])
+# .gpucache/tlcache.tar.xz: a TileLang cache compiled on a GPU-less machine for sm_90a (all test
+# variants); .gpucache/tl_tp8.tar.xz: `qla-serve precompile --config <tp8 config>` only.
+set -uo pipefail
+out=${OUT:-/tmp/gpu_validate}; mkdir -p "$out"
+mkdir -p /tmp/tlall /tmp/tl_tp8
+[[ -f .gpucache/tlcache.tar.xz ]] && tar -xJf .gpucache/tlcache.tar.xz -C /tmp/tlall
+[[ -f .gpucache/tl_tp8.tar.xz ]] && tar -xJf .gpucache/tl_tp8.tar.xz -C /tmp/tl_tp8
+export TILELANG_CACHE_DIR=/tmp/tlall
+source .devbundle/activate.sh
+# hypothesis (test_plan.py imports it) is not on the device: pure-Python wheels import from the zip.
+for w in .gpucache/whl/*.whl; do [[ -f $w ]] && export PYTHONPATH=$PWD/$w:$PYTHONPATH; done
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+step() { echo "== $1"; shift; timeout "$@"; echo "rc=$?"; }
+step "all gpu tests" ${GPU_TEST_TIMEOUT:-300} python -m pytest -m gpu -q -rs tests -p no:cacheprovider --continue-on-collection-errors 2>&1 | tee "$out/gpu_tests.log" | tail -40
+step "demo (GPU)" 60 python -m qla_serve.cli demo 2>&1 | tee "$out/demo.log"
+step "cold start with the precompiled TP8 cache" 90 env TILELANG_CACHE_DIR=/tmp/tl_tp8 \
+  python -m qla_serve.deploy.coldstart --config configs/deploy/qwen3.5-397b-a17b-tp8.yaml 2>&1 | tee "$out/coldstart.log"
+step "host time: ops vs kernel modules" 60 python benchmarks/ops_host.py 2>&1 | tee "$out/ops_host.log"
+step "host time: planner" 40 python benchmarks/plan_host.py --iters 2000 2>&1 | tee "$out/plan_host.log"
