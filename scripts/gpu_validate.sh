@@ -12,8 +12,9 @@ mkdir -p /tmp/tlall /tmp/tl_tp8
 [[ -f .gpucache/tl_tp8.tar.xz ]] && tar -xJf .gpucache/tl_tp8.tar.xz -C /tmp/tl_tp8
 export TILELANG_CACHE_DIR=/tmp/tlall
 source .devbundle/activate.sh
-# hypothesis (test_plan.py imports it) is not on the device: pure-Python wheels import from the zip.
-for w in .gpucache/whl/*.whl; do [[ -f $w ]] && export PYTHONPATH=$PWD/$w:$PYTHONPATH; done
+# hypothesis (test_plan.py imports it) is not on the device: unpack the carried wheels.
+for w in .gpucache/whl/*.whl; do [[ -f $w ]] && python -m zipfile -e "$w" /tmp/whlsite; done
+export PYTHONPATH=$PYTHONPATH:/tmp/whlsite
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 step() { echo "== $1"; shift; timeout "$@"; echo "rc=$?"; }
 step "all gpu tests" ${GPU_TEST_TIMEOUT:-300} python -m pytest -m gpu -q -rs tests -p no:cacheprovider --continue-on-collection-errors 2>&1 | tee "$out/gpu_tests.log" | tail -40
