@@ -188,6 +188,14 @@ def gdn_prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state=Non
     return out
 
 
+def _same_dtype(x, y):
+    """Kernels take each pair (a, b) and (A_log, dt_bias) in one dtype; engines mix them (SGLang:
+    fp32 A_log beside a bf16 dt_bias). Upcast a mixed pair to fp32: exact, [*, Hv] elements."""
+    if x is not None and y is not None and x.dtype != y.dtype:
+        return x.float(), y.float()
+    return x, y
+
+
 def _check_step_inputs(q, k, v, pool, g, beta, a, b, A_log, dt_bias):
     T, Hk, Hv = V.check_qkv(q, k, v)
     V.check_gates(T, Hv, g, beta, a, b, A_log, dt_bias, allow_raw=True)
@@ -211,6 +219,7 @@ def gdn_decode(q, k, v, pool, slot_ids, *, g=None, beta=None, a=None, b=None, A_
         o [B, Hv, 128] in q's dtype.
     """
     B, Hk, Hv = _check_step_inputs(q, k, v, pool, g, beta, a, b, A_log, dt_bias)
+    (a, b), (A_log, dt_bias) = _same_dtype(a, b), _same_dtype(A_log, dt_bias)
     V.check_index("slot_ids", slot_ids, B, pool.shape[0], unique_live=True)
     V.check_device(q.device, slot_ids=slot_ids)
     out = V.output(out, (B, Hv, V.HEAD_DIM), q.dtype, q.device)
@@ -235,6 +244,7 @@ def gdn_verify(q, k, v, pool, slot_ids, cu_seqlens, intermediate, intermediate_i
         o [T, Hv, 128]. Commit the accepted step with :func:`commit_verified`.
     """
     T, Hk, Hv = _check_step_inputs(q, k, v, pool, g, beta, a, b, A_log, dt_bias)
+    (a, b), (A_log, dt_bias) = _same_dtype(a, b), _same_dtype(A_log, dt_bias)
     V.check_dtype("intermediate", intermediate, (pool.dtype,))
     V.check_shape("intermediate", intermediate, (None, None, Hv, V.HEAD_DIM, V.HEAD_DIM))
     cu = V.check_cu_seqlens("cu_seqlens", cu_seqlens, T)
