@@ -54,6 +54,8 @@ def test_prefill_then_decode_per_path(path, pool_dtype, monkeypatch):
     o_ref, s_ref = R.recurrent_gdn(qb.cuda(), kb.cuda(), vb.cuda(), g.cuda(), beta.cuda(),
                                    plan.cu_seqlens_cpu, init)
     tol_o, tol_s = (2e-3, 2e-3) if pool_dtype == torch.float32 else (1e-2, 1e-2)
+    if path == "fla":  # FLA keeps bf16 intermediates: ~3.5-4.5e-3 on o (benchmarks/prefill.md)
+        tol_o, tol_s = max(tol_o, 6e-3), max(tol_s, 6e-3)
     assert torch.isfinite(o).all()
     assert rel_err(o, o_ref) < tol_o
     live = [0, 1, 2, 4]
@@ -66,7 +68,8 @@ def test_prefill_then_decode_per_path(path, pool_dtype, monkeypatch):
     qd = torch.randn(B, Hk, 128, generator=gen).cuda().bfloat16()
     kd = torch.randn(B, Hk, 128, generator=gen).cuda().bfloat16()
     vd = torch.randn(B, Hv, 128, generator=gen).cuda().bfloat16()
-    a, b = torch.randn(B, Hv, generator=gen).cuda(), torch.randn(B, Hv, generator=gen).cuda()
+    # as the engines pass them: a, b in the activation dtype, A_log and dt_bias in fp32
+    a, b = torch.randn(B, Hv, generator=gen).cuda().bfloat16(), torch.randn(B, Hv, generator=gen).cuda().bfloat16()
     A_log, dt_bias = torch.randn(Hv, generator=gen).cuda() * 0.3, torch.randn(Hv, generator=gen).cuda()
     ids = torch.tensor([6, -1, 0], dtype=torch.int32, device="cuda")
     state0 = pool.double()[ids.clamp(min=0).long()]
