@@ -25,14 +25,32 @@ def _scatter(pool, slot_ids, final):
     pool[slot_ids.long()[live]] = final[live].to(pool.dtype)
 
 
+def _nonempty(plan):
+    """(indices [M], cu_seqlens [M+1]) of the plan's non-empty sequences, on the device, built
+    once per plan from host lengths: FLA 0.6 (which hands prefill to FlashQLA when installed)
+    rejects 0-length sequences."""
+    cached = plan.kernel_cache.get("fla_nonempty")
+    if cached is None:
+        idx = [i for i, n in enumerate(plan.seq_lens) if n > 0]
+        cu = plan.cu_seqlens_cpu
+        cached = (torch.tensor(idx, dtype=torch.long).to(plan.device),
+                  torch.tensor([0] + [cu[i + 1] for i in idx], dtype=torch.long).to(plan.device))
+        plan.kernel_cache["fla_nonempty"] = cached
+    return cached
+
+
 def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale, out):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     init = _gather(pool, slot_ids, has_initial_state)
-    o, final = chunk_gated_delta_rule(
-        q[None], k[None], v[None], g[None], beta[None], scale=scale, initial_state=init,
-        output_final_state=True, state_v_first=True, cu_seqlens=plan.cu_seqlens.long())
-    out.copy_(o[0])
+    final = init.clone()  # an empty sequence ends where it started
+    idx, cu = _nonempty(plan)
+    if idx.numel():
+        o, final_live = chunk_gated_delta_rule(
+            q[None], k[None], v[None], g[None], beta[None], scale=scale, initial_state=init[idx],
+            output_final_state=True, state_v_first=True, cu_seqlens=cu)
+        out.copy_(o[0])
+        final[idx] = final_live
     _scatter(pool, slot_ids, final)
 
 
