@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The main job on a fresh machine: set up .venv, then run the demo on the best available path
+# The demo without an engine, on a fresh machine: set up .venv, then run prefill + decode on the best path
 # (TileLang kernels on Hopper, the torch reference on a CPU machine), checked against float64.
 set -euo pipefail
 cd "$(dirname "$0")/.."
