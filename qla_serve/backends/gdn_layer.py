@@ -48,10 +48,10 @@ import torch
 import torch.nn.functional as F
 
 import qla_serve
+from qla_serve.kernels.reference import fused_gating, l2norm
 from qla_serve.plan import PrefillPlan
 
 HEAD_DIM = 128
-L2_EPS = 1e-6
 
 
 @dataclasses.dataclass(eq=False)
@@ -208,17 +208,6 @@ def _act(x: torch.Tensor, activation) -> torch.Tensor:
     raise ValueError(f"activation: expected 'silu' or None, got {activation!r}")
 
 
-def _l2norm(x: torch.Tensor) -> torch.Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + L2_EPS)).to(x.dtype)
-
-
-def gating(a, b, A_log, dt_bias):
-    """g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b); fp32 [T, Hv] each."""
-    g = -torch.exp(A_log.float()) * F.softplus(a.float() + dt_bias.float())
-    return g, torch.sigmoid(b.float())
-
-
 def _split_qkv(x: torch.Tensor, num_k_heads: int, num_v_heads: int):
     """[T, 2*Hk*128 + Hv*128] -> strided views q, k [T, Hk, 128], v [T, Hv, 128]."""
     kd = num_k_heads * HEAD_DIM
@@ -373,8 +362,8 @@ def gdn_layer_forward(step: StepPlan, mixed_qkv: torch.Tensor, a: torch.Tensor, 
                            step.prefill_has_initial_state, step.prefill_conv, conv_weight,
                            conv_bias, activation)
         q, k, v = _split_qkv(xp, num_k_heads, Hv)
-        g, beta = gating(an[Td:Td + Tp], bn[Td:Td + Tp], A_log, dt_bias)
-        qla_serve.gdn_prefill(_l2norm(q), _l2norm(k), v,
+        g, beta = fused_gating(an[Td:Td + Tp], bn[Td:Td + Tp], A_log, dt_bias)
+        qla_serve.gdn_prefill(l2norm(q), l2norm(k), v,
                               g, beta, ssm_state, _ops_slots(step.prefill_slots, null),
                               step.prefill_plan, has_initial_state=step.prefill_has_initial_state,
                               scale=scale, out=out_n[Td:Td + Tp])

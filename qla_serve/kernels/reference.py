@@ -37,8 +37,12 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dim (FLA's and the engines' convention)."""
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+    """x / sqrt(sum(x^2) + eps) over the last dim (FLA's and the engines' convention).
+
+    Computed in fp32 (fp64 for fp64 input), as the engines' kernels sum it, and returned in
+    x's dtype; the backends use it to normalise q/k before gdn_prefill."""
+    xf = x if x.dtype == torch.float64 else x.float()
+    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def fused_gating(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,

@@ -13,6 +13,7 @@ import importlib
 import pytest
 import torch
 
+from gdn_inputs import rel_err as rel
 from qla_serve.kernels import reference
 
 pytestmark = pytest.mark.gpu
@@ -25,11 +26,6 @@ TOL_BF16_STATE = 6e-3
 def _mod():
     # The package exports a function named `decode`; the submodule comes from sys.modules.
     return importlib.import_module("qla_serve.kernels.hopper.decode")
-
-
-def rel(x, ref):
-    x, ref = x.double(), ref.double()
-    return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def make_case(T, Hk, Hv, *, io=torch.bfloat16, gating="gb", l2norm=False, gen, dev="cuda"):

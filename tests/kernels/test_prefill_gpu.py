@@ -20,6 +20,7 @@ import random
 import pytest
 import torch
 
+from gdn_inputs import rel_err as rel
 from qla_serve.kernels import reference
 
 pytestmark = pytest.mark.gpu
@@ -33,11 +34,6 @@ HEADS = [(2, 8), (4, 16), (8, 24), (16, 32), (16, 64)]
 def _mod():
     from qla_serve.kernels.hopper import prefill_api as mod
     return mod
-
-
-def rel(x, ref):
-    x, ref = x.double(), ref.double()
-    return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def make_case(lens, Hk, Hv, *, io=torch.bfloat16, gen, dev="cuda"):

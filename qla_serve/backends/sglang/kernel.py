@@ -45,6 +45,8 @@ from dataclasses import dataclass
 import torch
 
 import qla_serve
+from qla_serve.kernels.reference import l2norm
+from qla_serve.plan import cp_from_env
 
 log = logging.getLogger("qla_serve.sglang")
 
@@ -58,13 +60,6 @@ except ImportError:
     HAVE_SGLANG = False
 
 HEAD_DIM = 128
-
-
-def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum x^2 + eps) over the last dim, summed in fp32 (as SGLang's Triton kernels do),
-    returned contiguous in x's dtype."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def _slots(cache_indices: torch.Tensor) -> torch.Tensor:
@@ -220,7 +215,7 @@ class FlashQLAGDNKernel(LinearAttnKernelBase):
         cu = query_start_loc.tolist()
         lens = tuple(b2 - a2 for a2, b2 in zip(cu, cu[1:]))
         self._batch = ExtendBatch(query_start_loc=query_start_loc, seq_lens=lens, num_tokens=cu[-1],
-                                  cp=_cp_mode())
+                                  cp=cp_from_env())
         return self._batch
 
     # ------------------------------------------------------------------ decode
@@ -261,7 +256,7 @@ class FlashQLAGDNKernel(LinearAttnKernelBase):
             o[0, n:].zero_()
         # SGLang's Triton path normalises q and k inside its kernel; gdn_prefill takes them
         # normalised (one extra pass over q/k, fused once the prefill kernel grows the flag).
-        qn, kn = _l2norm(q3[:n]), _l2norm(k3[:n])
+        qn, kn = l2norm(q3[:n]), l2norm(k3[:n])
         slots = _slots(cache_indices)
         if track_state is None:
             qla_serve.gdn_prefill(qn, kn, v3[:n], g2[:n].float(), beta2[:n].float(), ssm_states,
@@ -317,9 +312,3 @@ class FlashQLAGDNKernel(LinearAttnKernelBase):
                              a=_gate2d(a, "a", T), b=_gate2d(b, "b", T), A_log=A_log, dt_bias=dt_bias,
                              use_qk_l2norm=True, out=out)
         return out.view(v.shape)
-
-
-def _cp_mode() -> str:
-    """``$QLA_SERVE_CP`` (auto/off/exact), validated: a bad value is an error, not "auto"."""
-    from qla_serve.plan import cp_from_env
-    return cp_from_env()

@@ -47,16 +47,20 @@ def gating64(a, b, A_log, dt_bias):
     return g, torch.sigmoid(b.double().cpu())
 
 
+def _float64_inputs(q, k, v):
+    """[1, T, H, 128] kernel inputs -> float64 CPU q, k (normalised here), v and a zero o."""
+    q64 = reference.l2norm(q[0].double().cpu())
+    k64 = reference.l2norm(k[0].double().cpu())
+    v64 = v[0].double().cpu()
+    return q64, k64, v64, torch.zeros(v64.shape, dtype=torch.float64)
+
+
 def oracle(q, k, v, g, beta, lens, slots, pool0):
     """Per request, float64: (o [T, Hv, 128], {slot: final state}). Padding (slot <= 0): o = 0.
 
     q, k, v: [1, T, H, 128] as the kernel gets them (normalised here); g, beta: [T, Hv] float64.
     """
-    q64 = reference.l2norm(q[0].double().cpu())
-    k64 = reference.l2norm(k[0].double().cpu())
-    v64 = v[0].double().cpu()
-    T, Hv = v64.shape[0], v64.shape[1]
-    o = torch.zeros(T, Hv, D, dtype=torch.float64)
+    q64, k64, v64, o = _float64_inputs(q, k, v)
     finals = {}
     start = 0
     for n, s in zip(lens, slots):
@@ -72,11 +76,7 @@ def oracle(q, k, v, g, beta, lens, slots, pool0):
 
 def verify_oracle(q, k, v, g, beta, lens, slots, pool0):
     """Like :func:`oracle` but also every per-token state: {slot: [n, Hv, 128, 128]}."""
-    q64 = reference.l2norm(q[0].double().cpu())
-    k64 = reference.l2norm(k[0].double().cpu())
-    v64 = v[0].double().cpu()
-    T, Hv = v64.shape[0], v64.shape[1]
-    o = torch.zeros(T, Hv, D, dtype=torch.float64)
+    q64, k64, v64, o = _float64_inputs(q, k, v)
     states = {}
     start = 0
     for n, s in zip(lens, slots):
