@@ -183,3 +183,11 @@ def test_randomized_loop():
 def test_no_sequences_touch_nothing():
     """A 0-length-only batch still writes final = initial state; no NaN anywhere."""
     run_case([0, 0, 0], 2, 8, seed=3)
+
+
+def test_sanitizer_case():
+    """The small case scripts/gpu_prefill.sh also runs under compute-sanitizer memcheck and
+    racecheck (SANITIZE=1); here it is a plain correctness check: 2/8 heads, v_split 1 and 4,
+    lengths that end mid-chunk, padding slots."""
+    for vs in (1, 4):
+        run_case([65, 1, 130], 2, 8, v_split=vs, seed=77 + vs, pad_frac=0.3)

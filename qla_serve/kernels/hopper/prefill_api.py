@@ -2,11 +2,13 @@
 
 Two TileLang kernels per call (see prefill_prep.py and prefill_main.py for the math):
   1. prep  grid (chunks, Hv):      per chunk gate cumsum gc, M = (Gamma o A) diag(beta) and
-                                   P = scale Lower(Gamma) o Q K^T (all state-free, fully parallel)
-  2. main  grid (v_split, Hv, N):  the sequential chunk walk with the state in registers, pool
-                                   slots read and written in place, every output row written.
-The HBM intermediates are gc, M and P (16.25 KB per chunk and head); W, U, V' and the per-chunk
-states never leave the SM.
+                                   P = scale Lower(Gamma) o Q K^T (all state-free, fully parallel),
+                                   and fp16 copies of bf16 q/k (once per qk-head)
+  2. main  grid (v_split, Hv, N):  the sequential chunk walk (warp-specialised) with the state in
+                                   registers, pool slots read and written in place, every output
+                                   row written.
+The HBM intermediates are gc, M and P (16.25 KB per chunk and head) plus the fp16 q/k copies
+(512 B per token and qk-head); W, U, V' and the per-chunk states never leave the SM.
 
 Strategies this module implements (the planner may only pick these): "plain" (v_split 1) and
 "vsplit" (v_split 2 or 4: the value dimension of each head split across CTAs; exact, same bits
@@ -128,6 +130,19 @@ def _plan_scratch(plan, hv: int, device):
     return hit
 
 
+def _half_qk(plan, ntok: int, hk: int, device):
+    """fp16 copies of bf16 q and k ([T, Hk, 128] each) that stage 1 writes and stage 2 reads, kept
+    in plan.kernel_cache like the other stage-1 outputs."""
+    cache = getattr(plan, "kernel_cache", None)
+    key = ("hopper_prefill_qk16", ntok, hk)
+    hit = cache.get(key) if cache is not None else None
+    if hit is None:
+        hit = tuple(torch.empty((ntok, hk, 128), dtype=torch.float16, device=device) for _ in range(2))
+        if cache is not None:
+            cache[key] = hit
+    return hit
+
+
 def _check_tma_strides(**tensors) -> None:
     """TMA tile loads need 16-byte aligned bases and strides (true for engine layouts)."""
     for name, t in tensors.items():
@@ -191,10 +206,12 @@ def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale,
         q, k, v, out, g, beta = (_one_row(x) for x in (q, k, v, out, g, beta))
     else:
         _check_tma_strides(q=q, k=k, v=v)
+    # Stage 2's tensor-core operands are fp16: bf16 q/k are converted once, by stage 1.
+    qh, kh = _half_qk(plan, q.shape[0], hk, q.device) if io == "bfloat16" else (q, k)
     if nchunks > 0 and "prep" in _stages:  # _stages: benchmarks time the two kernels apart
-        kp(q, k, g, beta, plan.cu_seqlens, plan.chunk_offsets, gbuf, mbuf, pbuf, float(scale))
+        kp(q, k, g, beta, plan.cu_seqlens, plan.chunk_offsets, gbuf, mbuf, pbuf, qh, kh, float(scale))
     if "main" in _stages:
-        km(q, k, v, gbuf, mbuf, pbuf, pool, slot_ids, flags, plan.cu_seqlens, plan.chunk_offsets, out,
+        km(qh, kh, v, gbuf, mbuf, pbuf, pool, slot_ids, flags, plan.cu_seqlens, plan.chunk_offsets, out,
            float(scale), all_init)
 
 

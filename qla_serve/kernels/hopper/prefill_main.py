@@ -1,23 +1,29 @@
-"""Prefill stage 2: the sequential chunk walk, fused.
+"""Prefill stage 2: the sequential chunk walk, fused and warp-specialised.
 
-Grid: one CTA per (sequence s, v-head h, value slice vb) with the state slice
+Grid: one CTA per (value slice vb, v-head h, sequence s) with the state slice
 S[:, vb*BV:(vb+1)*BV] (K-first, [128, BV], fp32) held in registers for the whole sequence:
-W, U, V' and the per-chunk states never reach HBM. BV = 128 / v_split; the consumer is 256
-threads for BV = 128 (two warpgroups, 64 state registers each), 128 otherwise. The chunk loop is
-a T.Pipelined loop (2 stages): TileLang splits the CTA into a TMA producer (q, k, v tiles and
-stage 1's gc, M, P tiles, one mbarrier pair per buffer) and the consumer warpgroup(s).
+W, U, V' and the per-chunk states never reach HBM. BV = 128 / v_split.
 
 Per chunk (n <= 64 valid rows; tiles are loaded whole: rows >= n are the next sequence's or
 zero-filled past T, and only meet zero weights: M is lower triangular, dec = 0 there, W is
-masked), with gc, M, P from stage 1 (prefill_prep.py) and Ms = fp16 copy of the state:
-  U     = K Ms                          [64, BV]
-  W     = V - diag(exp(gc)) U           -> fp16 smem (rows >= n zeroed)
-  V'    = M W                           (M = (Gamma o A) diag(beta))
-  O     = scale diag(exp(gc)) Q Ms + P V'   (P = scale Lower(Gamma) o Q K^T)
-  S    <- gamma_last S + K^T diag(gamma_last / gamma) V'     (dec = 0 for rows >= n)
-All GEMM operands are fp16 with fp32 accumulation (q/k are converted in shared memory when io is
-bf16); see prefill_prep.py for why fp16 and not bf16. Shared memory at BV = 128 is 225 KB (of
-227 KB): W and V' share a buffer.
+masked), with gc, M, P from stage 1 (prefill_prep.py), Hs = fp16 copy of the state, and q, k
+already fp16 (stage 1 converts bf16 q/k once per qk-head):
+  U     = K Hs                               [64, BV]
+  W     = V - diag(exp(gc)) U                -> fp16 smem (rows >= n zeroed)
+  V'    = M W                                (M = (Gamma o A) diag(beta))
+  O     = scale diag(exp(gc)) Q Hs + P V'    (P = scale Lower(Gamma) o Q K^T)
+  S    <- gamma_last S + K^T diag(gamma_last / gamma) V'   (dec = 0 for rows >= n)
+This is the chunked form of reference.recurrent_gdn (the float64 truth the tests compare with).
+Every GEMM operand is fp16 with fp32 accumulation; see prefill_prep.py for why not bf16.
+
+Warp specialisation (512 threads, four warpgroups, mbarriers between them):
+  WG0 "state"    holds S in registers: Hs <- S, S *= gamma_last, S += K^T V'd; final pool store
+  WG1 "value"    U = K Hs, W, V' = M W -> V' and V'd = diag(dec) V' in smem
+  WG2 "output"   O = Q Hs (while WG1 works), O += P V', rows < n stored to `out`
+  WG3 "producer" one warp issuing the TMA tile loads of chunk c+1 while chunk c is computed
+So the sequential chain per chunk is Hs -> U -> W -> V' -> S (three GEMMs); the output GEMMs
+and the loads run beside it. Two data stages (q, k, v, gc, M, P); the single Hs and V'
+buffers are guarded by "used" barriers so a writer never runs a chunk ahead of its readers.
 
 Initial state: pool[slot_ids[s], h, vslice, :] (V-first, fp32 or bf16) read in place when
 slot >= 0 and has_initial_state[s]; otherwise zeros (padding slots, slot < 0, run from a zero
@@ -32,17 +38,23 @@ import tilelang.language as T
 C = 64
 DK = 128
 DV = 128
+THREADS = 512
 
 PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
+
+# setmaxnreg budgets (state, value, output, producer); each sums to <= 512 (64K registers / 128
+# threads per warpgroup). The state warpgroup keeps 128 x BV fp32 in registers.
+_NREG = {128: (208, 128, 136, 40), 64: (160, 152, 152, 40), 32: (160, 152, 152, 40)}
 
 
 def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str, v_split: int):
     """Build the stage-2 PrimFunc. Symbolic: tokens, sequences, pool slots and every stride
-    of q/k/v/out/pool, so one compile serves any batch and any engine pool layout."""
+    of q/k/v/out/pool, so one compile serves any batch and any engine pool layout.
+    q and k are fp16 (stage 1's converted copies when io is bf16, else the inputs)."""
     Hv, Hk = num_v_heads, num_k_heads
     group = Hv // Hk
     BV = DV // v_split
-    threads = 256 if BV == 128 else 128
+    nreg_state, nreg_value, nreg_out, nreg_prod = _NREG[BV]
     ntok = T.dynamic("ntok")
     nseq = T.dynamic("nseq")
     nslot = T.dynamic("nslot")
@@ -55,13 +67,11 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
     sp0 = T.dynamic("sp0")
     mm = "float16"
     acc = "float32"
-    col = T.GemmWarpPolicy.FullCol
-    row = T.GemmWarpPolicy.FullRow
 
     @T.prim_func
     def gdn_prefill_main(
-        q: T.StridedTensor((ntok, Hk, DK), (sq0, sq1, 1), io_dtype),
-        k: T.StridedTensor((ntok, Hk, DK), (sk0, sk1, 1), io_dtype),
+        q: T.StridedTensor((ntok, Hk, DK), (sq0, sq1, 1), mm),
+        k: T.StridedTensor((ntok, Hk, DK), (sk0, sk1, 1), mm),
         v: T.StridedTensor((ntok, Hv, DV), (sv0, sv1, 1), io_dtype),
         gbuf: T.Tensor((nchunk, Hv, C), "float32"),
         mbuf: T.Tensor((nchunk, Hv, C, C), mm),
@@ -75,100 +85,135 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
         scale: T.float32,
         all_init: T.int32,
     ):
-        with T.Kernel(v_split, Hv, nseq, threads=threads) as (vb, h, s):
+        with T.Kernel(v_split, Hv, nseq, threads=THREADS) as (vb, h, s):
             hk = h // group
             v0 = vb * BV
-            convert = io_dtype != mm
-            qr_s = T.alloc_shared((C, DK), io_dtype)
-            kr_s = T.alloc_shared((C, DK), io_dtype)
-            vr_s = T.alloc_shared((C, BV), io_dtype)
-            q_s = T.alloc_shared((C, DK), mm) if convert else qr_s
-            k_s = T.alloc_shared((C, DK), mm) if convert else kr_s
+            # Two data stages, filled by the producer's TMA loads.
+            q_s = T.alloc_shared((2, C, DK), mm)
+            k_s = T.alloc_shared((2, C, DK), mm)
+            v_s = T.alloc_shared((2, C, BV), io_dtype)
+            m_s = T.alloc_shared((2, C, C), mm)
+            p_s = T.alloc_shared((2, C, C), mm)
+            gc_s = T.alloc_shared((2, C), acc)
+            # Single buffers passed between the consumer warpgroups.
             hs_s = T.alloc_shared((DK, BV), mm)
             w_s = T.alloc_shared((C, BV), mm)
-            vp_s = w_s  # V' overwrites W once M W is done: saves 16 KB (BV=128 is at the 227 KB limit)
+            vp_s = T.alloc_shared((C, BV), mm)
             vpd_s = T.alloc_shared((C, BV), mm)
-            m_s = T.alloc_shared((C, C), mm)
-            p_s = T.alloc_shared((C, C), mm)
-            gc_s = T.alloc_shared((C,), acc)
-            gam_s = T.alloc_shared((C,), acc)
-            dec_s = T.alloc_shared((C,), acc)
             h_f = T.alloc_fragment((DK, BV), acc)
             u_f = T.alloc_fragment((C, BV), acc)
             o_f = T.alloc_fragment((C, BV), acc)
 
+            ready = T.alloc_barrier([32, 32])  # stage filled: the producer warp + TMA bytes
+            free = T.alloc_barrier([384, 384])  # stage consumed by all three consumer warpgroups
+            hs_ready = T.alloc_barrier(128)  # WG0 wrote Hs
+            hs_used = T.alloc_barrier(256)  # WG1 and WG2 finished reading Hs
+            vp_ready = T.alloc_barrier(128)  # WG1 wrote V' and V'd
+            vp_used = T.alloc_barrier(256)  # WG2 read V', WG0 read V'd
+
             bos = cu_seqlens[s]
             eos = cu_seqlens[s + 1]
             coff = chunk_offsets[s]
-            slot = slot_ids[s]
-            load = T.alloc_var("int32")
-            load = 0
-            if slot >= 0:
-                if all_init != 0:
-                    load = 1
-                elif has_init[s] != 0:
-                    load = 1
-
-            if load != 0:
-                for d, j in T.Parallel(DK, BV):
-                    h_f[d, j] = T.cast(pool[slot, h, v0 + j, d], acc)
-            else:
-                T.clear(h_f)
-
-            gl = T.alloc_var(acc)
             nchunks = T.ceildiv(eos - bos, C)
-            for c in T.Pipelined(nchunks, num_stages=2):
-                t0 = bos + c * C
-                n = T.min(eos - t0, C)
-                # Bulk tile loads, unmasked: rows >= n (next sequence, or zero-filled past T) are
-                # finite and only ever meet zero weights below (M columns, dec, the causal mask),
-                # except W, which is masked explicitly.
-                cidx = coff + c
-                T.copy(q[t0:t0 + C, hk, 0:DK], qr_s)
-                T.copy(k[t0:t0 + C, hk, 0:DK], kr_s)
-                T.copy(v[t0:t0 + C, h, v0:v0 + BV], vr_s)
-                T.copy(gbuf[cidx, h, 0:C], gc_s)
-                T.copy(mbuf[cidx, h, 0:C, 0:C], m_s)
-                T.copy(pbuf[cidx, h, 0:C, 0:C], p_s)
-                if convert:
-                    for i, d in T.Parallel(C, DK):
-                        q_s[i, d] = T.cast(qr_s[i, d], mm)
-                        k_s[i, d] = T.cast(kr_s[i, d], mm)
-                for d, j in T.Parallel(DK, BV):
-                    hs_s[d, j] = T.cast(h_f[d, j], mm)
-                for i in T.Parallel(C):
-                    gam_s[i] = T.exp(gc_s[i]) * scale
-                    dec_s[i] = T.if_then_else(i < n, T.exp(gc_s[C - 1] - gc_s[i]), 0.0)
+            tx = T.get_thread_binding()
 
-                # U = K S ; W = V - gamma U
-                T.gemm(k_s, hs_s, u_f, clear_accum=True, policy=col)
-                for i, j in T.Parallel(C, BV):
-                    w_s[i, j] = T.cast(
-                        T.if_then_else(i < n, T.cast(vr_s[i, j], acc) - T.exp(gc_s[i]) * u_f[i, j], 0.0), mm
-                    )
-                # V' = M W
-                T.gemm(m_s, w_s, u_f, clear_accum=True, policy=col)
-                for i, j in T.Parallel(C, BV):
-                    vp_s[i, j] = T.cast(u_f[i, j], mm)
-                    vpd_s[i, j] = T.cast(u_f[i, j] * dec_s[i], mm)
+            if tx < 128:
+                T.set_max_nreg(nreg_state, 1)
+                slot = slot_ids[s]
+                load = T.alloc_var("int32")
+                load = 0
+                if slot >= 0:
+                    if all_init != 0:
+                        load = 1
+                    elif has_init[s] != 0:
+                        load = 1
+                if load != 0:
+                    for d, j in T.Parallel(DK, BV):
+                        h_f[d, j] = T.cast(pool[slot, h, v0 + j, d], acc)
+                else:
+                    T.clear(h_f)
+                gl = T.alloc_var(acc)
+                for c in T.serial(nchunks):
+                    st = c % 2
+                    T.barrier_wait(ready[st], (c // 2) % 2)
+                    T.barrier_wait(hs_used, (c + 1) % 2)
+                    for d, j in T.Parallel(DK, BV):
+                        hs_s[d, j] = T.cast(h_f[d, j], mm)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(hs_ready)
+                    gl = T.exp(gc_s[st, C - 1])
+                    for d, j in T.Parallel(DK, BV):
+                        h_f[d, j] = h_f[d, j] * gl
+                    T.barrier_wait(vp_ready, c % 2)
+                    T.gemm(k_s[st, :, :], vpd_s, h_f, transpose_A=True)
+                    T.barrier_arrive(vp_used)
+                    T.barrier_arrive(free[st])
+                if slot >= 0:
+                    for d, j in T.Parallel(DK, BV):
+                        pool[slot, h, v0 + j, d] = T.cast(h_f[d, j], pool_dtype)
 
-                # O = scale diag(gamma) Q S + P V'   (P = scale Lower(Gamma) o Q K^T, from stage 1)
-                T.gemm(q_s, hs_s, o_f, clear_accum=True, policy=col)
-                for i, j in T.Parallel(C, BV):
-                    o_f[i, j] = o_f[i, j] * gam_s[i]
-                T.gemm(p_s, vp_s, o_f, policy=col)
-                for i, j in T.Parallel(C, BV):
-                    if i < n:
-                        out[t0 + i, h, v0 + j] = T.cast(o_f[i, j], io_dtype)
+            elif tx < 256:
+                T.set_max_nreg(nreg_value, 1)
+                for c in T.serial(nchunks):
+                    st = c % 2
+                    n = T.min(eos - bos - c * C, C)
+                    T.barrier_wait(ready[st], (c // 2) % 2)
+                    T.barrier_wait(hs_ready, c % 2)
+                    T.gemm(k_s[st, :, :], hs_s, u_f, clear_accum=True)
+                    T.barrier_arrive(hs_used)
+                    for i, j in T.Parallel(C, BV):
+                        w_s[i, j] = T.cast(
+                            T.if_then_else(
+                                i < n, T.cast(v_s[st, i, j], acc) - T.exp(gc_s[st, i]) * u_f[i, j], 0.0
+                            ),
+                            mm,
+                        )
+                    T.fence_proxy_async()
+                    T.gemm(m_s[st, :, :], w_s, u_f, clear_accum=True)
+                    T.barrier_wait(vp_used, (c + 1) % 2)
+                    for i, j in T.Parallel(C, BV):
+                        vp_s[i, j] = T.cast(u_f[i, j], mm)
+                        vpd_s[i, j] = T.cast(
+                            T.if_then_else(i < n, u_f[i, j] * T.exp(gc_s[st, C - 1] - gc_s[st, i]), 0.0), mm
+                        )
+                    T.fence_proxy_async()
+                    T.barrier_arrive(vp_ready)
+                    T.barrier_arrive(free[st])
 
-                # S <- gamma_last S + K^T diag(gamma_last / gamma) V'
-                gl = T.exp(gc_s[C - 1])
-                for d, j in T.Parallel(DK, BV):
-                    h_f[d, j] = h_f[d, j] * gl
-                T.gemm(k_s, vpd_s, h_f, transpose_A=True, policy=row)
+            elif tx < 384:
+                T.set_max_nreg(nreg_out, 1)
+                for c in T.serial(nchunks):
+                    st = c % 2
+                    t0 = bos + c * C
+                    n = T.min(eos - t0, C)
+                    T.barrier_wait(ready[st], (c // 2) % 2)
+                    T.barrier_wait(hs_ready, c % 2)
+                    T.gemm(q_s[st, :, :], hs_s, o_f, clear_accum=True)
+                    T.barrier_arrive(hs_used)
+                    for i, j in T.Parallel(C, BV):
+                        o_f[i, j] = o_f[i, j] * (T.exp(gc_s[st, i]) * scale)
+                    T.barrier_wait(vp_ready, c % 2)
+                    T.gemm(p_s[st, :, :], vp_s, o_f)
+                    T.barrier_arrive(vp_used)
+                    T.barrier_arrive(free[st])
+                    for i, j in T.Parallel(C, BV):
+                        if i < n:
+                            out[t0 + i, h, v0 + j] = T.cast(o_f[i, j], io_dtype)
 
-            if slot >= 0:
-                for d, j in T.Parallel(DK, BV):
-                    pool[slot, h, v0 + j, d] = T.cast(h_f[d, j], pool_dtype)
+            else:
+                T.set_max_nreg(nreg_prod, 0)
+                if tx < 384 + 32:
+                    for c in T.serial(nchunks):
+                        st = c % 2
+                        t0 = bos + c * C
+                        cidx = coff + c
+                        T.barrier_wait(free[st], (c // 2 + 1) % 2)
+                        T.tma_copy(q[t0:t0 + C, hk, 0:DK], q_s[st, :, :], barrier=ready[st])
+                        T.tma_copy(k[t0:t0 + C, hk, 0:DK], k_s[st, :, :], barrier=ready[st])
+                        T.tma_copy(v[t0:t0 + C, h, v0:v0 + BV], v_s[st, :, :], barrier=ready[st])
+                        T.tma_copy(gbuf[cidx, h, 0:C], gc_s[st, :], barrier=ready[st])
+                        T.tma_copy(mbuf[cidx, h, 0:C, 0:C], m_s[st, :, :], barrier=ready[st])
+                        T.tma_copy(pbuf[cidx, h, 0:C, 0:C], p_s[st, :, :], barrier=ready[st])
+                        T.barrier_arrive(ready[st])
 
-    return gdn_prefill_main, threads
+    return gdn_prefill_main, THREADS

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One device run for prefill kernel work: the prefill GPU tests, the benchmark and an ncu profile
+# of each kernel (prep, main) on the headline row. For the lent H200:
+#   run(command="bash scripts/gpu_prefill.sh", carry=[".devbundle/site.tar.xz", ".devbundle/activate.sh",
+#       ".devbundle/stamp", ".gpucache/tlcache.tar.xz", ".gpucache/whl"])
+# Knobs (environment): IMPLS (default qla; add fla,flashqla for the side-by-side table: FlashQLA
+# JIT-compiles ~60 s per head pair on a fresh machine), HEADS, ROWS, TESTS (pytest -k filter,
+# "none" skips the tests), NCU=0 skips the profile, SANITIZE=1 adds compute-sanitizer.
+set -uo pipefail
+out=${OUT:-/tmp/gpu_prefill}; mkdir -p "$out"
+mkdir -p /tmp/tlall
+[[ -f .gpucache/tlcache.tar.xz ]] && tar -xJf .gpucache/tlcache.tar.xz -C /tmp/tlall
+export TILELANG_CACHE_DIR=/tmp/tlall
+source .devbundle/activate.sh
+for w in .gpucache/whl/*.whl; do [[ -f $w ]] && python -m zipfile -e "$w" /tmp/whlsite; done
+export PYTHONPATH=$PYTHONPATH:/tmp/whlsite
+step() { echo "== $1"; shift; timeout "$@"; echo "rc=$?"; }
+if [[ ${TESTS:-} != none ]]; then
+  step "prefill gpu tests" ${TEST_TIMEOUT:-240} python -m pytest -m gpu -q -x tests/kernels/test_prefill_gpu.py \
+    -p no:cacheprovider ${TESTS:+-k "$TESTS"} 2>&1 | tee "$out/prefill_tests.log" | tail -25
+fi
+step "bench prefill (${IMPLS:-qla})" ${BENCH_TIMEOUT:-300} python -m qla_serve.bench.prefill --impls "${IMPLS:-qla}" \
+  --heads "${HEADS:-all}" --rows "${ROWS:-all}" --breakdown --json "$out/prefill.json" --md "$out/prefill.md" \
+  --png "$out/prefill.png" 2>&1 | tail -60
+if [[ ${NCU:-1} == 1 ]]; then
+  step "ncu: prep and main, 2/8 1x32768" 120 ncu --clock-control none -k regex:gdn_prefill --launch-count 2 \
+    --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
+    python -m qla_serve.bench.prefill --impls qla --heads 2/8 --rows 1x32768 --reps 1 --graph-calls 1 \
+    > "$out/ncu.txt" 2>&1; grep -E "gdn_prefill|Duration|Registers|Achieved Occupancy|Theoretical Occupancy|Stall|Block Limit|Shared Memory Config|Dynamic Shared" "$out/ncu.txt" | head -60
+fi
+if [[ ${SANITIZE:-0} == 1 ]]; then
+  for tool in memcheck racecheck; do
+    step "compute-sanitizer $tool" 200 compute-sanitizer --tool $tool --kernel-name regex:gdn_prefill \
+      python -m pytest -m gpu -q -x tests/kernels/test_prefill_gpu.py -p no:cacheprovider -k sanitizer_case \
+      2>&1 | tee "$out/sanitizer_$tool.log" | tail -8
+  done
+fi
