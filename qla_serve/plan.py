@@ -146,16 +146,19 @@ def _score(model: CostModel, chunks: list[int], hv: int, sm: int, v_split: int, 
 def _choose(model: CostModel, chunks: list[int], hv: int, sm: int, cp: str,
             supported: frozenset[str]) -> _Choice:
     num_live = len(chunks) - chunks.count(0)
+    splits = [s for s in V_SPLITS if s > 1 and s in model.chunk_us]
+    # The baseline is one block per (sequence, head), or, for kernels without "plain" (a
+    # 128-wide value block that does not fit them), their narrowest-split block.
+    base = ("plain", 1) if "plain" in supported or not splits else ("vsplit", min(splits))
     if not num_live:
-        return _Choice("plain", 1, 0, model.launch_us)
+        return _Choice(*base, 0, model.launch_us)
     # Empty sequences change neither the max nor the sum that the score reads.
-    best = _Choice("plain", 1, 0, _score(model, chunks, hv, sm, 1, 0))
+    best = _Choice(*base, 0, _score(model, chunks, hv, sm, base[1], 0))
     # Bit-stable mode, or the batch already fills the SMs with one block per (seq, head):
     # splitting only adds duplicated work.
-    if cp == "off" or num_live * hv >= sm:
+    if cp == "off" or num_live * hv * base[1] >= sm:
         return best
     live = [c for c in chunks if c > 0]
-    splits = [s for s in V_SPLITS if s > 1 and s in model.chunk_us]
     if "vsplit" in supported:
         for s in splits:
             t = _score(model, live, hv, sm, s, 0)

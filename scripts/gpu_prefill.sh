@@ -23,10 +23,13 @@ step "bench prefill (${IMPLS:-qla})" ${BENCH_TIMEOUT:-300} python -m qla_serve.b
   --heads "${HEADS:-all}" --rows "${ROWS:-all}" --breakdown --json "$out/prefill.json" --md "$out/prefill.md" \
   --png "$out/prefill.png" 2>&1 | tail -60
 if [[ ${NCU:-1} == 1 ]]; then
-  step "ncu: prep and main, 2/8 1x32768" 120 ncu --clock-control none -k regex:gdn_prefill --launch-count 2 \
-    --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
-    python -m qla_serve.bench.prefill --impls qla --heads 2/8 --rows 1x32768 --reps 1 --graph-calls 1 \
-    > "$out/ncu.txt" 2>&1; grep -E "gdn_prefill|Duration|Registers|Achieved Occupancy|Theoretical Occupancy|Stall|Block Limit|Shared Memory Config|Dynamic Shared" "$out/ncu.txt" | head -60
+  step "ncu: prep and main, 2/8 1x32768" 180 ncu --clock-control none --set full -k regex:gdn_prefill --launch-count 2 \
+    -o "$out/prof" python -m qla_serve.bench.prefill --impls qla --heads 2/8 --rows 1x32768 --reps 1 --graph-calls 1 \
+    > "$out/ncu_run.txt" 2>&1
+  ncu -i "$out/prof.ncu-rep" --page details > "$out/ncu.txt" 2>&1
+  grep -E "gdn_prefill|Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit (Reg|Shared)|Dynamic Shared" "$out/ncu.txt" | head -30
+  # Per-SASS-instruction stall samples, for finding the hot spots offline.
+  ncu -i "$out/prof.ncu-rep" --page source --print-source sass --csv > "$out/sass.csv" 2>&1; ls -la "$out/sass.csv"
 fi
 if [[ ${SANITIZE:-0} == 1 ]]; then
   for tool in memcheck racecheck; do

@@ -10,10 +10,11 @@ Two TileLang kernels per call (see prefill_prep.py and prefill_main.py for the m
 The HBM intermediates are gc, M and P (16.25 KB per chunk and head) plus the fp16 q/k copies
 (512 B per token and qk-head); W, U, V' and the per-chunk states never leave the SM.
 
-Strategies this module implements (the planner may only pick these): "plain" (v_split 1) and
-"vsplit" (v_split 2 or 4: the value dimension of each head split across CTAs; exact, same bits
-for a sequence whatever else is in the batch). Context parallelism over plan.segments is not
-implemented yet.
+Strategies this module implements (the planner may only pick these): "vsplit" only, v_split 2
+or 4 (the value dimension of each head split across CTAs; exact, same bits for a sequence
+whatever else is in the batch). There is no "plain" (v_split 1): a 128-wide value block does
+not fit the warp-specialised main kernel's double-buffered shared memory, so the planner's
+baseline here is v_split 2. Context parallelism over plan.segments is not implemented yet.
 
 Kernels are compiled once per (heads, dtypes, v_split) with an explicit target, through
 TileLang's disk cache (TILELANG_CACHE_DIR), and kept in an in-process dict, so a call costs two
@@ -28,8 +29,8 @@ from . import prefill_main, prefill_prep
 
 ARCH = "sm_90a"
 CHUNK = 64
-SUPPORTED_STRATEGIES = frozenset({"plain", "vsplit"})
-V_SPLITS = (1, 2, 4)
+SUPPORTED_STRATEGIES = frozenset({"vsplit"})
+V_SPLITS = prefill_main.V_SPLITS  # (2, 4)
 IO_DTYPES = ("bfloat16", "float16")
 POOL_DTYPES = ("float32", "bfloat16")
 
@@ -70,7 +71,7 @@ def main_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: 
 
 def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
     """Every compiled prefill kernel a deployment with these (per-GPU) head counts can need:
-    prep per io dtype, main per (io dtype, pool dtype, v_split). JSON-serialisable dicts."""
+    prep per io dtype, main per (io dtype, pool dtype, v_split 2 / 4). JSON-serialisable dicts."""
     if num_k_heads <= 0 or num_v_heads % num_k_heads:
         raise ValueError(f"num_v_heads ({num_v_heads}) must be a positive multiple of num_k_heads ({num_k_heads})")
     out = [prep_variant(num_v_heads, num_k_heads, io) for io in IO_DTYPES]
@@ -174,7 +175,7 @@ def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale,
     q, k [T, Hk, 128], v [T, Hv, 128] bf16/fp16 (last dim contiguous), g, beta [T, Hv] fp32
     contiguous, pool [S, Hv, 128(V), 128(K)] fp32/bf16 (inner dims contiguous), slot_ids [N] int32,
     has_initial_state [N] bool or None, plan: PrefillPlan (cu_seqlens, chunk_offsets on device;
-    strategy "plain"/"vsplit" with v_split), out [T, Hv, 128] q's dtype, fully written.
+    strategy "vsplit" with v_split 2 or 4), out [T, Hv, 128] q's dtype, fully written.
     Sequences with slot < 0 run from a zero state: their rows of `out` are computed, the pool is
     neither read nor written for them. ``_stages`` (benchmarks only) runs "prep" or "main" alone;
     ``_target`` is the compile target ("sm_100a" from qla_serve.kernels.blackwell).

@@ -2,35 +2,36 @@
 
 Grid: one CTA per (value slice vb, v-head h, sequence s) with the state slice
 S[:, vb*BV:(vb+1)*BV] (K-first, [128, BV], fp32) held in registers for the whole sequence:
-W, U, V' and the per-chunk states never reach HBM. BV = 128 / v_split.
+U0, Wk, V' and the per-chunk states never reach HBM. BV = 128 / v_split, v_split 2 or 4 (a
+128-wide block does not fit the double-buffered shared memory below).
 
 Per chunk (n <= 64 valid rows; tiles are loaded whole: rows >= n are the next sequence's or
-zero-filled past T, and only meet zero weights: M is lower triangular, dec = 0 there, W is
-masked), with gc, M, P from stage 1 (prefill_prep.py), Hs = fp16 copy of the state, and q, k
-already fp16 (stage 1 converts bf16 q/k once per qk-head):
-  U     = K Hs                               [64, BV]
-  W     = V - diag(exp(gc)) U                -> fp16 smem (rows >= n zeroed)
-  V'    = M W                                (M = (Gamma o A) diag(beta))
-  O     = scale diag(exp(gc)) Q Hs + P V'    (P = scale Lower(Gamma) o Q K^T)
+zero-filled past T, finite, and meet only zero weights: M, P and Wk are lower triangular and
+dec = 0 there), with gc, M, P from stage 1 (prefill_prep.py), Hs = fp16 copy of the state, and q,
+k already fp16 (stage 1 converts bf16 q/k once per qk-head):
+  U0    = M V                                   [64, BV]   (state-free)
+  Wk    = M diag(exp(gc)) K                     [64, 128]  (state-free)
+  V'    = U0 - Wk Hs                            = M (V - diag(exp(gc)) K S)
+  O     = scale diag(exp(gc)) Q Hs + P V'       (P = scale Lower(Gamma) o Q K^T)
   S    <- gamma_last S + K^T diag(gamma_last / gamma) V'   (dec = 0 for rows >= n)
-This is the chunked form of reference.recurrent_gdn (the float64 truth the tests compare with).
-Every GEMM operand is fp16 with fp32 accumulation; see prefill_prep.py for why not bf16.
+with M = (Gamma o A) diag(beta): the chunked form of reference.recurrent_gdn (the float64 truth
+the tests compare with). Every GEMM operand is fp16 with fp32 accumulation; see
+prefill_prep.py for why not bf16.
 
 Warp specialisation (512 threads, four warpgroups, mbarriers between them):
-  WG0 "state"    holds S in registers: Hs <- S, S *= gamma_last, S += K^T V'd; final pool store
-  WG1 "value"    U = K Hs, W, V' = M W -> V' and V'd = diag(dec) V' in smem
-  WG2 "output"   O = Q Hs (while WG1 works), O += P V', rows < n stored to `out`
-  WG3 "producer" one warp issuing the TMA tile loads of chunk c+1 while chunk c is computed
-So the sequential chain per chunk is Hs -> U -> W -> V' -> S (three GEMMs); the output GEMMs
-and the loads run beside it. Two data stages (q, k, v, gc, M, P); the single Hs and V'
-buffers are guarded by "used" barriers so a writer never runs a chunk ahead of its readers.
+  WG0 "state"    holds S in registers; the whole sequential chain is here, two GEMMs per chunk:
+                 Hs <- S, V' = U0 - Wk Hs, V' and V'd to smem, S = gamma_last S + K^T V'd
+  WG1 "chunk"    the state-free products of the next chunk: Wk and U0 (double-buffered)
+  WG2 "output"   O = Q Hs, O += P V', rows < n stored to `out`
+  WG3 "producer" one warp issuing the TMA tile loads of the next chunks
+Two data stages (q, k, v, gc, M, P). Hs and V' are single buffers guarded by "used"
+barriers, so the state warpgroup never runs a chunk ahead of the output warpgroup.
 
 Initial state: pool[slot_ids[s], h, vslice, :] (V-first, fp32 or bf16) read in place when
 slot >= 0 and has_initial_state[s]; otherwise zeros (padding slots, slot < 0, run from a zero
 state: their output rows are computed and written, nothing in the pool is read or written).
 Final state written back in place for slot >= 0, also for 0-length sequences (= initial state).
 """
-
 
 import tilelang
 import tilelang.language as T
@@ -42,19 +43,25 @@ THREADS = 512
 
 PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 
-# setmaxnreg budgets (state, value, output, producer); each sums to <= 512 (64K registers / 128
-# threads per warpgroup). The state warpgroup keeps 128 x BV fp32 in registers.
-_NREG = {128: (208, 128, 136, 40), 64: (160, 152, 152, 40), 32: (160, 152, 152, 40)}
+V_SPLITS = (2, 4)
+# setmaxnreg budgets (state, chunk, output, producer): each sums to <= 512 (64K registers / 128
+# threads per warpgroup). The chunk warpgroup holds the [64, 128] fp32 Wk accumulator.
+_NREG = (168, 168, 128, 40)
+# U0 buffers: two at BV = 32; one at BV = 64, where a second would pass the 227 KB of smem.
+_U0_STAGES = {32: 2, 64: 1}
 
 
 def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str, v_split: int):
     """Build the stage-2 PrimFunc. Symbolic: tokens, sequences, pool slots and every stride
     of q/k/v/out/pool, so one compile serves any batch and any engine pool layout.
     q and k are fp16 (stage 1's converted copies when io is bf16, else the inputs)."""
+    if v_split not in V_SPLITS:
+        raise ValueError(f"v_split must be one of {V_SPLITS} for the warp-specialised main kernel, got {v_split}")
     Hv, Hk = num_v_heads, num_k_heads
     group = Hv // Hk
     BV = DV // v_split
-    nreg_state, nreg_value, nreg_out, nreg_prod = _NREG[BV]
+    NU = _U0_STAGES[BV]
+    nreg_state, nreg_chunk, nreg_out, nreg_prod = _NREG
     ntok = T.dynamic("ntok")
     nseq = T.dynamic("nseq")
     nslot = T.dynamic("nslot")
@@ -95,21 +102,30 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
             m_s = T.alloc_shared((2, C, C), mm)
             p_s = T.alloc_shared((2, C, C), mm)
             gc_s = T.alloc_shared((2, C), acc)
-            # Single buffers passed between the consumer warpgroups.
+            # The chunk warpgroup's products, handed to the state warpgroup.
+            wk_s = T.alloc_shared((2, C, DK), mm)  # -Wk
+            u0_s = T.alloc_shared((NU, C, BV), acc)
+            mg_s = T.alloc_shared((C, C), mm)  # M diag(exp(gc)), chunk warpgroup scratch
+            vh_s = T.alloc_shared((C, BV), mm)  # V as fp16, chunk warpgroup scratch
+            # The state warpgroup's products, read by the output warpgroup (and itself).
             hs_s = T.alloc_shared((DK, BV), mm)
-            w_s = T.alloc_shared((C, BV), mm)
             vp_s = T.alloc_shared((C, BV), mm)
             vpd_s = T.alloc_shared((C, BV), mm)
             h_f = T.alloc_fragment((DK, BV), acc)
             u_f = T.alloc_fragment((C, BV), acc)
+            wk_f = T.alloc_fragment((C, DK), acc)
+            u0_f = T.alloc_fragment((C, BV), acc)
             o_f = T.alloc_fragment((C, BV), acc)
 
             ready = T.alloc_barrier([32, 32])  # stage filled: the producer warp + TMA bytes
             free = T.alloc_barrier([384, 384])  # stage consumed by all three consumer warpgroups
+            wk_ready = T.alloc_barrier([128, 128])  # WG1 wrote Wk (and U0) of the stage's chunk
+            wk_free = T.alloc_barrier([128, 128])  # WG0 consumed that Wk
+            u0_free = T.alloc_barrier([128] * NU)  # WG0 loaded that U0
             hs_ready = T.alloc_barrier(128)  # WG0 wrote Hs
-            hs_used = T.alloc_barrier(256)  # WG1 and WG2 finished reading Hs
-            vp_ready = T.alloc_barrier(128)  # WG1 wrote V' and V'd
-            vp_used = T.alloc_barrier(256)  # WG2 read V', WG0 read V'd
+            hs_used = T.alloc_barrier(128)  # WG2 finished reading Hs
+            vp_ready = T.alloc_barrier(128)  # WG0 wrote V'
+            vp_used = T.alloc_barrier(128)  # WG2 finished reading V'
 
             bos = cu_seqlens[s]
             eos = cu_seqlens[s + 1]
@@ -135,42 +151,22 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
                 gl = T.alloc_var(acc)
                 for c in T.serial(nchunks):
                     st = c % 2
+                    us = c % NU
+                    n = T.min(eos - bos - c * C, C)
                     T.barrier_wait(ready[st], (c // 2) % 2)
+                    T.barrier_wait(wk_ready[st], (c // 2) % 2)
                     T.barrier_wait(hs_used, (c + 1) % 2)
                     for d, j in T.Parallel(DK, BV):
                         hs_s[d, j] = T.cast(h_f[d, j], mm)
                     T.fence_proxy_async()
                     T.barrier_arrive(hs_ready)
-                    gl = T.exp(gc_s[st, C - 1])
-                    for d, j in T.Parallel(DK, BV):
-                        h_f[d, j] = h_f[d, j] * gl
-                    T.barrier_wait(vp_ready, c % 2)
-                    T.gemm(k_s[st, :, :], vpd_s, h_f, transpose_A=True)
-                    T.barrier_arrive(vp_used)
-                    T.barrier_arrive(free[st])
-                if slot >= 0:
-                    for d, j in T.Parallel(DK, BV):
-                        pool[slot, h, v0 + j, d] = T.cast(h_f[d, j], pool_dtype)
-
-            elif tx < 256:
-                T.set_max_nreg(nreg_value, 1)
-                for c in T.serial(nchunks):
-                    st = c % 2
-                    n = T.min(eos - bos - c * C, C)
-                    T.barrier_wait(ready[st], (c // 2) % 2)
-                    T.barrier_wait(hs_ready, c % 2)
-                    T.gemm(k_s[st, :, :], hs_s, u_f, clear_accum=True)
-                    T.barrier_arrive(hs_used)
-                    for i, j in T.Parallel(C, BV):
-                        w_s[i, j] = T.cast(
-                            T.if_then_else(
-                                i < n, T.cast(v_s[st, i, j], acc) - T.exp(gc_s[st, i]) * u_f[i, j], 0.0
-                            ),
-                            mm,
-                        )
-                    T.fence_proxy_async()
-                    T.gemm(m_s[st, :, :], w_s, u_f, clear_accum=True)
+                    # V' = U0 - Wk Hs
+                    T.copy(u0_s[us, :, :], u_f)
+                    T.barrier_arrive(u0_free[us])
+                    T.gemm(wk_s[st, :, :], hs_s, u_f)
+                    T.barrier_arrive(wk_free[st])
                     T.barrier_wait(vp_used, (c + 1) % 2)
+                    gl = T.exp(gc_s[st, C - 1])
                     for i, j in T.Parallel(C, BV):
                         vp_s[i, j] = T.cast(u_f[i, j], mm)
                         vpd_s[i, j] = T.cast(
@@ -178,6 +174,37 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
                         )
                     T.fence_proxy_async()
                     T.barrier_arrive(vp_ready)
+                    # S <- gamma_last S + K^T V'd
+                    for d, j in T.Parallel(DK, BV):
+                        h_f[d, j] = h_f[d, j] * gl
+                    T.gemm(k_s[st, :, :], vpd_s, h_f, transpose_A=True)
+                    T.barrier_arrive(free[st])
+                if slot >= 0:
+                    for d, j in T.Parallel(DK, BV):
+                        pool[slot, h, v0 + j, d] = T.cast(h_f[d, j], pool_dtype)
+
+            elif tx < 256:
+                T.set_max_nreg(nreg_chunk, 1)
+                for c in T.serial(nchunks):
+                    st = c % 2
+                    us = c % NU
+                    T.barrier_wait(ready[st], (c // 2) % 2)
+                    # Wk = M diag(exp(gc)) K, stored negated so WG0 accumulates V' onto U0.
+                    for i, j in T.Parallel(C, C):
+                        mg_s[i, j] = T.cast(T.cast(m_s[st, i, j], acc) * T.exp(gc_s[st, j]), mm)
+                    T.fence_proxy_async()
+                    T.gemm(mg_s, k_s[st, :, :], wk_f, clear_accum=True)
+                    for i, j in T.Parallel(C, BV):
+                        vh_s[i, j] = T.cast(v_s[st, i, j], mm)
+                    T.fence_proxy_async()
+                    T.gemm(m_s[st, :, :], vh_s, u0_f, clear_accum=True)
+                    T.barrier_wait(wk_free[st], (c // 2 + 1) % 2)
+                    for i, d in T.Parallel(C, DK):
+                        wk_s[st, i, d] = T.cast(-wk_f[i, d], mm)
+                    T.barrier_wait(u0_free[us], (c // NU + 1) % 2)
+                    T.copy(u0_f, u0_s[us, :, :])
+                    T.fence_proxy_async()
+                    T.barrier_arrive(wk_ready[st])
                     T.barrier_arrive(free[st])
 
             elif tx < 384:
