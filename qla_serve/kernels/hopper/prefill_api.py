@@ -1,20 +1,19 @@
 """GDN chunked prefill on Hopper (sm_90a): host side.
 
 Two TileLang kernels per call (see prefill_prep.py and prefill_main.py for the math):
-  1. prep  grid (chunks, Hv):      per chunk gate cumsum gc, M = (Gamma o A) diag(beta) and
-                                   P = scale Lower(Gamma) o Q K^T (all state-free, fully parallel),
+  1. prep  grid (chunks, Hv):      everything state-free, fully parallel: gate factors, the
+                                   intra-chunk attention P, U0 = M V and Wk = M diag(exp(gc)) K,
                                    and fp16 copies of bf16 q/k (once per qk-head)
-  2. main  grid (v_split, Hv, N):  the sequential chunk walk (warp-specialised) with the state in
-                                   registers, pool slots read and written in place, every output
-                                   row written.
-The HBM intermediates are gc, M and P (16.25 KB per chunk and head) plus the fp16 q/k copies
-(512 B per token and qk-head); W, U, V' and the per-chunk states never leave the SM.
+  2. main  grid (v_split, Hv, N):  the sequential chunk walk (warp-specialised, two GEMMs per
+                                   chunk on the chain) with the state in registers, pool slots
+                                   read and written in place, every output row written.
+The HBM intermediates are the gate factors, P, U0 and Wk (40.5 KB per chunk and v-head) plus the
+fp16 q/k copies (512 B per token and qk-head); V' and the per-chunk states never leave the SM.
 
-Strategies this module implements (the planner may only pick these): "vsplit" only, v_split 2
-or 4 (the value dimension of each head split across CTAs; exact, same bits for a sequence
-whatever else is in the batch). There is no "plain" (v_split 1): a 128-wide value block does
-not fit the warp-specialised main kernel's double-buffered shared memory, so the planner's
-baseline here is v_split 2. Context parallelism over plan.segments is not implemented yet.
+Strategies this module implements (the planner may only pick these): "plain" (v_split 1) and
+"vsplit" (v_split 2 or 4: the value dimension of each head split across CTAs; exact, same bits
+for a sequence whatever else is in the batch). Context parallelism over plan.segments is not
+implemented yet.
 
 Kernels are compiled once per (heads, dtypes, v_split) with an explicit target, through
 TileLang's disk cache (TILELANG_CACHE_DIR), and kept in an in-process dict, so a call costs two
@@ -29,8 +28,8 @@ from . import prefill_main, prefill_prep
 
 ARCH = "sm_90a"
 CHUNK = 64
-SUPPORTED_STRATEGIES = frozenset({"vsplit"})
-V_SPLITS = prefill_main.V_SPLITS  # (2, 4)
+SUPPORTED_STRATEGIES = frozenset({"plain", "vsplit"})
+V_SPLITS = prefill_main.V_SPLITS  # (1, 2, 4)
 IO_DTYPES = ("bfloat16", "float16")
 POOL_DTYPES = ("float32", "bfloat16")
 
@@ -71,7 +70,7 @@ def main_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: 
 
 def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
     """Every compiled prefill kernel a deployment with these (per-GPU) head counts can need:
-    prep per io dtype, main per (io dtype, pool dtype, v_split 2 / 4). JSON-serialisable dicts."""
+    prep per io dtype, main per (io dtype, pool dtype, v_split). JSON-serialisable dicts."""
     if num_k_heads <= 0 or num_v_heads % num_k_heads:
         raise ValueError(f"num_v_heads ({num_v_heads}) must be a positive multiple of num_k_heads ({num_k_heads})")
     out = [prep_variant(num_v_heads, num_k_heads, io) for io in IO_DTYPES]
@@ -112,9 +111,10 @@ def build(variant: dict, target: str = ARCH):
 
 
 def _plan_scratch(plan, hv: int, device):
-    """(number of chunks NC, gbuf [NC, Hv, 64] fp32, M and P [NC, Hv, 64, 64] fp16) for this plan,
-    allocated once per plan and head count and kept in plan.kernel_cache: every GDN layer of a
-    step reuses them (stage 1 rewrites them in full before stage 2 reads them)."""
+    """(number of chunks NC, stage 1's outputs: gate factors [NC, Hv, 2, 64] fp32, P [NC, Hv, 64, 64],
+    U0 and -Wk [NC, Hv, 64, 128] fp16) for this plan, allocated once per plan and head count and
+    kept in plan.kernel_cache: every GDN layer of a step reuses them (stage 1 rewrites them in
+    full before stage 2 reads them)."""
     cache = getattr(plan, "kernel_cache", None)
     key = ("hopper_prefill_ws", hv)
     hit = cache.get(key) if cache is not None else None
@@ -122,10 +122,11 @@ def _plan_scratch(plan, hv: int, device):
         return hit
     nchunks = sum((int(L) + CHUNK - 1) // CHUNK for L in plan.seq_lens)
     rows = max(nchunks, 1)  # stage 2 never reads row 0 when there are no chunks
-    gbuf = torch.empty((rows, hv, CHUNK), dtype=torch.float32, device=device)
-    mbuf = torch.empty((rows, hv, CHUNK, CHUNK), dtype=torch.float16, device=device)
+    fbuf = torch.empty((rows, hv, 2, CHUNK), dtype=torch.float32, device=device)
     pbuf = torch.empty((rows, hv, CHUNK, CHUNK), dtype=torch.float16, device=device)
-    hit = (nchunks, gbuf, mbuf, pbuf)
+    ubuf = torch.empty((rows, hv, CHUNK, 128), dtype=torch.float16, device=device)
+    wbuf = torch.empty((rows, hv, CHUNK, 128), dtype=torch.float16, device=device)
+    hit = (nchunks, (fbuf, pbuf, ubuf, wbuf))
     if cache is not None:
         cache[key] = hit
     return hit
@@ -175,7 +176,7 @@ def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale,
     q, k [T, Hk, 128], v [T, Hv, 128] bf16/fp16 (last dim contiguous), g, beta [T, Hv] fp32
     contiguous, pool [S, Hv, 128(V), 128(K)] fp32/bf16 (inner dims contiguous), slot_ids [N] int32,
     has_initial_state [N] bool or None, plan: PrefillPlan (cu_seqlens, chunk_offsets on device;
-    strategy "vsplit" with v_split 2 or 4), out [T, Hv, 128] q's dtype, fully written.
+    strategy "plain"/"vsplit" with v_split), out [T, Hv, 128] q's dtype, fully written.
     Sequences with slot < 0 run from a zero state: their rows of `out` are computed, the pool is
     neither read nor written for them. ``_stages`` (benchmarks only) runs "prep" or "main" alone;
     ``_target`` is the compile target ("sm_100a" from qla_serve.kernels.blackwell).
@@ -202,7 +203,7 @@ def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale,
         flags, all_init = has_initial_state.view(torch.uint8), 0
     if nseq == 0:
         return
-    nchunks, gbuf, mbuf, pbuf = _plan_scratch(plan, hv, q.device)
+    nchunks, stage1 = _plan_scratch(plan, hv, q.device)
     if ntok == 0:  # only empty sequences: nothing to compute, final state = initial state
         q, k, v, out, g, beta = (_one_row(x) for x in (q, k, v, out, g, beta))
     else:
@@ -210,9 +211,9 @@ def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale,
     # Stage 2's tensor-core operands are fp16: bf16 q/k are converted once, by stage 1.
     qh, kh = _half_qk(plan, q.shape[0], hk, q.device) if io == "bfloat16" else (q, k)
     if nchunks > 0 and "prep" in _stages:  # _stages: benchmarks time the two kernels apart
-        kp(q, k, g, beta, plan.cu_seqlens, plan.chunk_offsets, gbuf, mbuf, pbuf, qh, kh, float(scale))
+        kp(q, k, v, g, beta, plan.cu_seqlens, plan.chunk_offsets, *stage1, qh, kh, float(scale))
     if "main" in _stages:
-        km(qh, kh, v, gbuf, mbuf, pbuf, pool, slot_ids, flags, plan.cu_seqlens, plan.chunk_offsets, out,
+        km(qh, kh, *stage1, pool, slot_ids, flags, plan.cu_seqlens, plan.chunk_offsets, out,
            float(scale), all_init)
 
 

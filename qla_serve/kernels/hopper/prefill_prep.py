@@ -1,5 +1,5 @@
-"""Prefill stage 1 (state-free, fully parallel): per (chunk, v-head) gate cumsum and the
-gated, beta-scaled inverse M = (Gamma o A) diag(beta).
+"""Prefill stage 1 (state-free, fully parallel): per (chunk, v-head) everything of the chunked
+algorithm that does not need the state, so stage 2's sequential chain is two GEMMs per chunk.
 
 Grid: one CTA of 128 threads per (chunk c, v-head h); chunks are numbered through the plan's
 ``chunk_offsets`` (chunk c belongs to the sequence s with chunk_offsets[s] <= c < chunk_offsets[s+1],
@@ -11,7 +11,11 @@ For a chunk of n <= 64 tokens t0..t0+n-1 of head h (qk-head h // (Hv // Hk)):
   A       = (I + L)^-1
   M[i, j] = A[i, j] * exp(gc[i] - gc[j]) * beta[j]  (i >= j), 0 above the diagonal
 which is the gated inverse by a similarity transform (Gamma o A = D A D^-1, D = diag(exp(gc))),
-so the C^2 exponentials are paid once here, off the sequential chain of stage 2.
+so the C^2 exponentials are paid once here, off the sequential chain of stage 2. Then
+  U0      = M V                                      [64, 128]
+  Wk      = M diag(exp(gc)) K  (= diag(exp(gc)) A diag(beta) K)   [64, 128]
+  P       = scale * Lower(Gamma) o (Q K^T)           (the intra-chunk attention)
+so that stage 2 computes V' = U0 - Wk S (= M (V - diag(exp(gc)) K S)) and O = scale exp(gc) Q S + P V'.
 
 The inverse is blocked: the four 16x16 diagonal blocks of I + L are inverted by forward
 substitution in fp32 on the CUDA cores (Dinv), then with N = Dinv L_off (strictly block-lower,
@@ -19,10 +23,12 @@ N^4 = 0): (I + L)^-1 = (I - N + N^2 - N^3) Dinv, four 64x64x64 fp16 tensor-core 
 accumulation. fp16 (11-bit mantissa) rather than bf16 for every GEMM operand: the bf16 variant
 misses the 2e-3 relative-L2 budget against the float64 recurrence (see benchmarks/prefill.md).
 
-Also P = scale * Lower(Gamma) o (Q K^T), the intra-chunk attention, which needs no state.
-
-Outputs (workspace, chunk-major so stage 2 loads each tile with one TMA copy; all 64 rows):
-  gbuf [NC, Hv, 64] fp32 (gc; rows >= n repeat gc[n-1]), M and P [NC, Hv, 64, 64] fp16;
+Outputs (workspace, chunk-major so stage 2 loads each tile with one TMA copy; all 64 rows, rows
+>= n finite and only ever meeting zero weights in stage 2):
+  fbuf [NC, Hv, 2, 64] fp32: exp(gc[i]) and dec[i] = exp(gc[63] - gc[i]) (0 for rows >= n; rows
+       >= n have g = 0, so gc[63] = gc[n-1] and exp(gc[63]) is the chunk's total decay);
+  pbuf [NC, Hv, 64, 64], ubuf (U0) and wbuf (-Wk, negated so stage 2 accumulates onto U0)
+       [NC, Hv, 64, 128], fp16;
   for bf16 io also qh, kh [T, Hk, 128]: fp16 copies of q and k (exact for unit-norm rows down to
   6e-5), so stage 2's tensor-core operands are fp16 without converting on its sequential chain.
 """
@@ -33,6 +39,7 @@ import tilelang.language as T
 
 C = 64  # chunk length
 DK = 128
+DV = 128
 
 PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 
@@ -49,6 +56,7 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str):
     sq1 = T.dynamic("sq1")
     sk0 = T.dynamic("sk0")
     sk1 = T.dynamic("sk1")
+    sv0, sv1 = T.dynamic("sv0"), T.dynamic("sv1")
     sqh0, sqh1 = T.dynamic("sqh0"), T.dynamic("sqh1")
     skh0, skh1 = T.dynamic("skh0"), T.dynamic("skh1")
     mm_dtype = "float16"
@@ -58,24 +66,34 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str):
     def gdn_prefill_prep(
         q: T.StridedTensor((ntok, Hk, DK), (sq0, sq1, 1), io_dtype),
         k: T.StridedTensor((ntok, Hk, DK), (sk0, sk1, 1), io_dtype),
+        v: T.StridedTensor((ntok, Hv, DV), (sv0, sv1, 1), io_dtype),
         g: T.Tensor((ntok, Hv), "float32"),
         beta: T.Tensor((ntok, Hv), "float32"),
         cu_seqlens: T.Tensor((nseq + 1,), "int32"),
         chunk_offsets: T.Tensor((nseq + 1,), "int32"),
-        gbuf: T.Tensor((nchunk, Hv, C), "float32"),
-        mbuf: T.Tensor((nchunk, Hv, C, C), mm_dtype),
+        fbuf: T.Tensor((nchunk, Hv, 2, C), "float32"),
         pbuf: T.Tensor((nchunk, Hv, C, C), mm_dtype),
+        ubuf: T.Tensor((nchunk, Hv, C, DV), mm_dtype),
+        wbuf: T.Tensor((nchunk, Hv, C, DK), mm_dtype),
         qh: T.StridedTensor((ntok, Hk, DK), (sqh0, sqh1, 1), mm_dtype),
         kh: T.StridedTensor((ntok, Hk, DK), (skh0, skh1, 1), mm_dtype),
         scale: T.float32,
     ):
         with T.Kernel(nchunk, Hv, threads=128) as (cid, h):
+            # Three CTAs per SM (<= 170 registers, <= 75 KB smem): the phases of one CTA are
+            # latency-bound (loads, the 16-step substitution), so other CTAs fill the gaps.
+            T.annotate_min_blocks_per_sm(3)
             hk = h // group
             convert = io_dtype != mm_dtype
             kr_s = T.alloc_shared((C, DK), io_dtype)
             k_s = T.alloc_shared((C, DK), mm_dtype) if convert else kr_s
             qr_s = T.alloc_shared((C, DK), io_dtype)
             q_s = T.alloc_shared((C, DK), mm_dtype) if convert else qr_s
+            vr_s = T.alloc_shared((C, DV), io_dtype)
+            vh_s = T.alloc_shared((C, DV), mm_dtype) if convert else vr_s
+            m_s = T.alloc_shared((C, C), mm_dtype)
+            mg_s = T.alloc_shared((C, C), mm_dtype)
+            x_f = T.alloc_fragment((C, DK), acc)
             p_f = T.alloc_fragment((C, C), acc)
             g_s = T.alloc_shared((C,), acc)
             b_s = T.alloc_shared((C,), acc)
@@ -109,7 +127,7 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str):
             for i in T.Parallel(C):
                 g_s[i] = T.if_then_else(i < n, g[t0 + i, h], 0.0)
                 b_s[i] = T.if_then_else(i < n, beta[t0 + i, h], 0.0)
-            # Bulk (TMA) tile load; rows >= n belong to the next sequence (or are zero past T):
+            # Tile loads; rows >= n belong to the next sequence (or are zero past T):
             # they only enter rows >= n of K K^T, which the solve and M never mix into rows < n.
             T.copy(k[t0:t0 + C, hk, 0:DK], kr_s)
             T.copy(q[t0:t0 + C, hk, 0:DK], qr_s)
@@ -123,10 +141,11 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str):
                         if i < n:
                             qh[t0 + i, hk, d] = q_s[i, d]
                             kh[t0 + i, hk, d] = k_s[i, d]
-            # Rows >= n have g = 0, so they repeat gc[n-1]: stage 2 reads gamma_last as gc[63].
+            # Rows >= n have g = 0, so they repeat gc[n-1]: gc[63] is the chunk's total.
             T.cumsum(src=g_s, dim=0)
             for i in T.Parallel(C):
-                gbuf[cid, h, i] = g_s[i]
+                fbuf[cid, h, 0, i] = T.exp(g_s[i])
+                fbuf[cid, h, 1, i] = T.if_then_else(i < n, T.exp(g_s[C - 1] - g_s[i]), 0.0)
 
             # P = scale * Lower(Gamma) o Q K^T (state-free, so off stage 2's sequential chain).
             T.gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)
@@ -167,12 +186,24 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str):
                 y_s[i, j] = T.cast(T.if_then_else(i == j, 1.0, 0.0) + n_f[i, j] - t_f[i, j], mm_dtype)
             T.gemm(y_s, dinv_s, t_f, clear_accum=True)
 
-            # M = (Gamma o A) diag(beta), lower triangle incl. diagonal.
-            # All 64 rows are stored (rows >= n are finite and never weighted in stage 2).
+            # M = (Gamma o A) diag(beta) and Mg = M diag(exp(gc)) = diag(exp(gc)) A diag(beta),
+            # lower triangle incl. diagonal (exp(gc) <= 1: no overflow either way).
             for i, j in T.Parallel(C, C):
-                mbuf[cid, h, i, j] = T.cast(
-                    T.if_then_else(i >= j, t_f[i, j] * T.exp(g_s[i] - g_s[j]) * b_s[j], 0.0),
-                    mm_dtype,
+                m_s[i, j] = T.cast(
+                    T.if_then_else(i >= j, t_f[i, j] * T.exp(g_s[i] - g_s[j]) * b_s[j], 0.0), mm_dtype
                 )
+                mg_s[i, j] = T.cast(T.if_then_else(i >= j, t_f[i, j] * T.exp(g_s[i]) * b_s[j], 0.0), mm_dtype)
+            # U0 = M V and -Wk = -Mg K, all 64 rows (rows >= n are finite, never weighted).
+            # v is loaded this late so its tiles reuse shared memory of the solve.
+            T.copy(v[t0:t0 + C, h, 0:DV], vr_s)
+            if convert:
+                for i, d in T.Parallel(C, DV):
+                    vh_s[i, d] = T.cast(vr_s[i, d], mm_dtype)
+            T.gemm(m_s, vh_s, x_f, clear_accum=True)
+            for i, d in T.Parallel(C, DV):
+                ubuf[cid, h, i, d] = T.cast(x_f[i, d], mm_dtype)
+            T.gemm(mg_s, k_s, x_f, clear_accum=True)
+            for i, d in T.Parallel(C, DK):
+                wbuf[cid, h, i, d] = T.cast(-x_f[i, d], mm_dtype)
 
     return gdn_prefill_prep
