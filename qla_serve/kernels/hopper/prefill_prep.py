@@ -94,6 +94,10 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str):
             m_s = T.alloc_shared((C, C), mm_dtype)
             mg_s = T.alloc_shared((C, C), mm_dtype)
             x_f = T.alloc_fragment((C, DK), acc)
+            # TMA tile loads (one elected thread issues them; every thread waits on the barrier):
+            # a plain T.copy of these bounds-checked strided tiles lowers to per-element loads.
+            qk_bar = T.alloc_barrier(128)
+            v_bar = T.alloc_barrier(128)
             p_f = T.alloc_fragment((C, C), acc)
             g_s = T.alloc_shared((C,), acc)
             b_s = T.alloc_shared((C,), acc)
@@ -129,8 +133,10 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str):
                 b_s[i] = T.if_then_else(i < n, beta[t0 + i, h], 0.0)
             # Tile loads; rows >= n belong to the next sequence (or are zero past T):
             # they only enter rows >= n of K K^T, which the solve and M never mix into rows < n.
-            T.copy(k[t0:t0 + C, hk, 0:DK], kr_s)
-            T.copy(q[t0:t0 + C, hk, 0:DK], qr_s)
+            T.tma_copy(k[t0:t0 + C, hk, 0:DK], kr_s, barrier=qk_bar)
+            T.tma_copy(q[t0:t0 + C, hk, 0:DK], qr_s, barrier=qk_bar)
+            T.barrier_arrive(qk_bar)
+            T.barrier_wait(qk_bar, 0)
             if convert:
                 for i, d in T.Parallel(C, DK):
                     k_s[i, d] = T.cast(kr_s[i, d], mm_dtype)
@@ -195,7 +201,9 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str):
                 mg_s[i, j] = T.cast(T.if_then_else(i >= j, t_f[i, j] * T.exp(g_s[i]) * b_s[j], 0.0), mm_dtype)
             # U0 = M V and -Wk = -Mg K, all 64 rows (rows >= n are finite, never weighted).
             # v is loaded this late so its tiles reuse shared memory of the solve.
-            T.copy(v[t0:t0 + C, h, 0:DV], vr_s)
+            T.tma_copy(v[t0:t0 + C, h, 0:DV], vr_s, barrier=v_bar)
+            T.barrier_arrive(v_bar)
+            T.barrier_wait(v_bar, 0)
             if convert:
                 for i, d in T.Parallel(C, DV):
                     vh_s[i, d] = T.cast(vr_s[i, d], mm_dtype)
