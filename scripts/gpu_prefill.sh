@@ -5,7 +5,9 @@
 #       ".devbundle/stamp", ".gpucache/tlcache.tar.xz", ".gpucache/whl"])
 # Knobs (environment): IMPLS (default qla; add fla,flashqla for the side-by-side table: FlashQLA
 # JIT-compiles ~60 s per head pair on a fresh machine), HEADS, ROWS, TESTS (pytest -k filter,
-# "none" skips the tests), NCU=0 skips the profile, SANITIZE=1 adds compute-sanitizer.
+# "none" skips the tests), BENCH=0 skips the planner-choice table, SWEEP="1 2 4 8" times qla
+# at each forced v_split (the cost-model fit data), NCU=0 skips the profile, SANITIZE=1 adds
+# compute-sanitizer.
 set -uo pipefail
 out=${OUT:-/tmp/gpu_prefill}; mkdir -p "$out"
 mkdir -p /tmp/tlall
@@ -19,9 +21,15 @@ if [[ ${TESTS:-} != none ]]; then
   step "prefill gpu tests" ${TEST_TIMEOUT:-240} python -m pytest -m gpu -q -x tests/kernels/test_prefill_gpu.py \
     -p no:cacheprovider ${TESTS:+-k "$TESTS"} 2>&1 | tee "$out/prefill_tests.log" | tail -25
 fi
-step "bench prefill (${IMPLS:-qla})" ${BENCH_TIMEOUT:-300} python -m qla_serve.bench.prefill --impls "${IMPLS:-qla}" \
-  --heads "${HEADS:-all}" --rows "${ROWS:-all}" --breakdown --json "$out/prefill.json" --md "$out/prefill.md" \
-  --png "$out/prefill.png" 2>&1 | tail -60
+if [[ ${BENCH:-1} == 1 ]]; then
+  step "bench prefill (${IMPLS:-qla})" ${BENCH_TIMEOUT:-300} python -m qla_serve.bench.prefill --impls "${IMPLS:-qla}" \
+    --heads "${HEADS:-all}" --rows "${ROWS:-all}" --breakdown --json "$out/prefill.json" --md "$out/prefill.md" \
+    --png "$out/prefill.png" 2>&1 | grep -v '^{' | tail -60
+fi
+for vs in ${SWEEP:-}; do
+  step "sweep v_split $vs" 150 python -m qla_serve.bench.prefill --impls qla --heads "${HEADS:-all}" --rows "${ROWS:-all}" \
+    --v-split $vs --breakdown --reps 10 --json "$out/sweep_vs$vs.json" --md "$out/sweep_vs$vs.md" 2>&1 | tail -3
+done
 if [[ ${NCU:-1} == 1 ]]; then
   step "ncu: prep and main, 2/8 1x32768" 180 ncu --clock-control none --set full -k regex:gdn_prefill --launch-count 2 \
     -o "$out/prof" python -m qla_serve.bench.prefill --impls qla --heads 2/8 --rows 1x32768 --reps 1 --graph-calls 1 \

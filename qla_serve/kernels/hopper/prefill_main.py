@@ -37,7 +37,7 @@ THREADS = 384
 
 PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 
-V_SPLITS = (1, 2, 4)
+V_SPLITS = (1, 2, 4, 8)
 # setmaxnreg: the producer warpgroup gives registers back and the state warpgroup (S: BV
 # registers, V': BV / 2) takes them. The output warpgroup keeps the launch allocation (168 at
 # 384 threads): setmaxnreg.inc below the current count is an illegal instruction.
