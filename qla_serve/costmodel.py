@@ -30,8 +30,8 @@ class CostModel(BaseModel):
     @field_validator("chunk_us")
     @classmethod
     def _splits(cls, v: dict[int, float]) -> dict[int, float]:
-        if 1 not in v or any(s not in (1, 2, 4, 8) for s in v) or any(t <= 0 for t in v.values()):
-            raise ValueError("chunk_us needs key 1 and only keys 1, 2, 4, 8 with positive times")
+        if 1 not in v or any(s not in (1, 2, 4) for s in v) or any(t <= 0 for t in v.values()):
+            raise ValueError("chunk_us needs key 1 and only keys 1, 2, 4 with positive times")
         return v
 
     @field_validator("cp_segment_chunks")

@@ -7,7 +7,7 @@ index tensors a kernel needs are packed into one buffer and uploaded with one no
 Strategies (see DESIGN.md, "Prefill numerics"):
 
 * ``plain``  — one block per (sequence, value head) walks all of its chunks.
-* ``vsplit`` — the value dimension is split in 2, 4 or 8 blocks per head (exact, cheap).
+* ``vsplit`` — the value dimension is split in 2 or 4 blocks per head (exact, cheap).
 * ``cp``     — intra-card context parallelism: sequences are cut into segments of L chunks;
   a segment's initial state is recomputed on the device (gate warmup, or the exact correction
   path in ``cp="exact"`` mode and for heads whose gates do not decay).
@@ -33,7 +33,7 @@ from qla_serve.costmodel import CostModel, load_cost_model
 CHUNK = 64
 CP_MODES = ("auto", "off", "exact")
 ENV_CP = "QLA_SERVE_CP"
-V_SPLITS = (1, 2, 4, 8)
+V_SPLITS = (1, 2, 4)
 ALL_STRATEGIES = frozenset({"plain", "vsplit", "cp"})
 
 # Segment table columns.

@@ -2,8 +2,8 @@
 
 CI runs on 2 CPU cores, so the default set compiles one representative of each code path
 (~20-40 s each): the prep kernel, the main kernel for bf16 and fp16 io, fp32 and bf16 pools and
-v_split 1 / 4 / 2 (all warp-specialised, 384 threads), plus one sm_100a build. The full variant
-matrix of one head pair (18 compiles, v_split 1/2/4/8) runs only with QLA_COMPILE_ALL=1. Compiling builds real cubins through
+v_split 1 / 4 / 2 (all warp-specialised, 512 threads), plus one sm_100a build. The full variant
+matrix of one head pair (14 compiles) runs only with QLA_COMPILE_ALL=1. Compiling builds real cubins through
 nvcc and TileLang's cache, so a lowering or ptxas error fails here.
 """
 
@@ -22,7 +22,7 @@ def test_kernel_variants_are_json_and_unique():
     assert json.loads(json.dumps(vs)) == vs
     names = [v["name"] for v in vs]
     assert len(set(names)) == len(names)
-    assert {v["v_split"] for v in vs if v["op"] == "prefill_main"} == {1, 2, 4, 8}
+    assert {v["v_split"] for v in vs if v["op"] == "prefill_main"} == {1, 2, 4}
     with pytest.raises(ValueError, match="num_v_heads"):
         P.kernel_variants(10, 4)
 
@@ -51,7 +51,8 @@ def test_compiles_sm90a(variant):
     assert "wgmma" in src, "expected Hopper tensor-core (wgmma) code"
     if variant["op"] == "prefill_main":
         assert "tma_load" in src, "expected TMA tile loads in the chunk walk"
-        assert "warpgroup_reg_alloc" in src, "expected the warp-specialised kernel (setmaxnreg)"
+        assert "mbarrier" in src or ".arrive()" in src, "expected the warp-specialised kernel (mbarriers)"
+        assert "warpgroup_reg_dealloc" in src, "expected the producer warpgroup to give registers back"
 
 
 def test_compiles_sm100a_portable():

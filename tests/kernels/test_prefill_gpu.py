@@ -135,7 +135,7 @@ def test_heads_edge_lengths(Hk, Hv, pool_dtype):
     print(f"heads {Hk}/{Hv} pool {pool_dtype}: o {e[0]:.2e} state {e[1]:.2e}")
 
 
-@pytest.mark.parametrize("v_split", [1, 2, 4, 8])
+@pytest.mark.parametrize("v_split", [1, 2, 4])
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_vsplit(v_split, pool_dtype):
     e = run_case([300, 65, 0, 1, 129], 2, 8, pool_dtype=pool_dtype, v_split=v_split, seed=v_split)
@@ -164,7 +164,7 @@ def test_long(L, v_split):
 # (compiling is the dominant cost on the device), i.e. every head pair and pool with v_split 2
 # and the 2/8 pair with v_split 4.
 LOOP_COMBOS = [(h, p, 2) for h in HEADS for p in (torch.float32, torch.bfloat16)] + [
-    ((2, 8), p, vs) for p in (torch.float32, torch.bfloat16) for vs in (4, 8)]
+    ((2, 8), p, 4) for p in (torch.float32, torch.bfloat16)]
 
 
 def test_randomized_loop():

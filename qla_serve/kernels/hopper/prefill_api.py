@@ -29,7 +29,7 @@ from . import prefill_main, prefill_prep
 ARCH = "sm_90a"
 CHUNK = 64
 SUPPORTED_STRATEGIES = frozenset({"plain", "vsplit"})
-V_SPLITS = prefill_main.V_SPLITS  # (1, 2, 4, 8)
+V_SPLITS = prefill_main.V_SPLITS  # (1, 2, 4)
 IO_DTYPES = ("bfloat16", "float16")
 POOL_DTYPES = ("float32", "bfloat16")
 

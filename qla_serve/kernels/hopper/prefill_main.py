@@ -13,11 +13,14 @@ exp(gc), dec from stage 1 (prefill_prep.py), Hs = fp16 copy of the state, q, k f
 the chunked form of reference.recurrent_gdn (the float64 truth the tests compare with). Every
 GEMM operand is fp16 with fp32 accumulation; see prefill_prep.py for why not bf16.
 
-Warp specialisation (384 threads, three warpgroups, mbarriers between them):
-  WG0 "state"    holds S in registers; the whole sequential chain, two GEMMs per chunk:
-                 Hs <- S, V' = U0 - Wk Hs, V' and V'd to smem, S = gamma_last S + K^T V'd
-  WG1 "output"   O = Q Hs (beside WG0's V' GEMM), O += P V', rows < n stored to `out`
-  WG2 "producer" one warp issuing the TMA tile loads of the next chunk
+Warp specialisation (512 threads, four warpgroups, mbarriers between them):
+  WG0+1 "state"  hold S in registers (K rows 0-63 / 64-127); the whole sequential chain, two
+                 GEMMs per chunk: Hs <- S, V' = U0 - Wk Hs (value columns split between the
+                 two), V' and V'd to smem, S = gamma_last S + K^T V'd. Measured on the H200: the
+                 chain's time is proportional to the per-thread element work (the fp16 copies of
+                 S and V', the decay), not to the GEMMs, so it is spread over 256 threads.
+  WG2 "output"   O = Q Hs (beside the V' GEMM), O += P V', rows < n stored to `out`
+  WG3 "producer" one warp issuing the TMA tile loads of the next chunk
 Two data stages (q, k, P, U0, Wk, gate factors). Hs and V' are single buffers guarded by "used"
 barriers, so the state warpgroup never runs a chunk ahead of the output warpgroup.
 
@@ -33,15 +36,16 @@ import tilelang.language as T
 C = 64
 DK = 128
 DV = 128
-THREADS = 384
+THREADS = 512
+STATE_THREADS = 256
 
 PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 
-V_SPLITS = (1, 2, 4, 8)
-# setmaxnreg: the producer warpgroup gives registers back and the state warpgroup (S: BV
-# registers, V': BV / 2) takes them. The output warpgroup keeps the launch allocation (168 at
-# 384 threads): setmaxnreg.inc below the current count is an illegal instruction.
-_NREG_STATE, _NREG_PRODUCER = 240, 40
+V_SPLITS = (1, 2, 4)
+# setmaxnreg: the producer warpgroup gives registers back (the others keep the launch allocation,
+# 128 at 512 threads; setmaxnreg.inc below the current count is an illegal instruction, and
+# ptxas allocates for the launch bound anyway). S takes BV / 2 registers per state thread.
+_NREG_PRODUCER = 40
 
 
 def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str, v_split: int):
@@ -101,11 +105,11 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
             o_f = T.alloc_fragment((C, BV), acc)
 
             ready = T.alloc_barrier([32, 32])  # stage filled: the producer warp + TMA bytes
-            free = T.alloc_barrier([256, 256])  # stage consumed by both consumer warpgroups
-            hs_ready = T.alloc_barrier(128)  # WG0 wrote Hs
-            hs_used = T.alloc_barrier(128)  # WG1 finished reading Hs
-            vp_ready = T.alloc_barrier(128)  # WG0 wrote V'
-            vp_used = T.alloc_barrier(128)  # WG1 finished reading V'
+            free = T.alloc_barrier([384, 384])  # stage consumed by the three consumer warpgroups
+            hs_ready = T.alloc_barrier(STATE_THREADS)  # the state warpgroups wrote Hs
+            hs_used = T.alloc_barrier(128)  # the output warpgroup finished reading Hs
+            vp_ready = T.alloc_barrier(STATE_THREADS)  # the state warpgroups wrote V'
+            vp_used = T.alloc_barrier(128)  # the output warpgroup finished reading V'
 
             bos = cu_seqlens[s]
             eos = cu_seqlens[s + 1]
@@ -113,8 +117,7 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
             nchunks = T.ceildiv(eos - bos, C)
             tx = T.get_thread_binding()
 
-            if tx < 128:
-                T.set_max_nreg(_NREG_STATE, 1)
+            if tx < STATE_THREADS:
                 slot = slot_ids[s]
                 load = T.alloc_var("int32")
                 load = 0
@@ -140,7 +143,7 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
                     # V' = U0 - Wk Hs
                     for i, j in T.Parallel(C, BV):
                         u_f[i, j] = T.cast(u0_s[st, i, j], acc)
-                    T.gemm(wk_s[st, :, :], hs_s, u_f)
+                    T.gemm(wk_s[st, :, :], hs_s, u_f, policy=T.GemmWarpPolicy.FullCol)
                     T.barrier_wait(vp_used, (c + 1) % 2)
                     for i, j in T.Parallel(C, BV):
                         vp_s[i, j] = T.cast(u_f[i, j], mm)
@@ -151,13 +154,13 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
                     gl = f_s[st, 0, C - 1]
                     for d, j in T.Parallel(DK, BV):
                         h_f[d, j] = h_f[d, j] * gl
-                    T.gemm(k_s[st, :, :], vpd_s, h_f, transpose_A=True)
+                    T.gemm(k_s[st, :, :], vpd_s, h_f, transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
                     T.barrier_arrive(free[st])
                 if slot >= 0:
                     for d, j in T.Parallel(DK, BV):
                         pool[slot, h, v0 + j, d] = T.cast(h_f[d, j], pool_dtype)
 
-            elif tx < 256:
+            elif tx < STATE_THREADS + 128:
                 for c in T.serial(nchunks):
                     st = c % 2
                     t0 = bos + c * C
@@ -178,7 +181,7 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
 
             else:
                 T.set_max_nreg(_NREG_PRODUCER, 0)
-                if tx < 256 + 32:
+                if tx < STATE_THREADS + 128 + 32:
                     for c in T.serial(nchunks):
                         st = c % 2
                         t0 = bos + c * C
