@@ -28,7 +28,7 @@ if [[ ${BENCH:-1} == 1 ]]; then
 fi
 for vs in ${SWEEP:-}; do
   step "sweep v_split $vs" 150 python -m qla_serve.bench.prefill --impls qla --heads "${HEADS:-all}" --rows "${ROWS:-all}" \
-    --v-split $vs --breakdown --reps 10 --json "$out/sweep_vs$vs.json" --md "$out/sweep_vs$vs.md" 2>&1 | tail -3
+    --v-split $vs --breakdown --reps 10 --json "$out/sweep_vs$vs.json" 2>&1 | grep -v "^{" | tail -3
 done
 if [[ ${NCU:-1} == 1 ]]; then
   step "ncu: prep and main, 2/8 1x32768" 180 ncu --clock-control none --set full -k regex:gdn_prefill --launch-count 2 \
