@@ -22,6 +22,7 @@ class CostModel(BaseModel):
     sm_count: int = Field(gt=0, description="SMs assumed when the device is not asked")
     chunk_us: dict[int, float] = Field(description="GPU time of one 64-token chunk for one block, by V split")
     launch_us: float = Field(ge=0)
+    stage1_us: float = Field(default=0.0, ge=0, description="state-free stage per (chunk, v-head), per SM")
     cp_fixed_us: float = Field(ge=0, description="extra launches of the CP path (warmup lengths, scan)")
     cp_warmup_chunks: int = Field(ge=0, description="expected warmup chunks per recomputed segment")
     cp_segment_chunks: list[int] = Field(min_length=1, description="candidate segment lengths L (chunks)")
@@ -42,11 +43,13 @@ class CostModel(BaseModel):
         return sorted(set(v))
 
     def estimate_us(self, v_split: int, chain_chunks: int, total_block_chunks: int,
-                    sm_count: int, cut: bool) -> float:
-        """Modelled GPU time of one prefill call (see the YAML header for the formula)."""
+                    sm_count: int, cut: bool, chunk_heads: int = 0) -> float:
+        """Modelled GPU time of one prefill call (see the YAML header for the formula);
+        ``chunk_heads`` = chunks x v-heads, the state-free stage's work."""
         waves = -(-total_block_chunks // sm_count)
         busy = max(chain_chunks, waves)
-        return self.chunk_us[v_split] * busy + self.launch_us + (self.cp_fixed_us if cut else 0.0)
+        return (self.chunk_us[v_split] * busy + self.stage1_us * chunk_heads / sm_count + self.launch_us
+                + (self.cp_fixed_us if cut else 0.0))
 
 
 ARCHES = ("sm90", "sm100")

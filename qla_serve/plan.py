@@ -133,14 +133,15 @@ class _Choice:
 
 def _score(model: CostModel, chunks: list[int], hv: int, sm: int, v_split: int, L: int) -> float:
     """Modelled time for V split ``v_split`` and segment length ``L`` (0 = no cut)."""
+    chunk_heads = sum(chunks) * hv
     if L == 0:
-        chain, total = max(chunks), sum(chunks) * hv * v_split
-        return model.estimate_us(v_split, chain, total, sm, cut=False)
+        chain, total = max(chunks), chunk_heads * v_split
+        return model.estimate_us(v_split, chain, total, sm, cut=False, chunk_heads=chunk_heads)
     warm = model.cp_warmup_chunks
     segs = [-(-c // L) for c in chunks]
     chain = min(L, max(chunks)) + (warm if max(segs) > 1 else 0)
     total = hv * v_split * sum(c + warm * (s - 1) for c, s in zip(chunks, segs))
-    return model.estimate_us(v_split, chain, total, sm, cut=max(segs) > 1)
+    return model.estimate_us(v_split, chain, total, sm, cut=max(segs) > 1, chunk_heads=chunk_heads)
 
 
 def _choose(model: CostModel, chunks: list[int], hv: int, sm: int, cp: str,
@@ -154,9 +155,11 @@ def _choose(model: CostModel, chunks: list[int], hv: int, sm: int, cp: str,
         return _Choice(*base, 0, model.launch_us)
     # Empty sequences change neither the max nor the sum that the score reads.
     best = _Choice(*base, 0, _score(model, chunks, hv, sm, base[1], 0))
-    # Bit-stable mode, or the batch already fills the SMs with one block per (seq, head):
-    # splitting only adds duplicated work.
-    if cp == "off" or num_live * hv * base[1] >= sm:
+    # Bit-stable mode, or the baseline is already throughput-bound (its waves of blocks take
+    # longer than the longest sequence's chain): splitting only multiplies the waves (the fitted
+    # models have chunk_us[v] * v > chunk_us[1]). A mixed batch with one long sequence is
+    # chain-bound and goes on to the model.
+    if cp == "off" or max(chunks) * sm <= sum(chunks) * hv * base[1]:
         return best
     live = [c for c in chunks if c > 0]
     if "vsplit" in supported:

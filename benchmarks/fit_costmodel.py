@@ -1,0 +1,82 @@
+"""Fit the prefill planner's cost model (configs/costmodel/<arch>.yaml) from a v_split sweep.
+
+Input: the JSON files of `bash scripts/gpu_prefill.sh` with SWEEP="1 2 4" (one file per forced
+v_split: `python -m qla_serve.bench.prefill --v-split V --breakdown --json ...`), i.e. the prep
+and main GPU time of every (heads, row) at every split. Model (qla_serve.costmodel.CostModel):
+
+    main  = chunk_us[v] * max(chain_chunks, ceil(v * Hv * sum(chunks) / sm_count))
+    prep  = stage1_us * Hv * sum(chunks) / sm_count
+    total = main + prep + launch_us
+
+chunk_us[v] and stage1_us by least squares on relative error (each is one coefficient of a
+one-variable model, so the fit is a weighted ratio), launch_us from the residual of the smallest
+rows. Prints the coefficients and the per-row error, and writes nothing: paste the numbers into
+the YAML with the data files they came from.
+
+    python benchmarks/fit_costmodel.py benchmarks/data/prefill_qla_v7_sweep_vs*_h200.json
+"""
+
+import json
+import math
+import statistics
+import sys
+
+from qla_serve.bench.prefill import ROWS
+
+CHUNK = 64
+SM = 132
+
+
+def _features(row: str, heads: str, v_split: int):
+    hk, hv = (int(x) for x in heads.split("/"))
+    chunks = [-(-n // CHUNK) for n in ROWS[row] if n]
+    chain = max(chunks)
+    waves = math.ceil(v_split * hv * sum(chunks) / SM)
+    return max(chain, waves), hv * sum(chunks) / SM
+
+
+def _ratio_fit(xs, ys):
+    """argmin_c sum((c x - y) / y)^2 = sum(x / y) / sum((x / y)^2)."""
+    r = [x / y for x, y in zip(xs, ys)]
+    return sum(r) / sum(t * t for t in r)
+
+
+def main(paths: list[str]) -> None:
+    rows = []
+    for p in paths:
+        for r in json.load(open(p))["results"]:
+            if "qla_main_gpu_ms" not in r:
+                continue
+            vs = int(r["qla_plan"].rsplit("vs", 1)[1])
+            busy, chunk_heads_per_sm = _features(r["row"], r["heads"], vs)
+            rows.append(dict(heads=r["heads"], row=r["row"], vs=vs, busy=busy, ch=chunk_heads_per_sm,
+                             main=r["qla_main_gpu_ms"] * 1e3, prep=r["qla_prep_gpu_ms"] * 1e3,
+                             total=r["qla_gpu_ms"] * 1e3))
+    chunk_us = {}
+    for vs in sorted({r["vs"] for r in rows}):
+        sel = [r for r in rows if r["vs"] == vs]
+        chunk_us[vs] = _ratio_fit([r["busy"] for r in sel], [r["main"] for r in sel])
+    stage1_us = _ratio_fit([r["ch"] for r in rows], [r["prep"] for r in rows])
+    resid = [r["total"] - chunk_us[r["vs"]] * r["busy"] - stage1_us * r["ch"] for r in rows]
+    launch_us = max(0.0, statistics.median(sorted(resid)[: max(1, len(resid) // 4)]))
+    errs = []
+    for r in rows:
+        est = chunk_us[r["vs"]] * r["busy"] + stage1_us * r["ch"] + launch_us
+        errs.append((est - r["total"]) / r["total"])
+        print(f"{r['heads']:>6} {r['row']:>10} vs{r['vs']}  measured {r['total']:8.1f} us  model {est:8.1f} us  "
+              f"{errs[-1]:+.0%}")
+    print(f"\nchunk_us: {{{', '.join(f'{k}: {v:.2f}' for k, v in chunk_us.items())}}}")
+    print(f"stage1_us: {stage1_us:.3f}\nlaunch_us: {launch_us:.1f}")
+    print(f"RMS relative error {math.sqrt(sum(e * e for e in errs) / len(errs)):.1%} over {len(errs)} timings")
+    # Does the model pick the measured-best split per (heads, row)?
+    best = {}
+    for r in rows:
+        key = (r["heads"], r["row"])
+        est = chunk_us[r["vs"]] * r["busy"]
+        best.setdefault(key, []).append((r["total"], est, r["vs"]))
+    agree = sum(min(v)[2] == min(v, key=lambda t: t[1])[2] for v in best.values())
+    print(f"model's split = measured-best split on {agree}/{len(best)} (heads, row) pairs")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
