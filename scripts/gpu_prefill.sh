@@ -24,7 +24,7 @@ fi
 if [[ ${BENCH:-1} == 1 ]]; then
   step "bench prefill (${IMPLS:-qla})" ${BENCH_TIMEOUT:-300} python -m qla_serve.bench.prefill --impls "${IMPLS:-qla}" \
     --heads "${HEADS:-all}" --rows "${ROWS:-all}" --breakdown --json "$out/prefill.json" --md "$out/prefill.md" \
-    --png "$out/prefill.png" 2>&1 | grep -v '^{' | tail -60
+    --png "$out/prefill.png" 2>&1 | tee "$out/bench.log" | grep -v '^{' | tail -60
 fi
 for vs in ${SWEEP:-}; do
   step "sweep v_split $vs" 150 python -m qla_serve.bench.prefill --impls qla --heads "${HEADS:-all}" --rows "${ROWS:-all}" \
@@ -41,7 +41,7 @@ if [[ ${NCU:-1} == 1 ]]; then
 fi
 if [[ ${SANITIZE:-0} == 1 ]]; then
   for tool in memcheck racecheck; do
-    step "compute-sanitizer $tool" 200 compute-sanitizer --tool $tool --kernel-name regex:gdn_prefill \
+    step "compute-sanitizer $tool" ${SANITIZE_TIMEOUT:-200} compute-sanitizer --tool $tool --kernel-name regex:gdn_prefill \
       python -m pytest -m gpu -q -x tests/kernels/test_prefill_gpu.py -p no:cacheprovider -k sanitizer_case \
       2>&1 | tee "$out/sanitizer_$tool.log" | tail -8
   done
