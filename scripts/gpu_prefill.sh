@@ -41,7 +41,7 @@ if [[ ${NCU:-1} == 1 ]]; then
 fi
 if [[ ${SANITIZE:-0} == 1 ]]; then
   for tool in memcheck racecheck; do
-    step "compute-sanitizer $tool" ${SANITIZE_TIMEOUT:-200} compute-sanitizer --tool $tool --kernel-name regex:gdn_prefill \
+    step "compute-sanitizer $tool" ${SANITIZE_TIMEOUT:-200} compute-sanitizer --tool $tool --kernel-name kns=gdn_prefill \
       python -m pytest -m gpu -q -x tests/kernels/test_prefill_gpu.py -p no:cacheprovider -k sanitizer_case \
       2>&1 | tee "$out/sanitizer_$tool.log" | tail -8
   done
