@@ -176,6 +176,10 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str):
                         sub_f[b, c] += l_s[b * 16 + r, b * 16 + m] * xd_s[b * 16 + m, c]
                 for b, c in T.Parallel(4, 16):
                     xd_s[b * 16 + r, c] = T.if_then_else(c == r, 1.0, 0.0) - sub_f[b, c]
+                # The 4 x 16 work items are replicated on threads 64-127, whose reads of row r in
+                # the next step would otherwise race with its write (compute-sanitizer racecheck;
+                # their results are discarded, threads 0-63 read only their own writes).
+                T.sync_threads()
 
             for i, j in T.Parallel(C, C):
                 dinv_s[i, j] = T.if_then_else(i // 16 == j // 16, T.cast(xd_s[i, j % 16], mm_dtype), T.cast(0, mm_dtype))
