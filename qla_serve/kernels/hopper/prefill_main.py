@@ -16,13 +16,13 @@ GEMM operand is fp16 with fp32 accumulation; see prefill_prep.py for why not bf1
 Warp specialisation (512 threads, four warpgroups, mbarriers between them):
   WG0+1 "state"  hold S in registers (K rows 0-63 / 64-127); the whole sequential chain, two
                  GEMMs per chunk: Hs <- S, V' = U0 - Wk Hs (value columns split between the
-                 two), V' and V'd to smem, S = gamma_last S + K^T V'd. Measured on the H200: the
-                 chain's time is proportional to the per-thread element work (the fp16 copies of
-                 S and V', the decay), not to the GEMMs, so it is spread over 256 threads.
+                 two), V' and V'd to smem, S = gamma_last S + K^T V'd. Two warpgroups so that
+                 a 128-wide block fits the 128 registers a 512-thread launch allows (one
+                 warpgroup spilled; ptxas does not allocate by setmaxnreg).
   WG2 "output"   O = Q Hs (beside the V' GEMM), O += P V', rows < n stored to `out`
   WG3 "producer" one warp issuing the TMA tile loads of the next chunk
 Two data stages (q, k, P, U0, Wk, gate factors). Hs and V' are single buffers guarded by "used"
-barriers, so the state warpgroup never runs a chunk ahead of the output warpgroup.
+barriers, so the state warpgroups never run a chunk ahead of the output warpgroup.
 
 Initial state: pool[slot_ids[s], h, vslice, :] (V-first, fp32 or bf16) read in place when
 slot >= 0 and has_initial_state[s]; otherwise zeros (padding slots, slot < 0, run from a zero
@@ -96,7 +96,7 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
             u0_s = T.alloc_shared((2, C, BV), mm)
             wk_s = T.alloc_shared((2, C, DK), mm)  # -Wk
             f_s = T.alloc_shared((2, 2, C), acc)  # exp(gc), dec
-            # The state warpgroup's products, read by the output warpgroup (and itself).
+            # The state warpgroups' products, read by the output warpgroup (and themselves).
             hs_s = T.alloc_shared((DK, BV), mm)
             vp_s = T.alloc_shared((C, BV), mm)
             vpd_s = T.alloc_shared((C, BV), mm)
