@@ -14,7 +14,8 @@ Strategies (see DESIGN.md, "Prefill numerics"):
 
 ``cp`` modes: ``auto`` picks the cheapest strategy by the arch's cost model (configs/costmodel);
 ``off`` is bit-stable — for a given sequence the result does not depend on the rest of the
-batch — so it never cuts sequences and never splits V; ``exact`` may cut sequences but never
+batch — so it never cuts sequences and never splits V (beyond the fixed narrowest split of
+kernels that have no ``plain``); ``exact`` may cut sequences but never
 truncates history (the kernel takes the exact correction path for every segment).
 Strategies the arch's kernels do not implement are never chosen.
 """

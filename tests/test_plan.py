@@ -90,8 +90,9 @@ def test_only_supported_strategies_are_chosen(lens, heads, sm):
 @settings(max_examples=200, deadline=None)
 @given(lens_st, heads_st, cp_st, sm_st)
 def test_kernels_without_plain_get_their_narrowest_split(lens, heads, cp, sm):
-    """Hopper's warp-specialised kernel implements only "vsplit" (2 or 4): never plan "plain"
-    for it, and cp="off" gives the same plan whatever else is in the batch (v_split 2)."""
+    """A kernel module without "plain" (as Hopper's was while its 128-wide block spilled):
+    never plan "plain" for it, and cp="off" gives the same plan whatever else is in the batch
+    (its narrowest split, 2)."""
     hk, hv = heads
     plan = plan_prefill(lens, hv, hk, device="cpu", cp=cp, sm_count=sm, supported_strategies={"vsplit"})
     assert plan.strategy == "vsplit" and plan.v_split in (2, 4) and plan.segment_chunks == 0

@@ -3,8 +3,8 @@
 CI runs on 2 CPU cores, so the default set compiles one representative of each code path
 (~20-40 s each): the prep kernel, the main kernel for bf16 and fp16 io, fp32 and bf16 pools and
 v_split 1 / 4 / 2 (all warp-specialised, 512 threads), plus one sm_100a build. The full variant
-matrix of one head pair (14 compiles) runs only with QLA_COMPILE_ALL=1. Compiling builds real cubins through
-nvcc and TileLang's cache, so a lowering or ptxas error fails here.
+matrix of one head pair (14 compiles) runs only with QLA_COMPILE_ALL=1. Compiling builds real
+cubins through nvcc and TileLang's cache, so a lowering or ptxas error fails here.
 """
 
 import json
