@@ -1,4 +1,5 @@
-"""The torch reference: the chunked form equals the per-token recurrence; decode and verify
+"""The torch reference: the chunked and segmented (context-parallel) forms equal the per-token
+recurrence; decode and verify
 agree with prefill; pool-level semantics (slots, padding, has_initial_state, strides)."""
 
 import pytest
@@ -21,6 +22,23 @@ def test_chunked_equals_recurrent_float64(seq_lens, Hk, Hv):
     init = torch.randn(len(seq_lens), Hv, 128, 128, dtype=torch.float64) * 0.1
     o1, s1 = R.recurrent_gdn(q, k, v, g, beta, cu, init)
     o2, s2 = R.chunked_gdn(q, k, v, g, beta, cu, init)
+    assert rel_err(o2, o1) < 1e-10
+    assert rel_err(s2, s1) < 1e-10
+
+
+@pytest.mark.parametrize("seq_lens,Hk,Hv,segment_chunks", [
+    ([64 * 9 + 5], 2, 8, 2), ([1, 300, 0, 129], 2, 4, 1), ([700, 65], 1, 2, 3), ([200], 4, 4, 8)])
+def test_segmented_equals_recurrent_float64(seq_lens, Hk, Hv, segment_chunks):
+    """The exact context-parallel algebra (segment maps S_end = Phi S_start + S0, a scan, then
+    the segments from their own initial states) is the recurrence, including heads with g = 0
+    (no decay, so no warmup could truncate them) and segments longer than the sequence."""
+    q, k, v, g, beta = make_inputs(seq_lens, Hk, Hv, seed=len(seq_lens) + segment_chunks)
+    cu = [0]
+    for n in seq_lens:
+        cu.append(cu[-1] + n)
+    init = torch.randn(len(seq_lens), Hv, 128, 128, dtype=torch.float64) * 0.1
+    o1, s1 = R.recurrent_gdn(q, k, v, g, beta, cu, init)
+    o2, s2 = R.segmented_gdn(q, k, v, g, beta, cu, init, segment_chunks=segment_chunks)
     assert rel_err(o2, o1) < 1e-10
     assert rel_err(s2, s1) < 1e-10
 
@@ -130,3 +148,26 @@ def test_prefill_pool_semantics(pool_dtype):
     assert torch.equal(pool[2], torch.zeros_like(pool[2]))        # empty seq, no initial state
     assert torch.equal(pages[:, 1], before[:, 1])                  # the rest of each page
     assert torch.equal(pages[[1, 3, 4, 6], 0], before[[1, 3, 4, 6], 0])  # slots outside the batch
+
+
+def test_prefill_follows_a_cp_plan():
+    """On the reference path a "cp" plan runs the exact segmented form (its segment length
+    taken from the plan): same results as the recurrence, final states in the pool slots."""
+    import dataclasses
+
+    lens, Hk, Hv = [64 * 5 + 3, 0, 129], 2, 4
+    q, k, v, g, beta = make_inputs(lens, Hk, Hv, seed=23)
+    pool = torch.randn(4, Hv, 128, 128, dtype=torch.float64) * 0.1
+    before = pool.clone()
+    slots = torch.tensor([3, 1, 0], dtype=torch.int32)
+    plan = qla_serve.plan_prefill(lens, Hv, Hk, device="cpu", cp="exact")
+    plan = dataclasses.replace(plan, strategy="cp", segment_chunks=2)
+    out = torch.empty_like(v)
+    R.prefill(q, k, v, g, beta, pool, slots, plan, has_initial_state=None, scale=None, out=out)
+    o_ref, s_ref = R.recurrent_gdn(q, k, v, g, beta, plan.cu_seqlens_cpu, before[[3, 1, 0]])
+    assert rel_err(out, o_ref) < 1e-10
+    assert rel_err(pool[[3, 1, 0]], s_ref) < 1e-10
+    assert torch.equal(pool[2], before[2])
+    with pytest.raises(ValueError, match="form"):
+        R.prefill(q, k, v, g, beta, pool, slots, plan, has_initial_state=None, scale=None, out=out,
+                  form="segmented")

@@ -110,25 +110,33 @@ def _chunk_step(Q, Kc, Vc, g, beta, S, scale):
 
     Q, Kc [Hv, C, K]; Vc [Hv, C, V]; g, beta [Hv, C]. Returns (O [Hv, C, V], S_next).
     """
+    U0, Wk, P, gamma, dec = _chunk_products(Q, Kc, Vc, g, beta, scale)
+    V_new = U0 - Wk @ S                   # = (Gamma o A) diag(beta) (V - diag(gamma) K S)
+    O = scale * gamma[..., None] * (Q @ S) + P @ V_new
+    S_next = gamma[..., -1:, None] * S + Kc.transpose(-1, -2) @ (dec[..., None] * V_new)
+    return O, S_next
+
+
+def _chunk_products(Q, Kc, Vc, g, beta, scale):
+    """The state-free products of one chunk (what the Hopper kernels' stage 1 makes), all heads:
+    A = (I + StrictLower(diag(beta) K K^T))^-1 solved gate-free once per chunk, the gate entering
+    as Gamma o A with Gamma[i, j] = gamma_i / gamma_j (exact: a similarity transform by
+    diag(gamma); differences of cumsums avoid overflowing exp(-gcum_j)); M = (Gamma o A) diag(beta);
+    returns U0 = M V, Wk = M diag(gamma) K, P = scale Lower(Gamma) o Q K^T, gamma and
+    dec = gamma_last / gamma. Shapes as in :func:`_chunk_step`."""
     C = Kc.shape[1]
     gcum = g.cumsum(-1)
-    gamma = torch.exp(gcum)                                              # [Hv, C]
     eye = torch.eye(C, dtype=Kc.dtype, device=Kc.device)
     strict = torch.tril(torch.ones(C, C, dtype=torch.bool, device=Kc.device), -1)
     lower = torch.tril(torch.ones(C, C, dtype=torch.bool, device=Kc.device))
-    # Gate-free solve: A = (I + StrictLower(diag(beta) K K^T))^-1, once per chunk.
     KKt = beta[..., :, None] * (Kc @ Kc.transpose(-1, -2))
     A = torch.linalg.solve_triangular(eye + KKt.masked_fill(~strict, 0), eye.expand_as(KKt),
                                       upper=False, unitriangular=True)
-    # The gate enters as Gamma o A with Gamma[i, j] = gamma_i / gamma_j (exact: a similarity
-    # transform by diag(gamma)). Differences of cumsums avoid overflowing exp(-gcum_j).
     Gamma = torch.exp((gcum[..., :, None] - gcum[..., None, :]).masked_fill(~lower, -math.inf))
-    V_delta = Vc - gamma[..., None] * (Kc @ S)
-    V_new = (Gamma * A) @ (beta[..., None] * V_delta)
-    O = gamma[..., None] * (Q @ S) + ((Q @ Kc.transpose(-1, -2)) * Gamma) @ V_new
-    g_last = gcum[..., -1:]
-    S_next = torch.exp(g_last)[..., None] * S + Kc.transpose(-1, -2) @ (torch.exp(g_last - gcum)[..., None] * V_new)
-    return scale * O, S_next
+    M = (Gamma * A) * beta[..., None, :]
+    gamma = torch.exp(gcum)
+    P = scale * (Q @ Kc.transpose(-1, -2)) * Gamma
+    return M @ Vc, M @ (gamma[..., None] * Kc), P, gamma, torch.exp(gcum[..., -1:] - gcum)
 
 
 def chunked_gdn(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None, chunk_size=CHUNK):
@@ -150,6 +158,58 @@ def chunked_gdn(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None, ch
                                ge[c0:c1].T, be[c0:c1].T, S, scale)
             o[c0:c1] = O.transpose(0, 1)
         final[i] = S.transpose(-1, -2)
+    return o, final
+
+
+def segmented_gdn(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None,
+                  segment_chunks=4, chunk_size=CHUNK):
+    """Exact context-parallel form of :func:`recurrent_gdn` (same arguments and results): the
+    algebra a CP prefill kernel implements. Each sequence is cut into segments of
+    ``segment_chunks`` chunks. Per chunk (K-first S, products of :func:`_chunk_products`)
+        V' = U0 - Wk S,   O = diag(gamma) scale Q S + P V',
+        S' = gamma_last S + K^T diag(dec) V' = T S + b,  T = gamma_last I - K^T diag(dec) Wk,
+                                                          b = K^T diag(dec) U0,
+    so a segment maps its initial state affinely: S_end = Phi S_start + S0 (Phi = the product of
+    its chunks' T, [K, K]; S0 = its walk from a zero state). The segments' (Phi, S0) are
+    independent (the parallel pass), a scan over segments gives every initial state, and a
+    second parallel pass walks each segment from its own initial state for the outputs.
+    """
+    dt, scale, (qe, ke, ve, ge, be), bounds, o, final = _setup(q, k, v, g, beta, cu_seqlens, scale)
+    Hv, Kd, Vd = v.shape[1], q.shape[-1], v.shape[-1]
+    eye = torch.eye(Kd, dtype=dt, device=v.device).expand(Hv, Kd, Kd)
+    for i, (bos, eos) in enumerate(bounds):
+        chunks = []
+        for c0 in range(bos, eos, chunk_size):
+            c1 = min(c0 + chunk_size, eos)
+            head_major = lambda x: x[c0:c1].transpose(0, 1)  # noqa: E731  [C, Hv, D] -> [Hv, C, D]
+            Kc = head_major(ke)
+            U0, Wk, P, gamma, dec = _chunk_products(head_major(qe), Kc, head_major(ve), ge[c0:c1].T,
+                                                    be[c0:c1].T, scale)
+            chunks.append((c0, c1, head_major(qe), Kc, U0, Wk, P, gamma, dec))
+        segments = [chunks[j:j + segment_chunks] for j in range(0, len(chunks), segment_chunks)]
+        # Pass 1 (parallel over segments): each segment's affine map (Phi, S0).
+        maps = []
+        for seg in segments:
+            Phi, S0 = eye.clone(), torch.zeros(Hv, Kd, Vd, dtype=dt, device=v.device)
+            for _, _, _, Kc, U0, Wk, _, gamma, dec in seg:
+                KtD = Kc.transpose(-1, -2) * dec[..., None, :]
+                T = gamma[..., -1:, None] * eye - KtD @ Wk
+                Phi, S0 = T @ Phi, T @ S0 + KtD @ U0
+            maps.append((Phi, S0))
+        # Scan (sequential over segments, cheap): every segment's initial state.
+        S = (initial_state[i].to(dt).transpose(-1, -2).clone() if initial_state is not None
+             else torch.zeros(Hv, Kd, Vd, dtype=dt, device=v.device))
+        starts = []
+        for Phi, S0 in maps:
+            starts.append(S)
+            S = Phi @ S + S0
+        final[i] = S.transpose(-1, -2)
+        # Pass 2 (parallel over segments): outputs from each segment's initial state.
+        for seg, S in zip(segments, starts):
+            for c0, c1, Qc, Kc, U0, Wk, P, gamma, dec in seg:
+                Vp = U0 - Wk @ S
+                o[c0:c1] = (scale * gamma[..., None] * (Qc @ S) + P @ Vp).transpose(0, 1)
+                S = gamma[..., -1:, None] * S + Kc.transpose(-1, -2) @ (dec[..., None] * Vp)
     return o, final
 
 
@@ -182,13 +242,22 @@ def _gating(g, beta, a, b, A_log, dt_bias):
 
 
 def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale, out,
-            form: str = "chunked"):
-    """Reference prefill on the pool. ``plan`` supplies cu_seqlens; ``form`` picks the math."""
-    math_fn = chunked_gdn if form == "chunked" else recurrent_gdn
+            form: str = "plan"):
+    """Reference prefill on the pool. ``plan`` supplies cu_seqlens (a PrefillPlan, or the
+    cu_seqlens list itself); ``form`` picks the math: "plan" (default) follows the plan's
+    strategy -- "cp" runs the exact segmented form with plan.segment_chunks, anything else the
+    chunked form -- or "chunked", "recurrent"."""
+    if form not in ("plan", "chunked", "recurrent"):
+        raise ValueError(f"form must be 'plan', 'chunked' or 'recurrent', got {form!r}")
     dt = _compute_dtype(q)
     init = _gather_initial(pool, slot_ids, has_initial_state, dt)
     cu = plan.cu_seqlens_cpu if hasattr(plan, "cu_seqlens_cpu") else plan
-    o, final = math_fn(q, k, v, g, beta, cu, init, scale)
+    if form == "recurrent":
+        o, final = recurrent_gdn(q, k, v, g, beta, cu, init, scale)
+    elif form == "plan" and getattr(plan, "strategy", None) == "cp" and plan.segment_chunks > 0:
+        o, final = segmented_gdn(q, k, v, g, beta, cu, init, scale, segment_chunks=plan.segment_chunks)
+    else:
+        o, final = chunked_gdn(q, k, v, g, beta, cu, init, scale)
     out.copy_(o.to(out.dtype))
     _scatter_final(pool, slot_ids, final)
 
