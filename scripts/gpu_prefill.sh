@@ -4,10 +4,11 @@
 #   run(command="bash scripts/gpu_prefill.sh", carry=[".devbundle/site.tar.xz", ".devbundle/activate.sh",
 #       ".devbundle/stamp", ".gpucache/tlcache.tar.xz", ".gpucache/whl"])
 # Knobs (environment): IMPLS (default qla; add fla,flashqla for the side-by-side table: FlashQLA
-# JIT-compiles ~60 s per head pair on a fresh machine), HEADS, ROWS, TESTS (pytest -k filter,
-# "none" skips the tests), BENCH=0 skips the planner-choice table, SWEEP="1 2 4 8" times qla
-# at each forced v_split (the cost-model fit data), NCU=0 skips the profile, SANITIZE=1 adds
-# compute-sanitizer.
+# JIT-compiles ~2.5 min per head pair on a fresh machine, so keep HEADS to two pairs per run),
+# HEADS, ROWS, TESTS (pytest -k filter, "none" skips the tests), BENCH=0 skips the
+# planner-choice table, SWEEP="1 2 4" times qla at each forced v_split (the data for
+# benchmarks/fit_costmodel.py), NCU=0 skips the profile, SANITIZE=1 adds compute-sanitizer
+# memcheck and racecheck on test_sanitizer_case. The device returns at most 8 files from $OUT.
 set -uo pipefail
 out=${OUT:-/tmp/gpu_prefill}; mkdir -p "$out"
 mkdir -p /tmp/tlall
