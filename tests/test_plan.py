@@ -137,3 +137,29 @@ def test_cost_models_load_and_reject_bad_fields():
         CostModel.model_validate({**good, "cp_segment_chunks": [1]})
     with pytest.raises(ValueError, match="arch"):
         load_cost_model("sm80")
+
+
+def test_sm90_choices_against_the_h200_sweep():
+    """The fitted sm90 model against the measurements it was fitted on
+    (benchmarks/data/prefill_qla_v7_sweep_vs{1,2,4}_h200.json: every head pair and benchmark row
+    at every split): the split the planner picks is never more than 15% slower than the
+    measured-best one, and 3% slower on average."""
+    import json
+    from pathlib import Path
+
+    from qla_serve.bench.prefill import ROWS
+
+    data = Path(__file__).resolve().parent.parent / "benchmarks" / "data"
+    measured = {}
+    for vs in (1, 2, 4):
+        for r in json.loads((data / f"prefill_qla_v7_sweep_vs{vs}_h200.json").read_text())["results"]:
+            measured.setdefault((r["heads"], r["row"]), {})[vs] = r["qla_gpu_ms"]
+    assert len(measured) == 35
+    ratios = []
+    for (heads, row), t in measured.items():
+        hk, hv = (int(x) for x in heads.split("/"))
+        plan = plan_prefill(ROWS[row], hv, hk, device="cpu", arch="sm90", sm_count=132,
+                            supported_strategies={"plain", "vsplit"})
+        ratios.append(t[plan.v_split] / min(t.values()))
+    assert max(ratios) <= 1.15, ratios
+    assert sum(ratios) / len(ratios) <= 1.03
