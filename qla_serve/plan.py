@@ -84,6 +84,14 @@ class PrefillPlan:
     # Per-plan scratch for kernel modules (e.g. workspaces sized from the plan). Not an input.
     kernel_cache: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
+    def scratch(self, key, make):
+        """``kernel_cache[key]``, made by ``make()`` on the first call: per-plan workspaces and
+        index tensors that every GDN layer of a step reuses."""
+        hit = self.kernel_cache.get(key)
+        if hit is None:
+            hit = self.kernel_cache[key] = make()
+        return hit
+
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)

@@ -163,3 +163,14 @@ def test_sm90_choices_against_the_h200_sweep():
         ratios.append(t[plan.v_split] / min(t.values()))
     assert max(ratios) <= 1.15, ratios
     assert sum(ratios) / len(ratios) <= 1.03
+
+
+def test_scratch_is_made_once_per_plan():
+    """Kernel modules keep per-plan workspaces in plan.scratch: made on first use, then reused
+    by every layer of the step; a new plan starts empty."""
+    calls = []
+    plan = plan_prefill([100, 0, 7], 8, 2, device="cpu")
+    a = plan.scratch("ws", lambda: calls.append(1) or torch.zeros(3))
+    b = plan.scratch("ws", lambda: calls.append(1) or torch.zeros(3))
+    assert a is b and calls == [1]
+    assert plan_prefill([100, 0, 7], 8, 2, device="cpu").kernel_cache == {}

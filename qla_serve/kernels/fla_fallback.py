@@ -29,14 +29,12 @@ def _nonempty(plan):
     """(indices [M], cu_seqlens [M+1]) of the plan's non-empty sequences, on the device, built
     once per plan from host lengths: FLA 0.6 (which hands prefill to FlashQLA when installed)
     rejects 0-length sequences."""
-    cached = plan.kernel_cache.get("fla_nonempty")
-    if cached is None:
+    def make():
         idx = [i for i, n in enumerate(plan.seq_lens) if n > 0]
         cu = plan.cu_seqlens_cpu
-        cached = (torch.tensor(idx, dtype=torch.long).to(plan.device),
-                  torch.tensor([0] + [cu[i + 1] for i in idx], dtype=torch.long).to(plan.device))
-        plan.kernel_cache["fla_nonempty"] = cached
-    return cached
+        return (torch.tensor(idx, dtype=torch.long).to(plan.device),
+                torch.tensor([0] + [cu[i + 1] for i in idx], dtype=torch.long).to(plan.device))
+    return plan.scratch("fla_nonempty", make)
 
 
 def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale, out):

@@ -112,37 +112,25 @@ def build(variant: dict, target: str = ARCH):
 
 def _plan_scratch(plan, hv: int, device):
     """(number of chunks NC, stage 1's outputs: gate factors [NC, Hv, 2, 64] fp32, P [NC, Hv, 64, 64],
-    U0 and -Wk [NC, Hv, 64, 128] fp16) for this plan, allocated once per plan and head count and
-    kept in plan.kernel_cache: every GDN layer of a step reuses them (stage 1 rewrites them in
-    full before stage 2 reads them)."""
-    cache = getattr(plan, "kernel_cache", None)
-    key = ("hopper_prefill_ws", hv)
-    hit = cache.get(key) if cache is not None else None
-    if hit is not None:
-        return hit
-    nchunks = sum((int(L) + CHUNK - 1) // CHUNK for L in plan.seq_lens)
-    rows = max(nchunks, 1)  # stage 2 never reads row 0 when there are no chunks
-    fbuf = torch.empty((rows, hv, 2, CHUNK), dtype=torch.float32, device=device)
-    pbuf = torch.empty((rows, hv, CHUNK, CHUNK), dtype=torch.float16, device=device)
-    ubuf = torch.empty((rows, hv, CHUNK, 128), dtype=torch.float16, device=device)
-    wbuf = torch.empty((rows, hv, CHUNK, 128), dtype=torch.float16, device=device)
-    hit = (nchunks, (fbuf, pbuf, ubuf, wbuf))
-    if cache is not None:
-        cache[key] = hit
-    return hit
+    U0 and -Wk [NC, Hv, 64, 128] fp16), allocated once per plan and head count (plan.scratch):
+    every GDN layer of a step reuses them (stage 1 rewrites them in full before stage 2 reads)."""
+    def make():
+        nchunks = sum((int(L) + CHUNK - 1) // CHUNK for L in plan.seq_lens)
+        rows = max(nchunks, 1)  # stage 2 never reads row 0 when there are no chunks
+        return nchunks, (
+            torch.empty((rows, hv, 2, CHUNK), dtype=torch.float32, device=device),
+            torch.empty((rows, hv, CHUNK, CHUNK), dtype=torch.float16, device=device),
+            torch.empty((rows, hv, CHUNK, 128), dtype=torch.float16, device=device),
+            torch.empty((rows, hv, CHUNK, 128), dtype=torch.float16, device=device),
+        )
+    return plan.scratch(("hopper_prefill_ws", hv), make)
 
 
 def _half_qk(plan, ntok: int, hk: int, device):
-    """fp16 copies of bf16 q and k ([T, Hk, 128] each) that stage 1 writes and stage 2 reads, kept
-    in plan.kernel_cache like the other stage-1 outputs."""
-    cache = getattr(plan, "kernel_cache", None)
-    key = ("hopper_prefill_qk16", ntok, hk)
-    hit = cache.get(key) if cache is not None else None
-    if hit is None:
-        hit = tuple(torch.empty((ntok, hk, 128), dtype=torch.float16, device=device) for _ in range(2))
-        if cache is not None:
-            cache[key] = hit
-    return hit
+    """fp16 copies of bf16 q and k ([T, Hk, 128] each) that stage 1 writes and stage 2 reads, made
+    once per plan like the other stage-1 outputs."""
+    return plan.scratch(("hopper_prefill_qk16", ntok, hk), lambda: tuple(
+        torch.empty((ntok, hk, 128), dtype=torch.float16, device=device) for _ in range(2)))
 
 
 def _check_tma_strides(**tensors) -> None:
