@@ -22,9 +22,10 @@ import statistics
 import sys
 
 from qla_serve.bench.prefill import ROWS
+from qla_serve.costmodel import load_cost_model
+from qla_serve.plan import CHUNK
 
-CHUNK = 64
-SM = 132
+SM = load_cost_model("sm90").sm_count  # the H200's 132 SMs
 
 
 def _features(row: str, heads: str, v_split: int):

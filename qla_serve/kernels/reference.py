@@ -182,10 +182,9 @@ def segmented_gdn(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None,
         for c0 in range(bos, eos, chunk_size):
             c1 = min(c0 + chunk_size, eos)
             head_major = lambda x: x[c0:c1].transpose(0, 1)  # noqa: E731  [C, Hv, D] -> [Hv, C, D]
-            Kc = head_major(ke)
-            U0, Wk, P, gamma, dec = _chunk_products(head_major(qe), Kc, head_major(ve), ge[c0:c1].T,
-                                                    be[c0:c1].T, scale)
-            chunks.append((c0, c1, head_major(qe), Kc, U0, Wk, P, gamma, dec))
+            Qc, Kc = head_major(qe), head_major(ke)
+            U0, Wk, P, gamma, dec = _chunk_products(Qc, Kc, head_major(ve), ge[c0:c1].T, be[c0:c1].T, scale)
+            chunks.append((c0, c1, Qc, Kc, U0, Wk, P, gamma, dec))
         segments = [chunks[j:j + segment_chunks] for j in range(0, len(chunks), segment_chunks)]
         # Pass 1 (parallel over segments): each segment's affine map (Phi, S0).
         maps = []
