@@ -23,8 +23,8 @@ class CostModel(BaseModel):
     chunk_us: dict[int, float] = Field(description="GPU time of one 64-token chunk for one block, by V split")
     launch_us: float = Field(ge=0)
     stage1_us: float = Field(default=0.0, ge=0, description="state-free stage per (chunk, v-head), per SM")
-    cp_fixed_us: float = Field(ge=0, description="extra launches of the CP path (warmup lengths, scan)")
-    cp_warmup_chunks: int = Field(ge=0, description="expected warmup chunks per recomputed segment")
+    cp_fixed_us: float = Field(ge=0, description="extra launches of the CP path (maps pass, scan)")
+    cp_maps_ratio: float = Field(gt=0, description="per-chunk time of the CP maps pass over chunk_us")
     cp_segment_chunks: list[int] = Field(min_length=1, description="candidate segment lengths L (chunks)")
     fitted: bool = Field(description="true once the figures come from a device sweep")
 

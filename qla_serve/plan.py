@@ -8,15 +8,17 @@ Strategies (see DESIGN.md, "Prefill numerics"):
 
 * ``plain``  — one block per (sequence, value head) walks all of its chunks.
 * ``vsplit`` — the value dimension is split in 2 or 4 blocks per head (exact, cheap).
-* ``cp``     — intra-card context parallelism: sequences are cut into segments of L chunks;
-  a segment's initial state is recomputed on the device (gate warmup, or the exact correction
-  path in ``cp="exact"`` mode and for heads whose gates do not decay).
+* ``cp``     — intra-card context parallelism: sequences are cut into segments of L chunks that
+  run in parallel; a segment's initial state is recomputed on the device. Implemented: the exact
+  correction path for every head (per-segment transition maps, a scan; see
+  kernels/hopper/prefill_api). Not yet: the cheaper gate warmup for heads whose gates decay.
 
 ``cp`` modes: ``auto`` picks the cheapest strategy by the arch's cost model (configs/costmodel);
 ``off`` is bit-stable — for a given sequence the result does not depend on the rest of the
 batch — so it never cuts sequences and never splits V (beyond the fixed narrowest split of
-kernels that have no ``plain``); ``exact`` may cut sequences but never
-truncates history (the kernel takes the exact correction path for every segment).
+kernels that have no ``plain``); ``exact`` may cut sequences but never truncates history (the
+exact correction path for every segment). While gate warmup is not implemented, ``auto`` and
+``exact`` choose alike.
 Strategies the arch's kernels do not implement are never chosen.
 """
 
@@ -141,16 +143,23 @@ class _Choice:
 
 
 def _score(model: CostModel, chunks: list[int], hv: int, sm: int, v_split: int, L: int) -> float:
-    """Modelled time for V split ``v_split`` and segment length ``L`` (0 = no cut)."""
+    """Modelled time for V split ``v_split`` and segment length ``L`` (0 = no cut).
+
+    Cut sequences take the exact CP path: a "maps" pass over every segment but the last (the
+    first segment's end state; for the others also the transition Phi, a second block per
+    split), a scan, then the output pass over all segments at once (kernels/hopper/prefill_api).
+    """
     chunk_heads = sum(chunks) * hv
     if L == 0:
         chain, total = max(chunks), chunk_heads * v_split
         return model.estimate_us(v_split, chain, total, sm, cut=False, chunk_heads=chunk_heads)
-    warm = model.cp_warmup_chunks
     segs = [-(-c // L) for c in chunks]
-    chain = min(L, max(chunks)) + (warm if max(segs) > 1 else 0)
-    total = hv * v_split * sum(c + warm * (s - 1) for c, s in zip(chunks, segs))
-    return model.estimate_us(v_split, chain, total, sm, cut=max(segs) > 1, chunk_heads=chunk_heads)
+    if max(segs) < 2:
+        return _score(model, chunks, hv, sm, v_split, 0)
+    out_us = model.estimate_us(v_split, L, chunk_heads * v_split, sm, cut=True, chunk_heads=chunk_heads)
+    maps_block_chunks = hv * v_split * sum(L * (2 * s - 3) for s in segs if s > 1)
+    maps_us = model.cp_maps_ratio * model.chunk_us[v_split] * max(L, -(-maps_block_chunks // sm))
+    return out_us + maps_us
 
 
 def _choose(model: CostModel, chunks: list[int], hv: int, sm: int, cp: str,

@@ -7,7 +7,8 @@
 # JIT-compiles ~2.5 min per head pair on a fresh machine, so keep HEADS to two pairs per run),
 # HEADS, ROWS, TESTS (pytest -k filter, "none" skips the tests), BENCH=0 skips the
 # planner-choice table, SWEEP="1 2 4" times qla at each forced v_split (the data for
-# benchmarks/fit_costmodel.py), NCU=0 skips the profile, SANITIZE=1 adds compute-sanitizer
+# benchmarks/fit_costmodel.py), CP_SWEEP="4:64 2:128 ..." times qla at each forced v_split:segment
+# length (context parallelism; one JSON-lines file), NCU=0 skips the profile, SANITIZE=1 adds compute-sanitizer
 # memcheck and racecheck on test_sanitizer_case. The device returns at most 8 files from $OUT.
 set -uo pipefail
 out=${OUT:-/tmp/gpu_prefill}; mkdir -p "$out"
@@ -30,6 +31,13 @@ fi
 for vs in ${SWEEP:-}; do
   step "sweep v_split $vs" 150 python -m qla_serve.bench.prefill --impls qla --heads "${HEADS:-all}" --rows "${ROWS:-all}" \
     --v-split $vs --breakdown --reps 10 --json "$out/sweep_vs$vs.json" 2>&1 | grep -v "^{" | tail -3
+done
+for pair in ${CP_SWEEP:-}; do
+  step "cp sweep v_split:L $pair" 150 python -m qla_serve.bench.prefill --impls qla --heads "${HEADS:-all}" \
+    --rows "${ROWS:-all}" --v-split ${pair%%:*} --segment-chunks ${pair##*:} --breakdown --reps 10 \
+    --json /tmp/cp_sweep_one.json 2>&1 | grep -v "^{" | tail -3
+  python -c "import json; [print(json.dumps(r)) for r in json.load(open('/tmp/cp_sweep_one.json'))['results']]" \
+    >> "$out/cp_sweep.jsonl"
 done
 if [[ ${NCU:-1} == 1 ]]; then
   step "ncu: prep and main, 2/8 1x32768" 180 ncu --clock-control none --set full -k regex:gdn_prefill --launch-count 2 \

@@ -43,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rows", default="all", help=f"rows among {','.join(ROWS)} (default: all)")
     parser.add_argument("--impls", default="qla,fla,flashqla", help="subset of qla,fla,flashqla")
     parser.add_argument("--v-split", default="auto", help="qla_serve v_split: auto (planner) or 1/2/4")
+    parser.add_argument("--segment-chunks", default="auto",
+                        help="qla_serve CP segment length in chunks: auto (planner), 0 (no cut) or L >= 2")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--graph-calls", type=int, default=5)
     parser.add_argument("--breakdown", action="store_true", help="also time qla_serve's prep and main kernels apart")
@@ -124,7 +126,7 @@ def _host_ms(fn, reps, gpu_ms):
     return host, max(0.0, wall - gpu_ms)
 
 
-def _qla_fn(lens, hk, hv, data, v_split, stages="prep,main"):
+def _qla_fn(lens, hk, hv, data, v_split, stages="prep,main", segment_chunks="auto"):
     import dataclasses
 
     import torch
@@ -137,9 +139,11 @@ def _qla_fn(lens, hk, hv, data, v_split, stages="prep,main"):
     arch = ops._arch_of(dev.index if dev.index is not None else torch.cuda.current_device())
     mod = ops.kernel_module(arch)
     plan = qla_serve.plan_prefill(lens, hv, hk, device=dev, supported_strategies=mod.SUPPORTED_STRATEGIES)
-    if v_split != "auto":
-        vs = int(v_split)
-        plan = dataclasses.replace(plan, strategy="plain" if vs == 1 else "vsplit", v_split=vs)
+    if v_split != "auto" or segment_chunks != "auto":  # forced (sweeps for the cost model)
+        vs = plan.v_split if v_split == "auto" else int(v_split)
+        L = plan.segment_chunks if segment_chunks == "auto" else int(segment_chunks)
+        strategy = "cp" if L else ("plain" if vs == 1 else "vsplit")
+        plan = dataclasses.replace(plan, strategy=strategy, v_split=vs, segment_chunks=L, kernel_cache={})
     pool = torch.empty(len(lens), hv, 128, 128, device=dev)
     slots = torch.arange(len(lens), dtype=torch.int32, device=dev)
     out = torch.empty_like(v)
@@ -200,11 +204,13 @@ def run(args) -> int:
             for impl in impls:
                 try:
                     if impl == "qla":
-                        fn, qla_out, _, plan = _qla_fn(lens, hk, hv, data, args.v_split)
-                        rec["qla_plan"] = f"{plan.strategy}/vs{plan.v_split}"
+                        fn, qla_out, _, plan = _qla_fn(lens, hk, hv, data, args.v_split,
+                                                       segment_chunks=args.segment_chunks)
+                        rec["qla_plan"] = f"{plan.strategy}/vs{plan.v_split}" + (
+                            f"/L{plan.segment_chunks}" if plan.strategy == "cp" else "")
                         if args.breakdown:
                             for st in ("prep", "main"):
-                                f2 = _qla_fn(lens, hk, hv, data, args.v_split, st)[0]
+                                f2 = _qla_fn(lens, hk, hv, data, args.v_split, st, args.segment_chunks)[0]
                                 rec[f"qla_{st}_gpu_ms"] = round(_gpu_time_ms(f2, args.reps, args.graph_calls)[0], 4)
                     else:
                         fn, res = _fla_fn(lens, data, impl)

@@ -2,13 +2,15 @@
 
 CI runs on 2 CPU cores, so the default set compiles one representative of each code path
 (~20-40 s each): the prep kernel, the main kernel for bf16 and fp16 io, fp32 and bf16 pools and
-v_split 1 / 4 / 2 (all warp-specialised, 512 threads), plus one sm_100a build. The full variant
-matrix of one head pair (14 compiles) runs only with QLA_COMPILE_ALL=1. Compiling builds real
+v_split 1 / 4 / 2 (all warp-specialised, 512 threads), the "maps" pass of context parallelism,
+plus one sm_100a build. The full variant matrix of one head pair (26 compiles) runs only with
+QLA_COMPILE_ALL=1. Compiling builds real
 cubins through nvcc and TileLang's cache, so a lowering or ptxas error fails here.
 """
 
 import json
 import os
+import re
 
 import pytest
 
@@ -23,6 +25,7 @@ def test_kernel_variants_are_json_and_unique():
     names = [v["name"] for v in vs]
     assert len(set(names)) == len(names)
     assert {v["v_split"] for v in vs if v["op"] == "prefill_main"} == {1, 2, 4}
+    assert {v["mode"] for v in vs if v["op"] == "prefill_main"} == {"output", "maps"}
     with pytest.raises(ValueError, match="num_v_heads"):
         P.kernel_variants(10, 4)
 
@@ -33,7 +36,7 @@ def test_package_union_and_dispatch():
     names = {v["name"] for v in hopper.kernel_variants(8, 2)}
     assert {v["name"] for v in P.kernel_variants(8, 2)} <= names
     assert hopper.ARCH == "sm_90a"
-    assert hopper.SUPPORTED_STRATEGIES == {"plain", "vsplit"}
+    assert hopper.SUPPORTED_STRATEGIES == {"plain", "vsplit", "cp"}
 
 
 REPRESENTATIVES = [
@@ -41,6 +44,7 @@ REPRESENTATIVES = [
     P.main_variant(8, 2, "bfloat16", "float32", 1),
     P.main_variant(8, 2, "bfloat16", "bfloat16", 4),
     P.main_variant(8, 2, "float16", "float32", 2),
+    P.main_variant(8, 2, "bfloat16", "float32", 1, "maps"),
 ]
 
 
@@ -53,6 +57,8 @@ def test_compiles_sm90a(variant):
         assert "tma_load" in src, "expected TMA tile loads in the chunk walk"
         assert "mbarrier" in src or ".arrive()" in src, "expected the warp-specialised kernel (mbarriers)"
         assert "warpgroup_reg_dealloc" in src, "expected the producer warpgroup to give registers back"
+        # "maps" (CP pass 1) stores the walked state to the segment maps; "output" only reads them.
+        assert bool(re.search(r"maps\[[^;]*\] = h_f\[", src)) == (variant["mode"] == "maps")
 
 
 def test_compiles_sm100a_portable():

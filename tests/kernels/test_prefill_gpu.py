@@ -64,15 +64,19 @@ def make_pool(S, Hv, dtype, gen, pad=512, dev="cuda"):
     return flat.as_strided((S, Hv, HD, HD), (slot, HD * HD, HD, 1))
 
 
-def make_plan(lens, Hv, Hk, v_split):
+def make_plan(lens, Hv, Hk, v_split, segment_chunks=0):
+    """A plan forced to v_split (and, with segment_chunks > 0, to the "cp" strategy with
+    segments of that many chunks), whatever the cost model would pick."""
     import qla_serve
     plan = qla_serve.plan_prefill(lens, Hv, Hk, device="cuda", cp="off", arch="sm90",
                                   supported_strategies={"plain", "vsplit"})
-    return dataclasses.replace(plan, strategy="plain" if v_split == 1 else "vsplit", v_split=v_split)
+    strategy = "cp" if segment_chunks else ("plain" if v_split == 1 else "vsplit")
+    return dataclasses.replace(plan, strategy=strategy, v_split=v_split, segment_chunks=segment_chunks,
+                               kernel_cache={})
 
 
 def run_case(lens, Hk, Hv, *, pool_dtype=torch.float32, v_split=2, io=torch.bfloat16, seed=0,
-             pad_frac=0.0, init_frac=0.8, all_init=False, extra_slots=3):
+             pad_frac=0.0, init_frac=0.8, all_init=False, extra_slots=3, segment_chunks=0):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     rng = random.Random(seed)
     N = len(lens)
@@ -94,7 +98,7 @@ def run_case(lens, Hk, Hv, *, pool_dtype=torch.float32, v_split=2, io=torch.bflo
             init[i] = pool[s].double()
     T = sum(lens)
     out = torch.full((T, Hv, HD), float("nan"), dtype=io, device="cuda")
-    plan = make_plan(lens, Hv, Hk, v_split)
+    plan = make_plan(lens, Hv, Hk, v_split, segment_chunks)
     _mod().prefill(q, k, v, g, beta, pool, slot_t, plan, has_initial_state=has_t,
                    scale=HD ** -0.5, out=out)
     cu = [0]
@@ -160,6 +164,27 @@ def test_long(L, v_split):
     print(f"len {L} v_split {v_split}: o {e[0]:.2e} state {e[1]:.2e}")
 
 
+@pytest.mark.parametrize("v_split", [1, 2, 4])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cp_exact(v_split, pool_dtype):
+    """Context parallelism, exact path: sequences cut into segments of 3 chunks (up to 10
+    segments: 9 map levels in the scan), beside uncut, empty and 1-token sequences, padding
+    slots; a quarter of the heads have g = 0 (no decay: only the exact path is correct there)."""
+    lens = [64 * 29 + 17, 0, 64 * 3, 1, 64 * 7, 200]
+    e = run_case(lens, 2, 8, pool_dtype=pool_dtype, v_split=v_split, seed=500 + v_split,
+                 pad_frac=0.2, segment_chunks=3)
+    print(f"cp v_split {v_split} pool {pool_dtype}: o {e[0]:.2e} state {e[1]:.2e}")
+
+
+@pytest.mark.parametrize("Hk,Hv", HEADS)
+def test_cp_exact_heads_long(Hk, Hv):
+    """CP on long sequences for every head pair: 8191 and 32768 tokens in segments of 64
+    chunks, fp32 pool, every sequence with an initial state."""
+    lens = [8191, 32768] if Hv <= 16 else [8191, 4097]
+    e = run_case(lens, Hk, Hv, v_split=2, seed=600 + Hv, init_frac=1.0, segment_chunks=64)
+    print(f"cp heads {Hk}/{Hv}: o {e[0]:.2e} state {e[1]:.2e}")
+
+
 # (heads, pool dtype, v_split) combinations of the loop: those the tests above compile already
 # (compiling is the dominant cost on the device), i.e. every head pair and pool with v_split 2
 # and the 2/8 pair with v_split 4.
@@ -168,14 +193,17 @@ LOOP_COMBOS = [(h, p, 2) for h in HEADS for p in (torch.float32, torch.bfloat16)
 
 
 def test_randomized_loop():
-    """200 iterations of random small batches (heads, lengths, pool dtype, v_split, padding)."""
+    """200 iterations of random small batches (heads, lengths, pool dtype, v_split, padding,
+    CP segments of 2-3 chunks or none)."""
     rng = random.Random(1234)
     worst = [0.0, 0.0]
     for it in range(200):
         (Hk, Hv), pool_dtype, vs = rng.choice(LOOP_COMBOS)
         N = rng.randint(1, 8)
-        lens = [rng.choice([0, 1, rng.randint(1, 200)]) for _ in range(N)]
-        e = run_case(lens, Hk, Hv, pool_dtype=pool_dtype, v_split=vs, seed=10_000 + it, pad_frac=0.15)
+        lens = [rng.choice([0, 1, rng.randint(1, 200), rng.randint(1, 700)]) for _ in range(N)]
+        L = rng.choice([0, 0, 2, 3])  # a third of the iterations take the CP path
+        e = run_case(lens, Hk, Hv, pool_dtype=pool_dtype, v_split=vs, seed=10_000 + it, pad_frac=0.15,
+                     segment_chunks=L)
         worst = [max(worst[0], e[0]), max(worst[1], e[1])]
     print(f"randomized loop worst: o {worst[0]:.2e} state {worst[1]:.2e}")
 

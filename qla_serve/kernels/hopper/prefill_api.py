@@ -10,10 +10,18 @@ Two TileLang kernels per call (see prefill_prep.py and prefill_main.py for the m
 The HBM intermediates are the gate factors, P, U0 and Wk (40.5 KB per chunk and v-head) plus the
 fp16 q/k copies (512 B per token and qk-head); V' and the per-chunk states never leave the SM.
 
-Strategies this module implements (the planner may only pick these): "plain" (v_split 1) and
+Strategies this module implements (the planner may only pick these): "plain" (v_split 1),
 "vsplit" (v_split 2 or 4: the value dimension of each head split across CTAs; exact, same bits
-for a sequence whatever else is in the batch). Context parallelism over plan.segments is not
-implemented yet.
+for a sequence whatever else is in the batch) and "cp" (context parallelism over the plan's
+segments of L chunks, exact path for every head -- no gate warmup yet):
+  2a. main "maps" grid (2 v_split, Hv, G1) over every segment but a sequence's last: the state
+      at the segment's end from its start (the pool's for the first segment, zero for the
+      others) and the segment's transition Phi (the linear part: S_end = Phi S_start + B);
+  2b. scan (torch, fp32, one batched GEMM per segment level): the true state at the end of
+      every segment but the last, S_k = Phi_k S_{k-1} + B_k; V-first (X = S^T, as the pool
+      stores it) that is X_k = X_{k-1} @ maps[k, 1] + maps[k, 0];
+  2c. main "output" over all segments, in parallel, each starting from its true state.
+The algebra is reference.segmented_gdn's (the float64 oracle of the CP path); nothing truncates.
 
 Kernels are compiled once per (heads, dtypes, v_split) with an explicit target, through
 TileLang's disk cache (TILELANG_CACHE_DIR), and kept in an in-process dict, so a call costs two
@@ -28,8 +36,9 @@ from . import prefill_main, prefill_prep
 
 ARCH = "sm_90a"
 CHUNK = 64
-SUPPORTED_STRATEGIES = frozenset({"plain", "vsplit"})
+SUPPORTED_STRATEGIES = frozenset({"plain", "vsplit", "cp"})
 V_SPLITS = prefill_main.V_SPLITS  # (1, 2, 4)
+MAIN_MODES = prefill_main.MODES  # ("output", "maps")
 IO_DTYPES = ("bfloat16", "float16")
 POOL_DTYPES = ("float32", "bfloat16")
 
@@ -37,7 +46,7 @@ _TORCH_TO_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.floa
 _kernels: dict = {}
 _lock = threading.Lock()
 _fns: dict = {}  # short key -> the compiled kernel's raw callable (fast path per call)
-_dummy_flags: dict = {}
+_dummies: dict = {}
 
 
 def _variant_name(v: dict) -> str:
@@ -45,7 +54,7 @@ def _variant_name(v: dict) -> str:
         return f"gdn_prefill_prep_hv{v['num_v_heads']}_hk{v['num_k_heads']}_{v['io_dtype']}"
     return (
         f"gdn_prefill_main_hv{v['num_v_heads']}_hk{v['num_k_heads']}_{v['io_dtype']}"
-        f"_pool{v['pool_dtype']}_vs{v['v_split']}"
+        f"_pool{v['pool_dtype']}_vs{v['v_split']}" + ("_maps" if v["mode"] == "maps" else "")
     )
 
 
@@ -55,7 +64,8 @@ def prep_variant(num_v_heads: int, num_k_heads: int, io_dtype: str) -> dict:
     return v
 
 
-def main_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str, v_split: int) -> dict:
+def main_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str, v_split: int,
+                 mode: str = "output") -> dict:
     v = {
         "op": "prefill_main",
         "num_v_heads": num_v_heads,
@@ -63,6 +73,7 @@ def main_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: 
         "io_dtype": io_dtype,
         "pool_dtype": pool_dtype,
         "v_split": v_split,
+        "mode": mode,
     }
     v["name"] = _variant_name(v)
     return v
@@ -70,14 +81,15 @@ def main_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: 
 
 def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
     """Every compiled prefill kernel a deployment with these (per-GPU) head counts can need:
-    prep per io dtype, main per (io dtype, pool dtype, v_split). JSON-serialisable dicts."""
+    prep per io dtype, main per (io dtype, pool dtype, v_split, mode). JSON-serialisable dicts."""
     if num_k_heads <= 0 or num_v_heads % num_k_heads:
         raise ValueError(f"num_v_heads ({num_v_heads}) must be a positive multiple of num_k_heads ({num_k_heads})")
     out = [prep_variant(num_v_heads, num_k_heads, io) for io in IO_DTYPES]
     for io in IO_DTYPES:
         for pool in POOL_DTYPES:
             for vs in V_SPLITS:
-                out.append(main_variant(num_v_heads, num_k_heads, io, pool, vs))
+                for mode in MAIN_MODES:
+                    out.append(main_variant(num_v_heads, num_k_heads, io, pool, vs, mode))
     return out
 
 
@@ -97,7 +109,8 @@ def build(variant: dict, target: str = ARCH):
             if variant["op"] == "prefill_prep":
                 func, cfg = prefill_prep.prep_func(hv, hk, io), prefill_prep.PASS_CONFIGS
             elif variant["op"] == "prefill_main":
-                func, _ = prefill_main.main_func(hv, hk, io, variant["pool_dtype"], variant["v_split"])
+                func, _ = prefill_main.main_func(hv, hk, io, variant["pool_dtype"], variant["v_split"],
+                                                 variant.get("mode", "output"))
                 cfg = prefill_main.PASS_CONFIGS
             else:
                 raise ValueError(f"variant['op'] must be prefill_prep or prefill_main, got {variant['op']!r}")
@@ -149,12 +162,83 @@ def _fn(variant: dict, short_key: tuple):
     return fn
 
 
-def _flags_dummy(device) -> torch.Tensor:
-    t = _dummy_flags.get(device)
+def _dummy(key, make):
+    """Process-wide stand-ins for kernel arguments a call does not read (per device/heads)."""
+    t = _dummies.get(key)
     if t is None:
-        t = torch.ones(1, dtype=torch.uint8, device=device)
-        _dummy_flags[device] = t
+        t = _dummies[key] = make()
     return t
+
+
+def _unread_maps(hv: int, device) -> torch.Tensor:
+    """The maps argument of a call without CP (never read: every item starts at chunk 0)."""
+    return _dummy(("maps", hv, device), lambda: torch.empty((1, hv, 2, 128, 128), dtype=torch.float32,
+                                                             device=device))
+
+
+def _whole_sequence_items(plan, device) -> torch.Tensor:
+    """The items argument of a call without CP: [N, 4], never read (use_items = 0: item i is
+    sequence i, whole); its shape gives the grid."""
+    return plan.scratch(("hopper_prefill_items", device),
+                        lambda: torch.empty((plan.num_seqs, 4), dtype=torch.int32, device=device))
+
+
+class _CPTables:
+    """The segment work of a "cp" plan (host, built once per plan; see the module docstring).
+
+    maps_items [G1, 4]  (seq, first_chunk, num_chunks, map) for every segment but a sequence's
+                        last: the "maps" pass stores segment k of cut sequence j to map
+                        k * num_cut + j
+    out_items  [G, 4]   (seq, first_chunk, num_chunks, map) for every segment (and one empty item
+                        per 0-length sequence, so its slot still gets final = initial state);
+                        map = where the segment's true initial state is (k > 0), else -1
+    levels              segments of the longest cut sequence minus one (map levels)
+    """
+
+    def __init__(self, plan, device):
+        L = plan.segment_chunks
+        chunks = [(int(n) + CHUNK - 1) // CHUNK for n in plan.seq_lens]
+        cut = [s for s, c in enumerate(chunks) if L and c > L]
+        index = {s: j for j, s in enumerate(cut)}
+        self.num_cut = len(cut)
+        self.levels = max((-(-chunks[s] // L) - 1 for s in cut), default=0)
+        maps_rows, out_rows = [], []
+        for s, c in enumerate(chunks):
+            if s not in index:
+                out_rows.append((s, 0, c, -1))
+                continue
+            j, nseg = index[s], -(-c // L)
+            for kseg in range(nseg):
+                first = kseg * L
+                n = min(L, c - first)
+                out_rows.append((s, first, n, (kseg - 1) * self.num_cut + j if kseg else -1))
+                if kseg < nseg - 1:
+                    maps_rows.append((s, first, n, kseg * self.num_cut + j))
+        flat = torch.tensor(maps_rows + out_rows, dtype=torch.int32).view(-1, 4)
+        if device.type == "cuda":
+            flat = flat.pin_memory().to(device, non_blocking=True)
+        self.maps_items, self.out_items = flat[:len(maps_rows)], flat[len(maps_rows):]
+
+    def maps(self, hv: int, device) -> torch.Tensor:
+        return torch.empty((max(self.levels * self.num_cut, 1), hv, 2, 128, 128), dtype=torch.float32,
+                           device=device)
+
+
+def _scan_segment_states(maps: torch.Tensor, num_cut: int, levels: int) -> None:
+    """maps[k, :, 0] <- maps[k - 1, :, 0] @ maps[k, :, 1] + maps[k, :, 0] for map levels k = 1..,
+    in order (fp32 GEMMs: TF32 is switched off around them, whatever the engine set)."""
+    if levels < 2:
+        return
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.fp32_precision
+    matmul.fp32_precision = "ieee"
+    try:
+        for lvl in range(1, levels):
+            prev = maps[(lvl - 1) * num_cut:lvl * num_cut, :, 0].flatten(0, 1)
+            cur = maps[lvl * num_cut:(lvl + 1) * num_cut]
+            cur[:, :, 0].flatten(0, 1).baddbmm_(prev, cur[:, :, 1].flatten(0, 1))
+    finally:
+        matmul.fp32_precision = saved
 
 
 def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale, out, _stages="prep,main",
@@ -164,10 +248,11 @@ def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale,
     q, k [T, Hk, 128], v [T, Hv, 128] bf16/fp16 (last dim contiguous), g, beta [T, Hv] fp32
     contiguous, pool [S, Hv, 128(V), 128(K)] fp32/bf16 (inner dims contiguous), slot_ids [N] int32,
     has_initial_state [N] bool or None, plan: PrefillPlan (cu_seqlens, chunk_offsets on device;
-    strategy "plain"/"vsplit" with v_split), out [T, Hv, 128] q's dtype, fully written.
-    Sequences with slot < 0 run from a zero state: their rows of `out` are computed, the pool is
-    neither read nor written for them. ``_stages`` (benchmarks only) runs "prep" or "main" alone;
-    ``_target`` is the compile target ("sm_100a" from qla_serve.kernels.blackwell).
+    strategy "plain"/"vsplit"/"cp" with v_split and segment_chunks), out [T, Hv, 128] q's dtype,
+    fully written. Sequences with slot < 0 run from a zero state: their rows of `out` are
+    computed, the pool is neither read nor written for them. ``_stages`` (benchmarks only) runs
+    "prep" or "main" alone; ``_target`` is the compile target ("sm_100a" from
+    qla_serve.kernels.blackwell).
     """
     strategy = getattr(plan, "strategy", "plain")
     if strategy not in SUPPORTED_STRATEGIES:
@@ -181,12 +266,12 @@ def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale,
     io = _TORCH_TO_TL[q.dtype]
     pool_dt = _TORCH_TO_TL[pool.dtype]
     kp = _fns.get((hv, hk, io, _target)) or _fn(prep_variant(hv, hk, io), (hv, hk, io, _target))
-    kk = (hv, hk, io, pool_dt, vs, _target)
+    kk = (hv, hk, io, pool_dt, vs, "output", _target)
     km = _fns.get(kk) or _fn(main_variant(hv, hk, io, pool_dt, vs), kk)
     if scale is None:
         scale = 128**-0.5
     if has_initial_state is None:
-        flags, all_init = _flags_dummy(q.device), 1
+        flags, all_init = _dummy(("flags", q.device), lambda: torch.ones(1, dtype=torch.uint8, device=q.device)), 1
     else:
         flags, all_init = has_initial_state.view(torch.uint8), 0
     if nseq == 0:
@@ -200,9 +285,21 @@ def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale,
     qh, kh = _half_qk(plan, q.shape[0], hk, q.device) if io == "bfloat16" else (q, k)
     if nchunks > 0 and "prep" in _stages:  # _stages: benchmarks time the two kernels apart
         kp(q, k, v, g, beta, plan.cu_seqlens, plan.chunk_offsets, *stage1, qh, kh, float(scale))
-    if "main" in _stages:
-        km(qh, kh, *stage1, pool, slot_ids, flags, plan.cu_seqlens, plan.chunk_offsets, out,
-           float(scale), all_init)
+    if "main" not in _stages:
+        return
+    head = (qh, kh, *stage1, pool, slot_ids, flags, plan.cu_seqlens, plan.chunk_offsets)
+    if strategy != "cp":
+        km(*head, _whole_sequence_items(plan, q.device), _unread_maps(hv, q.device), out,
+           float(scale), all_init, 0)
+        return
+    cp = plan.scratch(("hopper_prefill_cp", q.device), lambda: _CPTables(plan, q.device))
+    maps = plan.scratch(("hopper_prefill_maps", hv, q.device), lambda: cp.maps(hv, q.device))
+    if cp.maps_items.shape[0]:
+        kk = (hv, hk, io, pool_dt, vs, "maps", _target)
+        kmaps = _fns.get(kk) or _fn(main_variant(hv, hk, io, pool_dt, vs, "maps"), kk)
+        kmaps(*head, cp.maps_items, maps, out, float(scale), all_init, 1)
+        _scan_segment_states(maps, cp.num_cut, cp.levels)
+    km(*head, cp.out_items, maps, out, float(scale), all_init, 1)
 
 
 def _one_row(x):

@@ -48,20 +48,43 @@ V_SPLITS = (1, 2, 4)
 _NREG_PRODUCER = 40
 
 
-def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str, v_split: int):
-    """Build the stage-2 PrimFunc. Symbolic: tokens, sequences, pool slots and every stride
-    of q/k/out/pool, so one compile serves any batch and any engine pool layout.
-    q and k are fp16 (stage 1's converted copies when io is bf16, else the inputs)."""
+MODES = ("output", "maps")
+
+
+def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str, v_split: int,
+              mode: str = "output"):
+    """Build the stage-2 PrimFunc. Symbolic: tokens, sequences, work items, pool slots and every
+    stride of q/k/out/pool, so one compile serves any batch and any engine pool layout.
+    q and k are fp16 (stage 1's converted copies when io is bf16, else the inputs).
+
+    Work items (grid z): with use_items = 0, item i is sequence i, whole. With use_items = 1,
+    items[i] = (seq, first_chunk, num_chunks, map): a segment of a sequence (context parallelism,
+    see prefill_api). mode "output" writes every output row of the item; an item with
+    first_chunk > 0 starts from maps[map, h, 0] (the true state at its first chunk, from the
+    "maps" pass and the scan), and the last segment of a sequence writes the pool slot.
+    mode "maps" writes no output: grid x is 2 * v_split, blocks vb < v_split walk the state from
+    the item's initial state (the pool's for first_chunk = 0, else zero) and store it to
+    maps[map, h, 0]; blocks vb >= v_split walk the transition Phi (the same chain from S = I with
+    U0 = 0, i.e. S -> Phi S + B split into its linear part) and store Phi^T to maps[map, h, 1]
+    (not needed, and skipped, for first_chunk = 0). Both are stored V-first like the pool:
+    maps[m, h, 0, v, d] = S[d, v], maps[m, h, 1, e, d] = Phi[d, e]."""
     if v_split not in V_SPLITS:
         raise ValueError(f"v_split must be one of {V_SPLITS}, got {v_split}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    maps_mode = mode == "maps"
     Hv, Hk = num_v_heads, num_k_heads
     group = Hv // Hk
     BV = DV // v_split
+    n_vblocks = 2 * v_split if maps_mode else v_split
+    consumers = STATE_THREADS if maps_mode else STATE_THREADS + 128
     ntok = T.dynamic("ntok")
     nseq = T.dynamic("nseq")
     nslot = T.dynamic("nslot")
     nhis = T.dynamic("nhis")
     nchunk = T.dynamic("nchunk")
+    nitem = T.dynamic("nitem")
+    nmap = T.dynamic("nmap")
     sq0, sq1 = T.dynamic("sq0"), T.dynamic("sq1")
     sk0, sk1 = T.dynamic("sk0"), T.dynamic("sk1")
     so0, so1 = T.dynamic("so0"), T.dynamic("so1")
@@ -82,13 +105,16 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
         has_init: T.Tensor((nhis,), "uint8"),
         cu_seqlens: T.Tensor((nseq + 1,), "int32"),
         chunk_offsets: T.Tensor((nseq + 1,), "int32"),
+        items: T.Tensor((nitem, 4), "int32"),
+        maps: T.Tensor((nmap, Hv, 2, DV, DK), "float32"),
         out: T.StridedTensor((ntok, Hv, DV), (so0, so1, 1), io_dtype),
         scale: T.float32,
         all_init: T.int32,
+        use_items: T.int32,
     ):
-        with T.Kernel(v_split, Hv, nseq, threads=THREADS) as (vb, h, s):
+        with T.Kernel(n_vblocks, Hv, nitem, threads=THREADS) as (vb, h, it):
             hk = h // group
-            v0 = vb * BV
+            v0 = (vb % v_split) * BV  # value columns (or, for Phi blocks, the columns of Phi)
             # Two data stages, filled by the producer's TMA loads.
             q_s = T.alloc_shared((2, C, DK), mm)
             k_s = T.alloc_shared((2, C, DK), mm)
@@ -105,79 +131,117 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
             o_f = T.alloc_fragment((C, BV), acc)
 
             ready = T.alloc_barrier([32, 32])  # stage filled: the producer warp + TMA bytes
-            free = T.alloc_barrier([384, 384])  # stage consumed by the three consumer warpgroups
+            free = T.alloc_barrier([consumers, consumers])  # stage consumed by every consumer
             hs_ready = T.alloc_barrier(STATE_THREADS)  # the state warpgroups wrote Hs
             hs_used = T.alloc_barrier(128)  # the output warpgroup finished reading Hs
             vp_ready = T.alloc_barrier(STATE_THREADS)  # the state warpgroups wrote V'
             vp_used = T.alloc_barrier(128)  # the output warpgroup finished reading V'
 
-            bos = cu_seqlens[s]
-            eos = cu_seqlens[s + 1]
-            coff = chunk_offsets[s]
-            nchunks = T.ceildiv(eos - bos, C)
+            # The item: a whole sequence, or a segment of one (its first chunk, its chunk count).
+            s = T.alloc_var("int32")
+            first = T.alloc_var("int32")
+            nck = T.alloc_var("int32")
+            midx = T.alloc_var("int32")
+            if use_items != 0:
+                s = items[it, 0]
+                first = items[it, 1]
+                nck = items[it, 2]
+                midx = items[it, 3]
+            else:
+                s = it
+                first = 0
+                nck = T.ceildiv(cu_seqlens[it + 1] - cu_seqlens[it], C)
+                midx = -1
+            seq_eos = cu_seqlens[s + 1]
+            bos = cu_seqlens[s] + first * C
+            eos = T.min(bos + nck * C, seq_eos)
+            coff = chunk_offsets[s] + first
+            is_phi = vb >= v_split  # maps mode only
+            # Phi is not needed for a sequence's first segment (it starts from the true state).
+            nchunks = T.if_then_else(is_phi and first == 0, 0, nck)
             tx = T.get_thread_binding()
 
             if tx < STATE_THREADS:
                 slot = slot_ids[s]
                 load = T.alloc_var("int32")
                 load = 0
-                if slot >= 0:
+                if first == 0 and slot >= 0:
                     if all_init != 0:
                         load = 1
                     elif has_init[s] != 0:
                         load = 1
-                if load != 0:
+                if is_phi:
+                    for d, j in T.Parallel(DK, BV):
+                        h_f[d, j] = T.if_then_else(d == v0 + j, 1.0, 0.0)
+                elif load != 0:
                     for d, j in T.Parallel(DK, BV):
                         h_f[d, j] = T.cast(pool[slot, h, v0 + j, d], acc)
                 else:
                     T.clear(h_f)
+                    if not maps_mode:
+                        if first > 0:  # the true state at the segment's start (maps pass + scan)
+                            for d, j in T.Parallel(DK, BV):
+                                h_f[d, j] = maps[midx, h, 0, v0 + j, d]
                 gl = T.alloc_var(acc)
                 for c in T.serial(nchunks):
                     st = c % 2
                     T.barrier_wait(ready[st], (c // 2) % 2)
-                    T.barrier_wait(hs_used, (c + 1) % 2)
+                    if not maps_mode:
+                        T.barrier_wait(hs_used, (c + 1) % 2)
                     for d, j in T.Parallel(DK, BV):
                         hs_s[d, j] = T.cast(h_f[d, j], mm)
                     T.fence_proxy_async()
-                    T.barrier_arrive(hs_ready)
-                    # V' = U0 - Wk Hs
-                    for i, j in T.Parallel(C, BV):
-                        u_f[i, j] = T.cast(u0_s[st, i, j], acc)
+                    if not maps_mode:
+                        T.barrier_arrive(hs_ready)
+                    # V' = U0 - Wk Hs (U0 = 0 for the transition Phi)
+                    if is_phi:
+                        T.clear(u_f)
+                    else:
+                        for i, j in T.Parallel(C, BV):
+                            u_f[i, j] = T.cast(u0_s[st, i, j], acc)
                     T.gemm(wk_s[st, :, :], hs_s, u_f, policy=T.GemmWarpPolicy.FullCol)
-                    T.barrier_wait(vp_used, (c + 1) % 2)
+                    if not maps_mode:
+                        T.barrier_wait(vp_used, (c + 1) % 2)
+                        for i, j in T.Parallel(C, BV):
+                            vp_s[i, j] = T.cast(u_f[i, j], mm)
                     for i, j in T.Parallel(C, BV):
-                        vp_s[i, j] = T.cast(u_f[i, j], mm)
                         vpd_s[i, j] = T.cast(u_f[i, j] * f_s[st, 1, i], mm)
                     T.fence_proxy_async()
-                    T.barrier_arrive(vp_ready)
+                    if not maps_mode:
+                        T.barrier_arrive(vp_ready)
                     # S <- gamma_last S + K^T V'd
                     gl = f_s[st, 0, C - 1]
                     for d, j in T.Parallel(DK, BV):
                         h_f[d, j] = h_f[d, j] * gl
                     T.gemm(k_s[st, :, :], vpd_s, h_f, transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
                     T.barrier_arrive(free[st])
-                if slot >= 0:
+                if maps_mode:
+                    if nchunks > 0:
+                        for d, j in T.Parallel(DK, BV):
+                            maps[midx, h, vb // v_split, v0 + j, d] = h_f[d, j]
+                elif slot >= 0 and bos + nck * C >= seq_eos:  # the sequence's last segment
                     for d, j in T.Parallel(DK, BV):
                         pool[slot, h, v0 + j, d] = T.cast(h_f[d, j], pool_dtype)
 
-            elif tx < STATE_THREADS + 128:
-                for c in T.serial(nchunks):
-                    st = c % 2
-                    t0 = bos + c * C
-                    n = T.min(eos - t0, C)
-                    T.barrier_wait(ready[st], (c // 2) % 2)
-                    T.barrier_wait(hs_ready, c % 2)
-                    T.gemm(q_s[st, :, :], hs_s, o_f, clear_accum=True)
-                    T.barrier_arrive(hs_used)
-                    for i, j in T.Parallel(C, BV):
-                        o_f[i, j] = o_f[i, j] * (f_s[st, 0, i] * scale)
-                    T.barrier_wait(vp_ready, c % 2)
-                    T.gemm(p_s[st, :, :], vp_s, o_f)
-                    T.barrier_arrive(vp_used)
-                    T.barrier_arrive(free[st])
-                    for i, j in T.Parallel(C, BV):
-                        if i < n:
-                            out[t0 + i, h, v0 + j] = T.cast(o_f[i, j], io_dtype)
+            elif tx < STATE_THREADS + 128:  # the output warpgroup (idle in mode "maps")
+                if not maps_mode:
+                    for c in T.serial(nchunks):
+                        st = c % 2
+                        t0 = bos + c * C
+                        n = T.min(eos - t0, C)
+                        T.barrier_wait(ready[st], (c // 2) % 2)
+                        T.barrier_wait(hs_ready, c % 2)
+                        T.gemm(q_s[st, :, :], hs_s, o_f, clear_accum=True)
+                        T.barrier_arrive(hs_used)
+                        for i, j in T.Parallel(C, BV):
+                            o_f[i, j] = o_f[i, j] * (f_s[st, 0, i] * scale)
+                        T.barrier_wait(vp_ready, c % 2)
+                        T.gemm(p_s[st, :, :], vp_s, o_f)
+                        T.barrier_arrive(vp_used)
+                        T.barrier_arrive(free[st])
+                        for i, j in T.Parallel(C, BV):
+                            if i < n:
+                                out[t0 + i, h, v0 + j] = T.cast(o_f[i, j], io_dtype)
 
             else:
                 T.set_max_nreg(_NREG_PRODUCER, 0)
@@ -187,10 +251,11 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
                         t0 = bos + c * C
                         cidx = coff + c
                         T.barrier_wait(free[st], (c // 2 + 1) % 2)
-                        T.tma_copy(q[t0:t0 + C, hk, 0:DK], q_s[st, :, :], barrier=ready[st])
+                        if not maps_mode:
+                            T.tma_copy(q[t0:t0 + C, hk, 0:DK], q_s[st, :, :], barrier=ready[st])
+                            T.tma_copy(pbuf[cidx, h, 0:C, 0:C], p_s[st, :, :], barrier=ready[st])
                         T.tma_copy(k[t0:t0 + C, hk, 0:DK], k_s[st, :, :], barrier=ready[st])
                         T.tma_copy(fbuf[cidx, h, 0:2, 0:C], f_s[st, :, :], barrier=ready[st])
-                        T.tma_copy(pbuf[cidx, h, 0:C, 0:C], p_s[st, :, :], barrier=ready[st])
                         T.tma_copy(ubuf[cidx, h, 0:C, v0:v0 + BV], u0_s[st, :, :], barrier=ready[st])
                         T.tma_copy(wbuf[cidx, h, 0:C, 0:DK], wk_s[st, :, :], barrier=ready[st])
                         T.barrier_arrive(ready[st])

@@ -1,0 +1,93 @@
+"""Host side of the Hopper prefill's exact context parallelism (kernels/hopper/prefill_api.py):
+the segment work tables and the scan over segment maps. CPU only; the kernels that fill the
+maps run in tests/kernels/test_prefill_gpu.py::test_cp_exact on the H200.
+
+Here the "maps" pass is replaced by the float64 algebra it implements (each segment's end state
+from zero and its transition Phi, from reference._chunk_products), written to the tables'
+map indices; the scan must then give the recurrence's state at every segment end, and the
+output items must start each segment from exactly those entries.
+"""
+
+import dataclasses
+import math
+
+import torch
+
+import qla_serve
+from qla_serve.kernels import reference
+from qla_serve.kernels.hopper import prefill_api as P
+
+
+def _plan(lens, L, hv=4, hk=2):
+    plan = qla_serve.plan_prefill(lens, hv, hk, device="cpu", cp="off", arch="sm90",
+                                  supported_strategies={"plain", "vsplit"})
+    return dataclasses.replace(plan, strategy="cp", segment_chunks=L, kernel_cache={})
+
+
+def test_tables_tile_every_sequence_once():
+    lens = [64 * 9 + 5, 0, 64 * 3, 64 * 4 + 1, 1]
+    L = 3
+    cp = P._CPTables(_plan(lens, L), torch.device("cpu"))
+    chunks = [math.ceil(n / 64) for n in lens]
+    cut = [s for s, c in enumerate(chunks) if c > L]  # 0 (10 chunks) and 3 (5 chunks)
+    assert cp.num_cut == len(cut) == 2 and cp.levels == 3
+    covered = {s: [] for s in range(len(lens))}
+    for s, first, n, m in cp.out_items.tolist():
+        covered[s].extend(range(first, first + n))
+        if first:  # starts from the end state of its previous segment, stored by the maps pass
+            j = cut.index(s)
+            assert m == (first // L - 1) * cp.num_cut + j
+        else:
+            assert m == -1
+    assert all(covered[s] == list(range(c)) for s, c in enumerate(chunks))
+    # every 0-length sequence still has its (empty) item: its slot gets final = initial state
+    assert [1, 0, 0, -1] in cp.out_items.tolist()
+    stored = {}
+    for s, first, n, m in cp.maps_items.tolist():
+        assert s in cut and first + n < chunks[s], "the last segment of a sequence has no map"
+        stored[m] = (s, first)
+    reads = {m for s, first, n, m in cp.out_items.tolist() if first}
+    assert reads == set(stored), "every map the output pass reads is stored by the maps pass"
+
+
+def test_scan_gives_the_true_segment_end_states():
+    torch.manual_seed(0)
+    hv, hk, L = 4, 2, 2
+    lens = [64 * 7 + 13, 64 * 2, 64 * 5]
+    T = sum(lens)
+    q = reference.l2norm(torch.randn(T, hk, 128, dtype=torch.float64))
+    k = reference.l2norm(torch.randn(T, hk, 128, dtype=torch.float64))
+    v = torch.randn(T, hv, 128, dtype=torch.float64)
+    g = -torch.rand(T, hv, dtype=torch.float64) * 0.05
+    g[:, 0] = 0.0
+    beta = torch.rand(T, hv, dtype=torch.float64)
+    init = torch.randn(len(lens), hv, 128, 128, dtype=torch.float64) * 0.1
+    plan = _plan(lens, L, hv, hk)
+    cp = P._CPTables(plan, torch.device("cpu"))
+    maps = cp.maps(hv, torch.device("cpu")).double().fill_(float("nan"))
+    cu = plan.cu_seqlens_cpu
+    ke, ve = (reference._expand_heads(k, hv), v)
+    for s, first, n, m in cp.maps_items.tolist():
+        # What the "maps" pass computes for this item (V-first, like the pool).
+        S = init[s].transpose(-1, -2).clone() if first == 0 else torch.zeros(hv, 128, 128, dtype=torch.float64)
+        Phi = torch.eye(128, dtype=torch.float64).expand(hv, 128, 128).clone()
+        for c in range(first, first + n):
+            t0, t1 = cu[s] + 64 * c, min(cu[s] + 64 * c + 64, cu[s + 1])
+            hm = lambda x: x[t0:t1].transpose(0, 1)  # noqa: E731
+            U0, Wk, _, gamma, dec = reference._chunk_products(hm(reference._expand_heads(q, hv)), hm(ke), hm(ve),
+                                                               g[t0:t1].T, beta[t0:t1].T, 1.0)
+            KtD = hm(ke).transpose(-1, -2) * dec[..., None, :]
+            Tm = gamma[..., -1:, None] * torch.eye(128, dtype=torch.float64) - KtD @ Wk
+            S, Phi = Tm @ S + KtD @ U0, Tm @ Phi
+        maps[m, :, 0] = S.transpose(-1, -2)
+        maps[m, :, 1] = Phi.transpose(-1, -2)
+    P._scan_segment_states(maps, cp.num_cut, cp.levels)
+    # The true states at every chunk boundary, from the per-token recurrence.
+    for s, first, n, m in cp.out_items.tolist():
+        if first == 0:
+            continue
+        stop = cu[s] + 64 * first
+        _, truth = reference.recurrent_gdn(q[cu[s]:stop], k[cu[s]:stop], v[cu[s]:stop], g[cu[s]:stop],
+                                           beta[cu[s]:stop], [0, stop - cu[s]], init[s:s + 1])
+        err = (maps[m, :, 0] - truth[0]).norm() / truth[0].norm()
+        assert err < 1e-10, f"seq {s} chunk {first}: scanned state rel err {err:.2e}"
