@@ -14,6 +14,13 @@ rows. Prints the coefficients and the per-row error, and writes nothing: paste t
 the YAML with the data files they came from.
 
     python benchmarks/fit_costmodel.py benchmarks/data/prefill_qla_v7_sweep_vs*_h200.json
+
+Context parallelism (``--cp FILE.jsonl``, from scripts/gpu_prefill.sh with CP_SWEEP): with the
+packaged chunk_us and stage1_us fixed, a grid search for cp_maps_ratio and cp_fixed_us (the
+maps pass's per-chunk time relative to the output pass, and the scan's fixed cost) on relative
+error of the planner's own score (qla_serve.plan._score) against the measured totals.
+
+    python benchmarks/fit_costmodel.py --cp benchmarks/data/prefill_cp_sweep_h200.jsonl
 """
 
 import json
@@ -79,5 +86,40 @@ def main(paths: list[str]) -> None:
     print(f"model's split = measured-best split on {agree}/{len(best)} (heads, row) pairs")
 
 
+def _cp_score(model, r) -> float:
+    from qla_serve.plan import _score
+
+    hv = int(r["heads"].split("/")[1])
+    parts = r["qla_plan"].split("/")  # "cp/vs4/L64" or "vsplit/vs4"
+    vs, L = int(parts[1][2:]), (int(parts[2][1:]) if len(parts) > 2 else 0)
+    return _score(model, [-(-n // CHUNK) for n in ROWS[r["row"]]], hv, SM, vs, L)
+
+
+def fit_cp(path: str) -> None:
+    recs = [json.loads(line) for line in open(path) if "qla_gpu_ms" in line]
+    base = load_cost_model("sm90")
+    fits = []
+    for ratio in [x / 20 for x in range(4, 41)]:
+        for fixed in (0.0, 5.0, 10.0, 20.0, 40.0):
+            m = base.model_copy(update={"cp_maps_ratio": ratio, "cp_fixed_us": fixed})
+            errs = [(_cp_score(m, r) - r["qla_gpu_ms"] * 1e3) / (r["qla_gpu_ms"] * 1e3) for r in recs]
+            fits.append((math.sqrt(sum(e * e for e in errs) / len(errs)), ratio, fixed, m))
+    rms, ratio, fixed, m = min(fits, key=lambda t: t[0])
+    for r in recs:
+        print(f"{r['heads']:>6} {r['row']:>10} {r['qla_plan']:>12}  measured {r['qla_gpu_ms'] * 1e3:8.1f} us  "
+              f"model {_cp_score(m, r):8.1f} us")
+    print(f"\ncp_maps_ratio: {ratio}\ncp_fixed_us: {fixed}\nRMS relative error {rms:.1%} over {len(recs)} timings")
+    best = {}
+    for r in recs:
+        best.setdefault((r["heads"], r["row"]), []).append((r["qla_gpu_ms"], _cp_score(m, r), r["qla_plan"]))
+    for key, v in sorted(best.items()):
+        got, pick = min(v), min(v, key=lambda t: t[1])
+        print(f"{key[0]:>6} {key[1]:>10}: measured best {got[2]} {got[0]:.3f} ms; model picks {pick[2]} "
+              f"{pick[0]:.3f} ms ({pick[0] / got[0] - 1:+.0%})")
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if sys.argv[1:2] == ["--cp"]:
+        fit_cp(sys.argv[2])
+    else:
+        main(sys.argv[1:])
