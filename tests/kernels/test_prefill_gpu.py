@@ -216,6 +216,8 @@ def test_no_sequences_touch_nothing():
 def test_sanitizer_case():
     """The small case scripts/gpu_prefill.sh also runs under compute-sanitizer memcheck and
     racecheck (SANITIZE=1); here it is a plain correctness check: 2/8 heads, v_split 2 and 4,
-    lengths that end mid-chunk, padding slots."""
+    lengths that end mid-chunk, padding slots, and the CP path (segments of 2 chunks: the maps
+    pass, the scan and the output pass)."""
     for vs in (2, 4):
         run_case([65, 1, 130], 2, 8, v_split=vs, seed=77 + vs, pad_frac=0.3)
+    run_case([65, 1, 300], 2, 8, v_split=2, seed=79, pad_frac=0.3, segment_chunks=2)

@@ -1,7 +1,7 @@
 """Prefill stage 1 (state-free, fully parallel): per (chunk, v-head) everything of the chunked
 algorithm that does not need the state, so stage 2's sequential chain is two GEMMs per chunk.
 
-Grid: one CTA of 128 threads per (chunk c, v-head h); chunks are numbered through the plan's
+Grid: one CTA of 128 threads per (v-head h, chunk c), v-head fastest; chunks are numbered through the plan's
 ``chunk_offsets`` (chunk c belongs to the sequence s with chunk_offsets[s] <= c < chunk_offsets[s+1],
 found by a binary search in the kernel, so no per-chunk index tensor is needed).
 
@@ -79,7 +79,9 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str):
         kh: T.StridedTensor((ntok, Hk, DK), (skh0, skh1, 1), mm_dtype),
         scale: T.float32,
     ):
-        with T.Kernel(nchunk, Hv, threads=128) as (cid, h):
+        # v-head fastest: the Hv / Hk v-heads that share a chunk's q/k tiles run back to back
+        # (L2 hits), and consecutive CTAs write adjacent workspace rows.
+        with T.Kernel(Hv, nchunk, threads=128) as (h, cid):
             # Three CTAs per SM (<= 170 registers, <= 75 KB smem): the phases of one CTA are
             # latency-bound (loads, the 16-step substitution), so other CTAs fill the gaps.
             T.annotate_min_blocks_per_sm(3)
