@@ -2,8 +2,8 @@
 
 CI runs on 2 CPU cores, so the default set compiles one representative of each code path
 (~20-40 s each): the prep kernel, the main kernel for bf16 and fp16 io, fp32 and bf16 pools and
-v_split 1 / 4 / 2 (all warp-specialised, 512 threads), the "maps" pass of context parallelism,
-plus one sm_100a build. The full variant matrix of one head pair (26 compiles) runs only with
+v_split 1 / 4 / 2 (all warp-specialised, 512 threads), the "maps" pass and the scan of context
+parallelism, plus one sm_100a build. The full variant matrix of one head pair (27 compiles) runs only with
 QLA_COMPILE_ALL=1. Compiling builds real
 cubins through nvcc and TileLang's cache, so a lowering or ptxas error fails here.
 """
@@ -59,6 +59,12 @@ def test_compiles_sm90a(variant):
         assert "warpgroup_reg_dealloc" in src, "expected the producer warpgroup to give registers back"
         # "maps" (CP pass 1) stores the walked state to the segment maps; "output" only reads them.
         assert bool(re.search(r"maps\[[^;]*\] = h_f\[", src)) == (variant["mode"] == "maps")
+
+
+def test_compiles_cp_scan_sm90a():
+    """The CP scan: fp32 FMAs on the CUDA cores (no tensor-core rounding), one launch."""
+    src = P.build(P.scan_variant(8), "sm_90a").get_kernel_source()
+    assert "gdn_prefill_cp_scan" in src and "wgmma" not in src and "mma" not in src
 
 
 def test_compiles_sm100a_portable():

@@ -1,11 +1,12 @@
 """Host side of the Hopper prefill's exact context parallelism (kernels/hopper/prefill_api.py):
-the segment work tables and the scan over segment maps. CPU only; the kernels that fill the
-maps run in tests/kernels/test_prefill_gpu.py::test_cp_exact on the H200.
+the segment work tables and the map-index contract the three CP kernels share. CPU only; the
+kernels themselves run in tests/kernels/test_prefill_gpu.py (test_cp_exact*) on the H200.
 
-Here the "maps" pass is replaced by the float64 algebra it implements (each segment's end state
-from zero and its transition Phi, from reference._chunk_products), written to the tables'
-map indices; the scan must then give the recurrence's state at every segment end, and the
-output items must start each segment from exactly those entries.
+Here the "maps" pass and the scan kernel are replaced by the float64 algebra their docstrings
+state (each segment's end state from zero and its transition Phi, from
+reference._chunk_products; then X_k = X_{k-1} @ maps[m, 1] + maps[m, 0] for k < cut_levels[j]),
+written to and read from the tables' map indices: the scanned entries must be the
+recurrence's state at every segment end, exactly where the output items look for them.
 """
 
 import dataclasses
@@ -30,7 +31,7 @@ def test_tables_tile_every_sequence_once():
     cp = P._CPTables(_plan(lens, L), torch.device("cpu"))
     chunks = [math.ceil(n / 64) for n in lens]
     cut = [s for s, c in enumerate(chunks) if c > L]  # 0 (10 chunks) and 3 (5 chunks)
-    assert cp.num_cut == len(cut) == 2 and cp.levels == 3
+    assert cp.num_cut == len(cut) == 2 and cp.levels == 3 and cp.cut_levels.tolist() == [3, 1]
     covered = {s: [] for s in range(len(lens))}
     for s, first, n, m in cp.out_items.tolist():
         covered[s].extend(range(first, first + n))
@@ -81,7 +82,10 @@ def test_scan_gives_the_true_segment_end_states():
             S, Phi = Tm @ S + KtD @ U0, Tm @ Phi
         maps[m, :, 0] = S.transpose(-1, -2)
         maps[m, :, 1] = Phi.transpose(-1, -2)
-    P._scan_segment_states(maps, cp.num_cut, cp.levels)
+    for j, levels in enumerate(cp.cut_levels.tolist()):  # prefill_scan.py's recurrence
+        for lvl in range(1, levels):
+            m = lvl * cp.num_cut + j
+            maps[m, :, 0] = maps[m - cp.num_cut, :, 0] @ maps[m, :, 1] + maps[m, :, 0]
     # The true states at every chunk boundary, from the per-token recurrence.
     for s, first, n, m in cp.out_items.tolist():
         if first == 0:

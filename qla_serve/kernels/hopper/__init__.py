@@ -1,6 +1,6 @@
 """TileLang GDN kernels for Hopper (sm_90a).
 
-* prefill (prefill_api.py -> prefill_prep.py, prefill_main.py): chunked prefill; the
+* prefill (prefill_api.py -> prefill_prep.py, prefill_main.py, prefill_scan.py): chunked prefill; the
   strategies it implements are in ``SUPPORTED_STRATEGIES`` (the planner picks only those).
 * decode / verify / commit_verified (decode.py): single-token and speculative-verify steps.
 

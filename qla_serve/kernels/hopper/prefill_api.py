@@ -1,6 +1,6 @@
 """GDN chunked prefill on Hopper (sm_90a): host side.
 
-Two TileLang kernels per call (see prefill_prep.py and prefill_main.py for the math):
+Two TileLang kernels per call, four with CP (see prefill_prep.py, prefill_main.py, prefill_scan.py):
   1. prep  grid (chunks, Hv):      everything state-free, fully parallel: gate factors, the
                                    intra-chunk attention P, U0 = M V and Wk = M diag(exp(gc)) K,
                                    and fp16 copies of bf16 q/k (once per qk-head)
@@ -17,22 +17,23 @@ segments of L chunks, exact path for every head -- no gate warmup yet):
   2a. main "maps" grid (2 v_split, Hv, G1) over every segment but a sequence's last: the state
       at the segment's end from its start (the pool's for the first segment, zero for the
       others) and the segment's transition Phi (the linear part: S_end = Phi S_start + B);
-  2b. scan (torch, fp32, one batched GEMM per segment level): the true state at the end of
-      every segment but the last, S_k = Phi_k S_{k-1} + B_k; V-first (X = S^T, as the pool
-      stores it) that is X_k = X_{k-1} @ maps[k, 1] + maps[k, 0];
+  2b. scan (prefill_scan.py, one launch, fp32): the true state at the end of every segment but
+      the last, S_k = Phi_k S_{k-1} + B_k; V-first (X = S^T, as the pool stores it) that is
+      X_k = X_{k-1} @ maps[k, 1] + maps[k, 0];
   2c. main "output" over all segments, in parallel, each starting from its true state.
 The algebra is reference.segmented_gdn's (the float64 oracle of the CP path); nothing truncates.
 
-Kernels are compiled once per (heads, dtypes, v_split) with an explicit target, through
+Kernels are compiled once per (heads, dtypes, v_split, mode) with an explicit target, through
 TileLang's disk cache (TILELANG_CACHE_DIR), and kept in an in-process dict, so a call costs two
-launches and a few dict lookups; nothing here synchronises with the GPU.
+launches (four with CP) and a few dict lookups; a CP plan's segment tables are built and
+uploaded once per plan (plan.scratch). Nothing here synchronises with the GPU.
 """
 
 import threading
 
 import torch
 
-from . import prefill_main, prefill_prep
+from . import prefill_main, prefill_prep, prefill_scan
 
 ARCH = "sm_90a"
 CHUNK = 64
@@ -79,12 +80,18 @@ def main_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: 
     return v
 
 
+def scan_variant(num_v_heads: int) -> dict:
+    v = {"op": "prefill_cp_scan", "num_v_heads": num_v_heads}
+    v["name"] = f"gdn_prefill_cp_scan_hv{num_v_heads}"
+    return v
+
+
 def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
     """Every compiled prefill kernel a deployment with these (per-GPU) head counts can need:
     prep per io dtype, main per (io dtype, pool dtype, v_split, mode). JSON-serialisable dicts."""
     if num_k_heads <= 0 or num_v_heads % num_k_heads:
         raise ValueError(f"num_v_heads ({num_v_heads}) must be a positive multiple of num_k_heads ({num_k_heads})")
-    out = [prep_variant(num_v_heads, num_k_heads, io) for io in IO_DTYPES]
+    out = [prep_variant(num_v_heads, num_k_heads, io) for io in IO_DTYPES] + [scan_variant(num_v_heads)]
     for io in IO_DTYPES:
         for pool in POOL_DTYPES:
             for vs in V_SPLITS:
@@ -105,15 +112,19 @@ def build(variant: dict, target: str = ARCH):
     with _lock:
         kern = _kernels.get(key)
         if kern is None:
-            hv, hk, io = variant["num_v_heads"], variant["num_k_heads"], variant["io_dtype"]
-            if variant["op"] == "prefill_prep":
+            hv = variant["num_v_heads"]
+            hk, io = variant.get("num_k_heads"), variant.get("io_dtype")
+            if variant["op"] == "prefill_cp_scan":
+                func, cfg = prefill_scan.scan_func(hv), prefill_scan.PASS_CONFIGS
+            elif variant["op"] == "prefill_prep":
                 func, cfg = prefill_prep.prep_func(hv, hk, io), prefill_prep.PASS_CONFIGS
             elif variant["op"] == "prefill_main":
                 func, _ = prefill_main.main_func(hv, hk, io, variant["pool_dtype"], variant["v_split"],
                                                  variant.get("mode", "output"))
                 cfg = prefill_main.PASS_CONFIGS
             else:
-                raise ValueError(f"variant['op'] must be prefill_prep or prefill_main, got {variant['op']!r}")
+                raise ValueError(f"variant['op'] must be prefill_prep, prefill_main or prefill_cp_scan, "
+                                 f"got {variant['op']!r}")
             if target not in ("sm_90a", "sm_100a"):
                 raise ValueError(f"target: expected 'sm_90a' or 'sm_100a', got {target!r}")
             kern = tilelang.compile(
@@ -192,7 +203,8 @@ class _CPTables:
     out_items  [G, 4]   (seq, first_chunk, num_chunks, map) for every segment (and one empty item
                         per 0-length sequence, so its slot still gets final = initial state);
                         map = where the segment's true initial state is (k > 0), else -1
-    levels              segments of the longest cut sequence minus one (map levels)
+    cut_levels [num_cut] maps per cut sequence (its segments minus one), for the scan kernel
+    levels              the largest of them (map levels allocated)
     """
 
     def __init__(self, plan, device):
@@ -201,7 +213,8 @@ class _CPTables:
         cut = [s for s, c in enumerate(chunks) if L and c > L]
         index = {s: j for j, s in enumerate(cut)}
         self.num_cut = len(cut)
-        self.levels = max((-(-chunks[s] // L) - 1 for s in cut), default=0)
+        levels = [-(-chunks[s] // L) - 1 for s in cut]
+        self.levels = max(levels, default=0)
         maps_rows, out_rows = [], []
         for s, c in enumerate(chunks):
             if s not in index:
@@ -214,31 +227,16 @@ class _CPTables:
                 out_rows.append((s, first, n, (kseg - 1) * self.num_cut + j if kseg else -1))
                 if kseg < nseg - 1:
                     maps_rows.append((s, first, n, kseg * self.num_cut + j))
-        flat = torch.tensor(maps_rows + out_rows, dtype=torch.int32).view(-1, 4)
-        if device.type == "cuda":
+        flat = torch.tensor([x for row in maps_rows + out_rows for x in row] + levels, dtype=torch.int32)
+        if device.type == "cuda":  # one upload, no sync
             flat = flat.pin_memory().to(device, non_blocking=True)
-        self.maps_items, self.out_items = flat[:len(maps_rows)], flat[len(maps_rows):]
+        n1, n2 = 4 * len(maps_rows), 4 * (len(maps_rows) + len(out_rows))
+        self.maps_items, self.out_items = flat[:n1].view(-1, 4), flat[n1:n2].view(-1, 4)
+        self.cut_levels = flat[n2:]
 
     def maps(self, hv: int, device) -> torch.Tensor:
         return torch.empty((max(self.levels * self.num_cut, 1), hv, 2, 128, 128), dtype=torch.float32,
                            device=device)
-
-
-def _scan_segment_states(maps: torch.Tensor, num_cut: int, levels: int) -> None:
-    """maps[k, :, 0] <- maps[k - 1, :, 0] @ maps[k, :, 1] + maps[k, :, 0] for map levels k = 1..,
-    in order (fp32 GEMMs: TF32 is switched off around them, whatever the engine set)."""
-    if levels < 2:
-        return
-    matmul = torch.backends.cuda.matmul
-    saved = matmul.fp32_precision
-    matmul.fp32_precision = "ieee"
-    try:
-        for lvl in range(1, levels):
-            prev = maps[(lvl - 1) * num_cut:lvl * num_cut, :, 0].flatten(0, 1)
-            cur = maps[lvl * num_cut:(lvl + 1) * num_cut]
-            cur[:, :, 0].flatten(0, 1).baddbmm_(prev, cur[:, :, 1].flatten(0, 1))
-    finally:
-        matmul.fp32_precision = saved
 
 
 def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale, out, _stages="prep,main",
@@ -298,7 +296,9 @@ def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale,
         kk = (hv, hk, io, pool_dt, vs, "maps", _target)
         kmaps = _fns.get(kk) or _fn(main_variant(hv, hk, io, pool_dt, vs, "maps"), kk)
         kmaps(*head, cp.maps_items, maps, out, float(scale), all_init, 1)
-        _scan_segment_states(maps, cp.num_cut, cp.levels)
+        if cp.levels > 1:
+            kk = (hv, "scan", _target)
+            (_fns.get(kk) or _fn(scan_variant(hv), kk))(maps, cp.cut_levels)
     km(*head, cp.out_items, maps, out, float(scale), all_init, 1)
 
 
