@@ -44,7 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--impls", default="qla,fla,flashqla", help="subset of qla,fla,flashqla")
     parser.add_argument("--v-split", default="auto", help="qla_serve v_split: auto (planner) or 1/2/4")
     parser.add_argument("--segment-chunks", default="auto",
-                        help="qla_serve CP segment length in chunks: auto (planner), 0 (no cut) or L >= 2")
+                        help="qla_serve CP segment length in chunks: auto (planner; no cut when --v-split "
+                             "is forced), 0 (no cut) or L >= 2")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--graph-calls", type=int, default=5)
     parser.add_argument("--breakdown", action="store_true", help="also time qla_serve's prep and main kernels apart")
@@ -141,7 +142,8 @@ def _qla_fn(lens, hk, hv, data, v_split, stages="prep,main", segment_chunks="aut
     plan = qla_serve.plan_prefill(lens, hv, hk, device=dev, supported_strategies=mod.SUPPORTED_STRATEGIES)
     if v_split != "auto" or segment_chunks != "auto":  # forced (sweeps for the cost model)
         vs = plan.v_split if v_split == "auto" else int(v_split)
-        L = plan.segment_chunks if segment_chunks == "auto" else int(segment_chunks)
+        # a forced v_split alone means "no cut" (the v_split sweep that fit_costmodel.py reads)
+        L = 0 if segment_chunks == "auto" else int(segment_chunks)
         strategy = "cp" if L else ("plain" if vs == 1 else "vsplit")
         plan = dataclasses.replace(plan, strategy=strategy, v_split=vs, segment_chunks=L, kernel_cache={})
     pool = torch.empty(len(lens), hv, 128, 128, device=dev)
