@@ -21,9 +21,8 @@ Warp specialisation (512 threads, four warpgroups, mbarriers between them):
                  warpgroup spilled; ptxas does not allocate by setmaxnreg).
   WG2 "output"   O = Q Hs (beside the V' GEMM), O += P V', rows < n stored to `out`
   WG3 "producer" one warp issuing the TMA tile loads of the next chunk
-Two data stages (q, k, P, U0, Wk, gate factors). Hs and V' are double buffers (single at
-v_split 1) guarded by "used" barriers, so the state warpgroups run at most one chunk ahead of
-the output warpgroup.
+Two data stages (q, k, P, U0, Wk, gate factors). Hs and V' are single buffers guarded by "used"
+barriers, so the state warpgroups never run a chunk ahead of the output warpgroup.
 
 Initial state: pool[slot_ids[s], h, vslice, :] (V-first, fp32 or bf16) read in place when
 slot >= 0 and has_initial_state[s]; otherwise zeros (padding slots, slot < 0, run from a zero
@@ -77,10 +76,6 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
     Hv, Hk = num_v_heads, num_k_heads
     group = Hv // Hk
     BV = DV // v_split
-    # Hs and V' buffers between the state and output warpgroups: two let the state warpgroups
-    # run a chunk ahead (the chain no longer waits for the output GEMMs); one at v_split 1,
-    # where a second 128-wide Hs and V' would not fit in shared memory.
-    NB = 1 if v_split == 1 else 2
     n_vblocks = 2 * v_split if maps_mode else v_split
     consumers = STATE_THREADS if maps_mode else STATE_THREADS + 128
     ntok = T.dynamic("ntok")
@@ -128,19 +123,19 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
             wk_s = T.alloc_shared((2, C, DK), mm)  # -Wk
             f_s = T.alloc_shared((2, 2, C), acc)  # exp(gc), dec
             # The state warpgroups' products, read by the output warpgroup (and themselves).
-            hs_s = T.alloc_shared((NB, DK, BV), mm)
-            vp_s = T.alloc_shared((NB, C, BV), mm)
-            vpd_s = T.alloc_shared((C, BV), mm)  # the state warpgroups' own operand
+            hs_s = T.alloc_shared((DK, BV), mm)
+            vp_s = T.alloc_shared((C, BV), mm)
+            vpd_s = T.alloc_shared((C, BV), mm)
             h_f = T.alloc_fragment((DK, BV), acc)
             u_f = T.alloc_fragment((C, BV), acc)
             o_f = T.alloc_fragment((C, BV), acc)
 
             ready = T.alloc_barrier([32, 32])  # stage filled: the producer warp + TMA bytes
             free = T.alloc_barrier([consumers, consumers])  # stage consumed by every consumer
-            hs_ready = T.alloc_barrier([STATE_THREADS] * NB)  # the state warpgroups wrote Hs[b]
-            hs_used = T.alloc_barrier([128] * NB)  # the output warpgroup finished reading Hs[b]
-            vp_ready = T.alloc_barrier([STATE_THREADS] * NB)  # the state warpgroups wrote V'[b]
-            vp_used = T.alloc_barrier([128] * NB)  # the output warpgroup finished reading V'[b]
+            hs_ready = T.alloc_barrier(STATE_THREADS)  # the state warpgroups wrote Hs
+            hs_used = T.alloc_barrier(128)  # the output warpgroup finished reading Hs
+            vp_ready = T.alloc_barrier(STATE_THREADS)  # the state warpgroups wrote V'
+            vp_used = T.alloc_barrier(128)  # the output warpgroup finished reading V'
 
             # The item: a whole sequence, or a segment of one (its first chunk, its chunk count).
             s = T.alloc_var("int32")
@@ -190,31 +185,30 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
                 gl = T.alloc_var(acc)
                 for c in T.serial(nchunks):
                     st = c % 2
-                    b = c % NB
                     T.barrier_wait(ready[st], (c // 2) % 2)
                     if not maps_mode:
-                        T.barrier_wait(hs_used[b], (c // NB + 1) % 2)
+                        T.barrier_wait(hs_used, (c + 1) % 2)
                     for d, j in T.Parallel(DK, BV):
-                        hs_s[b, d, j] = T.cast(h_f[d, j], mm)
+                        hs_s[d, j] = T.cast(h_f[d, j], mm)
                     T.fence_proxy_async()
                     if not maps_mode:
-                        T.barrier_arrive(hs_ready[b])
+                        T.barrier_arrive(hs_ready)
                     # V' = U0 - Wk Hs (U0 = 0 for the transition Phi)
                     if is_phi:
                         T.clear(u_f)
                     else:
                         for i, j in T.Parallel(C, BV):
                             u_f[i, j] = T.cast(u0_s[st, i, j], acc)
-                    T.gemm(wk_s[st, :, :], hs_s[b, :, :], u_f, policy=T.GemmWarpPolicy.FullCol)
+                    T.gemm(wk_s[st, :, :], hs_s, u_f, policy=T.GemmWarpPolicy.FullCol)
                     if not maps_mode:
-                        T.barrier_wait(vp_used[b], (c // NB + 1) % 2)
+                        T.barrier_wait(vp_used, (c + 1) % 2)
                         for i, j in T.Parallel(C, BV):
-                            vp_s[b, i, j] = T.cast(u_f[i, j], mm)
+                            vp_s[i, j] = T.cast(u_f[i, j], mm)
                     for i, j in T.Parallel(C, BV):
                         vpd_s[i, j] = T.cast(u_f[i, j] * f_s[st, 1, i], mm)
                     T.fence_proxy_async()
                     if not maps_mode:
-                        T.barrier_arrive(vp_ready[b])
+                        T.barrier_arrive(vp_ready)
                     # S <- gamma_last S + K^T V'd
                     gl = f_s[st, 0, C - 1]
                     for d, j in T.Parallel(DK, BV):
@@ -233,18 +227,17 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
                 if not maps_mode:
                     for c in T.serial(nchunks):
                         st = c % 2
-                        b = c % NB
                         t0 = bos + c * C
                         n = T.min(eos - t0, C)
                         T.barrier_wait(ready[st], (c // 2) % 2)
-                        T.barrier_wait(hs_ready[b], (c // NB) % 2)
-                        T.gemm(q_s[st, :, :], hs_s[b, :, :], o_f, clear_accum=True)
-                        T.barrier_arrive(hs_used[b])
+                        T.barrier_wait(hs_ready, c % 2)
+                        T.gemm(q_s[st, :, :], hs_s, o_f, clear_accum=True)
+                        T.barrier_arrive(hs_used)
                         for i, j in T.Parallel(C, BV):
                             o_f[i, j] = o_f[i, j] * (f_s[st, 0, i] * scale)
-                        T.barrier_wait(vp_ready[b], (c // NB) % 2)
-                        T.gemm(p_s[st, :, :], vp_s[b, :, :], o_f)
-                        T.barrier_arrive(vp_used[b])
+                        T.barrier_wait(vp_ready, c % 2)
+                        T.gemm(p_s[st, :, :], vp_s, o_f)
+                        T.barrier_arrive(vp_used)
                         T.barrier_arrive(free[st])
                         for i, j in T.Parallel(C, BV):
                             if i < n:
