@@ -274,3 +274,24 @@ def plan_prefill(seq_lens: Sequence[int], num_v_heads: int, num_k_heads: int, *,
         strategy=choice.strategy, v_split=choice.v_split, segment_chunks=choice.segment_chunks,
         cp=cp, arch=arch, sm_count=sm, estimated_us=choice.estimated_us, device=device,
         cu_seqlens=cu_t, chunk_offsets=off_t, segments=seg_t, host_buffer=host)
+
+
+def force_plan(plan: PrefillPlan, strategy: str, v_split: int, segment_chunks: int = 0) -> PrefillPlan:
+    """``plan``'s batch with a fixed strategy instead of the cost model's choice (sweeps, tests):
+    the index tensors and the segment table rebuilt for it, a fresh kernel_cache, and
+    estimated_us the model's figure for it. ``segment_chunks`` (>= 1) only with "cp"."""
+    if strategy not in ALL_STRATEGIES:
+        raise ValueError(f"strategy: expected one of {sorted(ALL_STRATEGIES)}, got {strategy!r}")
+    if v_split not in V_SPLITS or (strategy != "cp" and (strategy == "plain") != (v_split == 1)):
+        raise ValueError(f"v_split: expected 1 for plain, 2 or 4 for vsplit, one of {V_SPLITS} for cp; "
+                         f"got {v_split} for {strategy!r}")
+    if (strategy == "cp") != (segment_chunks >= 1):
+        raise ValueError(f"segment_chunks: expected >= 1 with cp and 0 otherwise, got {segment_chunks} for {strategy!r}")
+    lens = list(plan.seq_lens)
+    chunks = [(n + CHUNK - 1) // CHUNK for n in lens]
+    host, cu_t, off_t, seg_t = _upload(lens, chunks, _segment_rows(chunks, segment_chunks), plan.device)
+    est = _score(load_cost_model(plan.arch), chunks, plan.num_v_heads, plan.sm_count, v_split,
+                 segment_chunks) if any(chunks) else 0.0
+    return dataclasses.replace(plan, strategy=strategy, v_split=v_split, segment_chunks=segment_chunks,
+                               estimated_us=est, cu_seqlens=cu_t, chunk_offsets=off_t, segments=seg_t,
+                               host_buffer=host, kernel_cache={})

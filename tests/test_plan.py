@@ -207,3 +207,24 @@ def test_sm90_cp_choices_against_the_h200_sweep():
             plan = plan_prefill(ROWS[row], hv, hk, device="cpu", arch="sm90", sm_count=132,
                                 supported_strategies=ALL)
             assert plan.strategy == "cp" and plan.segment_chunks > 0, (heads, row, plan.describe())
+
+
+def test_force_plan_rebuilds_the_tables():
+    """force_plan (sweeps, tests) gives the batch's tables for the forced strategy: the same
+    index tensors as the planner, the segment table of that segment length, and clear errors
+    for inconsistent requests."""
+    from qla_serve.plan import force_plan
+
+    lens = [64 * 9 + 5, 0, 130]
+    base = plan_prefill(lens, 8, 2, device="cpu", cp="off", arch="sm90", supported_strategies=ALL)
+    cp = force_plan(base, "cp", 2, 4)
+    assert (cp.strategy, cp.v_split, cp.segment_chunks) == ("cp", 2, 4)
+    assert cp.cu_seqlens.tolist() == base.cu_seqlens.tolist()
+    assert cp.chunk_offsets.tolist() == base.chunk_offsets.tolist()
+    assert cp.segment_rows == [(0, 0, 4, 1), (0, 4, 4, 0), (0, 8, 2, 0), (2, 0, 3, 1)]
+    assert cp.kernel_cache == {} and cp.kernel_cache is not base.kernel_cache
+    assert force_plan(cp, "vsplit", 4).segment_rows == base.segment_rows
+    for args, name in [(("warp", 1), "strategy"), (("plain", 2), "v_split"), (("vsplit", 1), "v_split"),
+                       (("cp", 2, 0), "segment_chunks"), (("vsplit", 2, 3), "segment_chunks")]:
+        with pytest.raises(ValueError, match=name):
+            force_plan(base, *args)

@@ -153,7 +153,7 @@ def test_prefill_pool_semantics(pool_dtype):
 def test_prefill_follows_a_cp_plan():
     """On the reference path a "cp" plan runs the exact segmented form (its segment length
     taken from the plan): same results as the recurrence, final states in the pool slots."""
-    import dataclasses
+    from qla_serve.plan import force_plan
 
     lens, Hk, Hv = [64 * 5 + 3, 0, 129], 2, 4
     q, k, v, g, beta = make_inputs(lens, Hk, Hv, seed=23)
@@ -161,7 +161,7 @@ def test_prefill_follows_a_cp_plan():
     before = pool.clone()
     slots = torch.tensor([3, 1, 0], dtype=torch.int32)
     plan = qla_serve.plan_prefill(lens, Hv, Hk, device="cpu", cp="exact")
-    plan = dataclasses.replace(plan, strategy="cp", segment_chunks=2)
+    plan = force_plan(plan, "cp", 1, 2)
     out = torch.empty_like(v)
     R.prefill(q, k, v, g, beta, pool, slots, plan, has_initial_state=None, scale=None, out=out)
     o_ref, s_ref = R.recurrent_gdn(q, k, v, g, beta, plan.cu_seqlens_cpu, before[[3, 1, 0]])

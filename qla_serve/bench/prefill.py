@@ -128,12 +128,11 @@ def _host_ms(fn, reps, gpu_ms):
 
 
 def _qla_fn(lens, hk, hv, data, v_split, stages="prep,main", segment_chunks="auto"):
-    import dataclasses
-
     import torch
 
     import qla_serve
     from qla_serve import ops
+    from qla_serve.plan import force_plan
 
     q, k, v, g, beta, h0 = data
     dev = q.device
@@ -145,7 +144,7 @@ def _qla_fn(lens, hk, hv, data, v_split, stages="prep,main", segment_chunks="aut
         # a forced v_split alone means "no cut" (the v_split sweep that fit_costmodel.py reads)
         L = 0 if segment_chunks == "auto" else int(segment_chunks)
         strategy = "cp" if L else ("plain" if vs == 1 else "vsplit")
-        plan = dataclasses.replace(plan, strategy=strategy, v_split=vs, segment_chunks=L, kernel_cache={})
+        plan = force_plan(plan, strategy, vs, L)
     pool = torch.empty(len(lens), hv, 128, 128, device=dev)
     slots = torch.arange(len(lens), dtype=torch.int32, device=dev)
     out = torch.empty_like(v)

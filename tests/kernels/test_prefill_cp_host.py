@@ -9,7 +9,6 @@ written to and read from the tables' map indices: the scanned entries must be th
 recurrence's state at every segment end, exactly where the output items look for them.
 """
 
-import dataclasses
 import math
 
 import torch
@@ -17,12 +16,13 @@ import torch
 import qla_serve
 from qla_serve.kernels import reference
 from qla_serve.kernels.hopper import prefill_api as P
+from qla_serve.plan import force_plan
 
 
 def _plan(lens, L, hv=4, hk=2):
     plan = qla_serve.plan_prefill(lens, hv, hk, device="cpu", cp="off", arch="sm90",
                                   supported_strategies={"plain", "vsplit"})
-    return dataclasses.replace(plan, strategy="cp", segment_chunks=L, kernel_cache={})
+    return force_plan(plan, "cp", 1, L)
 
 
 def test_tables_tile_every_sequence_once():

@@ -13,7 +13,6 @@ A bf16 output alone is 1.6e-3 from the exact one (bf16 rounding), so the kernel'
 stay near 1e-3. bf16 pools store the state rounded to bf16 (unit roundoff 2^-9): 6e-3 there.
 """
 
-import dataclasses
 import math
 import random
 
@@ -68,11 +67,11 @@ def make_plan(lens, Hv, Hk, v_split, segment_chunks=0):
     """A plan forced to v_split (and, with segment_chunks > 0, to the "cp" strategy with
     segments of that many chunks), whatever the cost model would pick."""
     import qla_serve
+    from qla_serve.plan import force_plan
     plan = qla_serve.plan_prefill(lens, Hv, Hk, device="cuda", cp="off", arch="sm90",
                                   supported_strategies={"plain", "vsplit"})
     strategy = "cp" if segment_chunks else ("plain" if v_split == 1 else "vsplit")
-    return dataclasses.replace(plan, strategy=strategy, v_split=v_split, segment_chunks=segment_chunks,
-                               kernel_cache={})
+    return force_plan(plan, strategy, v_split, segment_chunks)
 
 
 def run_case(lens, Hk, Hv, *, pool_dtype=torch.float32, v_split=2, io=torch.bfloat16, seed=0,
