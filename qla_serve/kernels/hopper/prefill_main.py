@@ -1,8 +1,11 @@
 """Prefill stage 2: the sequential chunk walk, fused and warp-specialised.
 
-Grid: one CTA per (value slice vb, v-head h, sequence s) with the state slice
-S[:, vb*BV:(vb+1)*BV] (K-first, [128, BV], fp32) held in registers for the whole sequence:
-V' and the per-chunk states never reach HBM. BV = 128 / v_split.
+Grid: one CTA per (value slice vb, v-head h, work item) with the state slice
+S[:, vb*BV:(vb+1)*BV] (K-first, [128, BV], fp32) held in registers for the whole item:
+V' and the per-chunk states never reach HBM. BV = 128 / v_split. A work item is a whole
+sequence, or with context parallelism a segment of one (see main_func: mode "output" writes
+the outputs, mode "maps" the segment's end state and its transition Phi for the scan in
+prefill_scan.py).
 
 Per chunk (n <= 64 valid rows; tiles are loaded whole: rows >= n are finite and meet only zero
 weights: P is lower triangular and dec = 0 there), with U0, Wk, P and the gate factors
@@ -24,10 +27,11 @@ Warp specialisation (512 threads, four warpgroups, mbarriers between them):
 Two data stages (q, k, P, U0, Wk, gate factors). Hs and V' are single buffers guarded by "used"
 barriers, so the state warpgroups never run a chunk ahead of the output warpgroup.
 
-Initial state: pool[slot_ids[s], h, vslice, :] (V-first, fp32 or bf16) read in place when
-slot >= 0 and has_initial_state[s]; otherwise zeros (padding slots, slot < 0, run from a zero
-state: their output rows are computed and written, nothing in the pool is read or written).
-Final state written back in place for slot >= 0, also for 0-length sequences (= initial state).
+Initial state (an item that starts a sequence): pool[slot_ids[s], h, vslice, :] (V-first, fp32
+or bf16) read in place when slot >= 0 and has_initial_state[s]; otherwise zeros (padding slots,
+slot < 0, run from a zero state: their output rows are computed and written, nothing in the pool
+is read or written). Final state written back in place for slot >= 0 by the item that ends the
+sequence, also for 0-length sequences (= initial state).
 """
 
 import tilelang
