@@ -1,5 +1,5 @@
 """The torch reference: the chunked and segmented (context-parallel) forms equal the per-token
-recurrence; decode and verify
+recurrence, the gate-warmup form drops only decayed history; decode and verify
 agree with prefill; pool-level semantics (slots, padding, has_initial_state, strides)."""
 
 import pytest
@@ -171,3 +171,41 @@ def test_prefill_follows_a_cp_plan():
     with pytest.raises(ValueError, match="form"):
         R.prefill(q, k, v, g, beta, pool, slots, plan, has_initial_state=None, scale=None, out=out,
                   form="segmented")
+
+
+def test_warmup_start_chunks():
+    """The latest chunk whose summed log decay up to the segment passes the threshold; 0 (whole
+    history, exact) for a head that never decays that far."""
+    g = torch.zeros(64 * 6, 3, dtype=torch.float64)
+    g[:, 1] = -0.1            # -6.4 per chunk: two chunks pass -10
+    g[:64 * 3, 2] = -1.0      # decays only in chunks 0-2
+    assert R.warmup_start_chunks(g, 5) == [0, 3, 2]
+    assert R.warmup_start_chunks(g, 0) == [0, 0, 0]
+    assert R.warmup_start_chunks(g, 5, threshold=-1e9) == [0, 0, 0]
+
+
+def test_warmup_form_truncates_only_what_decayed():
+    """Gate warmup against the recurrence (float64): exact with an unreachable threshold; with
+    the default e^-10 the dropped history moves o and the final state by far less than the
+    kernels' 2e-3 budget, on inputs where most heads do truncate (g in [-0.3, 0]: ~2 chunks of
+    warmup) while the g = 0 heads keep their whole history."""
+    seq_lens, Hk, Hv, L = [64 * 12 + 9, 130], 2, 8, 2
+    q, k, v, g, beta = make_inputs(seq_lens, Hk, Hv, seed=41)
+    cu = [0, seq_lens[0], sum(seq_lens)]
+    init = torch.randn(2, Hv, 128, 128, dtype=torch.float64) * 0.1
+    o1, s1 = R.recurrent_gdn(q, k, v, g, beta, cu, init)
+    o2, s2 = R.warmup_gdn(q, k, v, g, beta, cu, init, segment_chunks=L, threshold=-1e9)
+    assert rel_err(o2, o1) < 1e-10 and rel_err(s2, s1) < 1e-10
+    starts = R.warmup_start_chunks(g[: seq_lens[0]], 10)
+    assert starts[: Hv // 4] == [0] * (Hv // 4) and all(0 < w < 10 for w in starts[Hv // 4:])
+    o3, s3 = R.warmup_gdn(q, k, v, g, beta, cu, init, segment_chunks=L)
+    e_o, e_s = rel_err(o3, o1), rel_err(s3, s1)
+    assert 1e-9 < e_o < 1e-4 and 1e-9 < e_s < 1e-4, (e_o, e_s)  # truncated, and by little
+    # History before a head's warmup start is really dropped: changing v in chunk 0 leaves that
+    # head's outputs from chunk 10 on unchanged (the recurrence's change), unlike a g = 0 head's.
+    v2 = v.clone()
+    v2[:64] += 1.0
+    o4, _ = R.warmup_gdn(q, k, v2, g, beta, cu, init, segment_chunks=L)
+    late = slice(64 * 10, seq_lens[0])
+    assert torch.equal(o4[late, Hv - 1], o3[late, Hv - 1])
+    assert not torch.equal(o4[late, 0], o3[late, 0])

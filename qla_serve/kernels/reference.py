@@ -212,6 +212,58 @@ def segmented_gdn(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None,
     return o, final
 
 
+WARMUP_LOG_DECAY = -10.0  # DESIGN.md: history decayed by e^-10 ~ 4.5e-5 may be dropped
+
+
+def warmup_start_chunks(g_seq, first_chunk, threshold=WARMUP_LOG_DECAY, chunk_size=CHUNK):
+    """Gate warmup, the truncating CP form: per head, the chunk from which a segment starting at
+    chunk ``first_chunk`` of its sequence recomputes its initial state from a zero state -- the
+    latest chunk w < first_chunk with sum(g[w C : first_chunk C]) <= threshold, so the dropped
+    history is scaled by at most exp(threshold) -- or 0 (the whole history, from the sequence's
+    true initial state: exact) for heads whose gates never decay that far, e.g. g = 0 heads.
+
+    g_seq: [T_seq, Hv], the sequence's gates. Returns Hv ints."""
+    Hv = g_seq.shape[1]
+    per_chunk = torch.stack([g_seq[c * chunk_size:(c + 1) * chunk_size].sum(0) for c in range(first_chunk)]) \
+        if first_chunk else torch.zeros(0, Hv, dtype=g_seq.dtype)
+    starts = []
+    for h in range(Hv):
+        back = per_chunk[:, h].flip(0).cumsum(0)  # decay of the last 1, 2, ... chunks before the segment
+        hit = (back <= threshold).nonzero()
+        starts.append(first_chunk - 1 - int(hit[0]) if hit.numel() else 0)
+    return starts
+
+
+def warmup_gdn(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None, segment_chunks=4,
+               threshold=WARMUP_LOG_DECAY, chunk_size=CHUNK):
+    """Gate-warmup context-parallel form of :func:`recurrent_gdn` (same arguments and results):
+    each segment of ``segment_chunks`` chunks recomputes its initial state per head by walking
+    from :func:`warmup_start_chunks` (from zero; from the true initial state when that is chunk
+    0) -- no scan, but history older than a summed log decay of ``threshold`` is dropped. Exact
+    for heads that never decay that far; the oracle a warmup kernel would be held to."""
+    dt, scale, (qe, ke, ve, ge, be), bounds, o, final = _setup(q, k, v, g, beta, cu_seqlens, scale)
+    Hv, Kd, Vd = v.shape[1], q.shape[-1], v.shape[-1]
+    for i, (bos, eos) in enumerate(bounds):
+        nchunks = -(-(eos - bos) // chunk_size)
+        init = (initial_state[i].to(dt).transpose(-1, -2) if initial_state is not None
+                else torch.zeros(Hv, Kd, Vd, dtype=dt, device=v.device))
+        S = init.clone()
+        for first in range(0, nchunks, segment_chunks):
+            starts = warmup_start_chunks(ge[bos:eos], first, threshold, chunk_size)
+            S = init.clone() if min(starts) == 0 else torch.zeros_like(init)
+            for c in range(min(starts), min(first + segment_chunks, nchunks)):
+                reset = torch.tensor([w == c and c > 0 for w in starts], device=v.device)
+                S[reset] = 0.0  # this head's warmup starts here
+                c0, c1 = bos + c * chunk_size, min(bos + (c + 1) * chunk_size, eos)
+                head_major = lambda x: x[c0:c1].transpose(0, 1)  # noqa: E731
+                O, S = _chunk_step(head_major(qe), head_major(ke), head_major(ve), ge[c0:c1].T,
+                                   be[c0:c1].T, S, scale)
+                if c >= first:
+                    o[c0:c1] = O.transpose(0, 1)
+        final[i] = S.transpose(-1, -2)
+    return o, final
+
+
 # ---------------------------------------------------------------------------------------
 # Pool-level ops: the kernel-module contract (see qla_serve/kernels/__init__.py).
 # ---------------------------------------------------------------------------------------
