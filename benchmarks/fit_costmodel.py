@@ -28,7 +28,7 @@ import math
 import statistics
 import sys
 
-from qla_serve.bench.prefill import ROWS
+from qla_serve.bench.prefill import ROWS, parse_plan_label
 from qla_serve.costmodel import load_cost_model
 from qla_serve.plan import CHUNK
 
@@ -55,7 +55,7 @@ def main(paths: list[str]) -> None:
         for r in json.load(open(p))["results"]:
             if "qla_main_gpu_ms" not in r:
                 continue
-            vs = int(r["qla_plan"].rsplit("vs", 1)[1])
+            vs = parse_plan_label(r["qla_plan"])[1]
             busy, chunk_heads_per_sm = _features(r["row"], r["heads"], vs)
             rows.append(dict(heads=r["heads"], row=r["row"], vs=vs, busy=busy, ch=chunk_heads_per_sm,
                              main=r["qla_main_gpu_ms"] * 1e3, prep=r["qla_prep_gpu_ms"] * 1e3,
@@ -90,8 +90,7 @@ def _cp_score(model, r) -> float:
     from qla_serve.plan import _score
 
     hv = int(r["heads"].split("/")[1])
-    parts = r["qla_plan"].split("/")  # "cp/vs4/L64" or "vsplit/vs4"
-    vs, L = int(parts[1][2:]), (int(parts[2][1:]) if len(parts) > 2 else 0)
+    _, vs, L = parse_plan_label(r["qla_plan"])
     return _score(model, [-(-n // CHUNK) for n in ROWS[r["row"]]], hv, SM, vs, L)
 
 

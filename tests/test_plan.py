@@ -185,7 +185,7 @@ def test_sm90_cp_choices_against_the_h200_sweep():
     import json
     from pathlib import Path
 
-    from qla_serve.bench.prefill import ROWS
+    from qla_serve.bench.prefill import ROWS, parse_plan_label
     from qla_serve.costmodel import load_cost_model
     from qla_serve.plan import _score
 
@@ -194,8 +194,7 @@ def test_sm90_cp_choices_against_the_h200_sweep():
     by_case = {}
     for line in path.read_text().splitlines():
         r = json.loads(line)
-        parts = r["qla_plan"].split("/")
-        vs, L = int(parts[1][2:]), (int(parts[2][1:]) if len(parts) > 2 else 0)
+        _, vs, L = parse_plan_label(r["qla_plan"])
         by_case.setdefault((r["heads"], r["row"]), []).append((r["qla_gpu_ms"], vs, L))
     assert len(by_case) == 6
     for (heads, row), runs in by_case.items():

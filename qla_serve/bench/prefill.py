@@ -127,6 +127,17 @@ def _host_ms(fn, reps, gpu_ms):
     return host, max(0.0, wall - gpu_ms)
 
 
+def plan_label(plan) -> str:
+    """The plan as the JSON records name it: "plain/vs1", "vsplit/vs4", "cp/vs2/L64"."""
+    return f"{plan.strategy}/vs{plan.v_split}" + (f"/L{plan.segment_chunks}" if plan.strategy == "cp" else "")
+
+
+def parse_plan_label(label: str) -> tuple[str, int, int]:
+    """(strategy, v_split, segment_chunks) from :func:`plan_label`'s string (0 = no cut)."""
+    strategy, vs, *cut = label.split("/")
+    return strategy, int(vs[2:]), int(cut[0][1:]) if cut else 0
+
+
 def _qla_fn(lens, hk, hv, data, v_split, stages="prep,main", segment_chunks="auto"):
     import torch
 
@@ -207,8 +218,7 @@ def run(args) -> int:
                     if impl == "qla":
                         fn, qla_out, _, plan = _qla_fn(lens, hk, hv, data, args.v_split,
                                                        segment_chunks=args.segment_chunks)
-                        rec["qla_plan"] = f"{plan.strategy}/vs{plan.v_split}" + (
-                            f"/L{plan.segment_chunks}" if plan.strategy == "cp" else "")
+                        rec["qla_plan"] = plan_label(plan)
                         if args.breakdown:
                             for st in ("prep", "main"):
                                 f2 = _qla_fn(lens, hk, hv, data, args.v_split, st, args.segment_chunks)[0]

@@ -67,7 +67,7 @@ def test_scan_gives_the_true_segment_end_states():
     cp = P._CPTables(plan, torch.device("cpu"))
     maps = cp.maps(hv, torch.device("cpu")).double().fill_(float("nan"))
     cu = plan.cu_seqlens_cpu
-    ke, ve = (reference._expand_heads(k, hv), v)
+    qe, ke, ve = reference._expand_heads(q, hv), reference._expand_heads(k, hv), v
     for s, first, n, m in cp.maps_items.tolist():
         # What the "maps" pass computes for this item (V-first, like the pool).
         S = init[s].transpose(-1, -2).clone() if first == 0 else torch.zeros(hv, 128, 128, dtype=torch.float64)
@@ -75,8 +75,8 @@ def test_scan_gives_the_true_segment_end_states():
         for c in range(first, first + n):
             t0, t1 = cu[s] + 64 * c, min(cu[s] + 64 * c + 64, cu[s + 1])
             hm = lambda x: x[t0:t1].transpose(0, 1)  # noqa: E731
-            U0, Wk, _, gamma, dec = reference._chunk_products(hm(reference._expand_heads(q, hv)), hm(ke), hm(ve),
-                                                               g[t0:t1].T, beta[t0:t1].T, 1.0)
+            U0, Wk, _, gamma, dec = reference._chunk_products(hm(qe), hm(ke), hm(ve), g[t0:t1].T, beta[t0:t1].T,
+                                                               1.0)
             KtD = hm(ke).transpose(-1, -2) * dec[..., None, :]
             Tm = gamma[..., -1:, None] * torch.eye(128, dtype=torch.float64) - KtD @ Wk
             S, Phi = Tm @ S + KtD @ U0, Tm @ Phi

@@ -29,6 +29,7 @@ launches (four with CP) and a few dict lookups; a CP plan's segment tables are b
 uploaded once per plan (plan.scratch). Nothing here synchronises with the GPU.
 """
 
+import collections
 import threading
 
 import torch
@@ -208,25 +209,24 @@ class _CPTables:
     """
 
     def __init__(self, plan, device):
-        L = plan.segment_chunks
-        chunks = [(int(n) + CHUNK - 1) // CHUNK for n in plan.seq_lens]
-        cut = [s for s, c in enumerate(chunks) if L and c > L]
+        rows = plan.segment_rows  # (seq, first_chunk, num_chunks, carried): the planner's cut
+        nseg = collections.Counter(seq for seq, *_ in rows)
+        cut = sorted(seq for seq, n in nseg.items() if n > 1)
         index = {s: j for j, s in enumerate(cut)}
         self.num_cut = len(cut)
-        levels = [-(-chunks[s] // L) - 1 for s in cut]
+        levels = [nseg[s] - 1 for s in cut]
         self.levels = max(levels, default=0)
-        maps_rows, out_rows = [], []
-        for s, c in enumerate(chunks):
-            if s not in index:
-                out_rows.append((s, 0, c, -1))
+        # 0-length sequences have no segment: an empty item still writes their final state.
+        out_rows = [(s, 0, 0, -1) for s in range(plan.num_seqs) if s not in nseg]
+        maps_rows = []
+        for seq, first, n, _ in rows:
+            if seq not in index:
+                out_rows.append((seq, 0, n, -1))
                 continue
-            j, nseg = index[s], -(-c // L)
-            for kseg in range(nseg):
-                first = kseg * L
-                n = min(L, c - first)
-                out_rows.append((s, first, n, (kseg - 1) * self.num_cut + j if kseg else -1))
-                if kseg < nseg - 1:
-                    maps_rows.append((s, first, n, kseg * self.num_cut + j))
+            j, kseg = index[seq], first // plan.segment_chunks
+            out_rows.append((seq, first, n, (kseg - 1) * self.num_cut + j if kseg else -1))
+            if kseg < nseg[seq] - 1:
+                maps_rows.append((seq, first, n, kseg * self.num_cut + j))
         flat = torch.tensor([x for row in maps_rows + out_rows for x in row] + levels, dtype=torch.int32)
         if device.type == "cuda":  # one upload, no sync
             flat = flat.pin_memory().to(device, non_blocking=True)
