@@ -9,16 +9,19 @@ Strategies (see DESIGN.md, "Prefill numerics"):
 * ``plain``  — one block per (sequence, value head) walks all of its chunks.
 * ``vsplit`` — the value dimension is split in 2 or 4 blocks per head (exact, cheap).
 * ``cp``     — intra-card context parallelism: sequences are cut into segments of L chunks that
-  run in parallel; a segment's initial state is recomputed on the device. Implemented: the exact
-  correction path for every head (per-segment transition maps, a scan; see
-  kernels/hopper/prefill_api). Not yet: the cheaper gate warmup for heads whose gates decay.
+  run in parallel; a segment's initial state is recomputed on the device: by the exact
+  correction path (per-segment transition maps, a scan) or, under cp="auto" for heads whose
+  gates decay, by gate warmup (a short walk from a zero state); see kernels/hopper/prefill_api.
 
 ``cp`` modes: ``auto`` picks the cheapest strategy by the arch's cost model (configs/costmodel);
 ``off`` is bit-stable — for a given sequence the result does not depend on the rest of the
 batch — so it never cuts sequences and never splits V (beyond the fixed narrowest split of
 kernels that have no ``plain``); ``exact`` may cut sequences but never truncates history (the
-exact correction path for every segment). While gate warmup is not implemented, ``auto`` and
-``exact`` choose alike.
+exact correction path for every segment). Under ``auto`` a cut segment may use gate warmup
+for heads whose gates decay (history scaled by <= e^-10 dropped; decided per head on the
+device; on Hopper off until validated there, see kernels/hopper/prefill_api.GATE_WARMUP). The cost model scores a cut by the exact path (a warmup, at most L/2 chunks, costs
+about as much or less, and which heads take it is only known on the device), so ``auto`` and
+``exact`` choose the same plans.
 Strategies the arch's kernels do not implement are never chosen.
 """
 
@@ -145,7 +148,8 @@ class _Choice:
 def _score(model: CostModel, chunks: list[int], hv: int, sm: int, v_split: int, L: int) -> float:
     """Modelled time for V split ``v_split`` and segment length ``L`` (0 = no cut).
 
-    Cut sequences take the exact CP path: a "maps" pass over every segment but the last (the
+    Cut sequences are scored by the exact CP path (the gate warmup that cp="auto" may take for
+    some heads is decided on the device): a "maps" pass over every segment but the last (the
     first segment's end state; for the others also the transition Phi, a second block per
     split), a scan, then the output pass over all segments at once (kernels/hopper/prefill_api).
     """
@@ -276,10 +280,13 @@ def plan_prefill(seq_lens: Sequence[int], num_v_heads: int, num_k_heads: int, *,
         cu_seqlens=cu_t, chunk_offsets=off_t, segments=seg_t, host_buffer=host)
 
 
-def force_plan(plan: PrefillPlan, strategy: str, v_split: int, segment_chunks: int = 0) -> PrefillPlan:
+def force_plan(plan: PrefillPlan, strategy: str, v_split: int, segment_chunks: int = 0,
+               cp: str | None = None) -> PrefillPlan:
     """``plan``'s batch with a fixed strategy instead of the cost model's choice (sweeps, tests):
     the index tensors and the segment table rebuilt for it, a fresh kernel_cache, and
-    estimated_us the model's figure for it. ``segment_chunks`` (>= 1) only with "cp"."""
+    estimated_us the model's figure for it. ``segment_chunks`` (>= 1) only with "cp".
+    ``cp``: the mode the kernels see (default the plan's; "auto" lets a cut use gate warmup,
+    "exact" never truncates). A cut forced on an "off" plan gets "exact": "off" cannot cut."""
     if strategy not in ALL_STRATEGIES:
         raise ValueError(f"strategy: expected one of {sorted(ALL_STRATEGIES)}, got {strategy!r}")
     if v_split not in V_SPLITS or (strategy != "cp" and (strategy == "plain") != (v_split == 1)):
@@ -287,11 +294,15 @@ def force_plan(plan: PrefillPlan, strategy: str, v_split: int, segment_chunks: i
                          f"got {v_split} for {strategy!r}")
     if (strategy == "cp") != (segment_chunks >= 1):
         raise ValueError(f"segment_chunks: expected >= 1 with cp and 0 otherwise, got {segment_chunks} for {strategy!r}")
+    if cp is None:
+        cp = "exact" if strategy == "cp" and plan.cp == "off" else plan.cp
+    if cp not in CP_MODES or (strategy == "cp" and cp == "off"):
+        raise ValueError(f"cp: expected one of {CP_MODES} (not 'off' with a cut), got {cp!r} for {strategy!r}")
     lens = list(plan.seq_lens)
     chunks = [(n + CHUNK - 1) // CHUNK for n in lens]
     host, cu_t, off_t, seg_t = _upload(lens, chunks, _segment_rows(chunks, segment_chunks), plan.device)
     est = _score(load_cost_model(plan.arch), chunks, plan.num_v_heads, plan.sm_count, v_split,
                  segment_chunks) if any(chunks) else 0.0
     return dataclasses.replace(plan, strategy=strategy, v_split=v_split, segment_chunks=segment_chunks,
-                               estimated_us=est, cu_seqlens=cu_t, chunk_offsets=off_t, segments=seg_t,
+                               cp=cp, estimated_us=est, cu_seqlens=cu_t, chunk_offsets=off_t, segments=seg_t,
                                host_buffer=host, kernel_cache={})

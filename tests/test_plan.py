@@ -224,6 +224,9 @@ def test_force_plan_rebuilds_the_tables():
     assert cp.kernel_cache == {} and cp.kernel_cache is not base.kernel_cache
     assert force_plan(cp, "vsplit", 4).segment_rows == base.segment_rows
     for args, name in [(("warp", 1), "strategy"), (("plain", 2), "v_split"), (("vsplit", 1), "v_split"),
-                       (("cp", 2, 0), "segment_chunks"), (("vsplit", 2, 3), "segment_chunks")]:
+                       (("cp", 2, 0), "segment_chunks"), (("vsplit", 2, 3), "segment_chunks"),
+                       (("cp", 2, 4, "off"), "cp"), (("cp", 2, 4, "warm"), "cp")]:
         with pytest.raises(ValueError, match=name):
             force_plan(base, *args)
+    # the cp mode the kernels see: a cut of an "off" plan is exact; "auto" (gate warmup) on request
+    assert (cp.cp, force_plan(base, "cp", 2, 4, "auto").cp, force_plan(base, "vsplit", 2).cp) == ("exact", "auto", "off")

@@ -46,6 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--segment-chunks", default="auto",
                         help="qla_serve CP segment length in chunks: auto (planner; no cut when --v-split "
                              "is forced), 0 (no cut) or L >= 2")
+    parser.add_argument("--cp", choices=("auto", "exact", "off"), default="auto",
+                        help="qla_serve's cp mode: auto (gate warmup allowed in cut segments), exact, off")
+    parser.add_argument("--gate-warmup", action="store_true",
+                        help="turn on the Hopper gate warmup for cut segments under --cp auto "
+                             "(prefill_api.GATE_WARMUP; off until validated on the H200)")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--graph-calls", type=int, default=5)
     parser.add_argument("--breakdown", action="store_true", help="also time qla_serve's prep and main kernels apart")
@@ -138,7 +143,7 @@ def parse_plan_label(label: str) -> tuple[str, int, int]:
     return strategy, int(vs[2:]), int(cut[0][1:]) if cut else 0
 
 
-def _qla_fn(lens, hk, hv, data, v_split, stages="prep,main", segment_chunks="auto"):
+def _qla_fn(lens, hk, hv, data, v_split, stages="prep,main", segment_chunks="auto", cp="auto"):
     import torch
 
     import qla_serve
@@ -149,7 +154,7 @@ def _qla_fn(lens, hk, hv, data, v_split, stages="prep,main", segment_chunks="aut
     dev = q.device
     arch = ops._arch_of(dev.index if dev.index is not None else torch.cuda.current_device())
     mod = ops.kernel_module(arch)
-    plan = qla_serve.plan_prefill(lens, hv, hk, device=dev, supported_strategies=mod.SUPPORTED_STRATEGIES)
+    plan = qla_serve.plan_prefill(lens, hv, hk, device=dev, cp=cp, supported_strategies=mod.SUPPORTED_STRATEGIES)
     if v_split != "auto" or segment_chunks != "auto":  # forced (sweeps for the cost model)
         vs = plan.v_split if v_split == "auto" else int(v_split)
         # a forced v_split alone means "no cut" (the v_split sweep that fit_costmodel.py reads)
@@ -203,6 +208,9 @@ def run(args) -> int:
     if not torch.cuda.is_available():
         print("bench prefill: needs a CUDA GPU")
         return 2
+    if args.gate_warmup:
+        from qla_serve.kernels.hopper import prefill_api
+        prefill_api.GATE_WARMUP = True
     heads = HEAD_PAIRS if args.heads == "all" else [tuple(int(x) for x in p.split("/")) for p in args.heads.split(",")]
     rows = list(ROWS) if args.rows == "all" else args.rows.split(",")
     impls = args.impls.split(",")
@@ -217,11 +225,13 @@ def run(args) -> int:
                 try:
                     if impl == "qla":
                         fn, qla_out, _, plan = _qla_fn(lens, hk, hv, data, args.v_split,
-                                                       segment_chunks=args.segment_chunks)
+                                                       segment_chunks=args.segment_chunks, cp=args.cp)
                         rec["qla_plan"] = plan_label(plan)
+                        rec["qla_cp"] = plan.cp + ("+warmup" if args.gate_warmup and plan.cp == "auto" else "")
                         if args.breakdown:
                             for st in ("prep", "main"):
-                                f2 = _qla_fn(lens, hk, hv, data, args.v_split, st, args.segment_chunks)[0]
+                                f2 = _qla_fn(lens, hk, hv, data, args.v_split, st, args.segment_chunks,
+                                             args.cp)[0]
                                 rec[f"qla_{st}_gpu_ms"] = round(_gpu_time_ms(f2, args.reps, args.graph_calls)[0], 4)
                     else:
                         fn, res = _fla_fn(lens, data, impl)

@@ -67,6 +67,14 @@ def test_compiles_cp_scan_sm90a():
     assert "gdn_prefill_cp_scan" in src and "wgmma" not in src and "mma" not in src
 
 
+def test_compiles_cp_warmup_sm90a():
+    """The gate-warmup finder: a scalar walk per (segment, head) over stage 1's chunk decays
+    (log of exp(gc[63])), compared with the -10 threshold; no tensor cores."""
+    src = P.build(P.warmup_variant(8), "sm_90a").get_kernel_source()
+    assert "gdn_prefill_cp_warmup" in src and "mma" not in src
+    assert "logf(" in src and "-1.000000e+01" in src, "expected log decays summed against -10"
+
+
 def test_compiles_sm100a_portable():
     """Blackwell: the same tile program lowered for sm_100a (mma.sync + TMA, no wgmma); not run
     on Blackwell hardware."""

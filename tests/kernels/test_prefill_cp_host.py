@@ -51,6 +51,31 @@ def test_tables_tile_every_sequence_once():
     assert reads == set(stored), "every map the output pass reads is stored by the maps pass"
 
 
+def test_warmup_tables_index_what_the_passes_read():
+    """The gate-warmup contract (prefill_warmup.py writes, prefill_main / prefill_scan read):
+    the finder writes warm_start[cuts[j].out_base + k] for segments k >= 1 of cut sequence j,
+    which must be exactly the output items that carry a map (the ones that read warm_start);
+    the maps pass reads need_maps[map % num_cut] and the scan need_maps[j]: both must be j."""
+    lens = [64 * 9 + 5, 0, 64 * 3, 64 * 4 + 1, 1, 64 * 12]
+    L = 3
+    plan = _plan(lens, L)
+    cp = P._CPTables(plan, torch.device("cpu"))
+    cut = [s for s, n in enumerate(lens) if math.ceil(n / 64) > L]
+    out = cp.out_items.tolist()
+    written = set()
+    for j, (seq, nseg, base) in enumerate(cp.cuts.tolist()):
+        assert seq == cut[j] and nseg == math.ceil(math.ceil(lens[seq] / 64) / L)
+        assert nseg - 1 == cp.cut_levels[j]
+        for kseg in range(nseg):
+            assert out[base + kseg][:2] == [seq, kseg * L], "segment k of sequence j is item out_base + k"
+        written |= {base + kseg for kseg in range(1, nseg)}
+    assert written == {i for i, (_, _, _, m) in enumerate(out) if m >= 0}
+    for seq, first, n, m in cp.maps_items.tolist():
+        assert cp.cuts[m % cp.num_cut, 0] == seq
+    # a warmup stays inside the segment before it: it never reaches chunk 0 (the pool state)
+    assert [P.max_warmup_chunks(n) for n in (1, 2, 3, 16, 64)] == [0, 1, 1, 8, 32]
+
+
 def test_scan_gives_the_true_segment_end_states():
     torch.manual_seed(0)
     hv, hk, L = 4, 2, 2

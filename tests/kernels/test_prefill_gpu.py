@@ -35,6 +35,13 @@ def _mod():
     return mod
 
 
+@pytest.fixture(autouse=True)
+def _gate_warmup_on(monkeypatch):
+    """The gate warmup is off by default until these tests pass on the H200 (prefill_api.
+    GATE_WARMUP): on here, so plans with cp="auto" take it (cp="exact" plans never do)."""
+    monkeypatch.setattr(_mod(), "GATE_WARMUP", True)
+
+
 def make_case(lens, Hk, Hv, *, io=torch.bfloat16, gen, dev="cuda"):
     T = sum(lens)
     width = (2 * Hk + Hv) * HD + 64
@@ -63,19 +70,22 @@ def make_pool(S, Hv, dtype, gen, pad=512, dev="cuda"):
     return flat.as_strided((S, Hv, HD, HD), (slot, HD * HD, HD, 1))
 
 
-def make_plan(lens, Hv, Hk, v_split, segment_chunks=0):
+def make_plan(lens, Hv, Hk, v_split, segment_chunks=0, cp=None):
     """A plan forced to v_split (and, with segment_chunks > 0, to the "cp" strategy with
-    segments of that many chunks), whatever the cost model would pick."""
+    segments of that many chunks), whatever the cost model would pick. cp: the mode the kernels
+    see ("auto": cut segments may use gate warmup; default "exact" for a cut)."""
     import qla_serve
     from qla_serve.plan import force_plan
     plan = qla_serve.plan_prefill(lens, Hv, Hk, device="cuda", cp="off", arch="sm90",
                                   supported_strategies={"plain", "vsplit"})
     strategy = "cp" if segment_chunks else ("plain" if v_split == 1 else "vsplit")
-    return force_plan(plan, strategy, v_split, segment_chunks)
+    return force_plan(plan, strategy, v_split, segment_chunks, cp)
 
 
 def run_case(lens, Hk, Hv, *, pool_dtype=torch.float32, v_split=2, io=torch.bfloat16, seed=0,
-             pad_frac=0.0, init_frac=0.8, all_init=False, extra_slots=3, segment_chunks=0):
+             pad_frac=0.0, init_frac=0.8, all_init=False, extra_slots=3, segment_chunks=0, cp=None):
+    """One prefill call on fresh random inputs, checked against the float64 recurrence (see the
+    module docstring). Returns (o rel err, state rel err, the plan, g)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     rng = random.Random(seed)
     N = len(lens)
@@ -97,7 +107,7 @@ def run_case(lens, Hk, Hv, *, pool_dtype=torch.float32, v_split=2, io=torch.bflo
             init[i] = pool[s].double()
     T = sum(lens)
     out = torch.full((T, Hv, HD), float("nan"), dtype=io, device="cuda")
-    plan = make_plan(lens, Hv, Hk, v_split, segment_chunks)
+    plan = make_plan(lens, Hv, Hk, v_split, segment_chunks, cp)
     _mod().prefill(q, k, v, g, beta, pool, slot_t, plan, has_initial_state=has_t,
                    scale=HD ** -0.5, out=out)
     cu = [0]
@@ -123,7 +133,7 @@ def run_case(lens, Hk, Hv, *, pool_dtype=torch.float32, v_split=2, io=torch.bflo
     tol_s = TOL if pool_dtype == torch.float32 else TOL_BF16_STATE
     assert e_o <= TOL, f"o rel L2 {e_o:.3e} > {TOL}"
     assert e_s <= tol_s, f"state rel L2 {e_s:.3e} > {tol_s}"
-    return e_o, e_s
+    return e_o, e_s, plan, g
 
 
 EDGE_LENS = [0, 1, 63, 64, 65, 130, 7, 200]
@@ -184,6 +194,53 @@ def test_cp_exact_heads_long(Hk, Hv):
     print(f"cp heads {Hk}/{Hv}: o {e[0]:.2e} state {e[1]:.2e}")
 
 
+def _expected_warm_starts(g_seq, first, cap):
+    """What prefill_warmup.py must find for a segment starting at chunk ``first``: the
+    reference's warmup start (reference.warmup_start_chunks) where it lies within ``cap`` chunks,
+    else -1 (the exact path); plus, per head, whether the float64 decay sums come within 1e-3 of
+    the threshold there (the kernel sums in fp32: a flip by one chunk is allowed only there)."""
+    ref = reference.warmup_start_chunks(g_seq, first)
+    per_chunk = torch.stack([g_seq[c * 64:(c + 1) * 64].sum(0) for c in range(first - cap, first)])
+    back = per_chunk.flip(0).cumsum(0)  # decay of the last 1, 2, ..., cap chunks
+    near = ((back - reference.WARMUP_LOG_DECAY).abs() < 1e-3).any(0)
+    want = [w if w > 0 and first - w <= cap else -1 for w in ref]
+    return want, near.tolist()
+
+
+@pytest.mark.parametrize("v_split", [1, 2])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cp_warmup(v_split, pool_dtype):
+    """Context parallelism with gate warmup (plan.cp "auto"): segments of 4 chunks, warmups of
+    at most 2. With these gates (g = 0 on a quarter of the heads, -0.05 to -0.8 per token on the
+    others) some heads warm up from a zero state and the rest take the exact path (maps pass,
+    scan), in the same launches; the maps pass and the scan skip the (sequence, head) pairs that
+    need no map, so an output item that ignored its warm start would read garbage. The finder's
+    tables must match reference.warmup_start_chunks under the cap; o and states the float64
+    recurrence (the e^-10 truncation is far below the tolerance)."""
+    mod = _mod()
+    lens = [64 * 29 + 17, 0, 64 * 5, 1, 64 * 9, 200]
+    e_o, e_s, plan, g = run_case(lens, 2, 8, pool_dtype=pool_dtype, v_split=v_split, seed=700 + v_split,
+                                 pad_frac=0.2, segment_chunks=4, cp="auto")
+    cache = {key[0]: val for key, val in plan.kernel_cache.items()}
+    tables, (warm_start, need_maps) = cache["hopper_prefill_cp"], cache["hopper_prefill_warm"]
+    warm_start, need_maps = warm_start.cpu(), need_maps.cpu()
+    cap, cu = mod.max_warmup_chunks(4), plan.cu_seqlens_cpu
+    g64 = g.double().cpu()
+    kinds = set()
+    for j, (seq, nseg, base) in enumerate(tables.cuts.tolist()):
+        need = [0] * 8
+        for kseg in range(1, nseg):
+            want, near = _expected_warm_starts(g64[cu[seq]:cu[seq + 1]], kseg * 4, cap)
+            got = warm_start[base + kseg].tolist()
+            for h in range(8):
+                assert got[h] == want[h] or near[h], f"seq {seq} segment {kseg} head {h}: {got[h]} != {want[h]}"
+                need[h] |= got[h] < 0
+                kinds.add("exact" if got[h] < 0 else "warmup")
+        assert need_maps[j].tolist() == need, f"need_maps of cut sequence {seq}"
+    assert kinds == {"exact", "warmup"}, "the case must exercise both paths"
+    print(f"cp warmup v_split {v_split} pool {pool_dtype}: o {e_o:.2e} state {e_s:.2e}")
+
+
 # (heads, pool dtype, v_split) combinations of the loop: those the tests above compile already
 # (compiling is the dominant cost on the device), i.e. every head pair and pool with v_split 2
 # and the 2/8 pair with v_split 4.
@@ -193,7 +250,7 @@ LOOP_COMBOS = [(h, p, 2) for h in HEADS for p in (torch.float32, torch.bfloat16)
 
 def test_randomized_loop():
     """200 iterations of random small batches (heads, lengths, pool dtype, v_split, padding,
-    CP segments of 2-3 chunks or none)."""
+    CP segments of 2-3 chunks or none; half of the CP iterations with gate warmup)."""
     rng = random.Random(1234)
     worst = [0.0, 0.0]
     for it in range(200):
@@ -202,7 +259,7 @@ def test_randomized_loop():
         lens = [rng.choice([0, 1, rng.randint(1, 200), rng.randint(1, 700)]) for _ in range(N)]
         L = rng.choice([0, 0, 2, 3])  # a third of the iterations take the CP path
         e = run_case(lens, Hk, Hv, pool_dtype=pool_dtype, v_split=vs, seed=10_000 + it, pad_frac=0.15,
-                     segment_chunks=L)
+                     segment_chunks=L, cp=rng.choice(["auto", "exact"]) if L else None)
         worst = [max(worst[0], e[0]), max(worst[1], e[1])]
     print(f"randomized loop worst: o {worst[0]:.2e} state {worst[1]:.2e}")
 
@@ -216,7 +273,8 @@ def test_sanitizer_case():
     """The small case scripts/gpu_prefill.sh also runs under compute-sanitizer memcheck and
     racecheck (SANITIZE=1); here it is a plain correctness check: 2/8 heads, v_split 2 and 4,
     lengths that end mid-chunk, padding slots, and the CP path (segments of 2 chunks: the maps
-    pass, the scan and the output pass)."""
+    pass, the scan and the output pass; exact, then with gate warmup)."""
     for vs in (2, 4):
         run_case([65, 1, 130], 2, 8, v_split=vs, seed=77 + vs, pad_frac=0.3)
-    run_case([65, 1, 300], 2, 8, v_split=2, seed=79, pad_frac=0.3, segment_chunks=2)
+    for cp in ("exact", "auto"):
+        run_case([65, 1, 300], 2, 8, v_split=2, seed=79, pad_frac=0.3, segment_chunks=2, cp=cp)

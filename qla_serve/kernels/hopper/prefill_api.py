@@ -1,6 +1,7 @@
 """GDN chunked prefill on Hopper (sm_90a): host side.
 
-Two TileLang kernels per call, four with CP (see prefill_prep.py, prefill_main.py, prefill_scan.py):
+Two TileLang kernels per call, four or five with CP (prefill_prep.py, prefill_main.py,
+prefill_warmup.py, prefill_scan.py):
   1. prep  grid (chunks, Hv):      everything state-free, fully parallel: gate factors, the
                                    intra-chunk attention P, U0 = M V and Wk = M diag(exp(gc)) K,
                                    and fp16 copies of bf16 q/k (once per qk-head)
@@ -13,15 +14,23 @@ fp16 q/k copies (512 B per token and qk-head); V' and the per-chunk states never
 Strategies this module implements (the planner may only pick these): "plain" (v_split 1),
 "vsplit" (v_split 2 or 4: the value dimension of each head split across CTAs; exact, same bits
 for a sequence whatever else is in the batch) and "cp" (context parallelism over the plan's
-segments of L chunks, exact path for every head -- no gate warmup yet):
+segments of L chunks):
+  2w. (plan.cp "auto" and GATE_WARMUP only) warmup finder (prefill_warmup.py, grid (num_cut, Hv)): per segment
+      and head, the chunk its state walk may start from with a zero state (gate warmup: the
+      history it drops is decayed by e^-10 or more), within max_warmup_chunks(L); -1 where the
+      head's gates do not decay that fast (g = 0 heads): the exact path below. Found on the
+      device from stage 1's gate factors, so the host never waits. plan.cp "exact": no warmup.
   2a. main "maps" grid (2 v_split, Hv, G1) over every segment but a sequence's last: the state
       at the segment's end from its start (the pool's for the first segment, zero for the
       others) and the segment's transition Phi (the linear part: S_end = Phi S_start + B);
   2b. scan (prefill_scan.py, one launch, fp32): the true state at the end of every segment but
       the last, S_k = Phi_k S_{k-1} + B_k; V-first (X = S^T, as the pool stores it) that is
       X_k = X_{k-1} @ maps[k, 1] + maps[k, 0];
-  2c. main "output" over all segments, in parallel, each starting from its true state.
-The algebra is reference.segmented_gdn's (the float64 oracle of the CP path); nothing truncates.
+  2c. main "output" over all segments, in parallel, each starting from its true state (the
+      exact path) or walking its warmup chunks first.
+With warmup, 2a and 2b skip the (sequence, head) pairs that no segment needs them for.
+The algebra is reference.segmented_gdn's (the float64 oracle of the exact path) and
+reference.warmup_gdn's (the gate warmup).
 
 Kernels are compiled once per (heads, dtypes, v_split, mode) with an explicit target, through
 TileLang's disk cache (TILELANG_CACHE_DIR), and kept in an in-process dict, so a call costs two
@@ -30,11 +39,12 @@ uploaded once per plan (plan.scratch). Nothing here synchronises with the GPU.
 """
 
 import collections
+import os
 import threading
 
 import torch
 
-from . import prefill_main, prefill_prep, prefill_scan
+from . import prefill_main, prefill_prep, prefill_scan, prefill_warmup
 
 ARCH = "sm_90a"
 CHUNK = 64
@@ -43,6 +53,12 @@ V_SPLITS = prefill_main.V_SPLITS  # (1, 2, 4)
 MAIN_MODES = prefill_main.MODES  # ("output", "maps")
 IO_DTYPES = ("bfloat16", "float16")
 POOL_DTYPES = ("float32", "bfloat16")
+
+# Gate warmup (prefill_warmup.py) compiles and its tables are tested on the CPU, but it has not
+# run on the H200 yet: until tests/kernels/test_prefill_gpu.py::test_cp_warmup has passed there,
+# cp="auto" takes the exact path like cp="exact" unless QLA_SERVE_GATE_WARMUP=1 (read once, at
+# import; the GPU tests and `qla-serve bench prefill --gate-warmup` set this flag instead).
+GATE_WARMUP = os.environ.get("QLA_SERVE_GATE_WARMUP", "0") == "1"
 
 _TORCH_TO_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 _kernels: dict = {}
@@ -87,12 +103,28 @@ def scan_variant(num_v_heads: int) -> dict:
     return v
 
 
+def warmup_variant(num_v_heads: int) -> dict:
+    v = {"op": "prefill_cp_warmup", "num_v_heads": num_v_heads}
+    v["name"] = f"gdn_prefill_cp_warmup_hv{num_v_heads}"
+    return v
+
+
+def max_warmup_chunks(segment_chunks: int) -> int:
+    """The longest gate warmup a segment of L chunks may walk before its outputs: floor(L / 2)
+    (0 for L = 1: no warmup). A warmup lengthens that segment's walk (the critical path when
+    every head decays); the exact path instead costs a maps pass of ~0.45 L chunk-times
+    (configs/costmodel sm90 cp_maps_ratio) plus the scan. Below L, so a warmup never reaches a
+    sequence's chunk 0 (prefill_warmup.py)."""
+    return segment_chunks // 2
+
+
 def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
     """Every compiled prefill kernel a deployment with these (per-GPU) head counts can need:
     prep per io dtype, main per (io dtype, pool dtype, v_split, mode). JSON-serialisable dicts."""
     if num_k_heads <= 0 or num_v_heads % num_k_heads:
         raise ValueError(f"num_v_heads ({num_v_heads}) must be a positive multiple of num_k_heads ({num_k_heads})")
-    out = [prep_variant(num_v_heads, num_k_heads, io) for io in IO_DTYPES] + [scan_variant(num_v_heads)]
+    out = [prep_variant(num_v_heads, num_k_heads, io) for io in IO_DTYPES]
+    out += [scan_variant(num_v_heads), warmup_variant(num_v_heads)]
     for io in IO_DTYPES:
         for pool in POOL_DTYPES:
             for vs in V_SPLITS:
@@ -117,6 +149,8 @@ def build(variant: dict, target: str = ARCH):
             hk, io = variant.get("num_k_heads"), variant.get("io_dtype")
             if variant["op"] == "prefill_cp_scan":
                 func, cfg = prefill_scan.scan_func(hv), prefill_scan.PASS_CONFIGS
+            elif variant["op"] == "prefill_cp_warmup":
+                func, cfg = prefill_warmup.warmup_func(hv), prefill_warmup.PASS_CONFIGS
             elif variant["op"] == "prefill_prep":
                 func, cfg = prefill_prep.prep_func(hv, hk, io), prefill_prep.PASS_CONFIGS
             elif variant["op"] == "prefill_main":
@@ -124,8 +158,8 @@ def build(variant: dict, target: str = ARCH):
                                                  variant.get("mode", "output"))
                 cfg = prefill_main.PASS_CONFIGS
             else:
-                raise ValueError(f"variant['op'] must be prefill_prep, prefill_main or prefill_cp_scan, "
-                                 f"got {variant['op']!r}")
+                raise ValueError(f"variant['op'] must be prefill_prep, prefill_main, prefill_cp_scan or "
+                                 f"prefill_cp_warmup, got {variant['op']!r}")
             if target not in ("sm_90a", "sm_100a"):
                 raise ValueError(f"target: expected 'sm_90a' or 'sm_100a', got {target!r}")
             kern = tilelang.compile(
@@ -188,6 +222,12 @@ def _unread_maps(hv: int, device) -> torch.Tensor:
                                                              device=device))
 
 
+def _unread_warmup(hv: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """warm_start and need_maps of a call without gate warmup (use_warmup = 0: never read)."""
+    t = _dummy(("warm", hv, device), lambda: torch.empty((1, hv), dtype=torch.int32, device=device))
+    return t, t
+
+
 def _whole_sequence_items(plan, device) -> torch.Tensor:
     """The items argument of a call without CP: [N, 4], never read (use_items = 0: item i is
     sequence i, whole); its shape gives the grid."""
@@ -205,6 +245,8 @@ class _CPTables:
                         per 0-length sequence, so its slot still gets final = initial state);
                         map = where the segment's true initial state is (k > 0), else -1
     cut_levels [num_cut] maps per cut sequence (its segments minus one), for the scan kernel
+    cuts    [num_cut, 3] (seq, num_segments, out_base) per cut sequence: its segments are
+                        out_items[out_base + k], k in order (the warmup finder's table)
     levels              the largest of them (map levels allocated)
     """
 
@@ -219,24 +261,36 @@ class _CPTables:
         # 0-length sequences have no segment: an empty item still writes their final state.
         out_rows = [(s, 0, 0, -1) for s in range(plan.num_seqs) if s not in nseg]
         maps_rows = []
+        cuts = [None] * self.num_cut
         for seq, first, n, _ in rows:
             if seq not in index:
                 out_rows.append((seq, 0, n, -1))
                 continue
             j, kseg = index[seq], first // plan.segment_chunks
+            if kseg == 0:
+                cuts[j] = (seq, nseg[seq], len(out_rows))
+            elif out_rows[-1][:2] != (seq, first - plan.segment_chunks):
+                raise AssertionError(f"plan.segment_rows: segments of sequence {seq} are not consecutive")
             out_rows.append((seq, first, n, (kseg - 1) * self.num_cut + j if kseg else -1))
             if kseg < nseg[seq] - 1:
                 maps_rows.append((seq, first, n, kseg * self.num_cut + j))
-        flat = torch.tensor([x for row in maps_rows + out_rows for x in row] + levels, dtype=torch.int32)
+        flat = torch.tensor([x for row in maps_rows + out_rows + cuts for x in row] + levels, dtype=torch.int32)
         if device.type == "cuda":  # one upload, no sync
             flat = flat.pin_memory().to(device, non_blocking=True)
         n1, n2 = 4 * len(maps_rows), 4 * (len(maps_rows) + len(out_rows))
+        n3 = n2 + 3 * self.num_cut
         self.maps_items, self.out_items = flat[:n1].view(-1, 4), flat[n1:n2].view(-1, 4)
-        self.cut_levels = flat[n2:]
+        self.cuts, self.cut_levels = flat[n2:n3].view(-1, 3), flat[n3:]
 
     def maps(self, hv: int, device) -> torch.Tensor:
         return torch.empty((max(self.levels * self.num_cut, 1), hv, 2, 128, 128), dtype=torch.float32,
                            device=device)
+
+    def warmup(self, hv: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The finder's outputs: warm_start [len(out_items), Hv], need_maps [num_cut, Hv] (int32;
+        rewritten by every call before the passes read them)."""
+        return (torch.empty((self.out_items.shape[0], hv), dtype=torch.int32, device=device),
+                torch.empty((max(self.num_cut, 1), hv), dtype=torch.int32, device=device))
 
 
 def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale, out, _stages="prep,main",
@@ -287,19 +341,29 @@ def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale,
         return
     head = (qh, kh, *stage1, pool, slot_ids, flags, plan.cu_seqlens, plan.chunk_offsets)
     if strategy != "cp":
-        km(*head, _whole_sequence_items(plan, q.device), _unread_maps(hv, q.device), out,
-           float(scale), all_init, 0)
+        km(*head, _whole_sequence_items(plan, q.device), _unread_maps(hv, q.device),
+           *_unread_warmup(hv, q.device), out, float(scale), all_init, 0, 0)
         return
     cp = plan.scratch(("hopper_prefill_cp", q.device), lambda: _CPTables(plan, q.device))
     maps = plan.scratch(("hopper_prefill_maps", hv, q.device), lambda: cp.maps(hv, q.device))
+    # Gate warmup only where truncating at e^-10 is allowed ("auto"; never for cp="exact").
+    max_warmup = max_warmup_chunks(plan.segment_chunks)
+    warmup = int(GATE_WARMUP and plan.cp == "auto" and cp.num_cut > 0 and max_warmup > 0)
+    if warmup:
+        warm = plan.scratch(("hopper_prefill_warm", hv, q.device), lambda: cp.warmup(hv, q.device))
+        kk = (hv, "warmup", _target)
+        (_fns.get(kk) or _fn(warmup_variant(hv), kk))(
+            stage1[0], plan.chunk_offsets, cp.cuts, *warm, plan.segment_chunks, max_warmup)
+    else:
+        warm = _unread_warmup(hv, q.device)
     if cp.maps_items.shape[0]:
         kk = (hv, hk, io, pool_dt, vs, "maps", _target)
         kmaps = _fns.get(kk) or _fn(main_variant(hv, hk, io, pool_dt, vs, "maps"), kk)
-        kmaps(*head, cp.maps_items, maps, out, float(scale), all_init, 1)
+        kmaps(*head, cp.maps_items, maps, *warm, out, float(scale), all_init, 1, warmup)
         if cp.levels > 1:
             kk = (hv, "scan", _target)
-            (_fns.get(kk) or _fn(scan_variant(hv), kk))(maps, cp.cut_levels)
-    km(*head, cp.out_items, maps, out, float(scale), all_init, 1)
+            (_fns.get(kk) or _fn(scan_variant(hv), kk))(maps, cp.cut_levels, warm[1], warmup)
+    km(*head, cp.out_items, maps, *warm, out, float(scale), all_init, 1, warmup)
 
 
 def _one_row(x):

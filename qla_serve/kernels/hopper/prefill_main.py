@@ -5,7 +5,8 @@ S[:, vb*BV:(vb+1)*BV] (K-first, [128, BV], fp32) held in registers for the whole
 V' and the per-chunk states never reach HBM. BV = 128 / v_split. A work item is a whole
 sequence, or with context parallelism a segment of one (see main_func: mode "output" writes
 the outputs, mode "maps" the segment's end state and its transition Phi for the scan in
-prefill_scan.py).
+prefill_scan.py; with gate warmup an output item first walks a few earlier chunks for the state
+alone, see prefill_warmup.py).
 
 Per chunk (n <= 64 valid rows; tiles are loaded whole: rows >= n are finite and meet only zero
 weights: P is lower triangular and dec = 0 there), with U0, Wk, P and the gate factors
@@ -71,7 +72,13 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
     maps[map, h, 0]; blocks vb >= v_split walk the transition Phi (the same chain from S = I with
     U0 = 0, i.e. S -> Phi S + B split into its linear part) and store Phi^T to maps[map, h, 1]
     (not needed, and skipped, for first_chunk = 0). Both are stored V-first like the pool:
-    maps[m, h, 0, v, d] = S[d, v], maps[m, h, 1, e, d] = Phi[d, e]."""
+    maps[m, h, 0, v, d] = S[d, v], maps[m, h, 1, e, d] = Phi[d, e].
+
+    Gate warmup (use_warmup = 1, after prefill_warmup.py): an output item with map >= 0 and
+    w = warm_start[item, h] >= 0 walks from chunk w (0 < w < first_chunk) from a zero state
+    instead and writes outputs from first_chunk on; w = -1 is the exact path above. The
+    maps pass skips (sequence, head) pairs with need_maps[map % num_cut, h] = 0 (no segment of
+    theirs takes the exact path). With use_warmup = 0 neither table is read."""
     if v_split not in V_SPLITS:
         raise ValueError(f"v_split must be one of {V_SPLITS}, got {v_split}")
     if mode not in MODES:
@@ -89,6 +96,8 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
     nchunk = T.dynamic("nchunk")
     nitem = T.dynamic("nitem")
     nmap = T.dynamic("nmap")
+    nwarm = T.dynamic("nwarm")
+    ncut = T.dynamic("ncut")
     sq0, sq1 = T.dynamic("sq0"), T.dynamic("sq1")
     sk0, sk1 = T.dynamic("sk0"), T.dynamic("sk1")
     so0, so1 = T.dynamic("so0"), T.dynamic("so1")
@@ -111,10 +120,13 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
         chunk_offsets: T.Tensor((nseq + 1,), "int32"),
         items: T.Tensor((nitem, 4), "int32"),
         maps: T.Tensor((nmap, Hv, 2, DV, DK), "float32"),
+        warm_start: T.Tensor((nwarm, Hv), "int32"),
+        need_maps: T.Tensor((ncut, Hv), "int32"),
         out: T.StridedTensor((ntok, Hv, DV), (so0, so1, 1), io_dtype),
         scale: T.float32,
         all_init: T.int32,
         use_items: T.int32,
+        use_warmup: T.int32,
     ):
         with T.Kernel(n_vblocks, Hv, nitem, threads=THREADS) as (vb, h, it):
             hk = h // group
@@ -146,6 +158,8 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
             first = T.alloc_var("int32")
             nck = T.alloc_var("int32")
             midx = T.alloc_var("int32")
+            start = T.alloc_var("int32")  # the chunk the walk starts at (< first: gate warmup)
+            skip = T.alloc_var("int32")  # 1: this block has nothing to do (maps pass, warmup)
             if use_items != 0:
                 s = items[it, 0]
                 first = items[it, 1]
@@ -156,20 +170,30 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
                 first = 0
                 nck = T.ceildiv(cu_seqlens[it + 1] - cu_seqlens[it], C)
                 midx = -1
+            start = first
+            skip = 0
+            if use_warmup != 0 and midx >= 0:  # (prefill_warmup.py decided, per head)
+                if maps_mode:
+                    skip = T.if_then_else(need_maps[midx % ncut, h] == 0, 1, 0)
+                elif warm_start[it, h] >= 0:
+                    start = warm_start[it, h]
+            seq_bos = cu_seqlens[s]
             seq_eos = cu_seqlens[s + 1]
-            bos = cu_seqlens[s] + first * C
-            eos = T.min(bos + nck * C, seq_eos)
-            coff = chunk_offsets[s] + first
+            bos = seq_bos + start * C  # the walk's first token
+            item_end = seq_bos + (first + nck) * C  # may pass seq_eos
+            eos = T.min(item_end, seq_eos)
+            coff = chunk_offsets[s] + start
+            warm_chunks = first - start  # walked for the state only, no output rows
             is_phi = vb >= v_split  # maps mode only
             # Phi is not needed for a sequence's first segment (it starts from the true state).
-            nchunks = T.if_then_else(is_phi and first == 0, 0, nck)
+            nchunks = T.if_then_else((is_phi and first == 0) or skip != 0, 0, warm_chunks + nck)
             tx = T.get_thread_binding()
 
             if tx < STATE_THREADS:
                 slot = slot_ids[s]
                 load = T.alloc_var("int32")
                 load = 0
-                if first == 0 and slot >= 0:
+                if start == 0 and slot >= 0:
                     if all_init != 0:
                         load = 1
                     elif has_init[s] != 0:
@@ -183,7 +207,9 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
                 else:
                     T.clear(h_f)
                     if not maps_mode:
-                        if first > 0:  # the true state at the segment's start (maps pass + scan)
+                        # Exact path: the true state at the segment's start (maps pass + scan);
+                        # a gate warmup (start < first) walks from zero instead.
+                        if start > 0 and start == first:
                             for d, j in T.Parallel(DK, BV):
                                 h_f[d, j] = maps[midx, h, 0, v0 + j, d]
                 gl = T.alloc_var(acc)
@@ -223,7 +249,7 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
                     if nchunks > 0:
                         for d, j in T.Parallel(DK, BV):
                             maps[midx, h, vb // v_split, v0 + j, d] = h_f[d, j]
-                elif slot >= 0 and bos + nck * C >= seq_eos:  # the sequence's last segment
+                elif slot >= 0 and item_end >= seq_eos:  # the sequence's last segment
                     for d, j in T.Parallel(DK, BV):
                         pool[slot, h, v0 + j, d] = T.cast(h_f[d, j], pool_dtype)
 
@@ -233,19 +259,24 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
                         st = c % 2
                         t0 = bos + c * C
                         n = T.min(eos - t0, C)
+                        emit = c >= warm_chunks  # warmup chunks: the barriers only
                         T.barrier_wait(ready[st], (c // 2) % 2)
                         T.barrier_wait(hs_ready, c % 2)
-                        T.gemm(q_s[st, :, :], hs_s, o_f, clear_accum=True)
+                        if emit:
+                            T.gemm(q_s[st, :, :], hs_s, o_f, clear_accum=True)
                         T.barrier_arrive(hs_used)
-                        for i, j in T.Parallel(C, BV):
-                            o_f[i, j] = o_f[i, j] * (f_s[st, 0, i] * scale)
+                        if emit:
+                            for i, j in T.Parallel(C, BV):
+                                o_f[i, j] = o_f[i, j] * (f_s[st, 0, i] * scale)
                         T.barrier_wait(vp_ready, c % 2)
-                        T.gemm(p_s[st, :, :], vp_s, o_f)
+                        if emit:
+                            T.gemm(p_s[st, :, :], vp_s, o_f)
                         T.barrier_arrive(vp_used)
                         T.barrier_arrive(free[st])
-                        for i, j in T.Parallel(C, BV):
-                            if i < n:
-                                out[t0 + i, h, v0 + j] = T.cast(o_f[i, j], io_dtype)
+                        if emit:
+                            for i, j in T.Parallel(C, BV):
+                                if i < n:
+                                    out[t0 + i, h, v0 + j] = T.cast(o_f[i, j], io_dtype)
 
             else:
                 T.set_max_nreg(_NREG_PRODUCER, 0)
