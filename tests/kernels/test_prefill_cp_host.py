@@ -38,7 +38,9 @@ def test_tables_tile_every_sequence_once():
         if first:  # starts from the end state of its previous segment, stored by the maps pass
             j = cut.index(s)
             assert m == (first // L - 1) * cp.num_cut + j
-        else:
+        elif s in cut:  # from the maps pass's copy of the pool state (maps[j, h, 1])
+            assert m == cut.index(s)
+        else:  # uncut: reads its own pool slot, which no other item writes
             assert m == -1
     assert all(covered[s] == list(range(c)) for s, c in enumerate(chunks))
     # every 0-length sequence still has its (empty) item: its slot gets final = initial state
@@ -47,8 +49,11 @@ def test_tables_tile_every_sequence_once():
     for s, first, n, m in cp.maps_items.tolist():
         assert s in cut and first + n < chunks[s], "the last segment of a sequence has no map"
         stored[m] = (s, first)
-    reads = {m for s, first, n, m in cp.out_items.tolist() if first}
+    reads = {m for s, first, n, m in cp.out_items.tolist() if m >= 0}
     assert reads == set(stored), "every map the output pass reads is stored by the maps pass"
+    # the pool slot of a cut sequence is read only by the maps pass (its segment 0), never by
+    # the output pass, whose last segment writes it
+    assert all(m >= 0 for s, first, n, m in cp.out_items.tolist() if s in cut)
 
 
 def test_warmup_tables_index_what_the_passes_read():
@@ -69,7 +74,7 @@ def test_warmup_tables_index_what_the_passes_read():
         for kseg in range(nseg):
             assert out[base + kseg][:2] == [seq, kseg * L], "segment k of sequence j is item out_base + k"
         written |= {base + kseg for kseg in range(1, nseg)}
-    assert written == {i for i, (_, _, _, m) in enumerate(out) if m >= 0}
+    assert written == {i for i, (_, first, _, m) in enumerate(out) if m >= 0 and first > 0}
     for seq, first, n, m in cp.maps_items.tolist():
         assert cp.cuts[m % cp.num_cut, 0] == seq
     # a warmup stays inside the segment before it: it never reaches chunk 0 (the pool state)
@@ -106,7 +111,8 @@ def test_scan_gives_the_true_segment_end_states():
             Tm = gamma[..., -1:, None] * torch.eye(128, dtype=torch.float64) - KtD @ Wk
             S, Phi = Tm @ S + KtD @ U0, Tm @ Phi
         maps[m, :, 0] = S.transpose(-1, -2)
-        maps[m, :, 1] = Phi.transpose(-1, -2)
+        # a first segment's Phi blocks store its initial state instead (for the output pass)
+        maps[m, :, 1] = init[s] if first == 0 else Phi.transpose(-1, -2)
     for j, levels in enumerate(cp.cut_levels.tolist()):  # prefill_scan.py's recurrence
         for lvl in range(1, levels):
             m = lvl * cp.num_cut + j
@@ -114,6 +120,8 @@ def test_scan_gives_the_true_segment_end_states():
     # The true states at every chunk boundary, from the per-token recurrence.
     for s, first, n, m in cp.out_items.tolist():
         if first == 0:
+            if m >= 0:  # a cut sequence's first segment starts from maps[m, :, 1]
+                assert torch.equal(maps[m, :, 1], init[s])
             continue
         stop = cu[s] + 64 * first
         _, truth = reference.recurrent_gdn(q[cu[s]:stop], k[cu[s]:stop], v[cu[s]:stop], g[cu[s]:stop],

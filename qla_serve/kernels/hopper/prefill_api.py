@@ -27,7 +27,9 @@ segments of L chunks):
       the last, S_k = Phi_k S_{k-1} + B_k; V-first (X = S^T, as the pool stores it) that is
       X_k = X_{k-1} @ maps[k, 1] + maps[k, 0];
   2c. main "output" over all segments, in parallel, each starting from its true state (the
-      exact path) or walking its warmup chunks first.
+      exact path) or walking its warmup chunks first. A cut sequence's first segment starts
+      from the maps pass's copy of its pool state: within one launch no item reads a pool slot
+      that another item writes (the last segment writes it), whatever the block order.
 With warmup, 2a and 2b skip the (sequence, head) pairs that no segment needs them for.
 The algebra is reference.segmented_gdn's (the float64 oracle of the exact path) and
 reference.warmup_gdn's (the gate warmup).
@@ -243,7 +245,11 @@ class _CPTables:
                         k * num_cut + j
     out_items  [G, 4]   (seq, first_chunk, num_chunks, map) for every segment (and one empty item
                         per 0-length sequence, so its slot still gets final = initial state);
-                        map = where the segment's true initial state is (k > 0), else -1
+                        map = where the segment's true initial state is: k > 0 the previous
+                        segment's map (maps[map, h, 0]); k = 0 of a cut sequence its own
+                        (maps[map, h, 1]: the maps pass's copy of the pool state, so the
+                        output pass never reads a slot its last segment writes); -1 for uncut
+                        sequences (they read their pool slot)
     cut_levels [num_cut] maps per cut sequence (its segments minus one), for the scan kernel
     cuts    [num_cut, 3] (seq, num_segments, out_base) per cut sequence: its segments are
                         out_items[out_base + k], k in order (the warmup finder's table)
@@ -271,7 +277,7 @@ class _CPTables:
                 cuts[j] = (seq, nseg[seq], len(out_rows))
             elif out_rows[-1][:2] != (seq, first - plan.segment_chunks):
                 raise AssertionError(f"plan.segment_rows: segments of sequence {seq} are not consecutive")
-            out_rows.append((seq, first, n, (kseg - 1) * self.num_cut + j if kseg else -1))
+            out_rows.append((seq, first, n, (kseg - 1 if kseg else 0) * self.num_cut + j))
             if kseg < nseg[seq] - 1:
                 maps_rows.append((seq, first, n, kseg * self.num_cut + j))
         flat = torch.tensor([x for row in maps_rows + out_rows + cuts for x in row] + levels, dtype=torch.int32)

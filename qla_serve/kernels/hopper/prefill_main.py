@@ -66,19 +66,24 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
     items[i] = (seq, first_chunk, num_chunks, map): a segment of a sequence (context parallelism,
     see prefill_api). mode "output" writes every output row of the item; an item with
     first_chunk > 0 starts from maps[map, h, 0] (the true state at its first chunk, from the
-    "maps" pass and the scan), and the last segment of a sequence writes the pool slot.
+    "maps" pass and the scan), the first segment of a cut sequence (first_chunk = 0, map >= 0)
+    from maps[map, h, 1] (the maps pass's copy of the pool state), and the last segment of a
+    sequence writes the pool slot. So in an output pass only an uncut sequence's item reads its
+    pool slot: no item reads a slot that another item of the same launch writes.
     mode "maps" writes no output: grid x is 2 * v_split, blocks vb < v_split walk the state from
     the item's initial state (the pool's for first_chunk = 0, else zero) and store it to
     maps[map, h, 0]; blocks vb >= v_split walk the transition Phi (the same chain from S = I with
-    U0 = 0, i.e. S -> Phi S + B split into its linear part) and store Phi^T to maps[map, h, 1]
-    (not needed, and skipped, for first_chunk = 0). Both are stored V-first like the pool:
+    U0 = 0, i.e. S -> Phi S + B split into its linear part) and store Phi^T to maps[map, h, 1].
+    A first segment needs no Phi: its blocks vb >= v_split store the initial state there
+    instead (the pool's, or zero). All stored V-first like the pool:
     maps[m, h, 0, v, d] = S[d, v], maps[m, h, 1, e, d] = Phi[d, e].
 
-    Gate warmup (use_warmup = 1, after prefill_warmup.py): an output item with map >= 0 and
-    w = warm_start[item, h] >= 0 walks from chunk w (0 < w < first_chunk) from a zero state
+    Gate warmup (use_warmup = 1, after prefill_warmup.py): an output item with first_chunk > 0
+    and w = warm_start[item, h] >= 0 walks from chunk w (0 < w < first_chunk) from a zero state
     instead and writes outputs from first_chunk on; w = -1 is the exact path above. The
-    maps pass skips (sequence, head) pairs with need_maps[map % num_cut, h] = 0 (no segment of
-    theirs takes the exact path). With use_warmup = 0 neither table is read."""
+    maps pass skips the walks of (sequence, head) pairs with need_maps[map % num_cut, h] = 0 (no
+    segment of theirs takes the exact path; the initial-state copy is still made). With
+    use_warmup = 0 neither table is read."""
     if v_split not in V_SPLITS:
         raise ValueError(f"v_split must be one of {V_SPLITS}, got {v_split}")
     if mode not in MODES:
@@ -175,8 +180,9 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
             if use_warmup != 0 and midx >= 0:  # (prefill_warmup.py decided, per head)
                 if maps_mode:
                     skip = T.if_then_else(need_maps[midx % ncut, h] == 0, 1, 0)
-                elif warm_start[it, h] >= 0:
-                    start = warm_start[it, h]
+                elif first > 0:
+                    if warm_start[it, h] >= 0:
+                        start = warm_start[it, h]
             seq_bos = cu_seqlens[s]
             seq_eos = cu_seqlens[s + 1]
             bos = seq_bos + start * C  # the walk's first token
@@ -185,20 +191,23 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
             coff = chunk_offsets[s] + start
             warm_chunks = first - start  # walked for the state only, no output rows
             is_phi = vb >= v_split  # maps mode only
-            # Phi is not needed for a sequence's first segment (it starts from the true state).
-            nchunks = T.if_then_else((is_phi and first == 0) or skip != 0, 0, warm_chunks + nck)
+            # A first segment needs no Phi (it starts from the true state): its Phi blocks copy
+            # that state to maps[map, h, 1] for the output pass instead (no walk).
+            init_copy = is_phi and first == 0
+            nchunks = T.if_then_else(init_copy or skip != 0, 0, warm_chunks + nck)
             tx = T.get_thread_binding()
 
             if tx < STATE_THREADS:
                 slot = slot_ids[s]
                 load = T.alloc_var("int32")
                 load = 0
-                if start == 0 and slot >= 0:
+                # The output pass reads the pool only for uncut sequences (map < 0).
+                if start == 0 and slot >= 0 and (maps_mode or midx < 0):
                     if all_init != 0:
                         load = 1
                     elif has_init[s] != 0:
                         load = 1
-                if is_phi:
+                if is_phi and not init_copy:
                     for d, j in T.Parallel(DK, BV):
                         h_f[d, j] = T.if_then_else(d == v0 + j, 1.0, 0.0)
                 elif load != 0:
@@ -207,11 +216,14 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
                 else:
                     T.clear(h_f)
                     if not maps_mode:
-                        # Exact path: the true state at the segment's start (maps pass + scan);
-                        # a gate warmup (start < first) walks from zero instead.
-                        if start > 0 and start == first:
-                            for d, j in T.Parallel(DK, BV):
-                                h_f[d, j] = maps[midx, h, 0, v0 + j, d]
+                        if midx >= 0:
+                            if first == 0:  # a cut sequence's first segment: the pool state's copy
+                                for d, j in T.Parallel(DK, BV):
+                                    h_f[d, j] = maps[midx, h, 1, v0 + j, d]
+                            elif start == first:  # exact path: the true state (maps pass + scan)
+                                for d, j in T.Parallel(DK, BV):
+                                    h_f[d, j] = maps[midx, h, 0, v0 + j, d]
+                            # else a gate warmup (start < first): from zero
                 gl = T.alloc_var(acc)
                 for c in T.serial(nchunks):
                     st = c % 2
@@ -246,7 +258,7 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
                     T.gemm(k_s[st, :, :], vpd_s, h_f, transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
                     T.barrier_arrive(free[st])
                 if maps_mode:
-                    if nchunks > 0:
+                    if nchunks > 0 or init_copy:
                         for d, j in T.Parallel(DK, BV):
                             maps[midx, h, vb // v_split, v0 + j, d] = h_f[d, j]
                 elif slot >= 0 and item_end >= seq_eos:  # the sequence's last segment
