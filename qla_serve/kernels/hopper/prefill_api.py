@@ -15,11 +15,12 @@ Strategies this module implements (the planner may only pick these): "plain" (v_
 "vsplit" (v_split 2 or 4: the value dimension of each head split across CTAs; exact, same bits
 for a sequence whatever else is in the batch) and "cp" (context parallelism over the plan's
 segments of L chunks):
-  2w. (plan.cp "auto" and GATE_WARMUP only) warmup finder (prefill_warmup.py, grid (num_cut, Hv)): per segment
-      and head, the chunk its state walk may start from with a zero state (gate warmup: the
-      history it drops is decayed by e^-10 or more), within max_warmup_chunks(L); -1 where the
-      head's gates do not decay that fast (g = 0 heads): the exact path below. Found on the
-      device from stage 1's gate factors, so the host never waits. plan.cp "exact": no warmup.
+  2w. (plan.cp "auto" and GATE_WARMUP only) warmup finder (prefill_warmup.py, grid
+      (num_cut, Hv)): per segment and head, the chunk its state walk may start from with a
+      zero state (gate warmup: the history it drops is decayed by e^-10 or more), within
+      max_warmup_chunks(L); -1 where the head's gates do not decay that fast (g = 0 heads):
+      the exact path below. Found on the device from stage 1's gate factors, so the host never
+      waits. plan.cp "exact": no warmup.
   2a. main "maps" grid (2 v_split, Hv, G1) over every segment but a sequence's last: the state
       at the segment's end from its start (the pool's for the first segment, zero for the
       others) and the segment's transition Phi (the linear part: S_end = Phi S_start + B);
