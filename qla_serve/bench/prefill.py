@@ -51,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gate-warmup", action="store_true",
                         help="turn on the Hopper gate warmup for cut segments under --cp auto "
                              "(prefill_api.GATE_WARMUP; off until validated on the H200)")
+    parser.add_argument("--main", choices=("v8", "vfirst"), default=None,
+                        help="qla_serve's Hopper stage-2 kernel (prefill_api.MAIN_IMPL; default: "
+                             "$QLA_SERVE_PREFILL_MAIN or v8). vfirst is experimental, v_split 1/2")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--graph-calls", type=int, default=5)
     parser.add_argument("--breakdown", action="store_true", help="also time qla_serve's prep and main kernels apart")
@@ -143,6 +146,12 @@ def parse_plan_label(label: str) -> tuple[str, int, int]:
     return strategy, int(vs[2:]), int(cut[0][1:]) if cut else 0
 
 
+def _main_impl(plan) -> str:
+    """Which Hopper stage-2 kernel this plan runs ("v8" or "vfirst"; "-" off Hopper)."""
+    from qla_serve.kernels.hopper import prefill_api
+    return prefill_api.main_impl_for(plan.v_split) if plan.arch == "sm90" else "-"
+
+
 def _qla_fn(lens, hk, hv, data, v_split, stages="prep,main", segment_chunks="auto", cp="auto"):
     import torch
 
@@ -208,9 +217,10 @@ def run(args) -> int:
     if not torch.cuda.is_available():
         print("bench prefill: needs a CUDA GPU")
         return 2
-    if args.gate_warmup:
+    if args.gate_warmup or args.main:
         from qla_serve.kernels.hopper import prefill_api
-        prefill_api.GATE_WARMUP = True
+        prefill_api.GATE_WARMUP = prefill_api.GATE_WARMUP or args.gate_warmup
+        prefill_api.MAIN_IMPL = args.main or prefill_api.MAIN_IMPL
     heads = HEAD_PAIRS if args.heads == "all" else [tuple(int(x) for x in p.split("/")) for p in args.heads.split(",")]
     rows = list(ROWS) if args.rows == "all" else args.rows.split(",")
     impls = args.impls.split(",")
@@ -228,6 +238,7 @@ def run(args) -> int:
                                                        segment_chunks=args.segment_chunks, cp=args.cp)
                         rec["qla_plan"] = plan_label(plan)
                         rec["qla_cp"] = plan.cp + ("+warmup" if args.gate_warmup and plan.cp == "auto" else "")
+                        rec["qla_main"] = _main_impl(plan)
                         if args.breakdown:
                             for st in ("prep", "main"):
                                 f2 = _qla_fn(lens, hk, hv, data, args.v_split, st, args.segment_chunks,

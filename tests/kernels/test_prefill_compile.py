@@ -75,6 +75,34 @@ def test_compiles_cp_warmup_sm90a():
     assert "logf(" in src and "-1.000000e+01" in src, "expected log decays summed against -10"
 
 
+@pytest.mark.parametrize("v_split,mode", [(1, "output"), (2, "maps")])
+def test_compiles_vfirst_sm90a(v_split, mode):
+    """The experimental V-first stage 2 (prefill_main_vfirst.py): every chain GEMM takes its A
+    operand from registers (wgmma_rs), nothing of the state is copied to shared memory, and the
+    consumer warpgroups meet no named barrier on the chain."""
+    src = P.build(P.main_variant(8, 2, "bfloat16", "float32", v_split, mode, "vfirst"), "sm_90a").get_kernel_source()
+    assert "gdn_prefill_main_vfirst" in src and "wgmma_rs" in src and "wgmma_ss" not in src
+    assert "hs_s" not in src and "__sync_thread_partial" not in src
+    assert ("warpgroup_reg_alloc" in src) == (v_split == 1), "setmaxnreg.inc only at 384 threads"
+
+
+def test_vfirst_is_chosen_only_where_it_applies(monkeypatch):
+    """MAIN_IMPL "vfirst" applies to v_split 1/2 on sm_90a; v_split 4 and sm_100a keep v8, and
+    the sm_100a variant list never holds a wgmma-only kernel."""
+    from qla_serve.kernels import blackwell
+
+    monkeypatch.setattr(P, "MAIN_IMPL", "vfirst")
+    assert [P.main_impl_for(vs) for vs in (1, 2, 4)] == ["vfirst", "vfirst", "v8"]
+    assert P.main_impl_for(1, "sm_100a") == "v8"
+    names = [v["name"] for v in P.kernel_variants(8, 2)]
+    assert sum(n.endswith("_vfirst") for n in names) == 16  # 2 io x 2 pools x 2 splits x 2 modes
+    assert not any(v.get("impl") == "vfirst" for v in blackwell.kernel_variants(8, 2))
+    monkeypatch.setattr(P, "MAIN_IMPL", "v8")
+    assert not any(n.endswith("_vfirst") for n in (v["name"] for v in P.kernel_variants(8, 2)))
+    with pytest.raises(ValueError, match="impl"):
+        P.main_variant(8, 2, "bfloat16", "float32", 1, "output", "v9")
+
+
 def test_compiles_sm100a_portable():
     """Blackwell: the same tile program lowered for sm_100a (mma.sync + TMA, no wgmma); not run
     on Blackwell hardware."""

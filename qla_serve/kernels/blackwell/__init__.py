@@ -22,8 +22,9 @@ TARGETS = ("sm_100a",)
 
 
 def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
-    """Same variant list as Hopper (compiled here for sm_100a)."""
-    return _hopper.kernel_variants(num_v_heads, num_k_heads)
+    """Hopper's variant list (compiled here for sm_100a), less the experimental V-first prefill
+    kernel, which is wgmma-only (prefill runs the v8 kernel on sm_100a)."""
+    return [v for v in _hopper.kernel_variants(num_v_heads, num_k_heads) if v.get("impl", "v8") == "v8"]
 
 
 def build(variant: dict, target: str = ARCH):

@@ -8,6 +8,9 @@ prefill_warmup.py, prefill_scan.py):
   2. main  grid (v_split, Hv, N):  the sequential chunk walk (warp-specialised, two GEMMs per
                                    chunk on the chain) with the state in registers, pool slots
                                    read and written in place, every output row written.
+                                   (MAIN_IMPL "vfirst": prefill_main_vfirst.py, the same walk
+                                   with the state transposed and every chain GEMM's A operand
+                                   in registers; experimental, v_split 1 and 2.)
 The HBM intermediates are the gate factors, P, U0 and Wk (40.5 KB per chunk and v-head) plus the
 fp16 q/k copies (512 B per token and qk-head); V' and the per-chunk states never leave the SM.
 
@@ -47,7 +50,7 @@ import threading
 
 import torch
 
-from . import prefill_main, prefill_prep, prefill_scan, prefill_warmup
+from . import prefill_main, prefill_main_vfirst, prefill_prep, prefill_scan, prefill_warmup
 
 ARCH = "sm_90a"
 CHUNK = 64
@@ -63,6 +66,22 @@ POOL_DTYPES = ("float32", "bfloat16")
 # import; the GPU tests and `qla-serve bench prefill --gate-warmup` set this flag instead).
 GATE_WARMUP = os.environ.get("QLA_SERVE_GATE_WARMUP", "0") == "1"
 
+# Which stage-2 kernel runs: "v8" (prefill_main.py, validated on the H200) or "vfirst"
+# (prefill_main_vfirst.py: EXPERIMENTAL, compiled but not yet run on the H200; v_split 1 and 2
+# only, plans with v_split 4 keep v8). Read once at import from QLA_SERVE_PREFILL_MAIN; the GPU
+# tests and `qla-serve bench prefill --main vfirst` set it instead. Hopper only (wgmma).
+MAIN_IMPLS = ("v8", "vfirst")
+
+
+def _main_impl_from_env() -> str:
+    impl = os.environ.get("QLA_SERVE_PREFILL_MAIN", "v8").strip().lower()
+    if impl not in MAIN_IMPLS:
+        raise ValueError(f"QLA_SERVE_PREFILL_MAIN: expected one of {MAIN_IMPLS}, got {impl!r}")
+    return impl
+
+
+MAIN_IMPL = _main_impl_from_env()
+
 _TORCH_TO_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 _kernels: dict = {}
 _lock = threading.Lock()
@@ -76,6 +95,7 @@ def _variant_name(v: dict) -> str:
     return (
         f"gdn_prefill_main_hv{v['num_v_heads']}_hk{v['num_k_heads']}_{v['io_dtype']}"
         f"_pool{v['pool_dtype']}_vs{v['v_split']}" + ("_maps" if v["mode"] == "maps" else "")
+        + ("_vfirst" if v.get("impl", "v8") == "vfirst" else "")
     )
 
 
@@ -86,7 +106,10 @@ def prep_variant(num_v_heads: int, num_k_heads: int, io_dtype: str) -> dict:
 
 
 def main_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str, v_split: int,
-                 mode: str = "output") -> dict:
+                 mode: str = "output", impl: str = "v8") -> dict:
+    """Stage 2; impl "vfirst" is prefill_main_vfirst.py (v_split 1 and 2), "v8" prefill_main.py."""
+    if impl not in MAIN_IMPLS:
+        raise ValueError(f"impl: expected one of {MAIN_IMPLS}, got {impl!r}")
     v = {
         "op": "prefill_main",
         "num_v_heads": num_v_heads,
@@ -96,8 +119,18 @@ def main_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: 
         "v_split": v_split,
         "mode": mode,
     }
+    if impl != "v8":  # v8 variants keep their names (and compile caches)
+        v["impl"] = impl
     v["name"] = _variant_name(v)
     return v
+
+
+def main_impl_for(v_split: int, target: str = ARCH) -> str:
+    """The stage-2 kernel a plan with this v_split runs: MAIN_IMPL where it applies (vfirst:
+    v_split 1 and 2 on sm_90a), else v8."""
+    if MAIN_IMPL == "vfirst" and target == "sm_90a" and v_split in prefill_main_vfirst.V_SPLITS:
+        return "vfirst"
+    return "v8"
 
 
 def scan_variant(num_v_heads: int) -> dict:
@@ -123,7 +156,8 @@ def max_warmup_chunks(segment_chunks: int) -> int:
 
 def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
     """Every compiled prefill kernel a deployment with these (per-GPU) head counts can need:
-    prep per io dtype, main per (io dtype, pool dtype, v_split, mode). JSON-serialisable dicts."""
+    prep per io dtype, main per (io dtype, pool dtype, v_split, mode), plus the experimental
+    V-first main variants when MAIN_IMPL is "vfirst". JSON-serialisable dicts."""
     if num_k_heads <= 0 or num_v_heads % num_k_heads:
         raise ValueError(f"num_v_heads ({num_v_heads}) must be a positive multiple of num_k_heads ({num_k_heads})")
     out = [prep_variant(num_v_heads, num_k_heads, io) for io in IO_DTYPES]
@@ -133,6 +167,8 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
             for vs in V_SPLITS:
                 for mode in MAIN_MODES:
                     out.append(main_variant(num_v_heads, num_k_heads, io, pool, vs, mode))
+                    if main_impl_for(vs) == "vfirst":
+                        out.append(main_variant(num_v_heads, num_k_heads, io, pool, vs, mode, "vfirst"))
     return out
 
 
@@ -157,8 +193,9 @@ def build(variant: dict, target: str = ARCH):
             elif variant["op"] == "prefill_prep":
                 func, cfg = prefill_prep.prep_func(hv, hk, io), prefill_prep.PASS_CONFIGS
             elif variant["op"] == "prefill_main":
-                func, _ = prefill_main.main_func(hv, hk, io, variant["pool_dtype"], variant["v_split"],
-                                                 variant.get("mode", "output"))
+                kmod = prefill_main_vfirst if variant.get("impl", "v8") == "vfirst" else prefill_main
+                func, _ = kmod.main_func(hv, hk, io, variant["pool_dtype"], variant["v_split"],
+                                         variant.get("mode", "output"))
                 cfg = prefill_main.PASS_CONFIGS
             else:
                 raise ValueError(f"variant['op'] must be prefill_prep, prefill_main, prefill_cp_scan or "
@@ -325,8 +362,9 @@ def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale,
     io = _TORCH_TO_TL[q.dtype]
     pool_dt = _TORCH_TO_TL[pool.dtype]
     kp = _fns.get((hv, hk, io, _target)) or _fn(prep_variant(hv, hk, io), (hv, hk, io, _target))
-    kk = (hv, hk, io, pool_dt, vs, "output", _target)
-    km = _fns.get(kk) or _fn(main_variant(hv, hk, io, pool_dt, vs), kk)
+    impl = main_impl_for(vs, _target)
+    kk = (hv, hk, io, pool_dt, vs, "output", impl, _target)
+    km = _fns.get(kk) or _fn(main_variant(hv, hk, io, pool_dt, vs, "output", impl), kk)
     if scale is None:
         scale = 128**-0.5
     if has_initial_state is None:
@@ -364,8 +402,8 @@ def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale,
     else:
         warm = _unread_warmup(hv, q.device)
     if cp.maps_items.shape[0]:
-        kk = (hv, hk, io, pool_dt, vs, "maps", _target)
-        kmaps = _fns.get(kk) or _fn(main_variant(hv, hk, io, pool_dt, vs, "maps"), kk)
+        kk = (hv, hk, io, pool_dt, vs, "maps", impl, _target)
+        kmaps = _fns.get(kk) or _fn(main_variant(hv, hk, io, pool_dt, vs, "maps", impl), kk)
         kmaps(*head, cp.maps_items, maps, *warm, out, float(scale), all_init, 1, warmup)
         if cp.levels > 1:
             kk = (hv, "scan", _target)

@@ -1,0 +1,244 @@
+"""Prefill stage 2, V-first (EXPERIMENTAL, compiled but not yet run on the H200): the chunk walk
+of prefill_main.py with the state held transposed, X = S^T ([BV, 128], value rows, as the pool
+stores it), so that every GEMM on the chain takes its A operand from registers.
+
+Same algebra, same arguments, same work items and modes as prefill_main.main_func (see there);
+per chunk, with U0, Wk (stored negated), P and the gate factors exp(gc), dec from stage 1
+(prefill_prep.py) and Xh = fp16(X) in registers:
+  V'^T = U0^T + Xh (-Wk)^T                         [BV, 64]  wgmma, A = Xh
+  O^T  = scale (Xh Q^T) diag(exp gc)               [BV, 64]  same batch, A = Xh
+  O^T += fp16(V'^T) P^T                                      A = fp16(V'^T)
+  X   <- gamma_last X + fp16(V'^T diag(dec)) K     [BV, 128] A = fp16(V'^T diag(dec))
+i.e. the transpose of prefill_main's V' = U0 - Wk Hs, O = scale diag(exp gc) Q Hs + P V',
+S <- gamma_last S + K^T diag(dec) V'; the float64 truth is reference.recurrent_gdn.
+
+Warp roles (BV / 64 consumer warpgroups + one producer warpgroup):
+  consumers  each owns 64 value rows of X, end to end: it computes V', O and the state update
+             for its rows and stores its rows of O. Nothing passes between consumer warpgroups
+             (no fp16 copy of S or V' in shared memory, no named barrier on the chain): they
+             share only the TMA stages.
+  producer   one warp issuing the TMA loads of the next chunk (two stages).
+Only v_split 1 (two consumer warpgroups, 384 threads) and 2 (one, 256 threads): a wgmma tile
+has 64 rows per warpgroup, so BV = 32 (v_split 4) does not map onto it.
+
+Why: v7's profile put the chain's time in the handshakes around the shared-memory copies of S
+and V' between its state and output warpgroups (benchmarks/prefill.md); here there are none.
+"""
+
+import tilelang
+import tilelang.language as T
+
+from .prefill_main import C, DK, DV, MODES, PASS_CONFIGS, _NREG_PRODUCER  # noqa: F401
+
+V_SPLITS = (1, 2)
+# Registers per consumer thread after setmaxnreg.inc at v_split 1 (the producer warpgroup gives
+# its own back: 2 x 128 x 224 + 128 x 40 <= 65536 at 384 threads). Without it ptxas holds the
+# consumers to the launch's 168 and spills ~270 bytes; at v_split 2 (256 threads) the launch
+# allocation is already 255.
+_NREG_CONSUMER = 224
+
+
+def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str, v_split: int,
+              mode: str = "output"):
+    """Build the V-first stage-2 PrimFunc: the signature and semantics of
+    prefill_main.main_func (work items, modes "output"/"maps", gate warmup), v_split 1 or 2."""
+    if v_split not in V_SPLITS:
+        raise ValueError(f"v_split must be one of {V_SPLITS} for the V-first kernel, got {v_split}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    maps_mode = mode == "maps"
+    Hv, Hk = num_v_heads, num_k_heads
+    group = Hv // Hk
+    BV = DV // v_split
+    consumers = 128 * (BV // 64)
+    threads = consumers + 128
+    n_vblocks = 2 * v_split if maps_mode else v_split
+    ntok = T.dynamic("ntok")
+    nseq = T.dynamic("nseq")
+    nslot = T.dynamic("nslot")
+    nhis = T.dynamic("nhis")
+    nchunk = T.dynamic("nchunk")
+    nitem = T.dynamic("nitem")
+    nmap = T.dynamic("nmap")
+    nwarm = T.dynamic("nwarm")
+    ncut = T.dynamic("ncut")
+    sq0, sq1 = T.dynamic("sq0"), T.dynamic("sq1")
+    sk0, sk1 = T.dynamic("sk0"), T.dynamic("sk1")
+    so0, so1 = T.dynamic("so0"), T.dynamic("so1")
+    sp0 = T.dynamic("sp0")
+    mm = "float16"
+    acc = "float32"
+    rows = T.GemmWarpPolicy.FullRow  # value rows split across the consumer warpgroups
+
+    @T.prim_func
+    def gdn_prefill_main_vfirst(
+        q: T.StridedTensor((ntok, Hk, DK), (sq0, sq1, 1), mm),
+        k: T.StridedTensor((ntok, Hk, DK), (sk0, sk1, 1), mm),
+        fbuf: T.Tensor((nchunk, Hv, 2, C), "float32"),
+        pbuf: T.Tensor((nchunk, Hv, C, C), mm),
+        ubuf: T.Tensor((nchunk, Hv, C, DV), mm),
+        wbuf: T.Tensor((nchunk, Hv, C, DK), mm),
+        pool: T.StridedTensor((nslot, Hv, DV, DK), (sp0, DV * DK, DK, 1), pool_dtype),
+        slot_ids: T.Tensor((nseq,), "int32"),
+        has_init: T.Tensor((nhis,), "uint8"),
+        cu_seqlens: T.Tensor((nseq + 1,), "int32"),
+        chunk_offsets: T.Tensor((nseq + 1,), "int32"),
+        items: T.Tensor((nitem, 4), "int32"),
+        maps: T.Tensor((nmap, Hv, 2, DV, DK), "float32"),
+        warm_start: T.Tensor((nwarm, Hv), "int32"),
+        need_maps: T.Tensor((ncut, Hv), "int32"),
+        out: T.StridedTensor((ntok, Hv, DV), (so0, so1, 1), io_dtype),
+        scale: T.float32,
+        all_init: T.int32,
+        use_items: T.int32,
+        use_warmup: T.int32,
+    ):
+        with T.Kernel(n_vblocks, Hv, nitem, threads=threads) as (vb, h, it):
+            hk = h // group
+            v0 = (vb % v_split) * BV  # value rows (or, for Phi blocks, the rows of Phi^T)
+            q_s = T.alloc_shared((2, C, DK), mm)
+            k_s = T.alloc_shared((2, C, DK), mm)
+            p_s = T.alloc_shared((2, C, C), mm)
+            u0_s = T.alloc_shared((2, C, BV), mm)
+            wk_s = T.alloc_shared((2, C, DK), mm)  # -Wk
+            f_s = T.alloc_shared((2, 2, C), acc)  # exp(gc), dec
+            x_f = T.alloc_fragment((BV, DK), acc)  # X = S^T
+            xh_f = T.alloc_fragment((BV, DK), mm)
+            vp_f = T.alloc_fragment((BV, C), acc)  # V'^T
+            vph_f = T.alloc_fragment((BV, C), mm)
+            vpd_f = T.alloc_fragment((BV, C), mm)  # (V' diag(dec))^T
+            o_f = T.alloc_fragment((BV, C), acc)  # O^T
+            ready = T.alloc_barrier([32, 32])  # stage filled: the producer warp + TMA bytes
+            free = T.alloc_barrier([consumers, consumers])  # stage consumed by every consumer
+
+            # The item and where its walk starts: as in prefill_main.
+            s = T.alloc_var("int32")
+            first = T.alloc_var("int32")
+            nck = T.alloc_var("int32")
+            midx = T.alloc_var("int32")
+            start = T.alloc_var("int32")
+            skip = T.alloc_var("int32")
+            if use_items != 0:
+                s = items[it, 0]
+                first = items[it, 1]
+                nck = items[it, 2]
+                midx = items[it, 3]
+            else:
+                s = it
+                first = 0
+                nck = T.ceildiv(cu_seqlens[it + 1] - cu_seqlens[it], C)
+                midx = -1
+            start = first
+            skip = 0
+            if use_warmup != 0 and midx >= 0:
+                if maps_mode:
+                    skip = T.if_then_else(need_maps[midx % ncut, h] == 0, 1, 0)
+                elif first > 0:
+                    if warm_start[it, h] >= 0:
+                        start = warm_start[it, h]
+            seq_bos = cu_seqlens[s]
+            seq_eos = cu_seqlens[s + 1]
+            bos = seq_bos + start * C
+            item_end = seq_bos + (first + nck) * C
+            eos = T.min(item_end, seq_eos)
+            coff = chunk_offsets[s] + start
+            warm_chunks = first - start
+            is_phi = vb >= v_split
+            init_copy = is_phi and first == 0
+            nchunks = T.if_then_else(init_copy or skip != 0, 0, warm_chunks + nck)
+            tx = T.get_thread_binding()
+
+            if tx < consumers:
+                if threads > 256:  # setmaxnreg.inc below the launch allocation is illegal
+                    T.set_max_nreg(_NREG_CONSUMER, 1)
+                slot = slot_ids[s]
+                load = T.alloc_var("int32")
+                load = 0
+                if start == 0 and slot >= 0 and (maps_mode or midx < 0):
+                    if all_init != 0:
+                        load = 1
+                    elif has_init[s] != 0:
+                        load = 1
+                if is_phi and not init_copy:
+                    for v, d in T.Parallel(BV, DK):
+                        x_f[v, d] = T.if_then_else(d == v0 + v, 1.0, 0.0)
+                elif load != 0:
+                    for v, d in T.Parallel(BV, DK):
+                        x_f[v, d] = T.cast(pool[slot, h, v0 + v, d], acc)
+                else:
+                    T.clear(x_f)
+                    if not maps_mode:
+                        if midx >= 0:
+                            if first == 0:  # a cut sequence's first segment: the pool state's copy
+                                for v, d in T.Parallel(BV, DK):
+                                    x_f[v, d] = maps[midx, h, 1, v0 + v, d]
+                            elif start == first:  # exact path: the true state (maps pass + scan)
+                                for v, d in T.Parallel(BV, DK):
+                                    x_f[v, d] = maps[midx, h, 0, v0 + v, d]
+                gl = T.alloc_var(acc)
+                for c in T.serial(nchunks):
+                    st = c % 2
+                    t0 = bos + c * C
+                    n = T.min(eos - t0, C)
+                    emit = c >= warm_chunks  # warmup chunks: the state only
+                    T.barrier_wait(ready[st], (c // 2) % 2)
+                    for v, d in T.Parallel(BV, DK):
+                        xh_f[v, d] = T.cast(x_f[v, d], mm)
+                    # V'^T = U0^T + Xh (-Wk)^T (U0 = 0 for the transition Phi); O^T = Xh Q^T
+                    if is_phi:
+                        T.clear(vp_f)
+                    else:
+                        for v, i in T.Parallel(BV, C):
+                            vp_f[v, i] = T.cast(u0_s[st, i, v], acc)
+                    T.wgmma_gemm(xh_f, wk_s[st, :, :], vp_f, transpose_B=True, policy=rows)
+                    if not maps_mode:
+                        if emit:
+                            T.wgmma_gemm(xh_f, q_s[st, :, :], o_f, transpose_B=True, clear_accum=True,
+                                         policy=rows)
+                    T.wait_wgmma(0)
+                    # X <- gamma_last X + (V' diag(dec))^T K ; O^T = scale O^T diag(exp gc) + V'^T P^T
+                    for v, i in T.Parallel(BV, C):
+                        vpd_f[v, i] = T.cast(vp_f[v, i] * f_s[st, 1, i], mm)
+                    gl = f_s[st, 0, C - 1]
+                    for v, d in T.Parallel(BV, DK):
+                        x_f[v, d] = x_f[v, d] * gl
+                    T.wgmma_gemm(vpd_f, k_s[st, :, :], x_f, policy=rows)
+                    if not maps_mode:
+                        if emit:
+                            for v, i in T.Parallel(BV, C):
+                                vph_f[v, i] = T.cast(vp_f[v, i], mm)
+                                o_f[v, i] = o_f[v, i] * (f_s[st, 0, i] * scale)
+                            T.wgmma_gemm(vph_f, p_s[st, :, :], o_f, transpose_B=True, policy=rows)
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(free[st])
+                    if not maps_mode:
+                        if emit:
+                            for v, i in T.Parallel(BV, C):
+                                if i < n:
+                                    out[t0 + i, h, v0 + v] = T.cast(o_f[v, i], io_dtype)
+                if maps_mode:
+                    if nchunks > 0 or init_copy:
+                        for v, d in T.Parallel(BV, DK):
+                            maps[midx, h, vb // v_split, v0 + v, d] = x_f[v, d]
+                elif slot >= 0 and item_end >= seq_eos:  # the sequence's last segment
+                    for v, d in T.Parallel(BV, DK):
+                        pool[slot, h, v0 + v, d] = T.cast(x_f[v, d], pool_dtype)
+
+            else:
+                T.set_max_nreg(_NREG_PRODUCER, 0)
+                if tx < consumers + 32:
+                    for c in T.serial(nchunks):
+                        st = c % 2
+                        t0 = bos + c * C
+                        cidx = coff + c
+                        T.barrier_wait(free[st], (c // 2 + 1) % 2)
+                        if not maps_mode:
+                            T.tma_copy(q[t0:t0 + C, hk, 0:DK], q_s[st, :, :], barrier=ready[st])
+                            T.tma_copy(pbuf[cidx, h, 0:C, 0:C], p_s[st, :, :], barrier=ready[st])
+                        T.tma_copy(k[t0:t0 + C, hk, 0:DK], k_s[st, :, :], barrier=ready[st])
+                        T.tma_copy(fbuf[cidx, h, 0:2, 0:C], f_s[st, :, :], barrier=ready[st])
+                        T.tma_copy(ubuf[cidx, h, 0:C, v0:v0 + BV], u0_s[st, :, :], barrier=ready[st])
+                        T.tma_copy(wbuf[cidx, h, 0:C, 0:DK], wk_s[st, :, :], barrier=ready[st])
+                        T.barrier_arrive(ready[st])
+
+    return gdn_prefill_main_vfirst, threads
