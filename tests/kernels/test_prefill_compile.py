@@ -101,6 +101,11 @@ def test_vfirst_is_chosen_only_where_it_applies(monkeypatch):
     assert not any(n.endswith("_vfirst") for n in (v["name"] for v in P.kernel_variants(8, 2)))
     with pytest.raises(ValueError, match="impl"):
         P.main_variant(8, 2, "bfloat16", "float32", 1, "output", "v9")
+    monkeypatch.setenv("QLA_SERVE_PREFILL_MAIN", "v9")
+    with pytest.raises(ValueError, match="QLA_SERVE_PREFILL_MAIN: expected one of"):
+        P._main_impl_from_env()
+    monkeypatch.setenv("QLA_SERVE_PREFILL_MAIN", " VFirst ")
+    assert P._main_impl_from_env() == "vfirst"
 
 
 def test_compiles_sm100a_portable():
