@@ -109,6 +109,7 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
     sp0 = T.dynamic("sp0")
     mm = "float16"
     acc = "float32"
+    load_chunk = chunk_loader(maps_mode, BV)
 
     @T.prim_func
     def gdn_prefill_main(
@@ -294,17 +295,28 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
                 T.set_max_nreg(_NREG_PRODUCER, 0)
                 if tx < STATE_THREADS + 128 + 32:
                     for c in T.serial(nchunks):
-                        st = c % 2
-                        t0 = bos + c * C
-                        cidx = coff + c
-                        T.barrier_wait(free[st], (c // 2 + 1) % 2)
-                        if not maps_mode:
-                            T.tma_copy(q[t0:t0 + C, hk, 0:DK], q_s[st, :, :], barrier=ready[st])
-                            T.tma_copy(pbuf[cidx, h, 0:C, 0:C], p_s[st, :, :], barrier=ready[st])
-                        T.tma_copy(k[t0:t0 + C, hk, 0:DK], k_s[st, :, :], barrier=ready[st])
-                        T.tma_copy(fbuf[cidx, h, 0:2, 0:C], f_s[st, :, :], barrier=ready[st])
-                        T.tma_copy(ubuf[cidx, h, 0:C, v0:v0 + BV], u0_s[st, :, :], barrier=ready[st])
-                        T.tma_copy(wbuf[cidx, h, 0:C, 0:DK], wk_s[st, :, :], barrier=ready[st])
-                        T.barrier_arrive(ready[st])
+                        load_chunk(c, bos + c * C, coff + c, hk, h, v0, q, k, pbuf, fbuf, ubuf, wbuf,
+                                   q_s, k_s, p_s, f_s, u0_s, wk_s, ready, free)
 
     return gdn_prefill_main, THREADS
+
+
+def chunk_loader(maps_mode: bool, BV: int):
+    """The producer's TMA loads of one chunk into stage c % 2 (q and P only for outputs), after
+    every consumer released that stage: shared by prefill_main and prefill_main_vfirst."""
+
+    @T.macro
+    def load_chunk(c, t0, cidx, hk, h, v0, q, k, pbuf, fbuf, ubuf, wbuf, q_s, k_s, p_s, f_s, u0_s, wk_s,
+                   ready, free):
+        st = c % 2
+        T.barrier_wait(free[st], (c // 2 + 1) % 2)
+        if not maps_mode:
+            T.tma_copy(q[t0:t0 + C, hk, 0:DK], q_s[st, :, :], barrier=ready[st])
+            T.tma_copy(pbuf[cidx, h, 0:C, 0:C], p_s[st, :, :], barrier=ready[st])
+        T.tma_copy(k[t0:t0 + C, hk, 0:DK], k_s[st, :, :], barrier=ready[st])
+        T.tma_copy(fbuf[cidx, h, 0:2, 0:C], f_s[st, :, :], barrier=ready[st])
+        T.tma_copy(ubuf[cidx, h, 0:C, v0:v0 + BV], u0_s[st, :, :], barrier=ready[st])
+        T.tma_copy(wbuf[cidx, h, 0:C, 0:DK], wk_s[st, :, :], barrier=ready[st])
+        T.barrier_arrive(ready[st])
+
+    return load_chunk
