@@ -1,0 +1,122 @@
+"""Host side of the Hopper prefill: which kernels one call launches, in which order, with which
+arguments (kernels/hopper/prefill_api.prefill). CPU only.
+
+The compiled kernels cannot run without a GPU, so here each launch goes to a recording stand-in
+(a mock, the only one in this file) instead of the TileLang kernel; everything else is real: the
+plan, its segment tables, the workspaces, the kernel switches. Every recorded argument list is
+matched, by position, against the parameters of the real PrimFunc the variant builds (parsed,
+not compiled), so an argument missing, extra or out of order fails here rather than on the H200.
+The kernels themselves run in tests/kernels/test_prefill_gpu.py.
+"""
+
+import pytest
+import torch
+
+import qla_serve
+from qla_serve.kernels.hopper import (prefill_api as P, prefill_main, prefill_main_vfirst, prefill_prep,
+                                      prefill_scan, prefill_warmup)
+from qla_serve.plan import force_plan
+
+HV, HK = 8, 2
+
+
+def _prim_func(variant):
+    op = variant["op"]
+    if op == "prefill_prep":
+        return prefill_prep.prep_func(HV, HK, variant["io_dtype"])
+    if op == "prefill_cp_scan":
+        return prefill_scan.scan_func(HV)
+    if op == "prefill_cp_warmup":
+        return prefill_warmup.warmup_func(HV)
+    mod = prefill_main_vfirst if variant.get("impl") == "vfirst" else prefill_main
+    return mod.main_func(HV, HK, variant["io_dtype"], variant["pool_dtype"], variant["v_split"], variant["mode"])[0]
+
+
+def _param_names(func):
+    return [func.buffer_map[p].name if p in func.buffer_map else p.name for p in func.params]
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Replace every kernel launch by a recorder: a list of (variant, {param name: argument})."""
+    calls = []
+
+    def fake_fn(variant, short_key):
+        names = _param_names(_prim_func(variant))
+
+        def launch(*args):
+            assert len(args) == len(names), f"{variant['name']}: {len(args)} arguments for {names}"
+            calls.append((variant, dict(zip(names, args))))
+        return launch
+
+    monkeypatch.setattr(P, "_fns", {})
+    monkeypatch.setattr(P, "_fn", fake_fn)
+    return calls
+
+
+def _call(lens, v_split, segment_chunks, cp):
+    T = sum(lens)
+    q = torch.randn(T, HK, 128, dtype=torch.bfloat16)
+    k = torch.randn(T, HK, 128, dtype=torch.bfloat16)
+    v = torch.randn(T, HV, 128, dtype=torch.bfloat16)
+    g = torch.zeros(T, HV)
+    beta = torch.ones(T, HV)
+    pool = torch.zeros(len(lens) + 1, HV, 128, 128)
+    slots = torch.arange(len(lens), dtype=torch.int32)
+    out = torch.empty_like(v)
+    plan = qla_serve.plan_prefill(lens, HV, HK, device="cpu", cp="off", arch="sm90",
+                                  supported_strategies={"plain", "vsplit"})
+    strategy = "cp" if segment_chunks else ("plain" if v_split == 1 else "vsplit")
+    plan = force_plan(plan, strategy, v_split, segment_chunks, cp)
+    P.prefill(q, k, v, g, beta, pool, slots, plan, has_initial_state=None, scale=None, out=out)
+    return plan
+
+
+def _sequence(calls):
+    return [(v["op"].replace("prefill_", ""), v.get("mode", ""), v.get("impl", "v8") if v["op"] == "prefill_main"
+             else "") for v, _ in calls]
+
+
+def test_plain_call_is_prep_then_main(launches):
+    _call([300, 0, 65], 2, 0, None)
+    assert _sequence(launches) == [("prep", "", ""), ("main", "output", "v8")]
+    main = launches[1][1]
+    assert (main["use_items"], main["use_warmup"]) == (0, 0)
+
+
+def test_cp_exact_launches_no_warmup(launches, monkeypatch):
+    monkeypatch.setattr(P, "GATE_WARMUP", True)
+    _call([64 * 10, 100], 1, 3, "exact")
+    assert _sequence(launches) == [("prep", "", ""), ("main", "maps", "v8"), ("cp_scan", "", ""),
+                                   ("main", "output", "v8")]
+    assert all(args.get("use_warmup", 0) == 0 for _, args in launches)
+
+
+@pytest.mark.parametrize("switch_on", [False, True])
+def test_cp_auto_launches_the_finder_only_when_switched_on(launches, monkeypatch, switch_on):
+    monkeypatch.setattr(P, "GATE_WARMUP", switch_on)
+    plan = _call([64 * 10, 100], 1, 4, "auto")
+    seq = _sequence(launches)
+    if not switch_on:  # off by default until validated: cp="auto" runs the exact path
+        assert ("cp_warmup", "", "") not in seq
+        return
+    assert seq == [("prep", "", ""), ("cp_warmup", "", ""), ("main", "maps", "v8"), ("cp_scan", "", ""),
+                   ("main", "output", "v8")]
+    finder, maps_pass, scan, output = (args for _, args in launches[1:])
+    tables = next(v for key, v in plan.kernel_cache.items() if key[0] == "hopper_prefill_cp")
+    # the finder writes the very tensors the three passes read, and knows the cut and the cap
+    assert finder["warm_start"] is output["warm_start"] is maps_pass["warm_start"]
+    assert finder["need_maps"] is maps_pass["need_maps"] is scan["need_maps"]
+    assert finder["warm_start"].shape == (tables.out_items.shape[0], HV)
+    assert finder["need_maps"].shape == (tables.num_cut, HV)
+    assert (finder["segment_chunks"], finder["max_warmup"]) == (4, 2)
+    assert finder["cuts"] is tables.cuts and output["items"] is tables.out_items
+    assert (maps_pass["use_warmup"], scan["use_warmup"], output["use_warmup"]) == (1, 1, 1)
+
+
+@pytest.mark.parametrize("v_split,impl", [(1, "vfirst"), (2, "vfirst"), (4, "v8")])
+def test_vfirst_switch_selects_the_stage2_kernel(launches, monkeypatch, v_split, impl):
+    monkeypatch.setattr(P, "MAIN_IMPL", "vfirst")
+    _call([64 * 10, 100], v_split, 3, "exact")
+    mains = [(mode, which) for op, mode, which in _sequence(launches) if op == "main"]
+    assert mains == [("maps", impl), ("output", impl)]
