@@ -21,8 +21,9 @@ Warp roles (BV / 64 consumer warpgroups + one producer warpgroup):
 Only v_split 1 (two consumer warpgroups, 384 threads) and 2 (one, 256 threads): a wgmma tile
 has 64 rows per warpgroup, so BV = 32 (v_split 4) does not map onto it.
 
-Why: v7's profile put the chain's time in the handshakes around the shared-memory copies of S
-and V' between its state and output warpgroups (benchmarks/prefill.md); here there are none.
+Why: v7's profile put ~45% of the state warpgroup's samples around the shared-memory copy of
+S and the barrier waits beside it (benchmarks/prefill.md); here there is neither. Whether that
+was the chain's cost is what the first device run of this kernel will tell.
 """
 
 import tilelang
