@@ -110,11 +110,28 @@ def _chunk_step(Q, Kc, Vc, g, beta, S, scale):
 
     Q, Kc [Hv, C, K]; Vc [Hv, C, V]; g, beta [Hv, C]. Returns (O [Hv, C, V], S_next).
     """
-    U0, Wk, P, gamma, dec = _chunk_products(Q, Kc, Vc, g, beta, scale)
+    return _apply_chunk(Q, Kc, *_chunk_products(Q, Kc, Vc, g, beta, scale), S, scale)
+
+
+def _apply_chunk(Q, Kc, U0, Wk, P, gamma, dec, S, scale):
+    """The state-dependent half of a chunk, from its :func:`_chunk_products`: (O, S_next)."""
     V_new = U0 - Wk @ S                   # = (Gamma o A) diag(beta) (V - diag(gamma) K S)
     O = scale * gamma[..., None] * (Q @ S) + P @ V_new
     S_next = gamma[..., -1:, None] * S + Kc.transpose(-1, -2) @ (dec[..., None] * V_new)
     return O, S_next
+
+
+def _chunk_inputs(qe, ke, ve, ge, be, c0, c1):
+    """Tokens c0..c1-1 of the expanded inputs, head-major: Q, K [Hv, C, K], V [Hv, C, V], g, beta [Hv, C]."""
+    return (qe[c0:c1].transpose(0, 1), ke[c0:c1].transpose(0, 1), ve[c0:c1].transpose(0, 1),
+            ge[c0:c1].T, be[c0:c1].T)
+
+
+def _initial_k_first(initial_state, i, Hv, Kd, Vd, dt, device):
+    """Sequence i's initial state K-first [Hv, K, V] in dt (a copy), zeros without one."""
+    if initial_state is None:
+        return torch.zeros(Hv, Kd, Vd, dtype=dt, device=device)
+    return initial_state[i].to(dt).transpose(-1, -2).clone()
 
 
 def _chunk_products(Q, Kc, Vc, g, beta, scale):
@@ -149,13 +166,10 @@ def chunked_gdn(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None, ch
     dt, scale, (qe, ke, ve, ge, be), bounds, o, final = _setup(q, k, v, g, beta, cu_seqlens, scale)
     Hv, Kd, Vd = v.shape[1], q.shape[-1], v.shape[-1]
     for i, (bos, eos) in enumerate(bounds):
-        S = (initial_state[i].to(dt).transpose(-1, -2).clone() if initial_state is not None
-             else torch.zeros(Hv, Kd, Vd, dtype=dt, device=v.device))
+        S = _initial_k_first(initial_state, i, Hv, Kd, Vd, dt, v.device)
         for c0 in range(bos, eos, chunk_size):
             c1 = min(c0 + chunk_size, eos)
-            head_major = lambda x: x[c0:c1].transpose(0, 1)  # noqa: E731  [C, Hv, D] -> [Hv, C, D]
-            O, S = _chunk_step(head_major(qe), head_major(ke), head_major(ve),
-                               ge[c0:c1].T, be[c0:c1].T, S, scale)
+            O, S = _chunk_step(*_chunk_inputs(qe, ke, ve, ge, be, c0, c1), S, scale)
             o[c0:c1] = O.transpose(0, 1)
         final[i] = S.transpose(-1, -2)
     return o, final
@@ -181,10 +195,8 @@ def segmented_gdn(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None,
         chunks = []
         for c0 in range(bos, eos, chunk_size):
             c1 = min(c0 + chunk_size, eos)
-            head_major = lambda x: x[c0:c1].transpose(0, 1)  # noqa: E731  [C, Hv, D] -> [Hv, C, D]
-            Qc, Kc = head_major(qe), head_major(ke)
-            U0, Wk, P, gamma, dec = _chunk_products(Qc, Kc, head_major(ve), ge[c0:c1].T, be[c0:c1].T, scale)
-            chunks.append((c0, c1, Qc, Kc, U0, Wk, P, gamma, dec))
+            Qc, Kc, Vc, gc, bc = _chunk_inputs(qe, ke, ve, ge, be, c0, c1)
+            chunks.append((c0, c1, Qc, Kc, *_chunk_products(Qc, Kc, Vc, gc, bc, scale)))
         segments = [chunks[j:j + segment_chunks] for j in range(0, len(chunks), segment_chunks)]
         # Pass 1 (parallel over segments): each segment's affine map (Phi, S0).
         maps = []
@@ -196,8 +208,7 @@ def segmented_gdn(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None,
                 Phi, S0 = T @ Phi, T @ S0 + KtD @ U0
             maps.append((Phi, S0))
         # Scan (sequential over segments, cheap): every segment's initial state.
-        S = (initial_state[i].to(dt).transpose(-1, -2).clone() if initial_state is not None
-             else torch.zeros(Hv, Kd, Vd, dtype=dt, device=v.device))
+        S = _initial_k_first(initial_state, i, Hv, Kd, Vd, dt, v.device)
         starts = []
         for Phi, S0 in maps:
             starts.append(S)
@@ -205,10 +216,9 @@ def segmented_gdn(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None,
         final[i] = S.transpose(-1, -2)
         # Pass 2 (parallel over segments): outputs from each segment's initial state.
         for seg, S in zip(segments, starts):
-            for c0, c1, Qc, Kc, U0, Wk, P, gamma, dec in seg:
-                Vp = U0 - Wk @ S
-                o[c0:c1] = (scale * gamma[..., None] * (Qc @ S) + P @ Vp).transpose(0, 1)
-                S = gamma[..., -1:, None] * S + Kc.transpose(-1, -2) @ (dec[..., None] * Vp)
+            for c0, c1, Qc, Kc, *products in seg:
+                O, S = _apply_chunk(Qc, Kc, *products, S, scale)
+                o[c0:c1] = O.transpose(0, 1)
     return o, final
 
 
@@ -245,8 +255,7 @@ def warmup_gdn(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None, seg
     Hv, Kd, Vd = v.shape[1], q.shape[-1], v.shape[-1]
     for i, (bos, eos) in enumerate(bounds):
         nchunks = -(-(eos - bos) // chunk_size)
-        init = (initial_state[i].to(dt).transpose(-1, -2) if initial_state is not None
-                else torch.zeros(Hv, Kd, Vd, dtype=dt, device=v.device))
+        init = _initial_k_first(initial_state, i, Hv, Kd, Vd, dt, v.device)
         S = init.clone()
         for first in range(0, nchunks, segment_chunks):
             starts = warmup_start_chunks(ge[bos:eos], first, threshold, chunk_size)
@@ -255,9 +264,7 @@ def warmup_gdn(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None, seg
                 reset = torch.tensor([w == c and c > 0 for w in starts], device=v.device)
                 S[reset] = 0.0  # this head's warmup starts here
                 c0, c1 = bos + c * chunk_size, min(bos + (c + 1) * chunk_size, eos)
-                head_major = lambda x: x[c0:c1].transpose(0, 1)  # noqa: E731
-                O, S = _chunk_step(head_major(qe), head_major(ke), head_major(ve), ge[c0:c1].T,
-                                   be[c0:c1].T, S, scale)
+                O, S = _chunk_step(*_chunk_inputs(qe, ke, ve, ge, be, c0, c1), S, scale)
                 if c >= first:
                     o[c0:c1] = O.transpose(0, 1)
         final[i] = S.transpose(-1, -2)
