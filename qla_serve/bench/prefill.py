@@ -152,6 +152,14 @@ def _main_impl(plan) -> str:
     return prefill_api.main_impl_for(plan.v_split) if plan.arch == "sm90" else "-"
 
 
+def _cp_label(plan) -> str:
+    """The plan's cp mode, "+warmup" where its cut segments may take the gate warmup (the
+    switch read from prefill_api, whether --gate-warmup or QLA_SERVE_GATE_WARMUP set it)."""
+    from qla_serve.kernels.hopper import prefill_api
+    warm = plan.strategy == "cp" and plan.cp == "auto" and plan.arch == "sm90" and prefill_api.GATE_WARMUP
+    return plan.cp + ("+warmup" if warm else "")
+
+
 def _qla_fn(lens, hk, hv, data, v_split, stages="prep,main", segment_chunks="auto", cp="auto"):
     import torch
 
@@ -237,7 +245,7 @@ def run(args) -> int:
                         fn, qla_out, _, plan = _qla_fn(lens, hk, hv, data, args.v_split,
                                                        segment_chunks=args.segment_chunks, cp=args.cp)
                         rec["qla_plan"] = plan_label(plan)
-                        rec["qla_cp"] = plan.cp + ("+warmup" if args.gate_warmup and plan.cp == "auto" else "")
+                        rec["qla_cp"] = _cp_label(plan)
                         rec["qla_main"] = _main_impl(plan)
                         if args.breakdown:
                             for st in ("prep", "main"):
