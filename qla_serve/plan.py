@@ -19,7 +19,8 @@ batch — so it never cuts sequences and never splits V (beyond the fixed narrow
 kernels that have no ``plain``); ``exact`` may cut sequences but never truncates history (the
 exact correction path for every segment). Under ``auto`` a cut segment may use gate warmup
 for heads whose gates decay (history scaled by <= e^-10 dropped; decided per head on the
-device; on Hopper off until validated there, see kernels/hopper/prefill_api.GATE_WARMUP).
+device; on Hopper on by default, QLA_SERVE_GATE_WARMUP=0 turns it off, see
+kernels/hopper/prefill_api.GATE_WARMUP).
 The cost model scores a cut by the exact path (a warmup, at most L/2 chunks, costs about as
 much or less, and which heads take it is only known on the device), so ``auto`` and ``exact``
 choose the same plans.

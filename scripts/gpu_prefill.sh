@@ -8,9 +8,9 @@
 # HEADS, ROWS, TESTS (pytest -k filter, "none" skips the tests), BENCH=0 skips the
 # planner-choice table, SWEEP="1 2 4" times qla at each forced v_split (the data for
 # benchmarks/fit_costmodel.py), CP_SWEEP="4:64 2:128 ..." times qla at each forced v_split:segment
-# length (context parallelism; one JSON-lines file), WARMUP=1 runs the bench and the CP sweep with
-# --gate-warmup (prefill_api.GATE_WARMUP), MAIN=vfirst runs them on the experimental V-first stage 2
-# (prefill_api.MAIN_IMPL), NCU=0 skips the profile, SANITIZE=1 adds compute-sanitizer
+# length (context parallelism; one JSON-lines file), WARMUP=on|off runs the bench and the CP sweep with
+# --gate-warmup on|off (prefill_api.GATE_WARMUP; default on), MAIN=v8|vfirst runs them on that stage-2
+# kernel (prefill_api.MAIN_IMPL; default vfirst at v_split 1/2), NCU=0 skips the profile, SANITIZE=1 adds compute-sanitizer
 # memcheck and racecheck on test_sanitizer_case. The device returns at most 8 files from $OUT.
 set -uo pipefail
 out=${OUT:-/tmp/gpu_prefill}; mkdir -p "$out"
@@ -27,7 +27,7 @@ if [[ ${TESTS:-} != none ]]; then
 fi
 if [[ ${BENCH:-1} == 1 ]]; then
   step "bench prefill (${IMPLS:-qla})" ${BENCH_TIMEOUT:-300} python -m qla_serve.bench.prefill --impls "${IMPLS:-qla}" \
-    --heads "${HEADS:-all}" --rows "${ROWS:-all}" ${WARMUP:+--gate-warmup} ${MAIN:+--main $MAIN} --breakdown --json "$out/prefill.json" --md "$out/prefill.md" \
+    --heads "${HEADS:-all}" --rows "${ROWS:-all}" ${WARMUP:+--gate-warmup $WARMUP} ${MAIN:+--main $MAIN} --breakdown --json "$out/prefill.json" --md "$out/prefill.md" \
     --png "$out/prefill.png" 2>&1 | tee "$out/bench.log" | grep -v '^{' | tail -60
 fi
 for vs in ${SWEEP:-}; do
@@ -36,7 +36,7 @@ for vs in ${SWEEP:-}; do
 done
 for pair in ${CP_SWEEP:-}; do
   step "cp sweep v_split:L $pair" 150 python -m qla_serve.bench.prefill --impls qla --heads "${HEADS:-all}" \
-    --rows "${ROWS:-all}" --v-split ${pair%%:*} --segment-chunks ${pair##*:} ${WARMUP:+--gate-warmup} ${MAIN:+--main $MAIN} --breakdown --reps 10 \
+    --rows "${ROWS:-all}" --v-split ${pair%%:*} --segment-chunks ${pair##*:} ${WARMUP:+--gate-warmup $WARMUP} ${MAIN:+--main $MAIN} --breakdown --reps 10 \
     --json /tmp/cp_sweep_one.json 2>&1 | grep -v "^{" | tail -3
   python -c "import json; [print(json.dumps(r)) for r in json.load(open('/tmp/cp_sweep_one.json'))['results']]" \
     >> "$out/cp_sweep.jsonl"

@@ -48,12 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "is forced), 0 (no cut) or L >= 2")
     parser.add_argument("--cp", choices=("auto", "exact", "off"), default="auto",
                         help="qla_serve's cp mode: auto (gate warmup allowed in cut segments), exact, off")
-    parser.add_argument("--gate-warmup", action="store_true",
-                        help="turn on the Hopper gate warmup for cut segments under --cp auto "
-                             "(prefill_api.GATE_WARMUP; off until validated on the H200)")
+    parser.add_argument("--gate-warmup", choices=("on", "off"), default=None,
+                        help="the Hopper gate warmup for cut segments under --cp auto "
+                             "(prefill_api.GATE_WARMUP; default: $QLA_SERVE_GATE_WARMUP or on)")
     parser.add_argument("--main", choices=("v8", "vfirst"), default=None,
-                        help="qla_serve's Hopper stage-2 kernel (prefill_api.MAIN_IMPL; default: "
-                             "$QLA_SERVE_PREFILL_MAIN or v8). vfirst is experimental, v_split 1/2")
+                        help="qla_serve's Hopper stage-2 kernel at v_split 1/2 (prefill_api.MAIN_IMPL; "
+                             "default: $QLA_SERVE_PREFILL_MAIN or vfirst); v_split 4 always runs v8")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--graph-calls", type=int, default=5)
     parser.add_argument("--breakdown", action="store_true", help="also time qla_serve's prep and main kernels apart")
@@ -154,7 +154,7 @@ def _main_impl(plan) -> str:
 
 def _cp_label(plan) -> str:
     """The plan's cp mode, "+warmup" where its cut segments may take the gate warmup (the
-    switch read from prefill_api, whether --gate-warmup or QLA_SERVE_GATE_WARMUP set it)."""
+    switch read from prefill_api, whether --gate-warmup, QLA_SERVE_GATE_WARMUP or the default set it)."""
     from qla_serve.kernels.hopper import prefill_api
     warm = plan.strategy == "cp" and plan.cp == "auto" and plan.arch == "sm90" and prefill_api.GATE_WARMUP
     return plan.cp + ("+warmup" if warm else "")
@@ -227,7 +227,8 @@ def run(args) -> int:
         return 2
     if args.gate_warmup or args.main:
         from qla_serve.kernels.hopper import prefill_api
-        prefill_api.GATE_WARMUP = prefill_api.GATE_WARMUP or args.gate_warmup
+        if args.gate_warmup:
+            prefill_api.GATE_WARMUP = args.gate_warmup == "on"
         prefill_api.MAIN_IMPL = args.main or prefill_api.MAIN_IMPL
     heads = HEAD_PAIRS if args.heads == "all" else [tuple(int(x) for x in p.split("/")) for p in args.heads.split(",")]
     rows = list(ROWS) if args.rows == "all" else args.rows.split(",")

@@ -77,7 +77,7 @@ def test_compiles_cp_warmup_sm90a():
 
 @pytest.mark.parametrize("v_split,mode", [(1, "output"), (2, "maps")])
 def test_compiles_vfirst_sm90a(v_split, mode):
-    """The experimental V-first stage 2 (prefill_main_vfirst.py): every chain GEMM takes its A
+    """The V-first stage 2 (prefill_main_vfirst.py, the default at v_split 1/2): every chain GEMM takes its A
     operand from registers (wgmma_rs), nothing of the state is copied to shared memory, and the
     consumer warpgroups meet no named barrier on the chain."""
     src = P.build(P.main_variant(8, 2, "bfloat16", "float32", v_split, mode, "vfirst"), "sm_90a").get_kernel_source()
@@ -94,8 +94,10 @@ def test_vfirst_is_chosen_only_where_it_applies(monkeypatch):
     monkeypatch.setattr(P, "MAIN_IMPL", "vfirst")
     assert [P.main_impl_for(vs) for vs in (1, 2, 4)] == ["vfirst", "vfirst", "v8"]
     assert P.main_impl_for(1, "sm_100a") == "v8"
-    names = [v["name"] for v in P.kernel_variants(8, 2)]
-    assert sum(n.endswith("_vfirst") for n in names) == 16  # 2 io x 2 pools x 2 splits x 2 modes
+    mains = [v for v in P.kernel_variants(8, 2) if v["op"] == "prefill_main"]
+    # 2 io x 2 pools x 2 modes at each split: V-first at 1 and 2 (no v8 twin), v8 at 4
+    assert sorted((v["v_split"], v.get("impl", "v8")) for v in mains) == sorted(
+        [(1, "vfirst")] * 8 + [(2, "vfirst")] * 8 + [(4, "v8")] * 8)
     assert not any(v.get("impl") == "vfirst" for v in blackwell.kernel_variants(8, 2))
     monkeypatch.setattr(P, "MAIN_IMPL", "v8")
     assert not any(n.endswith("_vfirst") for n in (v["name"] for v in P.kernel_variants(8, 2)))
@@ -106,6 +108,19 @@ def test_vfirst_is_chosen_only_where_it_applies(monkeypatch):
         P._main_impl_from_env()
     monkeypatch.setenv("QLA_SERVE_PREFILL_MAIN", " VFirst ")
     assert P._main_impl_from_env() == "vfirst"
+    monkeypatch.delenv("QLA_SERVE_PREFILL_MAIN")
+    assert P._main_impl_from_env() == "vfirst", "V-first is the default"
+
+
+def test_gate_warmup_switch_from_env(monkeypatch):
+    """QLA_SERVE_GATE_WARMUP: on unless set to 0; anything but 0/1 is refused by name."""
+    monkeypatch.delenv("QLA_SERVE_GATE_WARMUP", raising=False)
+    assert P._gate_warmup_from_env() is True
+    monkeypatch.setenv("QLA_SERVE_GATE_WARMUP", "0")
+    assert P._gate_warmup_from_env() is False
+    monkeypatch.setenv("QLA_SERVE_GATE_WARMUP", "yes")
+    with pytest.raises(ValueError, match="QLA_SERVE_GATE_WARMUP: expected 0 or 1"):
+        P._gate_warmup_from_env()
 
 
 def test_compiles_sm100a_portable():

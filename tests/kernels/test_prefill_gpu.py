@@ -37,12 +37,11 @@ def _mod():
 
 @pytest.fixture(autouse=True)
 def _kernel_switches(monkeypatch):
-    """The gate warmup is off by default until these tests pass on the H200 (prefill_api.
-    GATE_WARMUP): on here, so plans with cp="auto" take it (cp="exact" plans never do). The
-    stage-2 kernel is v8 whatever $QLA_SERVE_PREFILL_MAIN says; test_vfirst and the sanitizer
-    case switch to the experimental V-first kernel themselves."""
+    """The package defaults, whatever the environment says: gate warmup on (plans with
+    cp="auto" take it, cp="exact" plans never do) and the V-first stage 2 at v_split 1 and 2
+    (v_split 4 runs v8). test_v8_main and the sanitizer case switch to v8 themselves."""
     monkeypatch.setattr(_mod(), "GATE_WARMUP", True)
-    monkeypatch.setattr(_mod(), "MAIN_IMPL", "v8")
+    monkeypatch.setattr(_mod(), "MAIN_IMPL", "vfirst")
 
 
 def make_case(lens, Hk, Hv, *, io=torch.bfloat16, gen, dev="cuda"):
@@ -246,17 +245,18 @@ def test_cp_warmup(v_split, pool_dtype):
 
 @pytest.mark.parametrize("v_split", [1, 2])
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_vfirst(v_split, pool_dtype, monkeypatch):
-    """The experimental V-first stage 2 (prefill_api.MAIN_IMPL = "vfirst"): whole sequences
-    (edge lengths, padding slots), then CP with the exact path and with gate warmup."""
-    monkeypatch.setattr(_mod(), "MAIN_IMPL", "vfirst")
+def test_v8_main(v_split, pool_dtype, monkeypatch):
+    """The v8 stage 2 at the splits where V-first is the default (prefill_api.MAIN_IMPL = "v8",
+    QLA_SERVE_PREFILL_MAIN=v8): whole sequences (edge lengths, padding slots), then CP with the
+    exact path and with gate warmup."""
+    monkeypatch.setattr(_mod(), "MAIN_IMPL", "v8")
     e = run_case(EDGE_LENS, 2, 8, pool_dtype=pool_dtype, v_split=v_split, seed=800 + v_split, pad_frac=0.2)
     lens = [64 * 29 + 17, 0, 64 * 3, 1, 64 * 7, 200]
     for cp in ("exact", "auto"):
         e_cp = run_case(lens, 2, 8, pool_dtype=pool_dtype, v_split=v_split, seed=810 + v_split, pad_frac=0.2,
                         segment_chunks=3, cp=cp)
-        print(f"vfirst v_split {v_split} pool {pool_dtype} cp {cp}: o {e_cp[0]:.2e} state {e_cp[1]:.2e}")
-    print(f"vfirst v_split {v_split} pool {pool_dtype}: o {e[0]:.2e} state {e[1]:.2e}")
+        print(f"v8 v_split {v_split} pool {pool_dtype} cp {cp}: o {e_cp[0]:.2e} state {e_cp[1]:.2e}")
+    print(f"v8 v_split {v_split} pool {pool_dtype}: o {e[0]:.2e} state {e[1]:.2e}")
 
 
 # (heads, pool dtype, v_split) combinations of the loop: those the tests above compile already
@@ -291,11 +291,11 @@ def test_sanitizer_case(monkeypatch):
     """The small case scripts/gpu_prefill.sh also runs under compute-sanitizer memcheck and
     racecheck (SANITIZE=1); here it is a plain correctness check: 2/8 heads, v_split 2 and 4,
     lengths that end mid-chunk, padding slots, and the CP path (segments of 2 chunks: the maps
-    pass, the scan and the output pass; exact, then with gate warmup); then the experimental
-    V-first stage 2 at v_split 1 with CP and warmup."""
+    pass, the scan and the output pass; exact, then with gate warmup), on the default stage-2
+    kernels (V-first at v_split 1/2, v8 at 4); then v8 at v_split 1 with CP and warmup."""
     for vs in (2, 4):
         run_case([65, 1, 130], 2, 8, v_split=vs, seed=77 + vs, pad_frac=0.3)
     for cp in ("exact", "auto"):
         run_case([65, 1, 300], 2, 8, v_split=2, seed=79, pad_frac=0.3, segment_chunks=2, cp=cp)
-    monkeypatch.setattr(_mod(), "MAIN_IMPL", "vfirst")
+    monkeypatch.setattr(_mod(), "MAIN_IMPL", "v8")
     run_case([65, 1, 300], 2, 8, v_split=1, seed=80, pad_frac=0.3, segment_chunks=2, cp="auto")

@@ -51,6 +51,9 @@ def launches(monkeypatch):
 
     monkeypatch.setattr(P, "_fns", {})
     monkeypatch.setattr(P, "_fn", fake_fn)
+    # the package defaults, whatever the environment says; tests that need v8 switch to it
+    monkeypatch.setattr(P, "GATE_WARMUP", True)
+    monkeypatch.setattr(P, "MAIN_IMPL", "vfirst")
     return calls
 
 
@@ -79,25 +82,25 @@ def _sequence(calls):
 
 def test_plain_call_is_prep_then_main(launches):
     _call([300, 0, 65], 2, 0, None)
-    assert _sequence(launches) == [("prep", "", ""), ("main", "output", "v8")]
+    assert _sequence(launches) == [("prep", "", ""), ("main", "output", "vfirst")]
     main = launches[1][1]
     assert (main["use_items"], main["use_warmup"]) == (0, 0)
 
 
-def test_cp_exact_launches_no_warmup(launches, monkeypatch):
-    monkeypatch.setattr(P, "GATE_WARMUP", True)
+def test_cp_exact_launches_no_warmup(launches):
     _call([64 * 10, 100], 1, 3, "exact")
-    assert _sequence(launches) == [("prep", "", ""), ("main", "maps", "v8"), ("cp_scan", "", ""),
-                                   ("main", "output", "v8")]
+    assert _sequence(launches) == [("prep", "", ""), ("main", "maps", "vfirst"), ("cp_scan", "", ""),
+                                   ("main", "output", "vfirst")]
     assert all(args.get("use_warmup", 0) == 0 for _, args in launches)
 
 
 @pytest.mark.parametrize("switch_on", [False, True])
 def test_cp_auto_launches_the_finder_only_when_switched_on(launches, monkeypatch, switch_on):
     monkeypatch.setattr(P, "GATE_WARMUP", switch_on)
+    monkeypatch.setattr(P, "MAIN_IMPL", "v8")
     plan = _call([64 * 10, 100], 1, 4, "auto")
     seq = _sequence(launches)
-    if not switch_on:  # off by default until validated: cp="auto" runs the exact path
+    if not switch_on:  # QLA_SERVE_GATE_WARMUP=0: cp="auto" runs the exact path
         assert ("cp_warmup", "", "") not in seq
         return
     assert seq == [("prep", "", ""), ("cp_warmup", "", ""), ("main", "maps", "v8"), ("cp_scan", "", ""),
@@ -114,9 +117,10 @@ def test_cp_auto_launches_the_finder_only_when_switched_on(launches, monkeypatch
     assert (maps_pass["use_warmup"], scan["use_warmup"], output["use_warmup"]) == (1, 1, 1)
 
 
-@pytest.mark.parametrize("v_split,impl", [(1, "vfirst"), (2, "vfirst"), (4, "v8")])
-def test_vfirst_switch_selects_the_stage2_kernel(launches, monkeypatch, v_split, impl):
-    monkeypatch.setattr(P, "MAIN_IMPL", "vfirst")
+@pytest.mark.parametrize("main_impl,v_split,impl", [("vfirst", 1, "vfirst"), ("vfirst", 2, "vfirst"),
+                                                    ("vfirst", 4, "v8"), ("v8", 1, "v8"), ("v8", 2, "v8")])
+def test_main_switch_selects_the_stage2_kernel(launches, monkeypatch, main_impl, v_split, impl):
+    monkeypatch.setattr(P, "MAIN_IMPL", main_impl)
     _call([64 * 10, 100], v_split, 3, "exact")
     mains = [(mode, which) for op, mode, which in _sequence(launches) if op == "main"]
     assert mains == [("maps", impl), ("output", impl)]

@@ -22,9 +22,9 @@ TARGETS = ("sm_100a",)
 
 
 def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
-    """Hopper's variant list (compiled here for sm_100a), less the experimental V-first prefill
-    kernel, which is wgmma-only (prefill runs the v8 kernel on sm_100a)."""
-    return [v for v in _hopper.kernel_variants(num_v_heads, num_k_heads) if v.get("impl", "v8") == "v8"]
+    """Hopper's variant list for sm_100a: the V-first prefill kernel is wgmma-only, so every
+    v_split runs the v8 stage 2 here (prefill_api.main_impl_for)."""
+    return _hopper.kernel_variants(num_v_heads, num_k_heads, ARCH)
 
 
 def build(variant: dict, target: str = ARCH):

@@ -20,9 +20,10 @@ __all__ = ["ARCH", "SUPPORTED_STRATEGIES", "TARGETS", "build", "commit_verified"
            "kernel_variants", "prefill", "verify"]
 
 
-def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
-    """Prefill variants followed by decode/verify/commit variants for these TP-local heads."""
-    return (_prefill.kernel_variants(num_v_heads, num_k_heads)
+def kernel_variants(num_v_heads: int, num_k_heads: int, target: str = ARCH) -> list[dict]:
+    """Prefill variants (the stage-2 forms target runs) followed by decode/verify/commit
+    variants for these TP-local heads."""
+    return (_prefill.kernel_variants(num_v_heads, num_k_heads, target)
             + _decode.kernel_variants(num_v_heads, num_k_heads))
 
 

@@ -8,9 +8,9 @@ prefill_warmup.py, prefill_scan.py):
   2. main  grid (v_split, Hv, N):  the sequential chunk walk (warp-specialised, two GEMMs per
                                    chunk on the chain) with the state in registers, pool slots
                                    read and written in place, every output row written.
-                                   (MAIN_IMPL "vfirst": prefill_main_vfirst.py, the same walk
-                                   with the state transposed and every chain GEMM's A operand
-                                   in registers; experimental, v_split 1 and 2.)
+                                   (MAIN_IMPL "vfirst", the default at v_split 1 and 2:
+                                   prefill_main_vfirst.py, the same walk with the state
+                                   transposed and every chain GEMM's A operand in registers.)
 The HBM intermediates are the gate factors, P, U0 and Wk (40.5 KB per chunk and v-head) plus the
 fp16 q/k copies (512 B per token and qk-head); V' and the per-chunk states never leave the SM.
 
@@ -60,21 +60,29 @@ MAIN_MODES = prefill_main.MODES  # ("output", "maps")
 IO_DTYPES = ("bfloat16", "float16")
 POOL_DTYPES = ("float32", "bfloat16")
 
-# Gate warmup (prefill_warmup.py) compiles and its tables are tested on the CPU, but it has not
-# run on the H200 yet: until tests/kernels/test_prefill_gpu.py::test_cp_warmup has passed there,
-# cp="auto" takes the exact path like cp="exact" unless QLA_SERVE_GATE_WARMUP=1 (read once, at
-# import; the GPU tests and `qla-serve bench prefill --gate-warmup` set this flag instead).
-GATE_WARMUP = os.environ.get("QLA_SERVE_GATE_WARMUP", "0") == "1"
 
-# Which stage-2 kernel runs: "v8" (prefill_main.py, validated on the H200) or "vfirst"
-# (prefill_main_vfirst.py: EXPERIMENTAL, compiled but not yet run on the H200; v_split 1 and 2
-# only, plans with v_split 4 keep v8). Read once at import from QLA_SERVE_PREFILL_MAIN; the GPU
-# tests and `qla-serve bench prefill --main vfirst` set it instead. Hopper only (wgmma).
+def _gate_warmup_from_env() -> bool:
+    flag = os.environ.get("QLA_SERVE_GATE_WARMUP", "1").strip()
+    if flag not in ("0", "1"):
+        raise ValueError(f"QLA_SERVE_GATE_WARMUP: expected 0 or 1, got {flag!r}")
+    return flag == "1"
+
+
+# Gate warmup (prefill_warmup.py) for cut segments under cp="auto": on by default (validated on
+# the H200: test_cp_warmup, the sanitizer case). QLA_SERVE_GATE_WARMUP=0 makes cp="auto" take
+# the exact path like cp="exact". Read once at import; the GPU tests and
+# `qla-serve bench prefill --gate-warmup on|off` set this flag instead.
+GATE_WARMUP = _gate_warmup_from_env()
+
+# Which stage-2 kernel runs at v_split 1 and 2: "vfirst" (prefill_main_vfirst.py, the default:
+# faster on every H200 bench row it applies to, benchmarks/prefill.md v9) or "v8"
+# (prefill_main.py). v_split 4 and sm_100a always run v8. Read once at import from
+# QLA_SERVE_PREFILL_MAIN; the GPU tests and `qla-serve bench prefill --main` set it instead.
 MAIN_IMPLS = ("v8", "vfirst")
 
 
 def _main_impl_from_env() -> str:
-    impl = os.environ.get("QLA_SERVE_PREFILL_MAIN", "v8").strip().lower()
+    impl = os.environ.get("QLA_SERVE_PREFILL_MAIN", "vfirst").strip().lower()
     if impl not in MAIN_IMPLS:
         raise ValueError(f"QLA_SERVE_PREFILL_MAIN: expected one of {MAIN_IMPLS}, got {impl!r}")
     return impl
@@ -154,10 +162,10 @@ def max_warmup_chunks(segment_chunks: int) -> int:
     return segment_chunks // 2
 
 
-def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
+def kernel_variants(num_v_heads: int, num_k_heads: int, target: str = ARCH) -> list[dict]:
     """Every compiled prefill kernel a deployment with these (per-GPU) head counts can need:
-    prep per io dtype, main per (io dtype, pool dtype, v_split, mode), plus the experimental
-    V-first main variants when MAIN_IMPL is "vfirst". JSON-serialisable dicts."""
+    prep per io dtype, main per (io dtype, pool dtype, v_split, mode) in the form main_impl_for
+    picks (V-first at v_split 1 and 2 unless MAIN_IMPL is "v8"). JSON-serialisable dicts."""
     if num_k_heads <= 0 or num_v_heads % num_k_heads:
         raise ValueError(f"num_v_heads ({num_v_heads}) must be a positive multiple of num_k_heads ({num_k_heads})")
     out = [prep_variant(num_v_heads, num_k_heads, io) for io in IO_DTYPES]
@@ -166,9 +174,7 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
         for pool in POOL_DTYPES:
             for vs in V_SPLITS:
                 for mode in MAIN_MODES:
-                    out.append(main_variant(num_v_heads, num_k_heads, io, pool, vs, mode))
-                    if main_impl_for(vs) == "vfirst":
-                        out.append(main_variant(num_v_heads, num_k_heads, io, pool, vs, mode, "vfirst"))
+                    out.append(main_variant(num_v_heads, num_k_heads, io, pool, vs, mode, main_impl_for(vs, target)))
     return out
 
 

@@ -31,6 +31,9 @@ Outputs (workspace, chunk-major so stage 2 loads each tile with one TMA copy; al
        [NC, Hv, 64, 128], fp16;
   for bf16 io also qh, kh [T, Hk, 128]: fp16 copies of q and k (exact for unit-norm rows down to
   6e-5), so stage 2's tensor-core operands are fp16 without converting on its sequential chain.
+Every output tile leaves through shared memory by one bulk (TMA) store: written from a fragment
+by stmatrix, not by scalar 2- and 4-byte global stores (v9's prep: those stores and their address
+arithmetic were a fifth of its warp stall samples; benchmarks/prefill.md v10).
 """
 
 
@@ -95,6 +98,9 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str):
             vh_s = T.alloc_shared((C, DV), mm_dtype) if convert else vr_s
             m_s = T.alloc_shared((C, C), mm_dtype)
             mg_s = T.alloc_shared((C, C), mm_dtype)
+            p_s = T.alloc_shared((C, C), mm_dtype)
+            u_s = T.alloc_shared((C, DV), mm_dtype)
+            w_s = T.alloc_shared((C, DK), mm_dtype)
             x_f = T.alloc_fragment((C, DK), acc)
             # TMA tile loads (one elected thread issues them; every thread waits on the barrier):
             # a plain T.copy of these bounds-checked strided tiles lowers to per-element loads.
@@ -103,6 +109,7 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str):
             p_f = T.alloc_fragment((C, C), acc)
             g_s = T.alloc_shared((C,), acc)
             b_s = T.alloc_shared((C,), acc)
+            eg_s = T.alloc_shared((C,), acc)
             l_s = T.alloc_shared((C, C), acc)
             dinv_s = T.alloc_shared((C, C), mm_dtype)
             loff_s = T.alloc_shared((C, C), mm_dtype)
@@ -143,24 +150,25 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str):
                 for i, d in T.Parallel(C, DK):
                     k_s[i, d] = T.cast(kr_s[i, d], mm_dtype)
                     q_s[i, d] = T.cast(qr_s[i, d], mm_dtype)
-                # Stage 2 reads fp16 q/k: one converted copy per qk-head, written by its first v-head.
+                # Stage 2 reads fp16 q/k: one converted copy per qk-head, written by its first v-head
+                # as whole tiles (TMA clips rows past T; rows >= n are the next sequence's tokens,
+                # which that sequence's CTA writes with the same values).
                 if h % group == 0:
-                    for i, d in T.Parallel(C, DK):
-                        if i < n:
-                            qh[t0 + i, hk, d] = q_s[i, d]
-                            kh[t0 + i, hk, d] = k_s[i, d]
+                    T.copy(q_s, qh[t0:t0 + C, hk, 0:DK])
+                    T.copy(k_s, kh[t0:t0 + C, hk, 0:DK])
             # Rows >= n have g = 0, so they repeat gc[n-1]: gc[63] is the chunk's total.
             T.cumsum(src=g_s, dim=0)
             for i in T.Parallel(C):
-                fbuf[cid, h, 0, i] = T.exp(g_s[i])
+                eg_s[i] = T.exp(g_s[i])
+                fbuf[cid, h, 0, i] = eg_s[i]
                 fbuf[cid, h, 1, i] = T.if_then_else(i < n, T.exp(g_s[C - 1] - g_s[i]), 0.0)
 
             # P = scale * Lower(Gamma) o Q K^T (state-free, so off stage 2's sequential chain).
             T.gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)
             for i, j in T.Parallel(C, C):
-                pbuf[cid, h, i, j] = T.cast(
-                    T.if_then_else(i >= j, p_f[i, j] * T.exp(g_s[i] - g_s[j]) * scale, 0.0), mm_dtype
-                )
+                p_f[i, j] = T.if_then_else(i >= j, p_f[i, j] * T.exp(g_s[i] - g_s[j]) * scale, 0.0)
+            T.copy(p_f, p_s)
+            T.copy(p_s, pbuf[cid, h, :, :])
 
             # L = StrictLower(diag(beta) K K^T), fp32.
             T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
@@ -198,14 +206,16 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str):
                 y_s[i, j] = T.cast(T.if_then_else(i == j, 1.0, 0.0) + n_f[i, j] - t_f[i, j], mm_dtype)
             T.gemm(y_s, dinv_s, t_f, clear_accum=True)
 
-            # M = (Gamma o A) diag(beta) and Mg = M diag(exp(gc)) = diag(exp(gc)) A diag(beta),
-            # lower triangle incl. diagonal (exp(gc) <= 1: no overflow either way).
+            # M = (Gamma o A) diag(beta) and -Mg = -M diag(exp(gc)) = -diag(exp(gc)) A diag(beta)
+            # (negated so the GEMM below yields -Wk directly), lower triangle incl. diagonal
+            # (exp(gc) <= 1: no overflow either way). Built in the fragment, stored by stmatrix.
             for i, j in T.Parallel(C, C):
-                m_s[i, j] = T.cast(
-                    T.if_then_else(i >= j, t_f[i, j] * T.exp(g_s[i] - g_s[j]) * b_s[j], 0.0), mm_dtype
-                )
-                mg_s[i, j] = T.cast(T.if_then_else(i >= j, t_f[i, j] * T.exp(g_s[i]) * b_s[j], 0.0), mm_dtype)
-            # U0 = M V and -Wk = -Mg K, all 64 rows (rows >= n are finite, never weighted).
+                t_f[i, j] = T.if_then_else(i >= j, t_f[i, j] * T.exp(g_s[i] - g_s[j]) * b_s[j], 0.0)
+            T.copy(t_f, m_s)
+            for i, j in T.Parallel(C, C):
+                t_f[i, j] = -t_f[i, j] * eg_s[j]
+            T.copy(t_f, mg_s)
+            # U0 = M V and -Wk = (-Mg) K, all 64 rows (rows >= n are finite, never weighted).
             # v is loaded this late so its tiles reuse shared memory of the solve.
             T.tma_copy(v[t0:t0 + C, h, 0:DV], vr_s, barrier=v_bar)
             T.barrier_arrive(v_bar)
@@ -214,10 +224,10 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str):
                 for i, d in T.Parallel(C, DV):
                     vh_s[i, d] = T.cast(vr_s[i, d], mm_dtype)
             T.gemm(m_s, vh_s, x_f, clear_accum=True)
-            for i, d in T.Parallel(C, DV):
-                ubuf[cid, h, i, d] = T.cast(x_f[i, d], mm_dtype)
+            T.copy(x_f, u_s)
+            T.copy(u_s, ubuf[cid, h, :, :])
             T.gemm(mg_s, k_s, x_f, clear_accum=True)
-            for i, d in T.Parallel(C, DK):
-                wbuf[cid, h, i, d] = T.cast(-x_f[i, d], mm_dtype)
+            T.copy(x_f, w_s)
+            T.copy(w_s, wbuf[cid, h, :, :])
 
     return gdn_prefill_prep
