@@ -1,4 +1,4 @@
-"""Prefill stage 2, V-first (EXPERIMENTAL, compiled but not yet run on the H200): the chunk walk
+"""Prefill stage 2, V-first (the default at v_split 1 and 2 on sm_90a; validated on the H200): the chunk walk
 of prefill_main.py with the state held transposed, X = S^T ([BV, 128], value rows, as the pool
 stores it), so that every GEMM on the chain takes its A operand from registers.
 
@@ -22,8 +22,10 @@ Only v_split 1 (two consumer warpgroups, 384 threads) and 2 (one, 256 threads): 
 has 64 rows per warpgroup, so BV = 32 (v_split 4) does not map onto it.
 
 Why: v7's profile put ~45% of the state warpgroup's samples around the shared-memory copy of
-S and the barrier waits beside it (benchmarks/prefill.md); here there is neither. Whether that
-was the chain's cost is what the first device run of this kernel will tell.
+S and the barrier waits beside it (benchmarks/prefill.md); here there is neither. Measured on
+the H200 (benchmarks/prefill.md v9/v10): 3.3 us per chunk at v_split 1 (v7's profile: 5.3), and
+faster than v8 on every bench row where it applies (e.g. 2/8 1 x 32768 under CP: main 0.262
+against 0.376 ms); still ~3x its tensor-core bound (~1 us per chunk).
 """
 
 import tilelang
