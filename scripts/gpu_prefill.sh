@@ -42,7 +42,7 @@ for pair in ${CP_SWEEP:-}; do
     >> "$out/cp_sweep.jsonl"
 done
 if [[ ${NCU:-1} == 1 ]]; then
-  step "ncu: prep and main, 2/8 1x32768" 180 ncu --clock-control none --set full -k regex:gdn_prefill --launch-count 2 \
+  step "ncu: prep and main, 2/8 1x32768" 180 ncu --clock-control none --set full -k regex:gdn_prefill --launch-count ${NCU_LAUNCHES:-2} \
     -o "$out/prof" python -m qla_serve.bench.prefill --impls qla --heads 2/8 --rows 1x32768 --reps 1 --graph-calls 1 \
     > "$out/ncu_run.txt" 2>&1
   ncu -i "$out/prof.ncu-rep" --page details > "$out/ncu.txt" 2>&1
