@@ -11,11 +11,17 @@
 # length (context parallelism; one JSON-lines file), WARMUP=on|off runs the bench and the CP sweep with
 # --gate-warmup on|off (prefill_api.GATE_WARMUP; default on), MAIN=v8|vfirst runs them on that stage-2
 # kernel (prefill_api.MAIN_IMPL; default vfirst at v_split 1/2), NCU=0 skips the profile, SANITIZE=1 adds compute-sanitizer
-# memcheck and racecheck on test_sanitizer_case. The device returns at most 8 files from $OUT.
+# memcheck and racecheck on test_sanitizer_case, SAVE_JIT=1 tars every TileLang cache file this run
+# created (FlashQLA's JIT kernels: ~2.5 min of compiling per head pair) into
+# $OUT/flashqla_tlcache.tar.xz; carried back as .gpucache/flashqla_tlcache.tar.xz it is unpacked
+# beside tlcache. The device returns at most 8 files from $OUT.
 set -uo pipefail
 out=${OUT:-/tmp/gpu_prefill}; mkdir -p "$out"
 mkdir -p /tmp/tlall
 [[ -f .gpucache/tlcache.tar.xz ]] && tar -xJf .gpucache/tlcache.tar.xz -C /tmp/tlall
+# FlashQLA's own TileLang kernels, saved by an earlier SAVE_JIT=1 run (see below), if carried.
+[[ -f .gpucache/flashqla_tlcache.tar.xz ]] && tar -xJf .gpucache/flashqla_tlcache.tar.xz -C /tmp/tlall
+touch /tmp/tlall.mark
 export TILELANG_CACHE_DIR=/tmp/tlall
 source .devbundle/activate.sh
 for w in .gpucache/whl/*.whl; do [[ -f $w ]] && python -m zipfile -e "$w" /tmp/whlsite; done
@@ -56,4 +62,8 @@ if [[ ${SANITIZE:-0} == 1 ]]; then
       python -m pytest -m gpu -q -x tests/kernels/test_prefill_gpu.py -p no:cacheprovider -k sanitizer_case \
       2>&1 | tee "$out/sanitizer_$tool.log" | tail -8
   done
+fi
+if [[ ${SAVE_JIT:-0} == 1 ]]; then
+  (cd /tmp/tlall && find . -type f -newer /tmp/tlall.mark | tar -cJf "$out/flashqla_tlcache.tar.xz" -T -)
+  ls -la "$out/flashqla_tlcache.tar.xz"
 fi
