@@ -61,16 +61,11 @@ IO_DTYPES = ("bfloat16", "float16")
 POOL_DTYPES = ("float32", "bfloat16")
 
 
-def _env_flag(name: str, default: str) -> bool:
-    """A 0/1 switch from the environment; anything else is refused by name."""
-    flag = os.environ.get(name, default).strip()
-    if flag not in ("0", "1"):
-        raise ValueError(f"{name}: expected 0 or 1, got {flag!r}")
-    return flag == "1"
-
-
 def _gate_warmup_from_env() -> bool:
-    return _env_flag("QLA_SERVE_GATE_WARMUP", "1")
+    flag = os.environ.get("QLA_SERVE_GATE_WARMUP", "1").strip()
+    if flag not in ("0", "1"):
+        raise ValueError(f"QLA_SERVE_GATE_WARMUP: expected 0 or 1, got {flag!r}")
+    return flag == "1"
 
 
 # Gate warmup (prefill_warmup.py) for cut segments under cp="auto": on by default (validated on
@@ -97,7 +92,10 @@ MAIN_IMPL = _main_impl_from_env()
 
 
 def _prep_grouped_from_env() -> bool:
-    return _env_flag("QLA_SERVE_PREP_GROUPED", "0")
+    flag = os.environ.get("QLA_SERVE_PREP_GROUPED", "0").strip()
+    if flag not in ("0", "1"):
+        raise ValueError(f"QLA_SERVE_PREP_GROUPED: expected 0 or 1, got {flag!r}")
+    return flag == "1"
 
 
 # Stage 1 per qk-head group (prefill_prep.prep_func heads_per_cta = Hv / Hk: the chunk's q/k
