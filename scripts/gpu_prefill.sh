@@ -10,8 +10,7 @@
 # benchmarks/fit_costmodel.py), CP_SWEEP="4:64 2:128 ..." times qla at each forced v_split:segment
 # length (context parallelism; one JSON-lines file), WARMUP=on|off runs the bench and the CP sweep with
 # --gate-warmup on|off (prefill_api.GATE_WARMUP; default on), MAIN=v8|vfirst runs them on that stage-2
-# kernel (prefill_api.MAIN_IMPL; default vfirst at v_split 1/2), PREP=grouped runs them on the
-# experimental grouped stage 1 (prefill_api.PREP_GROUPED), NCU=0 skips the profile, SANITIZE=1 adds compute-sanitizer
+# kernel (prefill_api.MAIN_IMPL; default vfirst at v_split 1/2), NCU=0 skips the profile, SANITIZE=1 adds compute-sanitizer
 # memcheck and racecheck on test_sanitizer_case, SAVE_JIT=1 tars every TileLang cache file this run
 # created (FlashQLA's JIT kernels: ~2.5 min of compiling per head pair) into
 # $OUT/flashqla_tlcache.tar.xz; carried back as .gpucache/flashqla_tlcache.tar.xz it is unpacked
@@ -34,16 +33,16 @@ if [[ ${TESTS:-} != none ]]; then
 fi
 if [[ ${BENCH:-1} == 1 ]]; then
   step "bench prefill (${IMPLS:-qla})" ${BENCH_TIMEOUT:-300} python -m qla_serve.bench.prefill --impls "${IMPLS:-qla}" \
-    --heads "${HEADS:-all}" --rows "${ROWS:-all}" ${WARMUP:+--gate-warmup $WARMUP} ${MAIN:+--main $MAIN} ${PREP:+--prep $PREP} --breakdown --json "$out/prefill.json" --md "$out/prefill.md" \
+    --heads "${HEADS:-all}" --rows "${ROWS:-all}" ${WARMUP:+--gate-warmup $WARMUP} ${MAIN:+--main $MAIN} --breakdown --json "$out/prefill.json" --md "$out/prefill.md" \
     --png "$out/prefill.png" 2>&1 | tee "$out/bench.log" | grep -v '^{' | tail -60
 fi
 for vs in ${SWEEP:-}; do
   step "sweep v_split $vs" 150 python -m qla_serve.bench.prefill --impls qla --heads "${HEADS:-all}" --rows "${ROWS:-all}" \
-    ${MAIN:+--main $MAIN} ${PREP:+--prep $PREP} --v-split $vs --breakdown --reps 10 --json "$out/sweep_vs$vs.json" 2>&1 | grep -v "^{" | tail -3
+    ${MAIN:+--main $MAIN} --v-split $vs --breakdown --reps 10 --json "$out/sweep_vs$vs.json" 2>&1 | grep -v "^{" | tail -3
 done
 for pair in ${CP_SWEEP:-}; do
   step "cp sweep v_split:L $pair" 150 python -m qla_serve.bench.prefill --impls qla --heads "${HEADS:-all}" \
-    --rows "${ROWS:-all}" --v-split ${pair%%:*} --segment-chunks ${pair##*:} ${WARMUP:+--gate-warmup $WARMUP} ${MAIN:+--main $MAIN} ${PREP:+--prep $PREP} --breakdown --reps 10 \
+    --rows "${ROWS:-all}" --v-split ${pair%%:*} --segment-chunks ${pair##*:} ${WARMUP:+--gate-warmup $WARMUP} ${MAIN:+--main $MAIN} --breakdown --reps 10 \
     --json /tmp/cp_sweep_one.json 2>&1 | grep -v "^{" | tail -3
   python -c "import json; [print(json.dumps(r)) for r in json.load(open('/tmp/cp_sweep_one.json'))['results']]" \
     >> "$out/cp_sweep.jsonl"

@@ -54,9 +54,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--main", choices=("v8", "vfirst"), default=None,
                         help="qla_serve's Hopper stage-2 kernel at v_split 1/2 (prefill_api.MAIN_IMPL; "
                              "default: $QLA_SERVE_PREFILL_MAIN or vfirst); v_split 4 always runs v8")
-    parser.add_argument("--prep", choices=("per-head", "grouped"), default=None,
-                        help="qla_serve's Hopper stage 1 (prefill_api.PREP_GROUPED; default: "
-                             "$QLA_SERVE_PREP_GROUPED or per-head); grouped is experimental")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--graph-calls", type=int, default=5)
     parser.add_argument("--breakdown", action="store_true", help="also time qla_serve's prep and main kernels apart")
@@ -155,14 +152,6 @@ def _main_impl(plan) -> str:
     return prefill_api.main_impl_for(plan.v_split) if plan.arch == "sm90" else "-"
 
 
-def _prep_form(plan, hk: int, hv: int) -> str:
-    """Which Hopper stage 1 this call runs ("per-head" or "grouped"; "-" off Hopper)."""
-    from qla_serve.kernels.hopper import prefill_api
-    if plan.arch != "sm90":
-        return "-"
-    return "grouped" if prefill_api.prep_heads_per_cta(hv, hk) > 1 else "per-head"
-
-
 def _cp_label(plan) -> str:
     """The plan's cp mode, "+warmup" where its cut segments may take the gate warmup (the
     switch read from prefill_api, whether --gate-warmup, QLA_SERVE_GATE_WARMUP or the default set it)."""
@@ -236,12 +225,10 @@ def run(args) -> int:
     if not torch.cuda.is_available():
         print("bench prefill: needs a CUDA GPU")
         return 2
-    if args.gate_warmup or args.main or args.prep:
+    if args.gate_warmup or args.main:
         from qla_serve.kernels.hopper import prefill_api
         if args.gate_warmup:
             prefill_api.GATE_WARMUP = args.gate_warmup == "on"
-        if args.prep:
-            prefill_api.PREP_GROUPED = args.prep == "grouped"
         prefill_api.MAIN_IMPL = args.main or prefill_api.MAIN_IMPL
     heads = HEAD_PAIRS if args.heads == "all" else [tuple(int(x) for x in p.split("/")) for p in args.heads.split(",")]
     rows = list(ROWS) if args.rows == "all" else args.rows.split(",")
@@ -261,7 +248,6 @@ def run(args) -> int:
                         rec["qla_plan"] = plan_label(plan)
                         rec["qla_cp"] = _cp_label(plan)
                         rec["qla_main"] = _main_impl(plan)
-                        rec["qla_prep"] = _prep_form(plan, hk, hv)
                         if args.breakdown:
                             for st in ("prep", "main"):
                                 f2 = _qla_fn(lens, hk, hv, data, args.v_split, st, args.segment_chunks,

@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from qla_serve.kernels.hopper import prefill_api as P, prefill_prep
+from qla_serve.kernels.hopper import prefill_api as P
 
 pytestmark = pytest.mark.compile
 
@@ -110,29 +110,6 @@ def test_vfirst_is_chosen_only_where_it_applies(monkeypatch):
     assert P._main_impl_from_env() == "vfirst"
     monkeypatch.delenv("QLA_SERVE_PREFILL_MAIN")
     assert P._main_impl_from_env() == "vfirst", "V-first is the default"
-
-
-def test_compiles_grouped_prep_sm90a(monkeypatch):
-    """The experimental grouped stage 1 (prefill_prep heads_per_cta = Hv / Hk): one CTA loops over
-    the group's v-heads (a real loop, not unrolled), the TMA barrier of v alternating phase;
-    listed by kernel_variants only when PREP_GROUPED is on; a heads_per_cta that does not divide
-    the group is refused by name."""
-    v = P.prep_variant(8, 2, "bfloat16", 4)
-    assert v["name"] == "gdn_prefill_prep_hv8_hk2_bfloat16_g4"
-    src = P.build(v, "sm_90a").get_kernel_source()
-    assert "for (int hj = 0; hj < 4; ++hj)" in src and "(hj & 1)" in src
-    monkeypatch.setattr(P, "PREP_GROUPED", True)
-    preps = [x for x in P.kernel_variants(8, 2) if x["op"] == "prefill_prep"]
-    assert [x.get("heads_per_cta") for x in preps] == [4, 4]
-    monkeypatch.setattr(P, "PREP_GROUPED", False)
-    assert all("heads_per_cta" not in x for x in P.kernel_variants(8, 2) if x["op"] == "prefill_prep")
-    with pytest.raises(ValueError, match="heads_per_cta: expected a divisor of Hv / Hk = 4, got 3"):
-        prefill_prep.prep_func(8, 2, "bfloat16", 3)
-    monkeypatch.setenv("QLA_SERVE_PREP_GROUPED", "2")
-    with pytest.raises(ValueError, match="QLA_SERVE_PREP_GROUPED: expected 0 or 1"):
-        P._prep_grouped_from_env()
-    monkeypatch.delenv("QLA_SERVE_PREP_GROUPED")
-    assert P._prep_grouped_from_env() is False, "off by default until it has run on the H200"
 
 
 def test_gate_warmup_switch_from_env(monkeypatch):

@@ -39,11 +39,9 @@ def _mod():
 def _kernel_switches(monkeypatch):
     """The package defaults, whatever the environment says: gate warmup on (plans with
     cp="auto" take it, cp="exact" plans never do) and the V-first stage 2 at v_split 1 and 2
-    (v_split 4 runs v8), the per-head stage 1. test_v8_main and the sanitizer case switch to v8
-    themselves, test_prep_grouped to the grouped stage 1."""
+    (v_split 4 runs v8). test_v8_main and the sanitizer case switch to v8 themselves."""
     monkeypatch.setattr(_mod(), "GATE_WARMUP", True)
     monkeypatch.setattr(_mod(), "MAIN_IMPL", "vfirst")
-    monkeypatch.setattr(_mod(), "PREP_GROUPED", False)
 
 
 def make_case(lens, Hk, Hv, *, io=torch.bfloat16, gen, dev="cuda"):
@@ -261,45 +259,6 @@ def test_v8_main(v_split, pool_dtype, monkeypatch):
     print(f"v8 v_split {v_split} pool {pool_dtype}: o {e[0]:.2e} state {e[1]:.2e}")
 
 
-@pytest.mark.parametrize("Hk,Hv,io", [(2, 8, torch.bfloat16), (16, 64, torch.bfloat16), (4, 16, torch.float16)],
-                         ids=["2-8", "16-64", "4-16-fp16"])
-def test_prep_grouped(Hk, Hv, io, monkeypatch):
-    """The experimental grouped stage 1 (prefill_api.PREP_GROUPED: one CTA per chunk and qk-head
-    group) writes what the per-head stage 1 writes: every workspace tensor compared after a prep-
-    only call of each form on the same inputs (the q/k copies and gate factors bit for bit, P, U0
-    and -Wk to fp16 rounding), then whole calls against the float64 recurrence (plain and CP)."""
-    import qla_serve.kernels.hopper.prefill_api as P
-
-    lens = [200, 0, 64, 1, 130, 63]
-    gen = torch.Generator(device="cuda").manual_seed(900 + Hv)
-    q, k, v, g, beta = make_case(lens, Hk, Hv, io=io, gen=gen)
-    pool = make_pool(len(lens) + 1, Hv, torch.float32, gen)
-    slots = torch.arange(len(lens), dtype=torch.int32, device="cuda")
-    out = torch.empty_like(v)
-    plan = make_plan(lens, Hv, Hk, 1)
-    got = {}
-    for grouped in (False, True):
-        monkeypatch.setattr(P, "PREP_GROUPED", grouped)
-        P.prefill(q, k, v, g, beta, pool, slots, plan, has_initial_state=None, scale=HD ** -0.5, out=out,
-                  _stages="prep")
-        torch.cuda.synchronize()
-        ws = P._plan_scratch(plan, Hv, q.device)[1]
-        qk = P._half_qk(plan, q.shape[0], Hk, q.device) if io == torch.bfloat16 else ()
-        got[grouped] = [t.clone() for t in (*ws, *qk)]
-    names = ["fbuf", "pbuf", "ubuf", "wbuf", "qh", "kh"]
-    for name, a, b in zip(names, got[False], got[True]):
-        assert not torch.isnan(b).any(), name
-        if name in ("fbuf", "qh", "kh"):
-            assert torch.equal(a, b), f"{name} differs between the per-head and grouped stage 1"
-        else:
-            assert rel(b.double(), a.double()) <= 1e-3, f"{name}: rel L2 {rel(b.double(), a.double()):.2e}"
-    monkeypatch.setattr(P, "PREP_GROUPED", True)
-    e = run_case(EDGE_LENS, Hk, Hv, io=io, v_split=2, seed=910 + Hv, pad_frac=0.2)
-    e_cp = run_case([64 * 29 + 17, 0, 64 * 3, 1, 200], Hk, Hv, io=io, v_split=1, seed=920 + Hv,
-                    segment_chunks=3, cp="auto")
-    print(f"grouped prep {Hk}/{Hv} {io}: o {e[0]:.2e} state {e[1]:.2e}; cp o {e_cp[0]:.2e} state {e_cp[1]:.2e}")
-
-
 # (heads, pool dtype, v_split) combinations of the loop: those the tests above compile already
 # (compiling is the dominant cost on the device), i.e. every head pair and pool with v_split 2
 # and the 2/8 pair with v_split 4.
@@ -333,13 +292,10 @@ def test_sanitizer_case(monkeypatch):
     racecheck (SANITIZE=1); here it is a plain correctness check: 2/8 heads, v_split 2 and 4,
     lengths that end mid-chunk, padding slots, and the CP path (segments of 2 chunks: the maps
     pass, the scan and the output pass; exact, then with gate warmup), on the default stage-2
-    kernels (V-first at v_split 1/2, v8 at 4); then v8 at v_split 1 with CP and warmup; then the
-    grouped stage 1 (its CTAs reuse shared memory from one v-head to the next)."""
+    kernels (V-first at v_split 1/2, v8 at 4); then v8 at v_split 1 with CP and warmup."""
     for vs in (2, 4):
         run_case([65, 1, 130], 2, 8, v_split=vs, seed=77 + vs, pad_frac=0.3)
     for cp in ("exact", "auto"):
         run_case([65, 1, 300], 2, 8, v_split=2, seed=79, pad_frac=0.3, segment_chunks=2, cp=cp)
     monkeypatch.setattr(_mod(), "MAIN_IMPL", "v8")
     run_case([65, 1, 300], 2, 8, v_split=1, seed=80, pad_frac=0.3, segment_chunks=2, cp="auto")
-    monkeypatch.setattr(_mod(), "PREP_GROUPED", True)
-    run_case([65, 1, 130], 2, 8, v_split=2, seed=81, pad_frac=0.3)

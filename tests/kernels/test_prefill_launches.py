@@ -23,7 +23,7 @@ HV, HK = 8, 2
 def _prim_func(variant):
     op = variant["op"]
     if op == "prefill_prep":
-        return prefill_prep.prep_func(HV, HK, variant["io_dtype"], variant.get("heads_per_cta", 1))
+        return prefill_prep.prep_func(HV, HK, variant["io_dtype"])
     if op == "prefill_cp_scan":
         return prefill_scan.scan_func(HV)
     if op == "prefill_cp_warmup":
@@ -54,7 +54,6 @@ def launches(monkeypatch):
     # the package defaults, whatever the environment says; tests that need v8 switch to it
     monkeypatch.setattr(P, "GATE_WARMUP", True)
     monkeypatch.setattr(P, "MAIN_IMPL", "vfirst")
-    monkeypatch.setattr(P, "PREP_GROUPED", False)
     return calls
 
 
@@ -125,16 +124,3 @@ def test_main_switch_selects_the_stage2_kernel(launches, monkeypatch, main_impl,
     _call([64 * 10, 100], v_split, 3, "exact")
     mains = [(mode, which) for op, mode, which in _sequence(launches) if op == "main"]
     assert mains == [("maps", impl), ("output", impl)]
-
-
-@pytest.mark.parametrize("grouped", [False, True])
-def test_prep_switch_selects_the_stage1_kernel(launches, monkeypatch, grouped):
-    """PREP_GROUPED launches the grouped stage 1 (one CTA per chunk and qk-head group: Hv / Hk
-    v-heads per CTA) with the per-head kernel's arguments; off, the per-head kernel."""
-    monkeypatch.setattr(P, "PREP_GROUPED", grouped)
-    _call([300, 0, 65], 2, 0, None)
-    prep = launches[0][0]
-    assert prep["op"] == "prefill_prep"
-    assert prep.get("heads_per_cta", 1) == (HV // HK if grouped else 1)
-    assert prep["name"].endswith(f"_g{HV // HK}") == grouped
-

@@ -90,25 +90,6 @@ def _main_impl_from_env() -> str:
 
 MAIN_IMPL = _main_impl_from_env()
 
-
-def _prep_grouped_from_env() -> bool:
-    flag = os.environ.get("QLA_SERVE_PREP_GROUPED", "0").strip()
-    if flag not in ("0", "1"):
-        raise ValueError(f"QLA_SERVE_PREP_GROUPED: expected 0 or 1, got {flag!r}")
-    return flag == "1"
-
-
-# Stage 1 per qk-head group (prefill_prep.prep_func heads_per_cta = Hv / Hk: the chunk's q/k
-# loaded and converted once for the v-heads that share them): EXPERIMENTAL, compiled but not yet
-# run on the H200, so off by default. QLA_SERVE_PREP_GROUPED=1 (read once at import) or
-# `qla-serve bench prefill --prep grouped` turns it on.
-PREP_GROUPED = _prep_grouped_from_env()
-
-
-def prep_heads_per_cta(num_v_heads: int, num_k_heads: int) -> int:
-    """v-heads per stage-1 CTA: the whole qk-head group under PREP_GROUPED, else 1."""
-    return num_v_heads // num_k_heads if PREP_GROUPED else 1
-
 _TORCH_TO_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 _kernels: dict = {}
 _lock = threading.Lock()
@@ -118,8 +99,7 @@ _dummies: dict = {}
 
 def _variant_name(v: dict) -> str:
     if v["op"] == "prefill_prep":
-        return (f"gdn_prefill_prep_hv{v['num_v_heads']}_hk{v['num_k_heads']}_{v['io_dtype']}"
-                + (f"_g{v['heads_per_cta']}" if v.get("heads_per_cta", 1) != 1 else ""))
+        return f"gdn_prefill_prep_hv{v['num_v_heads']}_hk{v['num_k_heads']}_{v['io_dtype']}"
     return (
         f"gdn_prefill_main_hv{v['num_v_heads']}_hk{v['num_k_heads']}_{v['io_dtype']}"
         f"_pool{v['pool_dtype']}_vs{v['v_split']}" + ("_maps" if v["mode"] == "maps" else "")
@@ -127,10 +107,8 @@ def _variant_name(v: dict) -> str:
     )
 
 
-def prep_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, heads_per_cta: int = 1) -> dict:
+def prep_variant(num_v_heads: int, num_k_heads: int, io_dtype: str) -> dict:
     v = {"op": "prefill_prep", "num_v_heads": num_v_heads, "num_k_heads": num_k_heads, "io_dtype": io_dtype}
-    if heads_per_cta != 1:  # the per-head variants keep their names (and compile caches)
-        v["heads_per_cta"] = heads_per_cta
     v["name"] = _variant_name(v)
     return v
 
@@ -190,8 +168,7 @@ def kernel_variants(num_v_heads: int, num_k_heads: int, target: str = ARCH) -> l
     picks (V-first at v_split 1 and 2 unless MAIN_IMPL is "v8"). JSON-serialisable dicts."""
     if num_k_heads <= 0 or num_v_heads % num_k_heads:
         raise ValueError(f"num_v_heads ({num_v_heads}) must be a positive multiple of num_k_heads ({num_k_heads})")
-    hpc = prep_heads_per_cta(num_v_heads, num_k_heads)
-    out = [prep_variant(num_v_heads, num_k_heads, io, hpc) for io in IO_DTYPES]
+    out = [prep_variant(num_v_heads, num_k_heads, io) for io in IO_DTYPES]
     out += [scan_variant(num_v_heads), warmup_variant(num_v_heads)]
     for io in IO_DTYPES:
         for pool in POOL_DTYPES:
@@ -220,8 +197,7 @@ def build(variant: dict, target: str = ARCH):
             elif variant["op"] == "prefill_cp_warmup":
                 func, cfg = prefill_warmup.warmup_func(hv), prefill_warmup.PASS_CONFIGS
             elif variant["op"] == "prefill_prep":
-                func = prefill_prep.prep_func(hv, hk, io, variant.get("heads_per_cta", 1))
-                cfg = prefill_prep.PASS_CONFIGS
+                func, cfg = prefill_prep.prep_func(hv, hk, io), prefill_prep.PASS_CONFIGS
             elif variant["op"] == "prefill_main":
                 kmod = prefill_main_vfirst if variant.get("impl", "v8") == "vfirst" else prefill_main
                 func, _ = kmod.main_func(hv, hk, io, variant["pool_dtype"], variant["v_split"],
@@ -391,9 +367,7 @@ def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale,
     hk, hv = k.shape[1], v.shape[1]
     io = _TORCH_TO_TL[q.dtype]
     pool_dt = _TORCH_TO_TL[pool.dtype]
-    hpc = prep_heads_per_cta(hv, hk)
-    kk = ("prep", hv, hk, io, hpc, _target)
-    kp = _fns.get(kk) or _fn(prep_variant(hv, hk, io, hpc), kk)
+    kp = _fns.get((hv, hk, io, _target)) or _fn(prep_variant(hv, hk, io), (hv, hk, io, _target))
     impl = main_impl_for(vs, _target)
     kk = (hv, hk, io, pool_dt, vs, "output", impl, _target)
     km = _fns.get(kk) or _fn(main_variant(hv, hk, io, pool_dt, vs, "output", impl), kk)

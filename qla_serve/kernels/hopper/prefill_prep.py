@@ -3,9 +3,7 @@ algorithm that does not need the state, so stage 2's sequential chain is two GEM
 
 Grid: one CTA of 128 threads per (v-head h, chunk c), v-head fastest; chunks are numbered through the plan's
 ``chunk_offsets`` (chunk c belongs to the sequence s with chunk_offsets[s] <= c < chunk_offsets[s+1],
-found by a binary search in the kernel, so no per-chunk index tensor is needed). The
-experimental grouped form (heads_per_cta > 1, prep_func) has one CTA per (run of v-heads of one
-qk-head, chunk) that loads and converts q/k once and loops over its v-heads.
+found by a binary search in the kernel, so no per-chunk index tensor is needed).
 
 For a chunk of n <= 64 tokens t0..t0+n-1 of head h (qk-head h // (Hv // Hk)):
   gc[i]   = sum_{j<=i} g[t0+j, h]                           (chunk-local cumsum, fp32)
@@ -49,19 +47,11 @@ DV = 128
 PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 
 
-def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, heads_per_cta: int = 1):
+def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str):
     """Build the stage-1 PrimFunc for (Hv, Hk, io dtype); T (tokens), N (sequences) and
-    the number of chunks are symbolic, so one compile serves every batch.
-
-    heads_per_cta > 1 (a divisor of Hv / Hk; EXPERIMENTAL, not yet run on the H200): one CTA per
-    (chunk, run of heads_per_cta v-heads of one qk-head) loads and converts the chunk's q/k tiles
-    once and computes the v-heads one after another (grid Hv / heads_per_cta x chunks). Same
-    outputs; the per-v-head work is unchanged."""
+    the number of chunks are symbolic, so one compile serves every batch."""
     Hv, Hk = num_v_heads, num_k_heads
     group = Hv // Hk
-    hpc = heads_per_cta
-    if hpc < 1 or group % hpc:
-        raise ValueError(f"heads_per_cta: expected a divisor of Hv / Hk = {group}, got {hpc}")
     ntok = T.dynamic("ntok")
     nseq = T.dynamic("nseq")
     nchunk = T.dynamic("nchunk")
@@ -74,12 +64,6 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, heads_per_cta: 
     skh0, skh1 = T.dynamic("skh0"), T.dynamic("skh1")
     mm_dtype = "float16"
     acc = "float32"
-
-    @T.macro
-    def load_gates(g, beta, g_s, b_s, t0, n, h):
-        for i in T.Parallel(C):
-            g_s[i] = T.if_then_else(i < n, g[t0 + i, h], 0.0)
-            b_s[i] = T.if_then_else(i < n, beta[t0 + i, h], 0.0)
 
     @T.prim_func
     def gdn_prefill_prep(
@@ -100,12 +84,11 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, heads_per_cta: 
     ):
         # v-head fastest: the Hv / Hk v-heads that share a chunk's q/k tiles run back to back
         # (L2 hits), and consecutive CTAs write adjacent workspace rows.
-        with T.Kernel(Hv // hpc, nchunk, threads=128) as (hb, cid):
+        with T.Kernel(Hv, nchunk, threads=128) as (h, cid):
             # Three CTAs per SM (<= 170 registers, <= 75 KB smem): the phases of one CTA are
             # latency-bound (loads, the 16-step substitution), so other CTAs fill the gaps.
             T.annotate_min_blocks_per_sm(3)
-            h0 = hb * hpc  # the CTA's first v-head
-            hk = h0 // group
+            hk = h // group
             convert = io_dtype != mm_dtype
             kr_s = T.alloc_shared((C, DK), io_dtype)
             k_s = T.alloc_shared((C, DK), mm_dtype) if convert else kr_s
@@ -154,8 +137,9 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, heads_per_cta: 
             t0 = cu_seqlens[lo] + (cid - chunk_offsets[lo]) * C
             n = T.min(cu_seqlens[lo + 1] - t0, C)
 
-            if hpc == 1:  # (grouped: per v-head, in the loop below)
-                load_gates(g, beta, g_s, b_s, t0, n, h0)
+            for i in T.Parallel(C):
+                g_s[i] = T.if_then_else(i < n, g[t0 + i, h], 0.0)
+                b_s[i] = T.if_then_else(i < n, beta[t0 + i, h], 0.0)
             # Tile loads; rows >= n belong to the next sequence (or are zero past T):
             # they only enter rows >= n of K K^T, which the solve and M never mix into rows < n.
             T.tma_copy(k[t0:t0 + C, hk, 0:DK], kr_s, barrier=qk_bar)
@@ -169,88 +153,81 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, heads_per_cta: 
                 # Stage 2 reads fp16 q/k: one converted copy per qk-head, written by its first v-head
                 # as whole tiles (TMA clips rows past T; rows >= n are the next sequence's tokens,
                 # which that sequence's CTA writes with the same values).
-                if h0 % group == 0:
+                if h % group == 0:
                     T.copy(q_s, qh[t0:t0 + C, hk, 0:DK])
                     T.copy(k_s, kh[t0:t0 + C, hk, 0:DK])
-            for hj in T.serial(hpc):
-                h = h0 + hj
-                if hpc > 1:
-                    # the previous v-head's last bulk store has read its tile (the elected
-                    # thread waited) before any thread reuses that shared memory
-                    T.sync_threads()
-                    load_gates(g, beta, g_s, b_s, t0, n, h)
-                # Rows >= n have g = 0, so they repeat gc[n-1]: gc[63] is the chunk's total.
-                T.cumsum(src=g_s, dim=0)
-                for i in T.Parallel(C):
-                    eg_s[i] = T.exp(g_s[i])
-                    fbuf[cid, h, 0, i] = eg_s[i]
-                    fbuf[cid, h, 1, i] = T.if_then_else(i < n, T.exp(g_s[C - 1] - g_s[i]), 0.0)
+            # Rows >= n have g = 0, so they repeat gc[n-1]: gc[63] is the chunk's total.
+            T.cumsum(src=g_s, dim=0)
+            for i in T.Parallel(C):
+                eg_s[i] = T.exp(g_s[i])
+                fbuf[cid, h, 0, i] = eg_s[i]
+                fbuf[cid, h, 1, i] = T.if_then_else(i < n, T.exp(g_s[C - 1] - g_s[i]), 0.0)
 
-                # P = scale * Lower(Gamma) o Q K^T (state-free, so off stage 2's sequential chain).
-                T.gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(C, C):
-                    p_f[i, j] = T.if_then_else(i >= j, p_f[i, j] * T.exp(g_s[i] - g_s[j]) * scale, 0.0)
-                T.copy(p_f, p_s)
-                T.copy(p_s, pbuf[cid, h, :, :])
+            # P = scale * Lower(Gamma) o Q K^T (state-free, so off stage 2's sequential chain).
+            T.gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)
+            for i, j in T.Parallel(C, C):
+                p_f[i, j] = T.if_then_else(i >= j, p_f[i, j] * T.exp(g_s[i] - g_s[j]) * scale, 0.0)
+            T.copy(p_f, p_s)
+            T.copy(p_s, pbuf[cid, h, :, :])
 
-                # L = StrictLower(diag(beta) K K^T), fp32.
-                T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(C, C):
-                    l_s[i, j] = T.if_then_else(i > j, kk_f[i, j] * b_s[i], 0.0)
+            # L = StrictLower(diag(beta) K K^T), fp32.
+            T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
+            for i, j in T.Parallel(C, C):
+                l_s[i, j] = T.if_then_else(i > j, kk_f[i, j] * b_s[i], 0.0)
 
-                # Diagonal 16x16 blocks of (I + L): forward substitution, rows r = 0..15,
-                # all four blocks and 16 columns at once. xd_s[b*16 + r, c] = Dinv_b[r, c].
-                for b, c in T.Parallel(4, 16):
-                    xd_s[b * 16, c] = T.if_then_else(c == 0, 1.0, 0.0)
-                for r in T.unroll(1, 16):
-                    T.clear(sub_f)
-                    for m in T.unroll(r):
-                        for b, c in T.Parallel(4, 16):
-                            sub_f[b, c] += l_s[b * 16 + r, b * 16 + m] * xd_s[b * 16 + m, c]
+            # Diagonal 16x16 blocks of (I + L): forward substitution, rows r = 0..15,
+            # all four blocks and 16 columns at once. xd_s[b*16 + r, c] = Dinv_b[r, c].
+            for b, c in T.Parallel(4, 16):
+                xd_s[b * 16, c] = T.if_then_else(c == 0, 1.0, 0.0)
+            for r in T.unroll(1, 16):
+                T.clear(sub_f)
+                for m in T.unroll(r):
                     for b, c in T.Parallel(4, 16):
-                        xd_s[b * 16 + r, c] = T.if_then_else(c == r, 1.0, 0.0) - sub_f[b, c]
-                    # The 4 x 16 work items are replicated on threads 64-127, whose reads of row r in
-                    # the next step would otherwise race with its write (compute-sanitizer racecheck;
-                    # their results are discarded, threads 0-63 read only their own writes).
-                    T.sync_threads()
+                        sub_f[b, c] += l_s[b * 16 + r, b * 16 + m] * xd_s[b * 16 + m, c]
+                for b, c in T.Parallel(4, 16):
+                    xd_s[b * 16 + r, c] = T.if_then_else(c == r, 1.0, 0.0) - sub_f[b, c]
+                # The 4 x 16 work items are replicated on threads 64-127, whose reads of row r in
+                # the next step would otherwise race with its write (compute-sanitizer racecheck;
+                # their results are discarded, threads 0-63 read only their own writes).
+                T.sync_threads()
 
-                for i, j in T.Parallel(C, C):
-                    dinv_s[i, j] = T.if_then_else(i // 16 == j // 16, T.cast(xd_s[i, j % 16], mm_dtype), T.cast(0, mm_dtype))
-                    loff_s[i, j] = T.if_then_else(i // 16 > j // 16, T.cast(l_s[i, j], mm_dtype), T.cast(0, mm_dtype))
-                # N = Dinv L_off ; N2 = N N ; N3 = N N2 ; Y = I - N + N2 - N3 ; A = Y Dinv
-                T.gemm(dinv_s, loff_s, n_f, clear_accum=True)
-                T.copy(n_f, n_s)
-                T.gemm(n_s, n_s, t_f, clear_accum=True)
-                T.copy(t_f, n2_s)
-                for i, j in T.Parallel(C, C):
-                    n_f[i, j] = t_f[i, j] - n_f[i, j]
-                T.gemm(n_s, n2_s, t_f, clear_accum=True)
-                for i, j in T.Parallel(C, C):
-                    y_s[i, j] = T.cast(T.if_then_else(i == j, 1.0, 0.0) + n_f[i, j] - t_f[i, j], mm_dtype)
-                T.gemm(y_s, dinv_s, t_f, clear_accum=True)
+            for i, j in T.Parallel(C, C):
+                dinv_s[i, j] = T.if_then_else(i // 16 == j // 16, T.cast(xd_s[i, j % 16], mm_dtype), T.cast(0, mm_dtype))
+                loff_s[i, j] = T.if_then_else(i // 16 > j // 16, T.cast(l_s[i, j], mm_dtype), T.cast(0, mm_dtype))
+            # N = Dinv L_off ; N2 = N N ; N3 = N N2 ; Y = I - N + N2 - N3 ; A = Y Dinv
+            T.gemm(dinv_s, loff_s, n_f, clear_accum=True)
+            T.copy(n_f, n_s)
+            T.gemm(n_s, n_s, t_f, clear_accum=True)
+            T.copy(t_f, n2_s)
+            for i, j in T.Parallel(C, C):
+                n_f[i, j] = t_f[i, j] - n_f[i, j]
+            T.gemm(n_s, n2_s, t_f, clear_accum=True)
+            for i, j in T.Parallel(C, C):
+                y_s[i, j] = T.cast(T.if_then_else(i == j, 1.0, 0.0) + n_f[i, j] - t_f[i, j], mm_dtype)
+            T.gemm(y_s, dinv_s, t_f, clear_accum=True)
 
-                # M = (Gamma o A) diag(beta) and -Mg = -M diag(exp(gc)) = -diag(exp(gc)) A diag(beta)
-                # (negated so the GEMM below yields -Wk directly), lower triangle incl. diagonal
-                # (exp(gc) <= 1: no overflow either way). Built in the fragment, stored by stmatrix.
-                for i, j in T.Parallel(C, C):
-                    t_f[i, j] = T.if_then_else(i >= j, t_f[i, j] * T.exp(g_s[i] - g_s[j]) * b_s[j], 0.0)
-                T.copy(t_f, m_s)
-                for i, j in T.Parallel(C, C):
-                    t_f[i, j] = -t_f[i, j] * eg_s[j]
-                T.copy(t_f, mg_s)
-                # U0 = M V and -Wk = (-Mg) K, all 64 rows (rows >= n are finite, never weighted).
-                # v is loaded this late so its tiles reuse shared memory of the solve.
-                T.tma_copy(v[t0:t0 + C, h, 0:DV], vr_s, barrier=v_bar)
-                T.barrier_arrive(v_bar)
-                T.barrier_wait(v_bar, hj % 2)
-                if convert:
-                    for i, d in T.Parallel(C, DV):
-                        vh_s[i, d] = T.cast(vr_s[i, d], mm_dtype)
-                T.gemm(m_s, vh_s, x_f, clear_accum=True)
-                T.copy(x_f, u_s)
-                T.copy(u_s, ubuf[cid, h, :, :])
-                T.gemm(mg_s, k_s, x_f, clear_accum=True)
-                T.copy(x_f, w_s)
-                T.copy(w_s, wbuf[cid, h, :, :])
+            # M = (Gamma o A) diag(beta) and -Mg = -M diag(exp(gc)) = -diag(exp(gc)) A diag(beta)
+            # (negated so the GEMM below yields -Wk directly), lower triangle incl. diagonal
+            # (exp(gc) <= 1: no overflow either way). Built in the fragment, stored by stmatrix.
+            for i, j in T.Parallel(C, C):
+                t_f[i, j] = T.if_then_else(i >= j, t_f[i, j] * T.exp(g_s[i] - g_s[j]) * b_s[j], 0.0)
+            T.copy(t_f, m_s)
+            for i, j in T.Parallel(C, C):
+                t_f[i, j] = -t_f[i, j] * eg_s[j]
+            T.copy(t_f, mg_s)
+            # U0 = M V and -Wk = (-Mg) K, all 64 rows (rows >= n are finite, never weighted).
+            # v is loaded this late so its tiles reuse shared memory of the solve.
+            T.tma_copy(v[t0:t0 + C, h, 0:DV], vr_s, barrier=v_bar)
+            T.barrier_arrive(v_bar)
+            T.barrier_wait(v_bar, 0)
+            if convert:
+                for i, d in T.Parallel(C, DV):
+                    vh_s[i, d] = T.cast(vr_s[i, d], mm_dtype)
+            T.gemm(m_s, vh_s, x_f, clear_accum=True)
+            T.copy(x_f, u_s)
+            T.copy(u_s, ubuf[cid, h, :, :])
+            T.gemm(mg_s, k_s, x_f, clear_accum=True)
+            T.copy(x_f, w_s)
+            T.copy(w_s, wbuf[cid, h, :, :])
 
     return gdn_prefill_prep
