@@ -8,9 +8,11 @@ beta ~ U(0.01, 0.99), fp32 initial states for every sequence.
     timed region, as an engine builds it once per step for all layers).
   * FLA / FlashQLA: chunk_gated_delta_rule with cu_seqlens, K-first fp32 initial states, final
     state returned (what an engine does around them: gathering the pool is not counted).
-GPU time per call: CUDA-graph replay of `--graph-calls` calls, median of `--reps` replays
-(FlashQLA/FLA fall back to CUDA events around eager calls when they cannot be captured: noted
-in the row). Host time per eager call: wall time of `--reps` eager calls with a sync only at the
+GPU time per call: CUDA-graph replay of `--graph-calls` calls, median of `--reps` replays.
+A baseline that cannot be captured (FLA syncs on the host) is timed by the profiler's kernel
+sum over `--reps` eager calls ("profiler" in the row): the GPU's own time, without the idle gaps
+its host syncs leave; CUDA events around its eager calls are kept as `<impl>_eager_ms`
+("events" is the timing only if the profiler fails). Host time per eager call: wall time of `--reps` eager calls with a sync only at the
 end, minus GPU time (what the CPU adds when it, not the GPU, is the bottleneck).
 
 Writes JSON (--json), a markdown table (--md) and optionally a PNG (--png, needs matplotlib).
@@ -82,8 +84,29 @@ def _inputs(lens, hk, hv, seed=0):
     return q, k, v, g.contiguous(), beta, h0
 
 
+def _kernel_sum_ms(fn, reps):
+    """GPU ms per call as the profiler's sum of device time (kernels, copies) over reps eager
+    calls: what the GPU spent, not the wall time between the calls' first and last kernel."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    cuda = torch.autograd.DeviceType.CUDA
+    us = sum(getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+             for e in prof.key_averages() if e.device_type == cuda)
+    if us <= 0:
+        raise RuntimeError("the profiler recorded no device time")
+    return us / 1e3 / reps
+
+
 def _gpu_time_ms(fn, reps, graph_calls):
-    """Median GPU ms per call: CUDA-graph replay, else CUDA events around eager calls."""
+    """(median GPU ms per call, how, eager ms or None): CUDA-graph replay; for calls that cannot
+    be captured the profiler's kernel sum (and the CUDA-event time of eager calls beside it),
+    or the event time alone if the profiler fails."""
     import torch
 
     fn()
@@ -108,7 +131,7 @@ def _gpu_time_ms(fn, reps, graph_calls):
             b.record()
             b.synchronize()
             times.append(a.elapsed_time(b) / graph_calls)
-        return statistics.median(times), "graph"
+        return statistics.median(times), "graph", None
     except Exception:  # noqa: BLE001 - some baselines sync or allocate on the host: time eagerly
         torch.cuda.synchronize()
         times = []
@@ -119,7 +142,11 @@ def _gpu_time_ms(fn, reps, graph_calls):
             b.record()
             b.synchronize()
             times.append(a.elapsed_time(b))
-        return statistics.median(times), "events"
+        eager = statistics.median(times)
+        try:
+            return _kernel_sum_ms(fn, reps), "profiler", eager
+        except Exception:  # noqa: BLE001 - no profiler (or no device events): the wall time
+            return eager, "events", eager
 
 
 def _host_ms(fn, reps, gpu_ms):
@@ -255,10 +282,12 @@ def run(args) -> int:
                                 rec[f"qla_{st}_gpu_ms"] = round(_gpu_time_ms(f2, args.reps, args.graph_calls)[0], 4)
                     else:
                         fn, res = _fla_fn(lens, data, impl)
-                    gpu, how = _gpu_time_ms(fn, args.reps, args.graph_calls)
+                    gpu, how, eager = _gpu_time_ms(fn, args.reps, args.graph_calls)
                     host, over = _host_ms(fn, args.reps, gpu)
                     rec[f"{impl}_gpu_ms"] = round(gpu, 4)
                     rec[f"{impl}_timing"] = how
+                    if eager is not None:
+                        rec[f"{impl}_eager_ms"] = round(eager, 4)
                     rec[f"{impl}_host_ms"] = round(host, 4)
                     rec[f"{impl}_host_over_gpu_us"] = round(over * 1e3, 1)
                     if args.check and impl == "fla" and qla_out is not None:
