@@ -12,8 +12,9 @@ GPU time per call: CUDA-graph replay of `--graph-calls` calls, median of `--reps
 A baseline that cannot be captured (FLA syncs on the host) is timed by the profiler's kernel
 sum over `--reps` eager calls ("profiler" in the row): the GPU's own time, without the idle gaps
 its host syncs leave; CUDA events around its eager calls are kept as `<impl>_eager_ms`
-("events" is the timing only if the profiler fails). Host time per eager call: wall time of `--reps` eager calls with a sync only at the
-end, minus GPU time (what the CPU adds when it, not the GPU, is the bottleneck).
+("events" is the timing only if the profiler fails). Host time per eager call: wall time of
+`--reps` eager calls with a sync only at the end, minus GPU time (what the CPU adds when it,
+not the GPU, is the bottleneck).
 
 Writes JSON (--json), a markdown table (--md) and optionally a PNG (--png, needs matplotlib).
 """
