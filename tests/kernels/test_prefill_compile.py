@@ -48,6 +48,16 @@ REPRESENTATIVES = [
 ]
 
 
+def _launch_dynamic_smem(host_src: str, threads: int) -> int:
+    """The dynamic shared memory a TileLang host stub passes to its launch: the integer literal
+    after the block dims (threads, 1, 1) among the packed launch arguments."""
+    ints = [int(x) for x in re.findall(r"v_int64\) = \(\(int64_t\)(\d+)\)", host_src)]
+    for i in range(len(ints) - 3):
+        if ints[i:i + 3] == [threads, 1, 1]:
+            return ints[i + 3]
+    raise AssertionError("no launch with block dims (%d, 1, 1) in the host source" % threads)
+
+
 @pytest.mark.parametrize("variant", REPRESENTATIVES, ids=lambda v: v["name"])
 def test_compiles_sm90a(variant):
     kern = P.build(variant, "sm_90a")
@@ -59,6 +69,13 @@ def test_compiles_sm90a(variant):
         assert "warpgroup_reg_dealloc" in src, "expected the producer warpgroup to give registers back"
         # "maps" (CP pass 1) stores the walked state to the segment maps; "output" only reads them.
         assert bool(re.search(r"maps\[[^;]*\] = h_f\[", src)) == (variant["mode"] == "maps")
+    else:
+        # prep v11: 4 CTAs per SM (<= 128 registers, <= 56 KB of shared memory each), and q, k, v
+        # enter the tensor cores as loaded: no fp16 tile is made in shared memory.
+        assert "__launch_bounds__(128, 4)" in src
+        smem = _launch_dynamic_smem(kern.get_host_source(), threads=128)
+        assert smem <= 56 * 1024, f"prep takes {smem} bytes of shared memory: fewer than 4 CTAs per SM"
+        assert "DataType::kBFloat16" in src, "expected bf16 wgmma on the raw q/k/v tiles"
 
 
 def test_compiles_cp_scan_sm90a():

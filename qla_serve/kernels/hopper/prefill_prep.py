@@ -20,8 +20,11 @@ so that stage 2 computes V' = U0 - Wk S (= M (V - diag(exp(gc)) K S)) and O = sc
 The inverse is blocked: the four 16x16 diagonal blocks of I + L are inverted by forward
 substitution in fp32 on the CUDA cores (Dinv), then with N = Dinv L_off (strictly block-lower,
 N^4 = 0): (I + L)^-1 = (I - N + N^2 - N^3) Dinv, four 64x64x64 fp16 tensor-core GEMMs with fp32
-accumulation. fp16 (11-bit mantissa) rather than bf16 for every GEMM operand: the bf16 variant
-misses the 2e-3 relative-L2 budget against the float64 recurrence (see benchmarks/prefill.md).
+accumulation. fp16 (11-bit mantissa) rather than bf16 for these operands and the outputs: the
+bf16 variant misses the 2e-3 relative-L2 budget against the float64 recurrence (see
+benchmarks/prefill.md). q, k and v are used as loaded (io dtype): Q K^T and K K^T are exact
+products with fp32 sums, and M meets V and K as io-dtype hi + lo (M = hi + lo to ~2^-16
+relative), two GEMMs each, so no tile is converted in shared memory.
 
 Outputs (workspace, chunk-major so stage 2 loads each tile with one TMA copy; all 64 rows, rows
 >= n finite and only ever meeting zero weights in stage 2):
@@ -33,7 +36,11 @@ Outputs (workspace, chunk-major so stage 2 loads each tile with one TMA copy; al
   6e-5), so stage 2's tensor-core operands are fp16 without converting on its sequential chain.
 Every output tile leaves through shared memory by one bulk (TMA) store: written from a fragment
 by stmatrix, not by scalar 2- and 4-byte global stores (v9's prep: those stores and their address
-arithmetic were a fifth of its warp stall samples; benchmarks/prefill.md v10).
+arithmetic were a fifth of its warp stall samples; benchmarks/prefill.md v10). The fp16 q/k
+copies go straight from the loaded tiles to global memory in 16-byte stores.
+
+Occupancy (v11): 49 KB of shared memory and <= 128 registers, so 4 CTAs (16 warps) per SM
+share the latency of each CTA's serial phases (v10: 65 KB, 3 CTAs).
 """
 
 
@@ -60,10 +67,34 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str):
     sk0 = T.dynamic("sk0")
     sk1 = T.dynamic("sk1")
     sv0, sv1 = T.dynamic("sv0"), T.dynamic("sv1")
-    sqh0, sqh1 = T.dynamic("sqh0"), T.dynamic("sqh1")
-    skh0, skh1 = T.dynamic("skh0"), T.dynamic("skh1")
+    if io_dtype != "float16":
+        # The fp16 copies this kernel writes: contiguous (prefill_api allocates them), so the
+        # stores below vectorize to 16 bytes.
+        qh_type = kh_type = T.Tensor((ntok, Hk, DK), "float16")
+    else:  # q and k themselves, passed through unread
+        qh_type = T.StridedTensor((ntok, Hk, DK), (T.dynamic("sqh0"), T.dynamic("sqh1"), 1), "float16")
+        kh_type = T.StridedTensor((ntok, Hk, DK), (T.dynamic("skh0"), T.dynamic("skh1"), 1), "float16")
     mm_dtype = "float16"
     acc = "float32"
+    copy_qk = io_dtype != mm_dtype  # stage 2 wants fp16 q/k
+
+    # M meets V and K in the io dtype, as hi + lo (M = hi + lo to ~2^-16 relative in bf16, finer
+    # than one fp16 rounding's 2^-11): two GEMMs on the tiles as loaded instead of converting
+    # them to fp16 (v10). M rounded once to bf16 would miss the error budget (Numerics in
+    # benchmarks/prefill.md).
+    @T.macro
+    def _store_split(f, hi_s, lo_s):
+        """fp32 fragment f [64, 64] -> hi_s = io(f), lo_s = io(f - hi); leaves f - hi in f."""
+        T.copy(f, hi_s)
+        for i, j in T.Parallel(C, C):
+            f[i, j] = f[i, j] - T.cast(T.cast(f[i, j], io_dtype), acc)
+        T.copy(f, lo_s)
+
+    @T.macro
+    def _split_times(hi_s, lo_s, b_s, x_f):
+        """x_f = (hi_s + lo_s) @ b_s, fp32 accumulation."""
+        T.gemm(hi_s, b_s, x_f, clear_accum=True)
+        T.gemm(lo_s, b_s, x_f)
 
     @T.prim_func
     def gdn_prefill_prep(
@@ -78,29 +109,26 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str):
         pbuf: T.Tensor((nchunk, Hv, C, C), mm_dtype),
         ubuf: T.Tensor((nchunk, Hv, C, DV), mm_dtype),
         wbuf: T.Tensor((nchunk, Hv, C, DK), mm_dtype),
-        qh: T.StridedTensor((ntok, Hk, DK), (sqh0, sqh1, 1), mm_dtype),
-        kh: T.StridedTensor((ntok, Hk, DK), (skh0, skh1, 1), mm_dtype),
+        qh: qh_type,
+        kh: kh_type,
         scale: T.float32,
     ):
         # v-head fastest: the Hv / Hk v-heads that share a chunk's q/k tiles run back to back
         # (L2 hits), and consecutive CTAs write adjacent workspace rows.
         with T.Kernel(Hv, nchunk, threads=128) as (h, cid):
-            # Three CTAs per SM (<= 170 registers, <= 75 KB smem): the phases of one CTA are
+            # Four CTAs per SM (<= 128 registers, <= 56 KB smem): the phases of one CTA are
             # latency-bound (loads, the 16-step substitution), so other CTAs fill the gaps.
-            T.annotate_min_blocks_per_sm(3)
+            T.annotate_min_blocks_per_sm(4)
             hk = h // group
-            convert = io_dtype != mm_dtype
-            kr_s = T.alloc_shared((C, DK), io_dtype)
-            k_s = T.alloc_shared((C, DK), mm_dtype) if convert else kr_s
-            qr_s = T.alloc_shared((C, DK), io_dtype)
-            q_s = T.alloc_shared((C, DK), mm_dtype) if convert else qr_s
-            vr_s = T.alloc_shared((C, DV), io_dtype)
-            vh_s = T.alloc_shared((C, DV), mm_dtype) if convert else vr_s
-            m_s = T.alloc_shared((C, C), mm_dtype)
-            mg_s = T.alloc_shared((C, C), mm_dtype)
+            # q, k, v stay in the io dtype: Q K^T and K K^T take them as they are (exact
+            # products, fp32 sums), and M meets V and K as two io-dtype GEMMs, hi + lo (below).
+            k_s = T.alloc_shared((C, DK), io_dtype)
+            q_s = T.alloc_shared((C, DK), io_dtype)
+            v_s = T.alloc_shared((C, DV), io_dtype)
+            m_s = T.alloc_shared((C, C), io_dtype)
+            ml_s = T.alloc_shared((C, C), io_dtype)
             p_s = T.alloc_shared((C, C), mm_dtype)
-            u_s = T.alloc_shared((C, DV), mm_dtype)
-            w_s = T.alloc_shared((C, DK), mm_dtype)
+            x_s = T.alloc_shared((C, DV), mm_dtype)  # U0, then -Wk, on their way out
             x_f = T.alloc_fragment((C, DK), acc)
             # TMA tile loads (one elected thread issues them; every thread waits on the barrier):
             # a plain T.copy of these bounds-checked strided tiles lowers to per-element loads.
@@ -110,7 +138,7 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str):
             g_s = T.alloc_shared((C,), acc)
             b_s = T.alloc_shared((C,), acc)
             eg_s = T.alloc_shared((C,), acc)
-            l_s = T.alloc_shared((C, C), acc)
+            ld_s = T.alloc_shared((4, 16, 16), acc)  # the diagonal 16x16 blocks of L
             dinv_s = T.alloc_shared((C, C), mm_dtype)
             loff_s = T.alloc_shared((C, C), mm_dtype)
             n_s = T.alloc_shared((C, C), mm_dtype)
@@ -142,20 +170,21 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str):
                 b_s[i] = T.if_then_else(i < n, beta[t0 + i, h], 0.0)
             # Tile loads; rows >= n belong to the next sequence (or are zero past T):
             # they only enter rows >= n of K K^T, which the solve and M never mix into rows < n.
-            T.tma_copy(k[t0:t0 + C, hk, 0:DK], kr_s, barrier=qk_bar)
-            T.tma_copy(q[t0:t0 + C, hk, 0:DK], qr_s, barrier=qk_bar)
+            T.tma_copy(k[t0:t0 + C, hk, 0:DK], k_s, barrier=qk_bar)
+            T.tma_copy(q[t0:t0 + C, hk, 0:DK], q_s, barrier=qk_bar)
             T.barrier_arrive(qk_bar)
             T.barrier_wait(qk_bar, 0)
-            if convert:
-                for i, d in T.Parallel(C, DK):
-                    k_s[i, d] = T.cast(kr_s[i, d], mm_dtype)
-                    q_s[i, d] = T.cast(qr_s[i, d], mm_dtype)
-                # Stage 2 reads fp16 q/k: one converted copy per qk-head, written by its first v-head
-                # as whole tiles (TMA clips rows past T; rows >= n are the next sequence's tokens,
-                # which that sequence's CTA writes with the same values).
+            if copy_qk:
+                # Stage 2 reads fp16 q/k: one converted copy per qk-head, written by its first
+                # v-head as whole tiles (rows >= n are the next sequence's tokens, which that
+                # sequence's CTA writes with the same values; tokens past the last sequence get
+                # finite values, never NaN, since stage 2 loads them beside real rows), in
+                # 16-byte stores straight from shared memory.
                 if h % group == 0:
-                    T.copy(q_s, qh[t0:t0 + C, hk, 0:DK])
-                    T.copy(k_s, kh[t0:t0 + C, hk, 0:DK])
+                    for i, d in T.Parallel(C, DK):
+                        if t0 + i < ntok:
+                            qh[t0 + i, hk, d] = T.cast(q_s[i, d], mm_dtype)
+                            kh[t0 + i, hk, d] = T.cast(k_s[i, d], mm_dtype)
             # Rows >= n have g = 0, so they repeat gc[n-1]: gc[63] is the chunk's total.
             T.cumsum(src=g_s, dim=0)
             for i in T.Parallel(C):
@@ -170,10 +199,14 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str):
             T.copy(p_f, p_s)
             T.copy(p_s, pbuf[cid, h, :, :])
 
-            # L = StrictLower(diag(beta) K K^T), fp32.
+            # L = StrictLower(diag(beta) K K^T): its diagonal 16x16 blocks in fp32 for the
+            # substitution, the blocks below them in fp16 for the tensor-core products.
             T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
             for i, j in T.Parallel(C, C):
-                l_s[i, j] = T.if_then_else(i > j, kk_f[i, j] * b_s[i], 0.0)
+                if i // 16 == j // 16:
+                    ld_s[i // 16, i % 16, j % 16] = T.if_then_else(i > j, kk_f[i, j] * b_s[i], 0.0)
+                loff_s[i, j] = T.if_then_else(i // 16 > j // 16, T.cast(kk_f[i, j] * b_s[i], mm_dtype),
+                                              T.cast(0, mm_dtype))
 
             # Diagonal 16x16 blocks of (I + L): forward substitution, rows r = 0..15,
             # all four blocks and 16 columns at once. xd_s[b*16 + r, c] = Dinv_b[r, c].
@@ -183,7 +216,7 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str):
                 T.clear(sub_f)
                 for m in T.unroll(r):
                     for b, c in T.Parallel(4, 16):
-                        sub_f[b, c] += l_s[b * 16 + r, b * 16 + m] * xd_s[b * 16 + m, c]
+                        sub_f[b, c] += ld_s[b, r, m] * xd_s[b * 16 + m, c]
                 for b, c in T.Parallel(4, 16):
                     xd_s[b * 16 + r, c] = T.if_then_else(c == r, 1.0, 0.0) - sub_f[b, c]
                 # The 4 x 16 work items are replicated on threads 64-127, whose reads of row r in
@@ -193,7 +226,6 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str):
 
             for i, j in T.Parallel(C, C):
                 dinv_s[i, j] = T.if_then_else(i // 16 == j // 16, T.cast(xd_s[i, j % 16], mm_dtype), T.cast(0, mm_dtype))
-                loff_s[i, j] = T.if_then_else(i // 16 > j // 16, T.cast(l_s[i, j], mm_dtype), T.cast(0, mm_dtype))
             # N = Dinv L_off ; N2 = N N ; N3 = N N2 ; Y = I - N + N2 - N3 ; A = Y Dinv
             T.gemm(dinv_s, loff_s, n_f, clear_accum=True)
             T.copy(n_f, n_s)
@@ -205,29 +237,29 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str):
             for i, j in T.Parallel(C, C):
                 y_s[i, j] = T.cast(T.if_then_else(i == j, 1.0, 0.0) + n_f[i, j] - t_f[i, j], mm_dtype)
             T.gemm(y_s, dinv_s, t_f, clear_accum=True)
+            # v is loaded this late so that its tile shares shared memory with the solve's
+            # (4 CTAs per SM); M's construction overlaps its latency.
+            T.tma_copy(v[t0:t0 + C, h, 0:DV], v_s, barrier=v_bar)
 
             # M = (Gamma o A) diag(beta) and -Mg = -M diag(exp(gc)) = -diag(exp(gc)) A diag(beta)
             # (negated so the GEMM below yields -Wk directly), lower triangle incl. diagonal
-            # (exp(gc) <= 1: no overflow either way). Built in the fragment, stored by stmatrix.
+            # (exp(gc) <= 1: no overflow either way). U0 = M V, then -Wk = (-Mg) K, all 64 rows
+            # (rows >= n are finite, never weighted).
             for i, j in T.Parallel(C, C):
                 t_f[i, j] = T.if_then_else(i >= j, t_f[i, j] * T.exp(g_s[i] - g_s[j]) * b_s[j], 0.0)
-            T.copy(t_f, m_s)
-            for i, j in T.Parallel(C, C):
-                t_f[i, j] = -t_f[i, j] * eg_s[j]
-            T.copy(t_f, mg_s)
-            # U0 = M V and -Wk = (-Mg) K, all 64 rows (rows >= n are finite, never weighted).
-            # v is loaded this late so its tiles reuse shared memory of the solve.
-            T.tma_copy(v[t0:t0 + C, h, 0:DV], vr_s, barrier=v_bar)
+            _store_split(t_f, m_s, ml_s)
             T.barrier_arrive(v_bar)
             T.barrier_wait(v_bar, 0)
-            if convert:
-                for i, d in T.Parallel(C, DV):
-                    vh_s[i, d] = T.cast(vr_s[i, d], mm_dtype)
-            T.gemm(m_s, vh_s, x_f, clear_accum=True)
-            T.copy(x_f, u_s)
-            T.copy(u_s, ubuf[cid, h, :, :])
-            T.gemm(mg_s, k_s, x_f, clear_accum=True)
-            T.copy(x_f, w_s)
-            T.copy(w_s, wbuf[cid, h, :, :])
+            _split_times(m_s, ml_s, v_s, x_f)
+            T.copy(x_f, x_s)
+            T.copy(x_s, ubuf[cid, h, :, :])
+            # -Mg from M's stored parts (M = hi + lo to ~2^-16): holding it in registers
+            # beside U0's accumulator would take prep past 128 registers (4 CTAs per SM).
+            for i, j in T.Parallel(C, C):
+                t_f[i, j] = -(T.cast(m_s[i, j], acc) + T.cast(ml_s[i, j], acc)) * eg_s[j]
+            _store_split(t_f, m_s, ml_s)
+            _split_times(m_s, ml_s, k_s, x_f)
+            T.copy(x_f, x_s)
+            T.copy(x_s, wbuf[cid, h, :, :])
 
     return gdn_prefill_prep
