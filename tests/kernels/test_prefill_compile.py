@@ -76,6 +76,9 @@ def test_compiles_sm90a(variant):
         smem = _launch_dynamic_smem(kern.get_host_source(), threads=128)
         assert smem <= 56 * 1024, f"prep takes {smem} bytes of shared memory: fewer than 4 CTAs per SM"
         assert "DataType::kBFloat16" in src, "expected bf16 wgmma on the raw q/k/v tiles"
+        # the fp16 copies go to two distinct buffers (one shared annotation object once bound
+        # both parameters to kh: q's copy overwrote k's, caught only on the H200)
+        assert re.search(r"\(qh \+", src) and re.search(r"\(kh \+", src), "expected stores to both qh and kh"
 
 
 def test_compiles_cp_scan_sm90a():

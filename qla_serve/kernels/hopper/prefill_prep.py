@@ -70,7 +70,9 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str):
     if io_dtype != "float16":
         # The fp16 copies this kernel writes: contiguous (prefill_api allocates them), so the
         # stores below vectorize to 16 bytes.
-        qh_type = kh_type = T.Tensor((ntok, Hk, DK), "float16")
+        # (two annotation objects: one shared object would bind both parameters to one buffer)
+        qh_type = T.Tensor((ntok, Hk, DK), "float16")
+        kh_type = T.Tensor((ntok, Hk, DK), "float16")
     else:  # q and k themselves, passed through unread
         qh_type = T.StridedTensor((ntok, Hk, DK), (T.dynamic("sqh0"), T.dynamic("sqh1"), 1), "float16")
         kh_type = T.StridedTensor((ntok, Hk, DK), (T.dynamic("skh0"), T.dynamic("skh1"), 1), "float16")
