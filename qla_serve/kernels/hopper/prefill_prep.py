@@ -151,6 +151,12 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str):
             t_f = T.alloc_fragment((C, C), acc)
             n_f = T.alloc_fragment((C, C), acc)
             sub_f = T.alloc_fragment((4, 16), acc)
+            # The staging tiles of the TMA stores swizzled: stmatrix into a plain row-major
+            # tile puts the 8 rows of each 8x8 matrix in the same banks (8-way conflicts; ncu on
+            # v11: 31% of prep's shared-memory wavefronts, with L1 82% busy). Swizzled, the store
+            # goes through a tensor map in 64-column boxes.
+            T.annotate_layout({p_s: tilelang.layout.make_swizzled_layout(p_s),
+                               x_s: tilelang.layout.make_swizzled_layout(x_s)})
 
             # Which sequence owns chunk cid: largest s with chunk_offsets[s] <= cid.
             lo = T.alloc_var("int32")
