@@ -150,7 +150,6 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str):
             kk_f = T.alloc_fragment((C, C), acc)
             t_f = T.alloc_fragment((C, C), acc)
             n_f = T.alloc_fragment((C, C), acc)
-            sub_f = T.alloc_fragment((4, 16), acc)
             # The staging tiles of the TMA stores swizzled: stmatrix into a plain row-major
             # tile puts the 8 rows of each 8x8 matrix in the same banks (8-way conflicts; ncu on
             # v11: 31% of prep's shared-memory wavefronts, with L1 82% busy). Swizzled, the store
@@ -216,21 +215,23 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str):
                 loff_s[i, j] = T.if_then_else(i // 16 > j // 16, T.cast(kk_f[i, j] * b_s[i], mm_dtype),
                                               T.cast(0, mm_dtype))
 
-            # Diagonal 16x16 blocks of (I + L): forward substitution, rows r = 0..15,
-            # all four blocks and 16 columns at once. xd_s[b*16 + r, c] = Dinv_b[r, c].
-            for b, c in T.Parallel(4, 16):
-                xd_s[b * 16, c] = T.if_then_else(c == 0, 1.0, 0.0)
-            for r in T.unroll(1, 16):
-                T.clear(sub_f)
+            # Diagonal 16x16 blocks of (I + L): forward substitution in registers, one thread
+            # per (block b, column c) holding column c of Dinv_b, rows r = 0..15:
+            #   Dinv_b[r, c] = [c == r] - sum_{m<r} L_b[r, m] Dinv_b[m, c]
+            # (L_b's row r is a broadcast read). Threads 64-127 repeat threads 0-63's work; only
+            # the first 64 write xd_s[b*16 + r, c] = Dinv_b[r, c]. (v11 kept the column in shared
+            # memory: a barrier and a dependent load per row.)
+            tx = T.get_thread_binding()
+            blk = (tx % 64) // 16
+            col = tx % 16
+            dcol = T.alloc_local((16,), acc)
+            for r in T.unroll(16):
+                dcol[r] = T.if_then_else(col == r, 1.0, 0.0)
                 for m in T.unroll(r):
-                    for b, c in T.Parallel(4, 16):
-                        sub_f[b, c] += ld_s[b, r, m] * xd_s[b * 16 + m, c]
-                for b, c in T.Parallel(4, 16):
-                    xd_s[b * 16 + r, c] = T.if_then_else(c == r, 1.0, 0.0) - sub_f[b, c]
-                # The 4 x 16 work items are replicated on threads 64-127, whose reads of row r in
-                # the next step would otherwise race with its write (compute-sanitizer racecheck;
-                # their results are discarded, threads 0-63 read only their own writes).
-                T.sync_threads()
+                    dcol[r] = dcol[r] - ld_s[blk, r, m] * dcol[m]
+            if tx < 64:
+                for r in T.unroll(16):
+                    xd_s[blk * 16 + r, col] = dcol[r]
 
             for i, j in T.Parallel(C, C):
                 dinv_s[i, j] = T.if_then_else(i // 16 == j // 16, T.cast(xd_s[i, j % 16], mm_dtype), T.cast(0, mm_dtype))
