@@ -14,7 +14,8 @@
 # memcheck and racecheck on test_sanitizer_case, SAVE_JIT=1 tars every TileLang cache file this run
 # created (FlashQLA's JIT kernels: ~2.5 min of compiling per head pair) into
 # $OUT/flashqla_tlcache.tar.xz; carried back as .gpucache/flashqla_tlcache.tar.xz it is unpacked
-# beside tlcache. The device returns at most 8 files from $OUT.
+# beside tlcache. The tests append every case's o / state errors to $OUT/prefill_errors.jsonl. The
+# device returns at most 8 files from $OUT.
 set -uo pipefail
 out=${OUT:-/tmp/gpu_prefill}; mkdir -p "$out"
 mkdir -p /tmp/tlall
@@ -28,6 +29,7 @@ for w in .gpucache/whl/*.whl; do [[ -f $w ]] && python -m zipfile -e "$w" /tmp/w
 export PYTHONPATH=$PYTHONPATH:/tmp/whlsite
 step() { echo "== $1"; shift; timeout "$@"; echo "rc=$?"; }
 if [[ ${TESTS:-} != none ]]; then
+  export QLA_ERRORS_JSONL="$out/prefill_errors.jsonl"  # every case's o / state errors
   step "prefill gpu tests" ${TEST_TIMEOUT:-240} python -m pytest -m gpu -q -x tests/kernels/test_prefill_gpu.py \
     -p no:cacheprovider ${TESTS:+-k "$TESTS"} 2>&1 | tee "$out/prefill_tests.log" | tail -25
 fi

@@ -13,7 +13,9 @@ A bf16 output alone is 1.6e-3 from the exact one (bf16 rounding), so the kernel'
 stay near 1e-3. bf16 pools store the state rounded to bf16 (unit roundoff 2^-9): 6e-3 there.
 """
 
+import json
 import math
+import os
 import random
 
 import pytest
@@ -133,9 +135,23 @@ def run_case(lens, Hk, Hv, *, pool_dtype=torch.float32, v_split=2, io=torch.bflo
                            before[u].view(torch.int16 if pool_dtype == torch.bfloat16 else torch.int32)), \
             "slots outside the batch changed"
     tol_s = TOL if pool_dtype == torch.float32 else TOL_BF16_STATE
+    _record_errors(e_o, e_s, Hk, Hv, pool_dtype, io, v_split, len(lens), T)
     assert e_o <= TOL, f"o rel L2 {e_o:.3e} > {TOL}"
     assert e_s <= tol_s, f"state rel L2 {e_s:.3e} > {tol_s}"
     return e_o, e_s, plan, g
+
+
+def _record_errors(e_o, e_s, Hk, Hv, pool_dtype, io, v_split, nseq, ntok):
+    """With QLA_ERRORS_JSONL set (scripts/gpu_prefill.sh sets it), append this case's errors as
+    one JSON line, so a device run leaves the figures and not only pass/fail."""
+    path = os.environ.get("QLA_ERRORS_JSONL")
+    if not path:
+        return
+    with open(path, "a") as f:
+        f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0],
+                            "heads": f"{Hk}/{Hv}", "pool": str(pool_dtype).split(".")[-1],
+                            "io": str(io).split(".")[-1], "v_split": v_split, "seqs": nseq,
+                            "tokens": ntok, "o_rel_l2": e_o, "state_rel_l2": e_s}) + "\n")
 
 
 EDGE_LENS = [0, 1, 63, 64, 65, 130, 7, 200]
