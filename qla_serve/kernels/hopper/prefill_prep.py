@@ -34,13 +34,15 @@ Outputs (workspace, chunk-major so stage 2 loads each tile with one TMA copy; al
        [NC, Hv, 64, 128], fp16;
   for bf16 io also qh, kh [T, Hk, 128]: fp16 copies of q and k (exact for unit-norm rows down to
   6e-5), so stage 2's tensor-core operands are fp16 without converting on its sequential chain.
-Every output tile leaves through shared memory by one bulk (TMA) store: written from a fragment
-by stmatrix, not by scalar 2- and 4-byte global stores (v9's prep: those stores and their address
-arithmetic were a fifth of its warp stall samples; benchmarks/prefill.md v10). The fp16 q/k
-copies go straight from the loaded tiles to global memory in 16-byte stores.
+Every output tile leaves through a swizzled shared-memory tile and a TMA store: written from the
+fragment by stmatrix (conflict-free only because the tile is swizzled: v12), not by scalar 2- and
+4-byte global stores (v9's prep: those stores and their address arithmetic were a fifth of its
+warp stall samples; benchmarks/prefill.md v10). The fp16 q/k copies go straight from the loaded
+tiles to global memory in 16-byte stores.
 
 Occupancy (v11): 49 KB of shared memory and <= 128 registers, so 4 CTAs (16 warps) per SM
-share the latency of each CTA's serial phases (v10: 65 KB, 3 CTAs).
+share the latency of each CTA's serial phases (v10: 65 KB, 3 CTAs). Figures of every version:
+benchmarks/prefill.md ("v11-v13" for this one).
 """
 
 
