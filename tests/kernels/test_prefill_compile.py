@@ -148,8 +148,9 @@ def test_compiles_sm100a_portable():
     on Blackwell hardware."""
     from qla_serve.kernels import blackwell
 
-    kern = blackwell.build(P.main_variant(8, 2, "bfloat16", "float32", 2), "sm_100a")
-    assert "wgmma" not in kern.get_kernel_source()
+    for variant in (P.main_variant(8, 2, "bfloat16", "float32", 2), P.prep_variant(8, 2, "bfloat16")):
+        kern = blackwell.build(variant, "sm_100a")
+        assert "wgmma" not in kern.get_kernel_source(), variant["name"]
 
 
 @pytest.mark.skipif(os.environ.get("QLA_COMPILE_ALL") != "1", reason="full matrix: set QLA_COMPILE_ALL=1")
