@@ -11,10 +11,15 @@ cubins through nvcc and TileLang's cache, so a lowering or ptxas error fails her
 import json
 import os
 import re
+import sys
+from pathlib import Path
 
 import pytest
 
 from qla_serve.kernels.hopper import prefill_api as P
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import kernel_report  # noqa: E402  (benchmarks/kernel_report.py: the offline resource report)
 
 pytestmark = pytest.mark.compile
 
@@ -48,16 +53,6 @@ REPRESENTATIVES = [
 ]
 
 
-def _launch_dynamic_smem(host_src: str, threads: int) -> int:
-    """The dynamic shared memory a TileLang host stub passes to its launch: the integer literal
-    after the block dims (threads, 1, 1) among the packed launch arguments."""
-    ints = [int(x) for x in re.findall(r"v_int64\) = \(\(int64_t\)(\d+)\)", host_src)]
-    for i in range(len(ints) - 3):
-        if ints[i:i + 3] == [threads, 1, 1]:
-            return ints[i + 3]
-    raise AssertionError("no launch with block dims (%d, 1, 1) in the host source" % threads)
-
-
 @pytest.mark.parametrize("variant", REPRESENTATIVES, ids=lambda v: v["name"])
 def test_compiles_sm90a(variant):
     kern = P.build(variant, "sm_90a")
@@ -73,12 +68,21 @@ def test_compiles_sm90a(variant):
         # prep v11: 4 CTAs per SM (<= 128 registers, <= 56 KB of shared memory each), and q, k, v
         # enter the tensor cores as loaded: no fp16 tile is made in shared memory.
         assert "__launch_bounds__(128, 4)" in src
-        smem = _launch_dynamic_smem(kern.get_host_source(), threads=128)
-        assert smem <= 56 * 1024, f"prep takes {smem} bytes of shared memory: fewer than 4 CTAs per SM"
+        smem = kernel_report.launch_dynamic_smem(kern.get_host_source(), threads=128)
+        assert smem is not None and smem <= 56 * 1024, f"prep takes {smem} bytes of shared memory: fewer than 4 CTAs per SM"
         assert "DataType::kBFloat16" in src, "expected bf16 wgmma on the raw q/k/v tiles"
         # the fp16 copies go to two distinct buffers (one shared annotation object once bound
         # both parameters to kh: q's copy overwrote k's, caught only on the H200)
         assert re.search(r"\(qh \+", src) and re.search(r"\(kh \+", src), "expected stores to both qh and kh"
+
+
+def test_prep_fits_four_ctas_per_sm_without_spills(tmp_path):
+    """ptxas on prep's source (benchmarks/kernel_report.py): <= 128 registers with nothing
+    spilled. v11's first layout needed 146 registers; at __launch_bounds__(128, 4) ptxas then
+    spills instead of failing, so only this check notices."""
+    kern = P.build(P.prep_variant(8, 2, "bfloat16"), "sm_90a")
+    usage, _ = kernel_report.ptxas(kern.get_kernel_source(), "sm_90a", tmp_path)
+    assert usage["registers"] <= 128 and usage["spill_store_bytes"] == 0, usage
 
 
 def test_compiles_cp_scan_sm90a():
