@@ -19,7 +19,11 @@
 set -uo pipefail
 out=${OUT:-/tmp/gpu_prefill}; mkdir -p "$out"
 mkdir -p /tmp/tlall
-[[ -f .gpucache/tlcache.tar.xz ]] && tar -xJf .gpucache/tlcache.tar.xz -C /tmp/tlall
+# TLCACHE: the compiled-kernel tar to unpack (default .gpucache/tlcache.tar.xz; a branch's own,
+# e.g. .gpucache/tlcache_next.tar.xz, when that file is carried instead). A missing file is an error.
+tlcache=${TLCACHE:-.gpucache/tlcache.tar.xz}
+if [[ -n ${TLCACHE:-} && ! -f $tlcache ]]; then echo "TLCACHE=$tlcache: no such file (carry it)"; exit 2; fi
+[[ -f $tlcache ]] && tar -xJf "$tlcache" -C /tmp/tlall
 # FlashQLA's own TileLang kernels, saved by an earlier SAVE_JIT=1 run (see below), if carried.
 [[ -f .gpucache/flashqla_tlcache.tar.xz ]] && tar -xJf .gpucache/flashqla_tlcache.tar.xz -C /tmp/tlall
 touch /tmp/tlall.mark

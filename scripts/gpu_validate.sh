@@ -11,7 +11,10 @@
 set -uo pipefail
 out=${OUT:-/tmp/gpu_validate}; mkdir -p "$out"
 mkdir -p /tmp/tlall /tmp/tl_tp8
-[[ -f .gpucache/tlcache.tar.xz ]] && tar -xJf .gpucache/tlcache.tar.xz -C /tmp/tlall
+# TLCACHE: another compiled-kernel tar to unpack instead (as in gpu_prefill.sh).
+tlcache=${TLCACHE:-.gpucache/tlcache.tar.xz}
+if [[ -n ${TLCACHE:-} && ! -f $tlcache ]]; then echo "TLCACHE=$tlcache: no such file (carry it)"; exit 2; fi
+[[ -f $tlcache ]] && tar -xJf "$tlcache" -C /tmp/tlall
 [[ -f .gpucache/tl_tp8.tar.xz ]] && tar -xJf .gpucache/tl_tp8.tar.xz -C /tmp/tl_tp8
 export TILELANG_CACHE_DIR=/tmp/tlall
 source .devbundle/activate.sh
