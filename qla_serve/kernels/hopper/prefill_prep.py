@@ -69,18 +69,18 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str):
     sk0 = T.dynamic("sk0")
     sk1 = T.dynamic("sk1")
     sv0, sv1 = T.dynamic("sv0"), T.dynamic("sv1")
-    if io_dtype != "float16":
-        # The fp16 copies this kernel writes: contiguous (prefill_api allocates them), so the
-        # stores below vectorize to 16 bytes.
-        # (two annotation objects: one shared object would bind both parameters to one buffer)
-        qh_type = T.Tensor((ntok, Hk, DK), "float16")
-        kh_type = T.Tensor((ntok, Hk, DK), "float16")
-    else:  # q and k themselves, passed through unread
-        qh_type = T.StridedTensor((ntok, Hk, DK), (T.dynamic("sqh0"), T.dynamic("sqh1"), 1), "float16")
-        kh_type = T.StridedTensor((ntok, Hk, DK), (T.dynamic("skh0"), T.dynamic("skh1"), 1), "float16")
     mm_dtype = "float16"
     acc = "float32"
     copy_qk = io_dtype != mm_dtype  # stage 2 wants fp16 q/k
+    if copy_qk:
+        # The fp16 copies this kernel writes: contiguous (prefill_api allocates them), so the
+        # stores below vectorize to 16 bytes.
+        # (two annotation objects: one shared object would bind both parameters to one buffer)
+        qh_type = T.Tensor((ntok, Hk, DK), mm_dtype)
+        kh_type = T.Tensor((ntok, Hk, DK), mm_dtype)
+    else:  # q and k themselves, passed through unread
+        qh_type = T.StridedTensor((ntok, Hk, DK), (T.dynamic("sqh0"), T.dynamic("sqh1"), 1), mm_dtype)
+        kh_type = T.StridedTensor((ntok, Hk, DK), (T.dynamic("skh0"), T.dynamic("skh1"), 1), mm_dtype)
 
     # M meets V and K in the io dtype, as hi + lo (M = hi + lo to ~2^-16 relative in bf16, finer
     # than one fp16 rounding's 2^-11): two GEMMs on the tiles as loaded instead of converting
