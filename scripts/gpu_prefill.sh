@@ -10,7 +10,7 @@
 # benchmarks/fit_costmodel.py), CP_SWEEP="4:64 2:128 ..." times qla at each forced v_split:segment
 # length (context parallelism; one JSON-lines file), WARMUP=on|off runs the bench and the CP sweep with
 # --gate-warmup on|off (prefill_api.GATE_WARMUP; default on), MAIN=v8|vfirst runs them on that stage-2
-# kernel (prefill_api.MAIN_IMPL; default vfirst at v_split 1/2), NCU=0 skips the profile, SANITIZE=1 adds compute-sanitizer
+# kernel (prefill_api.MAIN_IMPL; default vfirst at v_split 1/2), NCU=0 skips the profile (NCU_KERNEL=<regex> picks the kernels, default gdn_prefill; NCU_LAUNCHES how many launches), SANITIZE=1 adds compute-sanitizer
 # memcheck and racecheck on test_sanitizer_case, SAVE_JIT=1 tars every TileLang cache file this run
 # created (FlashQLA's JIT kernels: ~2.5 min of compiling per head pair) into
 # $OUT/flashqla_tlcache.tar.xz; carried back as .gpucache/flashqla_tlcache.tar.xz it is unpacked
@@ -54,7 +54,7 @@ for pair in ${CP_SWEEP:-}; do
     >> "$out/cp_sweep.jsonl"
 done
 if [[ ${NCU:-1} == 1 ]]; then
-  step "ncu: prep and main, 2/8 1x32768" 180 ncu --clock-control none --set full -k regex:gdn_prefill --launch-count ${NCU_LAUNCHES:-2} \
+  step "ncu: ${NCU_KERNEL:-gdn_prefill}, 2/8 1x32768" 180 ncu --clock-control none --set full -k regex:${NCU_KERNEL:-gdn_prefill} --launch-count ${NCU_LAUNCHES:-2} \
     -o "$out/prof" python -m qla_serve.bench.prefill --impls qla --heads 2/8 --rows 1x32768 --reps 1 --graph-calls 1 \
     > "$out/ncu_run.txt" 2>&1
   ncu -i "$out/prof.ncu-rep" --page details > "$out/ncu.txt" 2>&1
