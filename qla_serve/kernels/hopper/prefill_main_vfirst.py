@@ -217,9 +217,17 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
                     T.barrier_arrive(free[st])
                     if not maps_mode:
                         if emit:
-                            for v, i in T.Parallel(BV, C):
-                                if i < n:
+                            if n == C:
+                                # A whole chunk: rows t0..t0+63 lie inside [0, ntok), said to the
+                                # bounds pass so that each store is not wrapped in three branches.
+                                T.assume(t0 >= 0)
+                                T.assume(t0 + C <= ntok)
+                                for v, i in T.Parallel(BV, C):
                                     out[t0 + i, h, v0 + v] = T.cast(o_f[v, i], io_dtype)
+                            else:
+                                for v, i in T.Parallel(BV, C):
+                                    if i < n:
+                                        out[t0 + i, h, v0 + v] = T.cast(o_f[v, i], io_dtype)
                 if maps_mode:
                     if nchunks > 0 or init_copy:
                         for v, d in T.Parallel(BV, DK):
