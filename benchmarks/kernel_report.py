@@ -4,7 +4,7 @@ instruction mix of each backward-branch span (a loop body, or a stretch the comp
 around one) that holds tensor-core instructions or global stores, smallest first: the first
 is usually the innermost loop, e.g. stage 2's chunk walk.
 
-    python benchmarks/kernel_report.py prep 2/8 bfloat16
+    python benchmarks/kernel_report.py prep 2/8 bfloat16            # form uw; add "m" for form m
     python benchmarks/kernel_report.py main 2/8 bfloat16 float32 1 output vfirst
     python benchmarks/kernel_report.py ... --json            # one JSON object instead of text
 
@@ -34,17 +34,17 @@ sys.path.insert(0, str(ROOT))
 
 
 def build_variant(argv: list[str], target: str):
-    """argv: "prep HK/HV IO" or "main HK/HV IO POOL V_SPLIT MODE [IMPL]"; the compiled kernel."""
+    """argv: "prep HK/HV IO [FORM]" or "main HK/HV IO POOL V_SPLIT MODE [IMPL]"; the compiled kernel."""
     from qla_serve.kernels.hopper import prefill_api as P
 
     kind, heads, rest = argv[0], argv[1], argv[2:]
     hk, hv = (int(x) for x in heads.split("/"))
-    if kind == "prep" and len(rest) == 1:
-        variant = P.prep_variant(hv, hk, rest[0])
+    if kind == "prep" and len(rest) in (1, 2):
+        variant = P.prep_variant(hv, hk, *rest)
     elif kind == "main" and len(rest) in (4, 5):
         variant = P.main_variant(hv, hk, rest[0], rest[1], int(rest[2]), rest[3], *rest[4:])
     else:
-        raise SystemExit("variant: expected 'prep HK/HV IO' or 'main HK/HV IO POOL V_SPLIT MODE [IMPL]', "
+        raise SystemExit("variant: expected 'prep HK/HV IO [FORM]' or 'main HK/HV IO POOL V_SPLIT MODE [IMPL]', "
                          f"got {' '.join(argv)!r}")
     return variant["name"], P.build(variant, target)
 

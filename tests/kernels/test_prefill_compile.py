@@ -46,6 +46,7 @@ def test_package_union_and_dispatch():
 
 REPRESENTATIVES = [
     P.prep_variant(8, 2, "bfloat16"),
+    P.prep_variant(8, 2, "bfloat16", "m"),
     P.main_variant(8, 2, "bfloat16", "float32", 1),
     P.main_variant(8, 2, "bfloat16", "bfloat16", 4),
     P.main_variant(8, 2, "float16", "float32", 2),
@@ -74,13 +75,21 @@ def test_compiles_sm90a(variant):
         # the fp16 copies go to two distinct buffers (one shared annotation object once bound
         # both parameters to kh: q's copy overwrote k's, caught only on the H200)
         assert re.search(r"\(qh \+", src) and re.search(r"\(kh \+", src), "expected stores to both qh and kh"
+        # form "uw" stores U0 and -Wk (and loads v for U0), form "m" stores M and never reads v
+        stores = set(re.findall(r"tma_store\((\w+)_desc", src))
+        loads_v = "tma_load(v_desc" in src
+        if variant.get("form", "uw") == "m":
+            assert stores == {"pbuf", "mbuf"} and not loads_v, stores
+        else:
+            assert stores == {"pbuf", "ubuf", "wbuf"} and loads_v, stores
 
 
-def test_prep_fits_four_ctas_per_sm_without_spills(tmp_path):
+@pytest.mark.parametrize("form", ["uw", "m"])
+def test_prep_fits_four_ctas_per_sm_without_spills(tmp_path, form):
     """ptxas on prep's source (benchmarks/kernel_report.py): <= 128 registers with nothing
     spilled. v11's first layout needed 146 registers; at __launch_bounds__(128, 4) ptxas then
     spills instead of failing, so only this check notices."""
-    kern = P.build(P.prep_variant(8, 2, "bfloat16"), "sm_90a")
+    kern = P.build(P.prep_variant(8, 2, "bfloat16", form), "sm_90a")
     usage, _ = kernel_report.ptxas(kern.get_kernel_source(), "sm_90a", tmp_path)
     assert usage["registers"] <= 128 and usage["spill_store_bytes"] == 0, usage
 
@@ -107,6 +116,8 @@ def test_compiles_vfirst_sm90a(v_split, mode):
     src = P.build(P.main_variant(8, 2, "bfloat16", "float32", v_split, mode, "vfirst"), "sm_90a").get_kernel_source()
     assert "gdn_prefill_main_vfirst" in src and "wgmma_rs" in src and "wgmma_ss" not in src
     assert "hs_s" not in src and "__sync_thread_partial" not in src
+    # V-first reads M and v (prep form "m"), never U0 / -Wk
+    assert "tma_load(mbuf_desc" in src and "tma_load(values_desc" in src and "ubuf" not in src
     assert ("warpgroup_reg_alloc" in src) == (v_split == 1), "setmaxnreg.inc only at 384 threads"
 
 

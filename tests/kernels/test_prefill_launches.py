@@ -23,7 +23,7 @@ HV, HK = 8, 2
 def _prim_func(variant):
     op = variant["op"]
     if op == "prefill_prep":
-        return prefill_prep.prep_func(HV, HK, variant["io_dtype"])
+        return prefill_prep.prep_func(HV, HK, variant["io_dtype"], variant.get("form", "uw"))
     if op == "prefill_cp_scan":
         return prefill_scan.scan_func(HV)
     if op == "prefill_cp_warmup":
@@ -57,7 +57,7 @@ def launches(monkeypatch):
     return calls
 
 
-def _call(lens, v_split, segment_chunks, cp):
+def _call(lens, v_split, segment_chunks, cp, inputs=None):
     T = sum(lens)
     q = torch.randn(T, HK, 128, dtype=torch.bfloat16)
     k = torch.randn(T, HK, 128, dtype=torch.bfloat16)
@@ -71,6 +71,8 @@ def _call(lens, v_split, segment_chunks, cp):
                                   supported_strategies={"plain", "vsplit"})
     strategy = "cp" if segment_chunks else ("plain" if v_split == 1 else "vsplit")
     plan = force_plan(plan, strategy, v_split, segment_chunks, cp)
+    if inputs is not None:
+        inputs.update(q=q, k=k, v=v)
     P.prefill(q, k, v, g, beta, pool, slots, plan, has_initial_state=None, scale=None, out=out)
     return plan
 
@@ -124,3 +126,22 @@ def test_main_switch_selects_the_stage2_kernel(launches, monkeypatch, main_impl,
     _call([64 * 10, 100], v_split, 3, "exact")
     mains = [(mode, which) for op, mode, which in _sequence(launches) if op == "main"]
     assert mains == [("maps", impl), ("output", impl)]
+
+
+@pytest.mark.parametrize("main_impl,v_split", [("vfirst", 1), ("vfirst", 2), ("vfirst", 4), ("v8", 1)])
+def test_stage1_form_matches_the_stage2_kernel(launches, monkeypatch, main_impl, v_split):
+    """V-first reads M (prep form "m") and v itself; v8 reads U0 and -Wk (form "uw"). The tiles
+    stage 2 loads are the very tensors stage 1 wrote; the other form's outputs are 1-row stand-ins."""
+    monkeypatch.setattr(P, "MAIN_IMPL", main_impl)
+    inputs = {}
+    _call([300, 0, 65], v_split, 0, None, inputs)
+    (prep_v, prep), (main_v, main) = launches
+    impl = main_v.get("impl", "v8")
+    assert prep_v.get("form", "uw") == P.PREP_FORM[impl]
+    assert main["pbuf"] is prep["pbuf"] and main["fbuf"] is prep["fbuf"]
+    written, unread = (("mbuf",), ("ubuf", "wbuf")) if impl == "vfirst" else (("ubuf", "wbuf"), ("mbuf",))
+    for name in written:
+        assert main[name] is prep[name] and prep[name].shape[0] == 7  # chunks: 5 (300 tokens) + 2 (65)
+    for name in unread:
+        assert prep[name].shape[0] == 1 and name not in main
+    assert (main.get("values") is inputs["v"]) == (impl == "vfirst")

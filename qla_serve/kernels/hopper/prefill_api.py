@@ -3,16 +3,20 @@
 Two TileLang kernels per call, four or five with CP (prefill_prep.py, prefill_main.py,
 prefill_warmup.py, prefill_scan.py):
   1. prep  grid (chunks, Hv):      everything state-free, fully parallel: gate factors, the
-                                   intra-chunk attention P, U0 = M V and Wk = M diag(exp(gc)) K,
-                                   and fp16 copies of bf16 q/k (once per qk-head)
+                                   intra-chunk attention P, the gated inverse M (form "m", for
+                                   V-first) or U0 = M V and Wk = M diag(exp(gc)) K (form "uw",
+                                   for v8: PREP_FORM), and fp16 copies of bf16 q/k (once per
+                                   qk-head)
   2. main  grid (v_split, Hv, N):  the sequential chunk walk (warp-specialised, two GEMMs per
                                    chunk on the chain) with the state in registers, pool slots
                                    read and written in place, every output row written.
                                    (MAIN_IMPL "vfirst", the default at v_split 1 and 2:
                                    prefill_main_vfirst.py, the same walk with the state
-                                   transposed and every chain GEMM's A operand in registers.)
-The HBM intermediates are the gate factors, P, U0 and Wk (40.5 KB per chunk and v-head) plus the
-fp16 q/k copies (512 B per token and qk-head); V' and the per-chunk states never leave the SM.
+                                   transposed, every chain GEMM's A operand in registers, and
+                                   V' = M (V - diag(exp gc) K S) formed from v and M.)
+The HBM intermediates are the gate factors and P plus M (16.5 KB per chunk and v-head) or U0 and
+Wk (40.5 KB), and the fp16 q/k copies (512 B per token and qk-head); V' and the per-chunk states
+never leave the SM.
 
 Strategies this module implements (the planner may only pick these): "plain" (v_split 1),
 "vsplit" (v_split 2 or 4: the value dimension of each head split across CTAs; exact, same bits
@@ -79,6 +83,9 @@ GATE_WARMUP = _gate_warmup_from_env()
 # (prefill_main.py). v_split 4 and sm_100a always run v8. Read once at import from
 # QLA_SERVE_PREFILL_MAIN; the GPU tests and `qla-serve bench prefill --main` set it instead.
 MAIN_IMPLS = ("v8", "vfirst")
+# The stage-1 outputs each stage-2 kernel reads (prefill_prep.prep_func's forms): v8 takes
+# U0 and -Wk, V-first takes M and forms V' = M (V - diag(exp(gc)) K S) on its chain.
+PREP_FORM = {"v8": "uw", "vfirst": "m"}
 
 
 def _main_impl_from_env() -> str:
@@ -99,7 +106,8 @@ _dummies: dict = {}
 
 def _variant_name(v: dict) -> str:
     if v["op"] == "prefill_prep":
-        return f"gdn_prefill_prep_hv{v['num_v_heads']}_hk{v['num_k_heads']}_{v['io_dtype']}"
+        return (f"gdn_prefill_prep_hv{v['num_v_heads']}_hk{v['num_k_heads']}_{v['io_dtype']}"
+                + ("_m" if v.get("form", "uw") == "m" else ""))
     return (
         f"gdn_prefill_main_hv{v['num_v_heads']}_hk{v['num_k_heads']}_{v['io_dtype']}"
         f"_pool{v['pool_dtype']}_vs{v['v_split']}" + ("_maps" if v["mode"] == "maps" else "")
@@ -107,8 +115,14 @@ def _variant_name(v: dict) -> str:
     )
 
 
-def prep_variant(num_v_heads: int, num_k_heads: int, io_dtype: str) -> dict:
+def prep_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw") -> dict:
+    """Stage 1; form "uw" (U0 and -Wk, for the v8 stage 2) or "m" (M, for V-first): the form
+    a stage-2 kernel reads is PREP_FORM[impl]."""
+    if form not in prefill_prep.FORMS:
+        raise ValueError(f"form: expected one of {prefill_prep.FORMS}, got {form!r}")
     v = {"op": "prefill_prep", "num_v_heads": num_v_heads, "num_k_heads": num_k_heads, "io_dtype": io_dtype}
+    if form != "uw":  # "uw" variants keep their names
+        v["form"] = form
     v["name"] = _variant_name(v)
     return v
 
@@ -168,7 +182,8 @@ def kernel_variants(num_v_heads: int, num_k_heads: int, target: str = ARCH) -> l
     picks (V-first at v_split 1 and 2 unless MAIN_IMPL is "v8"). JSON-serialisable dicts."""
     if num_k_heads <= 0 or num_v_heads % num_k_heads:
         raise ValueError(f"num_v_heads ({num_v_heads}) must be a positive multiple of num_k_heads ({num_k_heads})")
-    out = [prep_variant(num_v_heads, num_k_heads, io) for io in IO_DTYPES]
+    forms = sorted({PREP_FORM[main_impl_for(vs, target)] for vs in V_SPLITS}, reverse=True)
+    out = [prep_variant(num_v_heads, num_k_heads, io, form) for io in IO_DTYPES for form in forms]
     out += [scan_variant(num_v_heads), warmup_variant(num_v_heads)]
     for io in IO_DTYPES:
         for pool in POOL_DTYPES:
@@ -197,7 +212,8 @@ def build(variant: dict, target: str = ARCH):
             elif variant["op"] == "prefill_cp_warmup":
                 func, cfg = prefill_warmup.warmup_func(hv), prefill_warmup.PASS_CONFIGS
             elif variant["op"] == "prefill_prep":
-                func, cfg = prefill_prep.prep_func(hv, hk, io), prefill_prep.PASS_CONFIGS
+                func = prefill_prep.prep_func(hv, hk, io, variant.get("form", "uw"))
+                cfg = prefill_prep.PASS_CONFIGS
             elif variant["op"] == "prefill_main":
                 kmod = prefill_main_vfirst if variant.get("impl", "v8") == "vfirst" else prefill_main
                 func, _ = kmod.main_func(hv, hk, io, variant["pool_dtype"], variant["v_split"],
@@ -215,20 +231,24 @@ def build(variant: dict, target: str = ARCH):
     return kern
 
 
-def _plan_scratch(plan, hv: int, device):
-    """(number of chunks NC, stage 1's outputs: gate factors [NC, Hv, 2, 64] fp32, P [NC, Hv, 64, 64],
-    U0 and -Wk [NC, Hv, 64, 128] fp16), allocated once per plan and head count (plan.scratch):
-    every GDN layer of a step reuses them (stage 1 rewrites them in full before stage 2 reads)."""
+def _plan_scratch(plan, hv: int, form: str, device):
+    """(number of chunks NC, stage 1's outputs in prep_func's argument order: gate factors
+    [NC, Hv, 2, 64] fp32, P and M [NC, Hv, 64, 64] fp16, U0 and -Wk [NC, Hv, 64, 128] fp16), the
+    outputs the form does not write as 1-row stand-ins; allocated once per plan, head count and
+    form (plan.scratch): every GDN layer of a step reuses them (stage 1 rewrites them in full
+    before stage 2 reads)."""
     def make():
         nchunks = sum((int(L) + CHUNK - 1) // CHUNK for L in plan.seq_lens)
         rows = max(nchunks, 1)  # stage 2 never reads row 0 when there are no chunks
+        m_rows, uw_rows = (1, rows) if form == "uw" else (rows, 1)
         return nchunks, (
             torch.empty((rows, hv, 2, CHUNK), dtype=torch.float32, device=device),
             torch.empty((rows, hv, CHUNK, CHUNK), dtype=torch.float16, device=device),
-            torch.empty((rows, hv, CHUNK, 128), dtype=torch.float16, device=device),
-            torch.empty((rows, hv, CHUNK, 128), dtype=torch.float16, device=device),
+            torch.empty((m_rows, hv, CHUNK, CHUNK), dtype=torch.float16, device=device),
+            torch.empty((uw_rows, hv, CHUNK, 128), dtype=torch.float16, device=device),
+            torch.empty((uw_rows, hv, CHUNK, 128), dtype=torch.float16, device=device),
         )
-    return plan.scratch(("hopper_prefill_ws", hv), make)
+    return plan.scratch(("hopper_prefill_ws", hv, form), make)
 
 
 def _half_qk(plan, ntok: int, hk: int, device):
@@ -367,8 +387,9 @@ def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale,
     hk, hv = k.shape[1], v.shape[1]
     io = _TORCH_TO_TL[q.dtype]
     pool_dt = _TORCH_TO_TL[pool.dtype]
-    kp = _fns.get((hv, hk, io, _target)) or _fn(prep_variant(hv, hk, io), (hv, hk, io, _target))
     impl = main_impl_for(vs, _target)
+    form = PREP_FORM[impl]
+    kp = _fns.get((hv, hk, io, form, _target)) or _fn(prep_variant(hv, hk, io, form), (hv, hk, io, form, _target))
     kk = (hv, hk, io, pool_dt, vs, "output", impl, _target)
     km = _fns.get(kk) or _fn(main_variant(hv, hk, io, pool_dt, vs, "output", impl), kk)
     if scale is None:
@@ -379,7 +400,7 @@ def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale,
         flags, all_init = has_initial_state.view(torch.uint8), 0
     if nseq == 0:
         return
-    nchunks, stage1 = _plan_scratch(plan, hv, q.device)
+    nchunks, stage1 = _plan_scratch(plan, hv, form, q.device)
     if ntok == 0:  # only empty sequences: nothing to compute, final state = initial state
         q, k, v, out, g, beta = (_one_row(x) for x in (q, k, v, out, g, beta))
     else:
@@ -390,7 +411,10 @@ def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale,
         kp(q, k, v, g, beta, plan.cu_seqlens, plan.chunk_offsets, *stage1, qh, kh, float(scale))
     if "main" not in _stages:
         return
-    head = (qh, kh, *stage1, pool, slot_ids, flags, plan.cu_seqlens, plan.chunk_offsets)
+    fbuf, pbuf, mbuf, ubuf, wbuf = stage1
+    # Stage 2's inputs: V-first reads v and M, v8 U0 and -Wk.
+    tiles = (v, fbuf, pbuf, mbuf) if impl == "vfirst" else (fbuf, pbuf, ubuf, wbuf)
+    head = (qh, kh, *tiles, pool, slot_ids, flags, plan.cu_seqlens, plan.chunk_offsets)
     if strategy != "cp":
         km(*head, _whole_sequence_items(plan, q.device), _unread_maps(hv, q.device),
            *_unread_warmup(hv, q.device), out, float(scale), all_init, 0, 0)

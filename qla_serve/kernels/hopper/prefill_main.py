@@ -303,7 +303,7 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
 
 def chunk_loader(maps_mode: bool, BV: int):
     """The producer's TMA loads of one chunk into stage c % 2 (q and P only for outputs), after
-    every consumer released that stage: shared by prefill_main and prefill_main_vfirst."""
+    every consumer released that stage (prefill_main_vfirst has its own: it loads v and M)."""
 
     @T.macro
     def load_chunk(c, t0, cidx, hk, h, v0, q, k, pbuf, fbuf, ubuf, wbuf, q_s, k_s, p_s, f_s, u0_s, wk_s,

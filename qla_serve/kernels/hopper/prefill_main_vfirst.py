@@ -2,15 +2,20 @@
 of prefill_main.py with the state held transposed, X = S^T ([BV, 128], value rows, as the pool
 stores it), so that every GEMM on the chain takes its A operand from registers.
 
-Same algebra, same arguments, same work items and modes as prefill_main.main_func (see there);
-per chunk, with U0, Wk (stored negated), P and the gate factors exp(gc), dec from stage 1
-(prefill_prep.py) and Xh = fp16(X) in registers:
-  V'^T = U0^T + Xh (-Wk)^T                         [BV, 64]  wgmma, A = Xh
+Same work items, modes and gate warmup as prefill_main.main_func (see there), but it reads v and
+M itself instead of U0 and -Wk (stage 1's form "m", prefill_prep.py: 8 KB of M per chunk and
+head instead of 32 KB of U0 and Wk written and read back through HBM). Per chunk, with M, P
+and the gate factors exp(gc), dec from stage 1 and Xh = fp16(X) in registers:
+  Y^T  = Xh K^T                                    [BV, 64]  wgmma, A = Xh
   O^T  = scale (Xh Q^T) diag(exp gc)               [BV, 64]  same batch, A = Xh
+  R^T  = V^T - Y^T diag(exp gc)                    (V = 0 for the transition Phi)
+  V'^T = fp16(R^T) M^T                             [BV, 64]  A = fp16(R^T)
   O^T += fp16(V'^T) P^T                                      A = fp16(V'^T)
   X   <- gamma_last X + fp16(V'^T diag(dec)) K     [BV, 128] A = fp16(V'^T diag(dec))
-i.e. the transpose of prefill_main's V' = U0 - Wk Hs, O = scale diag(exp gc) Q Hs + P V',
-S <- gamma_last S + K^T diag(dec) V'; the float64 truth is reference.recurrent_gdn.
+i.e. the transpose of V' = M (V - diag(exp gc) K S) (= prefill_main's U0 - Wk Hs),
+O = scale diag(exp gc) Q Hs + P V', S <- gamma_last S + K^T diag(dec) V'; the float64 truth is
+reference.recurrent_gdn. Rows >= n of a chunk's v tile (the next sequence's, or zeros past T)
+meet only M's zero columns (beta = 0 there).
 
 Warp roles (BV / 64 consumer warpgroups + one producer warpgroup):
   consumers  each owns 64 value rows of X, end to end: it computes V', O and the state update
@@ -31,7 +36,7 @@ against 0.376 ms); still ~3x its tensor-core bound (~1 us per chunk).
 import tilelang
 import tilelang.language as T
 
-from .prefill_main import C, DK, DV, MODES, PASS_CONFIGS, _NREG_PRODUCER, chunk_loader  # noqa: F401
+from .prefill_main import C, DK, DV, MODES, PASS_CONFIGS, _NREG_PRODUCER  # noqa: F401
 
 V_SPLITS = (1, 2)
 # Registers per consumer thread after setmaxnreg.inc at v_split 1 (the producer warpgroup gives
@@ -67,21 +72,22 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
     ncut = T.dynamic("ncut")
     sq0, sq1 = T.dynamic("sq0"), T.dynamic("sq1")
     sk0, sk1 = T.dynamic("sk0"), T.dynamic("sk1")
+    sv0, sv1 = T.dynamic("sv0"), T.dynamic("sv1")
     so0, so1 = T.dynamic("so0"), T.dynamic("so1")
     sp0 = T.dynamic("sp0")
     mm = "float16"
     acc = "float32"
     rows = T.GemmWarpPolicy.FullRow  # value rows split across the consumer warpgroups
-    load_chunk = chunk_loader(maps_mode, BV)
+    load_chunk = _chunk_loader(maps_mode, BV)
 
     @T.prim_func
     def gdn_prefill_main_vfirst(
         q: T.StridedTensor((ntok, Hk, DK), (sq0, sq1, 1), mm),
         k: T.StridedTensor((ntok, Hk, DK), (sk0, sk1, 1), mm),
+        values: T.StridedTensor((ntok, Hv, DV), (sv0, sv1, 1), io_dtype),  # v (loop variables take `v`)
         fbuf: T.Tensor((nchunk, Hv, 2, C), "float32"),
         pbuf: T.Tensor((nchunk, Hv, C, C), mm),
-        ubuf: T.Tensor((nchunk, Hv, C, DV), mm),
-        wbuf: T.Tensor((nchunk, Hv, C, DK), mm),
+        mbuf: T.Tensor((nchunk, Hv, C, C), mm),
         pool: T.StridedTensor((nslot, Hv, DV, DK), (sp0, DV * DK, DK, 1), pool_dtype),
         slot_ids: T.Tensor((nseq,), "int32"),
         has_init: T.Tensor((nhis,), "uint8"),
@@ -103,12 +109,13 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
             q_s = T.alloc_shared((2, C, DK), mm)
             k_s = T.alloc_shared((2, C, DK), mm)
             p_s = T.alloc_shared((2, C, C), mm)
-            u0_s = T.alloc_shared((2, C, BV), mm)
-            wk_s = T.alloc_shared((2, C, DK), mm)  # -Wk
+            v_s = T.alloc_shared((2, C, BV), io_dtype)
+            m_s = T.alloc_shared((2, C, C), mm)
             f_s = T.alloc_shared((2, 2, C), acc)  # exp(gc), dec
             x_f = T.alloc_fragment((BV, DK), acc)  # X = S^T
             xh_f = T.alloc_fragment((BV, DK), mm)
-            vp_f = T.alloc_fragment((BV, C), acc)  # V'^T
+            vp_f = T.alloc_fragment((BV, C), acc)  # (K S)^T, then V'^T
+            rh_f = T.alloc_fragment((BV, C), mm)  # R^T = (V - diag(exp gc) K S)^T
             vph_f = T.alloc_fragment((BV, C), mm)
             vpd_f = T.alloc_fragment((BV, C), mm)  # (V' diag(dec))^T
             o_f = T.alloc_fragment((BV, C), acc)  # O^T
@@ -188,17 +195,22 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
                     T.barrier_wait(ready[st], (c // 2) % 2)
                     for v, d in T.Parallel(BV, DK):
                         xh_f[v, d] = T.cast(x_f[v, d], mm)
-                    # V'^T = U0^T + Xh (-Wk)^T (U0 = 0 for the transition Phi); O^T = Xh Q^T
-                    if is_phi:
-                        T.clear(vp_f)
-                    else:
-                        for v, i in T.Parallel(BV, C):
-                            vp_f[v, i] = T.cast(u0_s[st, i, v], acc)
-                    T.wgmma_gemm(xh_f, wk_s[st, :, :], vp_f, transpose_B=True, policy=rows)
+                    # (K S)^T = Xh K^T and O^T = Xh Q^T; R^T = V^T - (K S)^T diag(exp gc) (V = 0
+                    # for the transition Phi); V'^T = R^T M^T.
+                    T.wgmma_gemm(xh_f, k_s[st, :, :], vp_f, transpose_B=True, clear_accum=True, policy=rows)
                     if not maps_mode:
                         if emit:
                             T.wgmma_gemm(xh_f, q_s[st, :, :], o_f, transpose_B=True, clear_accum=True,
                                          policy=rows)
+                    T.wait_wgmma(0)
+                    if maps_mode:
+                        for v, i in T.Parallel(BV, C):
+                            rh_f[v, i] = T.cast(T.if_then_else(is_phi, 0.0, T.cast(v_s[st, i, v], acc))
+                                                - vp_f[v, i] * f_s[st, 0, i], mm)
+                    else:
+                        for v, i in T.Parallel(BV, C):
+                            rh_f[v, i] = T.cast(T.cast(v_s[st, i, v], acc) - vp_f[v, i] * f_s[st, 0, i], mm)
+                    T.wgmma_gemm(rh_f, m_s[st, :, :], vp_f, transpose_B=True, clear_accum=True, policy=rows)
                     T.wait_wgmma(0)
                     # X <- gamma_last X + (V' diag(dec))^T K ; O^T = scale O^T diag(exp gc) + V'^T P^T
                     for v, i in T.Parallel(BV, C):
@@ -240,7 +252,28 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
                 T.set_max_nreg(_NREG_PRODUCER, 0)
                 if tx < consumers + 32:
                     for c in T.serial(nchunks):
-                        load_chunk(c, bos + c * C, coff + c, hk, h, v0, q, k, pbuf, fbuf, ubuf, wbuf,
-                                   q_s, k_s, p_s, f_s, u0_s, wk_s, ready, free)
+                        load_chunk(c, bos + c * C, coff + c, hk, h, v0, q, k, values, pbuf, fbuf, mbuf,
+                                   q_s, k_s, p_s, f_s, v_s, m_s, ready, free)
 
     return gdn_prefill_main_vfirst, threads
+
+
+def _chunk_loader(maps_mode: bool, BV: int):
+    """The producer's TMA loads of one chunk into stage c % 2 (q and P only for outputs), after
+    every consumer released that stage. v rows past T arrive as zeros (TMA bounds)."""
+
+    @T.macro
+    def load_chunk(c, t0, cidx, hk, h, v0, q, k, values, pbuf, fbuf, mbuf, q_s, k_s, p_s, f_s, v_s, m_s, ready,
+                   free):
+        st = c % 2
+        T.barrier_wait(free[st], (c // 2 + 1) % 2)
+        if not maps_mode:
+            T.tma_copy(q[t0:t0 + C, hk, 0:DK], q_s[st, :, :], barrier=ready[st])
+            T.tma_copy(pbuf[cidx, h, 0:C, 0:C], p_s[st, :, :], barrier=ready[st])
+        T.tma_copy(k[t0:t0 + C, hk, 0:DK], k_s[st, :, :], barrier=ready[st])
+        T.tma_copy(fbuf[cidx, h, 0:2, 0:C], f_s[st, :, :], barrier=ready[st])
+        T.tma_copy(values[t0:t0 + C, h, v0:v0 + BV], v_s[st, :, :], barrier=ready[st])
+        T.tma_copy(mbuf[cidx, h, 0:C, 0:C], m_s[st, :, :], barrier=ready[st])
+        T.barrier_arrive(ready[st])
+
+    return load_chunk

@@ -12,10 +12,16 @@ For a chunk of n <= 64 tokens t0..t0+n-1 of head h (qk-head h // (Hv // Hk)):
   M[i, j] = A[i, j] * exp(gc[i] - gc[j]) * beta[j]  (i >= j), 0 above the diagonal
 which is the gated inverse by a similarity transform (Gamma o A = D A D^-1, D = diag(exp(gc))),
 so the C^2 exponentials are paid once here, off the sequential chain of stage 2. Then
-  U0      = M V                                      [64, 128]
-  Wk      = M diag(exp(gc)) K  (= diag(exp(gc)) A diag(beta) K)   [64, 128]
   P       = scale * Lower(Gamma) o (Q K^T)           (the intra-chunk attention)
-so that stage 2 computes V' = U0 - Wk S (= M (V - diag(exp(gc)) K S)) and O = scale exp(gc) Q S + P V'.
+and, by the form (prep_func's argument), what stage 2 needs for V' = M (V - diag(exp(gc)) K S):
+  "m"  (for prefill_main_vfirst.py, V-first): M itself [64, 64]; stage 2 reads v and forms
+       V' on its chain (two GEMMs where "uw" needs one, for 16 KB of HBM traffic per chunk
+       and head instead of 64: U0 and Wk written here and read back there);
+  "uw" (for prefill_main.py, v8):
+       U0 = M V                                      [64, 128]
+       Wk = M diag(exp(gc)) K  (= diag(exp(gc)) A diag(beta) K)   [64, 128]
+       so that stage 2 computes V' = U0 - Wk S.
+Stage 2 then computes O = scale exp(gc) Q S + P V'.
 
 The inverse is blocked: the four 16x16 diagonal blocks of I + L are inverted by forward
 substitution in fp32 on the CUDA cores (Dinv), then with N = Dinv L_off (strictly block-lower,
@@ -23,15 +29,18 @@ N^4 = 0): (I + L)^-1 = (I - N + N^2 - N^3) Dinv, four 64x64x64 fp16 tensor-core 
 accumulation. fp16 (11-bit mantissa) rather than bf16 for these operands and the outputs: the
 bf16 variant misses the 2e-3 relative-L2 budget against the float64 recurrence (see
 benchmarks/prefill.md). q, k and v are used as loaded (io dtype): Q K^T and K K^T are exact
-products with fp32 sums, and M meets V and K as io-dtype hi + lo (M = hi + lo to ~2^-16
-relative), two GEMMs each, so no tile is converted in shared memory.
+products with fp32 sums, and in form "uw" M meets V and K as io-dtype hi + lo (M = hi + lo to
+~2^-16 relative), two GEMMs each, so no tile is converted in shared memory. Form "m" stores M
+rounded once to fp16 (as v10 did before its U0 = M V).
 
 Outputs (workspace, chunk-major so stage 2 loads each tile with one TMA copy; all 64 rows, rows
 >= n finite and only ever meeting zero weights in stage 2):
   fbuf [NC, Hv, 2, 64] fp32: exp(gc[i]) and dec[i] = exp(gc[63] - gc[i]) (0 for rows >= n; rows
        >= n have g = 0, so gc[63] = gc[n-1] and exp(gc[63]) is the chunk's total decay);
-  pbuf [NC, Hv, 64, 64], ubuf (U0) and wbuf (-Wk, negated so stage 2 accumulates onto U0)
-       [NC, Hv, 64, 128], fp16;
+  pbuf [NC, Hv, 64, 64] fp16;
+  form "m": mbuf [NC, Hv, 64, 64] fp16 (M, zero above the diagonal and in columns >= n);
+  form "uw": ubuf (U0) and wbuf (-Wk, negated so stage 2 accumulates onto U0) [NC, Hv, 64, 128],
+       fp16;
   for bf16 io also qh, kh [T, Hk, 128]: fp16 copies of q and k (exact for unit-norm rows down to
   6e-5), so stage 2's tensor-core operands are fp16 without converting on its sequential chain.
 Every output tile leaves through a swizzled shared-memory tile and a TMA store: written from the
@@ -41,8 +50,8 @@ warp stall samples; benchmarks/prefill.md v10). The fp16 q/k copies go straight 
 tiles to global memory in 16-byte stores.
 
 Occupancy (v11): 49 KB of shared memory and <= 128 registers, so 4 CTAs (16 warps) per SM
-share the latency of each CTA's serial phases (v10: 65 KB, 3 CTAs). Figures of every version:
-benchmarks/prefill.md ("v11-v13" for this one).
+share the latency of each CTA's serial phases (v10: 65 KB, 3 CTAs); form "m" takes 33 KB.
+Figures of every version: benchmarks/prefill.md ("v11-v13", "v14" for form "m").
 """
 
 
@@ -56,9 +65,20 @@ DV = 128
 PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 
 
-def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str):
-    """Build the stage-1 PrimFunc for (Hv, Hk, io dtype); T (tokens), N (sequences) and
-    the number of chunks are symbolic, so one compile serves every batch."""
+FORMS = ("uw", "m")
+
+
+def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw"):
+    """Build the stage-1 PrimFunc for (Hv, Hk, io dtype, form); T (tokens), N (sequences) and
+    the number of chunks are symbolic, so one compile serves every batch.
+
+    form "uw" (for prefill_main.py, v8) writes U0 and -Wk; form "m" (for prefill_main_vfirst.py)
+    writes M itself, and the stage-2 kernel forms V' = M (V - diag(exp(gc)) K S) on its chain.
+    Both take the same arguments; the outputs a form does not write (mbuf for "uw", ubuf and
+    wbuf for "m") have their own symbolic row counts, so the host passes 1-row stand-ins."""
+    if form not in FORMS:
+        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+    uw_form = form == "uw"
     Hv, Hk = num_v_heads, num_k_heads
     group = Hv // Hk
     ntok = T.dynamic("ntok")
@@ -69,6 +89,9 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str):
     sk0 = T.dynamic("sk0")
     sk1 = T.dynamic("sk1")
     sv0, sv1 = T.dynamic("sv0"), T.dynamic("sv1")
+    # The outputs a form does not write: their own row counts, so 1-row stand-ins fit.
+    nuw = nchunk if uw_form else T.dynamic("nuw")
+    nm = T.dynamic("nm") if uw_form else nchunk
     mm_dtype = "float16"
     acc = "float32"
     copy_qk = io_dtype != mm_dtype  # stage 2 wants fp16 q/k
@@ -100,6 +123,40 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str):
         T.gemm(hi_s, b_s, x_f, clear_accum=True)
         T.gemm(lo_s, b_s, x_f)
 
+    @T.macro
+    def _write_u0_wk(v, ubuf, wbuf, t0, h, cid, k_s, g_s, b_s, eg_s, t_f):
+        """Form "uw": from A in t_f, U0 = M V and -Wk = (-Mg) K to ubuf / wbuf."""
+        v_s = T.alloc_shared((C, DV), io_dtype)
+        m_s = T.alloc_shared((C, C), io_dtype)
+        ml_s = T.alloc_shared((C, C), io_dtype)
+        x_s = T.alloc_shared((C, DV), mm_dtype)  # U0, then -Wk, on their way out
+        x_f = T.alloc_fragment((C, DK), acc)
+        v_bar = T.alloc_barrier(128)
+        T.annotate_layout({x_s: tilelang.layout.make_swizzled_layout(x_s)})
+        # v is loaded this late so that its tile shares shared memory with the solve's
+        # (4 CTAs per SM); M's construction overlaps its latency.
+        T.tma_copy(v[t0:t0 + C, h, 0:DV], v_s, barrier=v_bar)
+        # M = (Gamma o A) diag(beta) and -Mg = -M diag(exp(gc)) = -diag(exp(gc)) A diag(beta)
+        # (negated so the GEMM below yields -Wk directly), lower triangle incl. diagonal
+        # (exp(gc) <= 1: no overflow either way). U0 = M V, then -Wk = (-Mg) K, all 64 rows
+        # (rows >= n are finite, never weighted).
+        for i, j in T.Parallel(C, C):
+            t_f[i, j] = T.if_then_else(i >= j, t_f[i, j] * T.exp(g_s[i] - g_s[j]) * b_s[j], 0.0)
+        _store_split(t_f, m_s, ml_s)
+        T.barrier_arrive(v_bar)
+        T.barrier_wait(v_bar, 0)
+        _split_times(m_s, ml_s, v_s, x_f)
+        T.copy(x_f, x_s)
+        T.copy(x_s, ubuf[cid, h, :, :])
+        # -Mg from M's stored parts (M = hi + lo to ~2^-16): holding it in registers
+        # beside U0's accumulator would take prep past 128 registers (4 CTAs per SM).
+        for i, j in T.Parallel(C, C):
+            t_f[i, j] = -(T.cast(m_s[i, j], acc) + T.cast(ml_s[i, j], acc)) * eg_s[j]
+        _store_split(t_f, m_s, ml_s)
+        _split_times(m_s, ml_s, k_s, x_f)
+        T.copy(x_f, x_s)
+        T.copy(x_s, wbuf[cid, h, :, :])
+
     @T.prim_func
     def gdn_prefill_prep(
         q: T.StridedTensor((ntok, Hk, DK), (sq0, sq1, 1), io_dtype),
@@ -111,8 +168,9 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str):
         chunk_offsets: T.Tensor((nseq + 1,), "int32"),
         fbuf: T.Tensor((nchunk, Hv, 2, C), "float32"),
         pbuf: T.Tensor((nchunk, Hv, C, C), mm_dtype),
-        ubuf: T.Tensor((nchunk, Hv, C, DV), mm_dtype),
-        wbuf: T.Tensor((nchunk, Hv, C, DK), mm_dtype),
+        mbuf: T.Tensor((nm, Hv, C, C), mm_dtype),
+        ubuf: T.Tensor((nuw, Hv, C, DV), mm_dtype),
+        wbuf: T.Tensor((nuw, Hv, C, DK), mm_dtype),
         qh: qh_type,
         kh: kh_type,
         scale: T.float32,
@@ -128,16 +186,10 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str):
             # products, fp32 sums), and M meets V and K as two io-dtype GEMMs, hi + lo (below).
             k_s = T.alloc_shared((C, DK), io_dtype)
             q_s = T.alloc_shared((C, DK), io_dtype)
-            v_s = T.alloc_shared((C, DV), io_dtype)
-            m_s = T.alloc_shared((C, C), io_dtype)
-            ml_s = T.alloc_shared((C, C), io_dtype)
             p_s = T.alloc_shared((C, C), mm_dtype)
-            x_s = T.alloc_shared((C, DV), mm_dtype)  # U0, then -Wk, on their way out
-            x_f = T.alloc_fragment((C, DK), acc)
             # TMA tile loads (one elected thread issues them; every thread waits on the barrier):
             # a plain T.copy of these bounds-checked strided tiles lowers to per-element loads.
             qk_bar = T.alloc_barrier(128)
-            v_bar = T.alloc_barrier(128)
             p_f = T.alloc_fragment((C, C), acc)
             g_s = T.alloc_shared((C,), acc)
             b_s = T.alloc_shared((C,), acc)
@@ -156,8 +208,7 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str):
             # tile puts the 8 rows of each 8x8 matrix in the same banks (8-way conflicts; ncu on
             # v11: 31% of prep's shared-memory wavefronts, with L1 82% busy). Swizzled, the store
             # goes through a tensor map in 64-column boxes.
-            T.annotate_layout({p_s: tilelang.layout.make_swizzled_layout(p_s),
-                               x_s: tilelang.layout.make_swizzled_layout(x_s)})
+            T.annotate_layout({p_s: tilelang.layout.make_swizzled_layout(p_s)})
 
             # Which sequence owns chunk cid: largest s with chunk_offsets[s] <= cid.
             lo = T.alloc_var("int32")
@@ -248,29 +299,16 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str):
             for i, j in T.Parallel(C, C):
                 y_s[i, j] = T.cast(T.if_then_else(i == j, 1.0, 0.0) + n_f[i, j] - t_f[i, j], mm_dtype)
             T.gemm(y_s, dinv_s, t_f, clear_accum=True)
-            # v is loaded this late so that its tile shares shared memory with the solve's
-            # (4 CTAs per SM); M's construction overlaps its latency.
-            T.tma_copy(v[t0:t0 + C, h, 0:DV], v_s, barrier=v_bar)
-
-            # M = (Gamma o A) diag(beta) and -Mg = -M diag(exp(gc)) = -diag(exp(gc)) A diag(beta)
-            # (negated so the GEMM below yields -Wk directly), lower triangle incl. diagonal
-            # (exp(gc) <= 1: no overflow either way). U0 = M V, then -Wk = (-Mg) K, all 64 rows
-            # (rows >= n are finite, never weighted).
-            for i, j in T.Parallel(C, C):
-                t_f[i, j] = T.if_then_else(i >= j, t_f[i, j] * T.exp(g_s[i] - g_s[j]) * b_s[j], 0.0)
-            _store_split(t_f, m_s, ml_s)
-            T.barrier_arrive(v_bar)
-            T.barrier_wait(v_bar, 0)
-            _split_times(m_s, ml_s, v_s, x_f)
-            T.copy(x_f, x_s)
-            T.copy(x_s, ubuf[cid, h, :, :])
-            # -Mg from M's stored parts (M = hi + lo to ~2^-16): holding it in registers
-            # beside U0's accumulator would take prep past 128 registers (4 CTAs per SM).
-            for i, j in T.Parallel(C, C):
-                t_f[i, j] = -(T.cast(m_s[i, j], acc) + T.cast(ml_s[i, j], acc)) * eg_s[j]
-            _store_split(t_f, m_s, ml_s)
-            _split_times(m_s, ml_s, k_s, x_f)
-            T.copy(x_f, x_s)
-            T.copy(x_s, wbuf[cid, h, :, :])
+            if uw_form:
+                _write_u0_wk(v, ubuf, wbuf, t0, h, cid, k_s, g_s, b_s, eg_s, t_f)
+            else:
+                # M = (Gamma o A) diag(beta), lower triangle incl. the diagonal, fp16 (stage 2
+                # meets it with fp16 operands; v10 stored U0 = fp16(M) fp16(V) within the budget).
+                mo_s = T.alloc_shared((C, C), mm_dtype)
+                T.annotate_layout({mo_s: tilelang.layout.make_swizzled_layout(mo_s)})
+                for i, j in T.Parallel(C, C):
+                    t_f[i, j] = T.if_then_else(i >= j, t_f[i, j] * T.exp(g_s[i] - g_s[j]) * b_s[j], 0.0)
+                T.copy(t_f, mo_s)
+                T.copy(mo_s, mbuf[cid, h, :, :])
 
     return gdn_prefill_prep
