@@ -19,9 +19,10 @@ meet only M's zero columns (beta = 0 there).
 
 Warp roles (BV / 64 consumer warpgroups + one producer warpgroup):
   consumers  each owns 64 value rows of X, end to end: it computes V', O and the state update
-             for its rows and stores its rows of O. Nothing passes between consumer warpgroups
-             (no fp16 copy of S or V' in shared memory, no named barrier on the chain): they
-             share only the TMA stages.
+             for its rows. Nothing passes between consumer warpgroups on the chain (no fp16
+             copy of S or V' in shared memory): they share the TMA stages and the O tile, which
+             leaves by one TMA store per whole chunk after the chain's last GEMM (two named
+             barriers over the consumer threads per chunk, after its last GEMM).
   producer   one warp issuing the TMA loads of the next chunk (two stages).
 Only v_split 1 (two consumer warpgroups, 384 threads) and 2 (one, 256 threads): a wgmma tile
 has 64 rows per warpgroup, so BV = 32 (v_split 4) does not map onto it.
@@ -112,6 +113,11 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
             v_s = T.alloc_shared((2, C, BV), io_dtype)
             m_s = T.alloc_shared((2, C, C), mm)
             f_s = T.alloc_shared((2, 2, C), acc)  # exp(gc), dec
+            o_s = T.alloc_shared((C, BV), io_dtype)  # O of a whole chunk on its way out (TMA)
+            # Swizzled: each thread reads V^T (R's first term) down a column of the tile, 4 rows
+            # 256 bytes apart per warp load: the same banks, 4-way conflicts, when row-major.
+            T.annotate_layout({v_s: tilelang.layout.make_swizzled_layout(v_s),
+                               o_s: tilelang.layout.make_swizzled_layout(o_s)})
             x_f = T.alloc_fragment((BV, DK), acc)  # X = S^T
             xh_f = T.alloc_fragment((BV, DK), mm)
             vp_f = T.alloc_fragment((BV, C), acc)  # (K S)^T, then V'^T
@@ -230,13 +236,15 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
                     if not maps_mode:
                         if emit:
                             if n == C:
-                                # A whole chunk: rows t0..t0+63 lie inside [0, ntok), said to the
-                                # bounds pass so that each store is not wrapped in three branches.
-                                T.assume(t0 >= 0)
-                                T.assume(t0 + C <= ntok)
+                                # A whole chunk: O^T transposed into the swizzled tile, then one
+                                # TMA store (TileLang brackets it with barriers over the consumer
+                                # threads, and the issuing thread waits until the tile is read
+                                # before anyone rewrites it). 32 scattered 2-byte global stores per
+                                # thread before (v14), each with 64-bit address arithmetic.
                                 for v, i in T.Parallel(BV, C):
-                                    out[t0 + i, h, v0 + v] = T.cast(o_f[v, i], io_dtype)
-                            else:
+                                    o_s[i, v] = T.cast(o_f[v, i], io_dtype)
+                                T.copy(o_s, out[t0:t0 + C, h, v0:v0 + BV])
+                            else:  # a sequence's last chunk: TMA would clip at T, not at its end
                                 for v, i in T.Parallel(BV, C):
                                     if i < n:
                                         out[t0 + i, h, v0 + v] = T.cast(o_f[v, i], io_dtype)

@@ -50,7 +50,8 @@ warp stall samples; benchmarks/prefill.md v10). The fp16 q/k copies go straight 
 tiles to global memory in 16-byte stores.
 
 Occupancy (v11): 49 KB of shared memory and <= 128 registers, so 4 CTAs (16 warps) per SM
-share the latency of each CTA's serial phases (v10: 65 KB, 3 CTAs); form "m" takes 33 KB.
+share the latency of each CTA's serial phases (v10: 65 KB, 3 CTAs); form "m" takes 33 KB and
+<= 102 registers, 5 CTAs (v15).
 Figures of every version: benchmarks/prefill.md ("v11-v13", "v14" for form "m").
 """
 
@@ -178,9 +179,10 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
         # v-head fastest: the Hv / Hk v-heads that share a chunk's q/k tiles run back to back
         # (L2 hits), and consecutive CTAs write adjacent workspace rows.
         with T.Kernel(Hv, nchunk, threads=128) as (h, cid):
-            # Four CTAs per SM (<= 128 registers, <= 56 KB smem): the phases of one CTA are
-            # latency-bound (loads, the 16-step substitution), so other CTAs fill the gaps.
-            T.annotate_min_blocks_per_sm(4)
+            # Four CTAs per SM for "uw" (<= 128 registers, <= 56 KB smem), five for "m" (<= 102
+            # registers: ptxas spills 16 bytes; 33 KB): the phases of one CTA are latency-bound
+            # (loads, the 16-step substitution), so other CTAs fill the gaps.
+            T.annotate_min_blocks_per_sm(4 if uw_form else 5)
             hk = h // group
             # q, k, v stay in the io dtype: Q K^T and K K^T take them as they are (exact
             # products, fp32 sums), and M meets V and K as two io-dtype GEMMs, hi + lo (below).
