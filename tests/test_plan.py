@@ -63,11 +63,12 @@ def test_no_split_when_the_batch_fills_the_sms(lens, heads, sm):
 
 def test_mixed_batch_with_a_long_sequence_is_split():
     """Chunked-prefill step (2/8 heads, one 2048-token chunk among short tails): chain-bound, so
-    the fitted sm90 model splits V (measured on the H200: v_split 4 0.184 ms, 1 0.271 ms)."""
+    the fitted sm90 model does not walk it whole on one block per head: it splits V or cuts the
+    long sequence (measured on the H200, v15 without CP: v_split 1 0.113 ms, 2 0.102 ms)."""
     from qla_serve.bench.prefill import ROWS
 
     plan = _plan(ROWS["mixed8192"], (2, 8), "auto", 132)
-    assert plan.v_split > 1
+    assert plan.v_split > 1 or plan.strategy == "cp"
 
 
 @settings(max_examples=250, deadline=None)
