@@ -119,11 +119,14 @@ def test_compiles_cp_warmup_sm90a():
 @pytest.mark.parametrize("v_split,mode", [(1, "output"), (2, "maps")])
 def test_compiles_vfirst_sm90a(v_split, mode):
     """The V-first stage 2 (prefill_main_vfirst.py, the default at v_split 1/2): every chain GEMM takes its A
-    operand from registers (wgmma_rs) and nothing of the state is copied to shared memory."""
+    operand from registers (wgmma_rs), nothing of the state is copied to shared memory, and the
+    consumer warpgroups meet no named barrier."""
     src = P.build(P.main_variant(8, 2, "bfloat16", "float32", v_split, mode, "vfirst"), "sm_90a").get_kernel_source()
     assert "gdn_prefill_main_vfirst" in src and "wgmma_rs" in src and "wgmma_ss" not in src
-    assert "hs_s" not in src
-    # a whole chunk's O leaves by TMA store (from the swizzled o_s), not by per-element stores
+    # no barrier over the consumer threads anywhere (TileLang's automatic ones are off: every
+    # handoff has its own mbarrier), only the one after the mbarriers' initialisation
+    assert "hs_s" not in src and "__sync_thread_partial" not in src and src.count("__syncthreads()") == 1
+    # a whole chunk's O leaves by TMA store (from the swizzled o_s, issued by the storer warp)
     assert ("tma_store(out_desc" in src) == (mode == "output")
     # V-first reads M and v (prep form "m"), never U0 / -Wk
     assert "tma_load(mbuf_desc" in src and "tma_load(values_desc" in src and "ubuf" not in src

@@ -218,7 +218,7 @@ def build(variant: dict, target: str = ARCH):
                 kmod = prefill_main_vfirst if variant.get("impl", "v8") == "vfirst" else prefill_main
                 func, _ = kmod.main_func(hv, hk, io, variant["pool_dtype"], variant["v_split"],
                                          variant.get("mode", "output"))
-                cfg = prefill_main.PASS_CONFIGS
+                cfg = kmod.PASS_CONFIGS
             else:
                 raise ValueError(f"variant['op'] must be prefill_prep, prefill_main, prefill_cp_scan or "
                                  f"prefill_cp_warmup, got {variant['op']!r}")

@@ -20,10 +20,13 @@ meet only M's zero columns (beta = 0 there).
 Warp roles (BV / 64 consumer warpgroups + one producer warpgroup):
   consumers  each owns 64 value rows of X, end to end: it computes V', O and the state update
              for its rows. Nothing passes between consumer warpgroups on the chain (no fp16
-             copy of S or V' in shared memory): they share the TMA stages and the O tile, which
-             leaves by one TMA store per whole chunk after the chain's last GEMM (two named
-             barriers over the consumer threads per chunk, after its last GEMM).
-  producer   one warp issuing the TMA loads of the next chunk (two stages).
+             copy of S or V' in shared memory, no named barrier): they share the TMA stages and
+             the O tiles.
+  producer   one warp issuing the TMA loads of the next chunk (two stages), and one "storer"
+             warp issuing the TMA store of each whole chunk's O tile (two tiles: the consumers
+             write tile j % 2 once chunk j - 2's store has read it; mbarriers o_full / o_free).
+             A sequence's last, partial chunk is stored by the consumers themselves, row by row
+             (TMA clips at T, not at the sequence's end).
 Only v_split 1 (two consumer warpgroups, 384 threads) and 2 (one, 256 threads): a wgmma tile
 has 64 rows per warpgroup, so BV = 32 (v_split 4) does not map onto it.
 
@@ -37,7 +40,13 @@ against 0.376 ms); still ~3x its tensor-core bound (~1 us per chunk).
 import tilelang
 import tilelang.language as T
 
-from .prefill_main import C, DK, DV, MODES, PASS_CONFIGS, _NREG_PRODUCER  # noqa: F401
+from .prefill_main import C, DK, DV, MODES, _NREG_PRODUCER
+from .prefill_main import PASS_CONFIGS as _MAIN_PASS_CONFIGS
+
+# Every shared-memory handoff in this kernel goes through its own mbarriers (TMA stages, the O
+# tiles), so TileLang's automatic barrier insertion is off: for the O tiles it added two
+# barriers over all consumer threads per chunk, on the chain.
+PASS_CONFIGS = {**_MAIN_PASS_CONFIGS, tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True}
 
 V_SPLITS = (1, 2)
 # Registers per consumer thread after setmaxnreg.inc at v_split 1 (the producer warpgroup gives
@@ -113,7 +122,7 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
             v_s = T.alloc_shared((2, C, BV), io_dtype)
             m_s = T.alloc_shared((2, C, C), mm)
             f_s = T.alloc_shared((2, 2, C), acc)  # exp(gc), dec
-            o_s = T.alloc_shared((C, BV), io_dtype)  # O of a whole chunk on its way out (TMA)
+            o_s = T.alloc_shared((2, C, BV), io_dtype)  # O of whole chunks on their way out (TMA)
             # Swizzled: each thread reads V^T (R's first term) down a column of the tile, 4 rows
             # 256 bytes apart per warp load: the same banks, 4-way conflicts, when row-major.
             T.annotate_layout({v_s: tilelang.layout.make_swizzled_layout(v_s),
@@ -127,6 +136,8 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
             o_f = T.alloc_fragment((BV, C), acc)  # O^T
             ready = T.alloc_barrier([32, 32])  # stage filled: the producer warp + TMA bytes
             free = T.alloc_barrier([consumers, consumers])  # stage consumed by every consumer
+            o_full = T.alloc_barrier([consumers, consumers])  # O tile written by every consumer
+            o_free = T.alloc_barrier([32, 32])  # O tile read by its TMA store (the storer warp)
 
             # The item and where its walk starts: as in prefill_main.
             s = T.alloc_var("int32")
@@ -236,14 +247,17 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
                     if not maps_mode:
                         if emit:
                             if n == C:
-                                # A whole chunk: O^T transposed into the swizzled tile, then one
-                                # TMA store (TileLang brackets it with barriers over the consumer
-                                # threads, and the issuing thread waits until the tile is read
-                                # before anyone rewrites it). 32 scattered 2-byte global stores per
-                                # thread before (v14), each with 64-bit address arithmetic.
+                                # A whole chunk (the j-th written): O^T transposed into the
+                                # swizzled tile j % 2, handed to the storer warp, which issues its
+                                # TMA store. The consumers wait only for the store of chunk j - 2
+                                # to have read the tile (v15 stored it here, between two barriers
+                                # over all consumers: 11% of the pass's stall samples).
+                                j = c - warm_chunks
+                                T.barrier_wait(o_free[j % 2], (j // 2 + 1) % 2)
                                 for v, i in T.Parallel(BV, C):
-                                    o_s[i, v] = T.cast(o_f[v, i], io_dtype)
-                                T.copy(o_s, out[t0:t0 + C, h, v0:v0 + BV])
+                                    o_s[j % 2, i, v] = T.cast(o_f[v, i], io_dtype)
+                                T.fence_proxy_async()  # generic-proxy writes, read by the TMA unit
+                                T.barrier_arrive(o_full[j % 2])
                             else:  # a sequence's last chunk: TMA would clip at T, not at its end
                                 for v, i in T.Parallel(BV, C):
                                     if i < n:
@@ -258,6 +272,18 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
 
             else:
                 T.set_max_nreg(_NREG_PRODUCER, 0)
+                if not maps_mode:
+                    if tx >= consumers + 32 and tx < consumers + 64:
+                        # The storer warp: each whole output chunk's TMA store, in chunk order.
+                        for c in T.serial(nchunks):
+                            t0 = bos + c * C
+                            if c >= warm_chunks and eos - t0 >= C:
+                                j = c - warm_chunks
+                                T.barrier_wait(o_full[j % 2], (j // 2) % 2)
+                                T.tma_copy(o_s[j % 2, :, :], out[t0:t0 + C, h, v0:v0 + BV], leader_scope_threads=32)
+                                T.tma_store_wait(0)
+                                T.sync_warp()  # the issuing lane has seen the tile read
+                                T.barrier_arrive(o_free[j % 2])
                 if tx < consumers + 32:
                     for c in T.serial(nchunks):
                         load_chunk(c, bos + c * C, coff + c, hk, h, v0, q, k, values, pbuf, fbuf, mbuf,
