@@ -179,10 +179,12 @@ def test_scratch_is_made_once_per_plan():
 
 def test_sm90_cp_choices_against_the_h200_sweep():
     """The fitted CP terms (cp_maps_ratio, cp_fixed_us) against the CP sweep they were fitted on
-    (benchmarks/data/prefill_cp_sweep_h200.jsonl: 2/8 and 4/16 heads x 1x32768, 1x8192,
-    mixed8192 x forced (v_split, segment length)): among the measured configurations the
-    model's favourite is within 10% of the measured best, and for the single long sequences,
-    where cutting measured 1.2-1.8x faster, the planner does cut."""
+    (benchmarks/data/prefill_v16_cp_sweep_h200.jsonl: 2/8 and 16/64 heads x 1x32768, 1x8192,
+    mixed8192 x forced (v_split, segment length), v16 kernels): among the measured
+    configurations the model's favourite is within 12% of the measured best (worst measured:
+    +10%, 2/8 1x8192), and for the single long sequences the planner's own plan cuts the
+    sequence exactly where the measured best does (2/8: cut, 1.4-2.8x faster; 16/64: the V split
+    without a cut, 6-14% faster than the best cut)."""
     import json
     from pathlib import Path
 
@@ -190,7 +192,7 @@ def test_sm90_cp_choices_against_the_h200_sweep():
     from qla_serve.costmodel import load_cost_model
     from qla_serve.plan import _score
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "data" / "prefill_cp_sweep_h200.jsonl"
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "data" / "prefill_v16_cp_sweep_h200.jsonl"
     model = load_cost_model("sm90")
     by_case = {}
     for line in path.read_text().splitlines():
@@ -202,11 +204,12 @@ def test_sm90_cp_choices_against_the_h200_sweep():
         hk, hv = (int(x) for x in heads.split("/"))
         chunks = [-(-n // 64) for n in ROWS[row]]
         pick = min(runs, key=lambda t: _score(model, chunks, hv, 132, t[1], t[2]))
-        assert pick[0] <= 1.10 * min(runs)[0], (heads, row, pick, min(runs))
+        assert pick[0] <= 1.12 * min(runs)[0], (heads, row, pick, min(runs))
         if row in ("1x32768", "1x8192"):
             plan = plan_prefill(ROWS[row], hv, hk, device="cpu", arch="sm90", sm_count=132,
                                 supported_strategies=ALL)
-            assert plan.strategy == "cp" and plan.segment_chunks > 0, (heads, row, plan.describe())
+            best_cuts = min(runs)[2] > 0
+            assert (plan.strategy == "cp") == best_cuts, (heads, row, plan.describe(), min(runs))
 
 
 def test_force_plan_rebuilds_the_tables():
