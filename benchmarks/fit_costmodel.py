@@ -5,10 +5,10 @@ v_split: `python -m qla_serve.bench.prefill --v-split V --breakdown --json ...`)
 and main GPU time of every (heads, row) at every split. Model (qla_serve.costmodel.CostModel):
 
     main  = chunk_us[v] * max(chain_chunks, ceil(v * Hv * sum(chunks) / sm_count))
-    prep  = stage1_us * Hv * sum(chunks) / sm_count
+    prep  = stage1_us[v] * Hv * sum(chunks) / sm_count   (per split: its stage-2 kernel's prep form)
     total = main + prep + launch_us
 
-chunk_us[v] and stage1_us by least squares on relative error (each is one coefficient of a
+chunk_us[v] and stage1_us[v] by least squares on relative error (each is one coefficient of a
 one-variable model, so the fit is a weighted ratio), launch_us from the residual of the smallest
 rows. Prints the coefficients and the per-row error, and writes nothing: paste the numbers into
 the YAML with the data files they came from.
@@ -65,23 +65,25 @@ def main(paths: list[str]) -> None:
     for vs in sorted({r["vs"] for r in rows}):
         sel = [r for r in rows if r["vs"] == vs]
         chunk_us[vs] = _ratio_fit([r["busy"] for r in sel], [r["main"] for r in sel])
-    stage1_us = _ratio_fit([r["ch"] for r in rows], [r["prep"] for r in rows])
-    resid = [r["total"] - chunk_us[r["vs"]] * r["busy"] - stage1_us * r["ch"] for r in rows]
+    # per split: the stage-1 form follows the stage-2 kernel (sm90: v8 at v_split 4 reads U0/Wk)
+    stage1_us = {vs: _ratio_fit([r["ch"] for r in rows if r["vs"] == vs], [r["prep"] for r in rows if r["vs"] == vs])
+                 for vs in chunk_us}
+    resid = [r["total"] - chunk_us[r["vs"]] * r["busy"] - stage1_us[r["vs"]] * r["ch"] for r in rows]
     launch_us = max(0.0, statistics.median(sorted(resid)[: max(1, len(resid) // 4)]))
     errs = []
     for r in rows:
-        est = chunk_us[r["vs"]] * r["busy"] + stage1_us * r["ch"] + launch_us
+        est = chunk_us[r["vs"]] * r["busy"] + stage1_us[r["vs"]] * r["ch"] + launch_us
         errs.append((est - r["total"]) / r["total"])
         print(f"{r['heads']:>6} {r['row']:>10} vs{r['vs']}  measured {r['total']:8.1f} us  model {est:8.1f} us  "
               f"{errs[-1]:+.0%}")
     print(f"\nchunk_us: {{{', '.join(f'{k}: {v:.2f}' for k, v in chunk_us.items())}}}")
-    print(f"stage1_us: {stage1_us:.3f}\nlaunch_us: {launch_us:.1f}")
+    print(f"stage1_us: {{{', '.join(f'{k}: {v:.3f}' for k, v in stage1_us.items())}}}\nlaunch_us: {launch_us:.1f}")
     print(f"RMS relative error {math.sqrt(sum(e * e for e in errs) / len(errs)):.1%} over {len(errs)} timings")
     # Does the model pick the measured-best split per (heads, row)?
     best = {}
     for r in rows:
         key = (r["heads"], r["row"])
-        est = chunk_us[r["vs"]] * r["busy"]
+        est = chunk_us[r["vs"]] * r["busy"] + stage1_us[r["vs"]] * r["ch"]
         best.setdefault(key, []).append((r["total"], est, r["vs"]))
     agree = sum(min(v)[2] == min(v, key=lambda t: t[1])[2] for v in best.values())
     print(f"model's split = measured-best split on {agree}/{len(best)} (heads, row) pairs")

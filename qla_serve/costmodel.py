@@ -12,7 +12,7 @@ from importlib import resources
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class CostModel(BaseModel):
@@ -22,7 +22,9 @@ class CostModel(BaseModel):
     sm_count: int = Field(gt=0, description="SMs assumed when the device is not asked")
     chunk_us: dict[int, float] = Field(description="GPU time of one 64-token chunk for one block, by V split")
     launch_us: float = Field(ge=0)
-    stage1_us: float = Field(default=0.0, ge=0, description="state-free stage per (chunk, v-head), per SM")
+    stage1_us: float | dict[int, float] = Field(
+        default=0.0, description="state-free stage per (chunk, v-head), per SM; by V split where the split's "
+        "stage-2 kernel takes another stage-1 form (sm90: v_split 4 runs v8, whose prep makes U0 and Wk)")
     cp_fixed_us: float = Field(ge=0, description="extra launches of the CP path (maps pass, scan)")
     cp_maps_ratio: float = Field(gt=0, description="per-chunk time of the CP maps pass over chunk_us")
     cp_segment_chunks: list[int] = Field(min_length=1, description="candidate segment lengths L (chunks)")
@@ -34,6 +36,28 @@ class CostModel(BaseModel):
         if 1 not in v or any(s not in (1, 2, 4) for s in v) or any(t <= 0 for t in v.values()):
             raise ValueError("chunk_us needs key 1 and only keys 1, 2, 4 with positive times")
         return v
+
+    @field_validator("stage1_us")
+    @classmethod
+    def _stage1(cls, v: float | dict[int, float]) -> float | dict[int, float]:
+        times = v.values() if isinstance(v, dict) else [v]
+        if any(t < 0 for t in times) or (isinstance(v, dict) and any(s not in (1, 2, 4) for s in v)):
+            raise ValueError("stage1_us: a time >= 0, or one per V split (keys 1, 2, 4)")
+        return v
+
+    @model_validator(mode="after")
+    def _stage1_covers_splits(self) -> "CostModel":
+        if isinstance(self.stage1_us, dict) and set(self.chunk_us) - set(self.stage1_us):
+            raise ValueError(f"stage1_us: needs an entry for every split of chunk_us {sorted(self.chunk_us)}")
+        return self
+
+    def stage1_for(self, v_split: int) -> float:
+        """The state-free stage's time per (chunk, v-head) per SM when stage 2 runs at v_split."""
+        if isinstance(self.stage1_us, dict):
+            if v_split not in self.stage1_us:
+                raise ValueError(f"stage1_us has no entry for v_split {v_split}")
+            return self.stage1_us[v_split]
+        return self.stage1_us
 
     @field_validator("cp_segment_chunks")
     @classmethod
@@ -48,7 +72,7 @@ class CostModel(BaseModel):
         ``chunk_heads`` = chunks x v-heads, the state-free stage's work."""
         waves = -(-total_block_chunks // sm_count)
         busy = max(chain_chunks, waves)
-        return (self.chunk_us[v_split] * busy + self.stage1_us * chunk_heads / sm_count + self.launch_us
+        return (self.chunk_us[v_split] * busy + self.stage1_for(v_split) * chunk_heads / sm_count + self.launch_us
                 + (self.cp_fixed_us if cut else 0.0))
 
 
