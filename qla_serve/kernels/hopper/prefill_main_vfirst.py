@@ -33,8 +33,10 @@ has 64 rows per warpgroup, so BV = 32 (v_split 4) does not map onto it.
 Why: v7's profile put ~45% of the state warpgroup's samples around the shared-memory copy of
 S and the barrier waits beside it (benchmarks/prefill.md); here there is neither. Measured on
 the H200 (benchmarks/prefill.md v9/v10): 3.3 us per chunk at v_split 1 (v7's profile: 5.3), and
-faster than v8 on every bench row where it applies (e.g. 2/8 1 x 32768 under CP: main 0.262
-against 0.376 ms); still ~3x its tensor-core bound (~1 us per chunk).
+faster than v8 on every bench row where it applies. Since v14 it reads v and M (prep form "m"),
+since v16 the storer warp takes the O tiles: ~3.6 us per chunk at v_split 1 with one CTA per SM
+(v15's ncu: latency-bound, issue slots 27% busy), against ~1.1 us of tensor work
+(benchmarks/prefill.md v13o-v16).
 """
 
 import tilelang
