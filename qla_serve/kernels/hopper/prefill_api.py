@@ -7,8 +7,8 @@ prefill_warmup.py, prefill_scan.py):
                                    V-first) or U0 = M V and Wk = M diag(exp(gc)) K (form "uw",
                                    for v8: PREP_FORM), and fp16 copies of bf16 q/k (once per
                                    qk-head)
-  2. main  grid (v_split, Hv, N):  the sequential chunk walk (warp-specialised, two GEMMs per
-                                   chunk on the chain) with the state in registers, pool slots
+  2. main  grid (v_split, Hv, N):  the sequential chunk walk (warp-specialised, two or three
+                                   GEMMs per chunk on the chain) with the state in registers, pool slots
                                    read and written in place, every output row written.
                                    (MAIN_IMPL "vfirst", the default at v_split 1 and 2:
                                    prefill_main_vfirst.py, the same walk with the state

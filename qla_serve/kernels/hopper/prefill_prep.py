@@ -1,5 +1,6 @@
 """Prefill stage 1 (state-free, fully parallel): per (chunk, v-head) everything of the chunked
-algorithm that does not need the state, so stage 2's sequential chain is two GEMMs per chunk.
+algorithm that does not need the state, so stage 2's sequential chain is two GEMMs per chunk
+(form "uw") or three (form "m", which writes a quarter of the bytes).
 
 Grid: one CTA of 128 threads per (v-head h, chunk c), v-head fastest; chunks are numbered through the plan's
 ``chunk_offsets`` (chunk c belongs to the sequence s with chunk_offsets[s] <= c < chunk_offsets[s+1],
