@@ -49,13 +49,16 @@ def test_config_enumeration_matches_its_heads_dtypes_and_targets(modules):
         assert _state_of(v) in (None, "float32"), v
         assert v.get("io_dtype", "bfloat16") == "bfloat16", v
     # no duplicates; per target the same set of variants, except the prefill stage 2 at v_split
-    # 1/2: V-first (wgmma-only) on sm_90a, v8 on sm_100a
+    # 1/2 (V-first, wgmma-only, on sm_90a; v8 on sm_100a) and the prep form V-first reads ("_m",
+    # sm_90a only: v8 reads form "uw", which both targets build)
     assert len({j.key for j in jobs}) == len(jobs)
     names = {t: sorted(j.name for j in jobs if j.target == t) for t in TARGETS}
     vfirst = [n for n in names["sm_90a"] if n.endswith("_vfirst")]
     assert vfirst and all(("_vs1" in n or "_vs2" in n) for n in vfirst)
-    assert not any(n.endswith("_vfirst") for n in names["sm_100a"])
-    assert sorted(n.removesuffix("_vfirst") for n in names["sm_90a"]) == names["sm_100a"]
+    prep_m = [n for n in names["sm_90a"] if n.startswith("gdn_prefill_prep") and n.endswith("_m")]
+    assert prep_m == ["gdn_prefill_prep_hv8_hk2_bfloat16_m"]
+    assert not any(n.endswith(("_vfirst", "_m")) for n in names["sm_100a"])
+    assert sorted(n.removesuffix("_vfirst") for n in names["sm_90a"] if n not in prep_m) == names["sm_100a"]
 
 
 def test_filtering_is_a_strict_subset_of_heads_enumeration(modules):
