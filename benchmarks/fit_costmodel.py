@@ -13,7 +13,7 @@ one-variable model, so the fit is a weighted ratio), launch_us from the residual
 rows. Prints the coefficients and the per-row error, and writes nothing: paste the numbers into
 the YAML with the data files they came from.
 
-    python benchmarks/fit_costmodel.py benchmarks/data/prefill_qla_v7_sweep_vs*_h200.json
+    python benchmarks/fit_costmodel.py benchmarks/data/prefill_qla_v15_sweep_vs*_h200.json
 
 Context parallelism (``--cp FILE.jsonl``, from scripts/gpu_prefill.sh with CP_SWEEP): with the
 packaged chunk_us and stage1_us fixed, a grid search for cp_maps_ratio and cp_fixed_us (the
@@ -21,7 +21,7 @@ maps pass's per-chunk time relative to the output pass, and the scan's fixed cos
 smallest worst-case excess of the model's pick over the measured best per (heads, row), then
 the smallest relative error of the planner's own score (qla_serve.plan._score).
 
-    python benchmarks/fit_costmodel.py --cp benchmarks/data/prefill_cp_sweep_h200.jsonl
+    python benchmarks/fit_costmodel.py --cp benchmarks/data/prefill_v16_cp_sweep_h200.jsonl
 """
 
 import json
