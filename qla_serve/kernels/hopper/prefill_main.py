@@ -301,20 +301,32 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
     return gdn_prefill_main, THREADS
 
 
+def qk_tile_loader(maps_mode: bool):
+    """The TMA loads both stage-2 kernels make of one chunk into stage st: q and P (outputs
+    only), k and the gate factors. Each kernel's loader adds the tiles its chain reads."""
+
+    @T.macro
+    def load_qk_tiles(st, t0, cidx, hk, h, q, k, pbuf, fbuf, q_s, k_s, p_s, f_s, ready):
+        if not maps_mode:
+            T.tma_copy(q[t0:t0 + C, hk, 0:DK], q_s[st, :, :], barrier=ready[st])
+            T.tma_copy(pbuf[cidx, h, 0:C, 0:C], p_s[st, :, :], barrier=ready[st])
+        T.tma_copy(k[t0:t0 + C, hk, 0:DK], k_s[st, :, :], barrier=ready[st])
+        T.tma_copy(fbuf[cidx, h, 0:2, 0:C], f_s[st, :, :], barrier=ready[st])
+
+    return load_qk_tiles
+
+
 def chunk_loader(maps_mode: bool, BV: int):
     """The producer's TMA loads of one chunk into stage c % 2 (q and P only for outputs), after
     every consumer released that stage (prefill_main_vfirst has its own: it loads v and M)."""
+    load_qk_tiles = qk_tile_loader(maps_mode)
 
     @T.macro
     def load_chunk(c, t0, cidx, hk, h, v0, q, k, pbuf, fbuf, ubuf, wbuf, q_s, k_s, p_s, f_s, u0_s, wk_s,
                    ready, free):
         st = c % 2
         T.barrier_wait(free[st], (c // 2 + 1) % 2)
-        if not maps_mode:
-            T.tma_copy(q[t0:t0 + C, hk, 0:DK], q_s[st, :, :], barrier=ready[st])
-            T.tma_copy(pbuf[cidx, h, 0:C, 0:C], p_s[st, :, :], barrier=ready[st])
-        T.tma_copy(k[t0:t0 + C, hk, 0:DK], k_s[st, :, :], barrier=ready[st])
-        T.tma_copy(fbuf[cidx, h, 0:2, 0:C], f_s[st, :, :], barrier=ready[st])
+        load_qk_tiles(st, t0, cidx, hk, h, q, k, pbuf, fbuf, q_s, k_s, p_s, f_s, ready)
         T.tma_copy(ubuf[cidx, h, 0:C, v0:v0 + BV], u0_s[st, :, :], barrier=ready[st])
         T.tma_copy(wbuf[cidx, h, 0:C, 0:DK], wk_s[st, :, :], barrier=ready[st])
         T.barrier_arrive(ready[st])

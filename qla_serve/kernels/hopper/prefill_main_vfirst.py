@@ -42,7 +42,7 @@ since v16 the storer warp takes the O tiles: ~3.6 us per chunk at v_split 1 with
 import tilelang
 import tilelang.language as T
 
-from .prefill_main import C, DK, DV, MODES, _NREG_PRODUCER
+from .prefill_main import C, DK, DV, MODES, _NREG_PRODUCER, qk_tile_loader
 from .prefill_main import PASS_CONFIGS as _MAIN_PASS_CONFIGS
 
 # Every shared-memory handoff in this kernel goes through its own mbarriers (TMA stages, the O
@@ -297,17 +297,14 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
 def _chunk_loader(maps_mode: bool, BV: int):
     """The producer's TMA loads of one chunk into stage c % 2 (q and P only for outputs), after
     every consumer released that stage. v rows past T arrive as zeros (TMA bounds)."""
+    load_qk_tiles = qk_tile_loader(maps_mode)
 
     @T.macro
     def load_chunk(c, t0, cidx, hk, h, v0, q, k, values, pbuf, fbuf, mbuf, q_s, k_s, p_s, f_s, v_s, m_s, ready,
                    free):
         st = c % 2
         T.barrier_wait(free[st], (c // 2 + 1) % 2)
-        if not maps_mode:
-            T.tma_copy(q[t0:t0 + C, hk, 0:DK], q_s[st, :, :], barrier=ready[st])
-            T.tma_copy(pbuf[cidx, h, 0:C, 0:C], p_s[st, :, :], barrier=ready[st])
-        T.tma_copy(k[t0:t0 + C, hk, 0:DK], k_s[st, :, :], barrier=ready[st])
-        T.tma_copy(fbuf[cidx, h, 0:2, 0:C], f_s[st, :, :], barrier=ready[st])
+        load_qk_tiles(st, t0, cidx, hk, h, q, k, pbuf, fbuf, q_s, k_s, p_s, f_s, ready)
         T.tma_copy(values[t0:t0 + C, h, v0:v0 + BV], v_s[st, :, :], barrier=ready[st])
         T.tma_copy(mbuf[cidx, h, 0:C, 0:C], m_s[st, :, :], barrier=ready[st])
         T.barrier_arrive(ready[st])

@@ -126,6 +126,13 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
         T.gemm(lo_s, b_s, x_f)
 
     @T.macro
+    def _gated_m(t_f, g_s, b_s):
+        """A in t_f -> M = (Gamma o A) diag(beta), lower triangle incl. the diagonal (exp(gc_i -
+        gc_j) <= 1 there: no overflow), zero above it."""
+        for i, j in T.Parallel(C, C):
+            t_f[i, j] = T.if_then_else(i >= j, t_f[i, j] * T.exp(g_s[i] - g_s[j]) * b_s[j], 0.0)
+
+    @T.macro
     def _write_u0_wk(v, ubuf, wbuf, t0, h, cid, k_s, g_s, b_s, eg_s, t_f):
         """Form "uw": from A in t_f, U0 = M V and -Wk = (-Mg) K to ubuf / wbuf."""
         v_s = T.alloc_shared((C, DV), io_dtype)
@@ -138,12 +145,10 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
         # v is loaded this late so that its tile shares shared memory with the solve's
         # (4 CTAs per SM); M's construction overlaps its latency.
         T.tma_copy(v[t0:t0 + C, h, 0:DV], v_s, barrier=v_bar)
-        # M = (Gamma o A) diag(beta) and -Mg = -M diag(exp(gc)) = -diag(exp(gc)) A diag(beta)
-        # (negated so the GEMM below yields -Wk directly), lower triangle incl. diagonal
-        # (exp(gc) <= 1: no overflow either way). U0 = M V, then -Wk = (-Mg) K, all 64 rows
-        # (rows >= n are finite, never weighted).
-        for i, j in T.Parallel(C, C):
-            t_f[i, j] = T.if_then_else(i >= j, t_f[i, j] * T.exp(g_s[i] - g_s[j]) * b_s[j], 0.0)
+        # M, and -Mg = -M diag(exp(gc)) = -diag(exp(gc)) A diag(beta) (negated so the GEMM below
+        # yields -Wk directly; exp(gc) <= 1: no overflow). U0 = M V, then -Wk = (-Mg) K, all 64
+        # rows (rows >= n are finite, never weighted).
+        _gated_m(t_f, g_s, b_s)
         _store_split(t_f, m_s, ml_s)
         T.barrier_arrive(v_bar)
         T.barrier_wait(v_bar, 0)
@@ -305,12 +310,11 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
             if uw_form:
                 _write_u0_wk(v, ubuf, wbuf, t0, h, cid, k_s, g_s, b_s, eg_s, t_f)
             else:
-                # M = (Gamma o A) diag(beta), lower triangle incl. the diagonal, fp16 (stage 2
-                # meets it with fp16 operands; v10 stored U0 = fp16(M) fp16(V) within the budget).
+                # M in fp16 (stage 2 meets it with fp16 operands; v10 stored U0 = fp16(M) fp16(V)
+                # within the budget).
                 mo_s = T.alloc_shared((C, C), mm_dtype)
                 T.annotate_layout({mo_s: tilelang.layout.make_swizzled_layout(mo_s)})
-                for i, j in T.Parallel(C, C):
-                    t_f[i, j] = T.if_then_else(i >= j, t_f[i, j] * T.exp(g_s[i] - g_s[j]) * b_s[j], 0.0)
+                _gated_m(t_f, g_s, b_s)
                 T.copy(t_f, mo_s)
                 T.copy(mo_s, mbuf[cid, h, :, :])
 
