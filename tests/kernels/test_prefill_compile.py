@@ -68,10 +68,13 @@ def test_compiles_sm90a(variant):
     else:
         # prep v11: 4 CTAs per SM (<= 128 registers, <= 56 KB of shared memory each), and q, k, v
         # enter the tensor cores as loaded: no fp16 tile is made in shared memory.
-        # form "m" (no U0/Wk tiles, 33 KB): 5 CTAs per SM
-        assert f"__launch_bounds__(128, {PREP_CTAS_PER_SM[variant.get('form', 'uw')]})" in src
+        # form "m" (no U0/Wk tiles, 33 KB): 5 CTAs per SM; the shared memory of each form fits its
+        # CTAs per SM (228 KB per SM, 1 KB of it reserved per CTA)
+        ctas = PREP_CTAS_PER_SM[variant.get("form", "uw")]
+        assert f"__launch_bounds__(128, {ctas})" in src
         smem = kernel_report.launch_dynamic_smem(kern.get_host_source(), threads=128)
-        assert smem is not None and smem <= 56 * 1024, f"prep takes {smem} bytes of shared memory: fewer than 4 CTAs per SM"
+        assert smem is not None and smem <= 56 * 1024 and ctas * (smem + 1024) <= 228 * 1024, \
+            f"prep takes {smem} bytes of shared memory: fewer than {ctas} CTAs per SM"
         assert "DataType::kBFloat16" in src, "expected bf16 wgmma on the raw q/k/v tiles"
         # the fp16 copies go to two distinct buffers (one shared annotation object once bound
         # both parameters to kh: q's copy overwrote k's, caught only on the H200)
