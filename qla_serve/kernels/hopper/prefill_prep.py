@@ -65,6 +65,7 @@ DK = 128
 DV = 128
 
 PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
+_LOG2E = 1.4426950408889634
 
 
 FORMS = ("uw", "m")
@@ -126,14 +127,20 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
         T.gemm(lo_s, b_s, x_f)
 
     @T.macro
-    def _gated_m(t_f, g_s, b_s):
-        """A in t_f -> M = (Gamma o A) diag(beta), lower triangle incl. the diagonal (exp(gc_i -
-        gc_j) <= 1 there: no overflow), zero above it."""
+    def _gated_m(t_f, g2_s, mcol_s):
+        """A in t_f -> M = (Gamma o A) diag(beta), lower triangle incl. the diagonal, zero above
+        it: M[i, j] = A[i, j] exp2(g2_i - (g2_j - log2 beta_j)), one exponential and one product
+        per element (g2 = gc log2(e); beta_j = 0 gives +inf in mcol_s and so 0; the exponent is
+        <= log2 beta_j on and below the diagonal: no overflow). Computed for every element, then
+        masked: a conditional product compiles to a branch per element (above the diagonal the
+        factor may be inf, and the select drops it)."""
         for i, j in T.Parallel(C, C):
-            t_f[i, j] = T.if_then_else(i >= j, t_f[i, j] * T.exp(g_s[i] - g_s[j]) * b_s[j], 0.0)
+            t_f[i, j] = t_f[i, j] * T.exp2(g2_s[i] - mcol_s[j])
+        for i, j in T.Parallel(C, C):
+            t_f[i, j] = T.if_then_else(i >= j, t_f[i, j], 0.0)
 
     @T.macro
-    def _write_u0_wk(v, ubuf, wbuf, t0, h, cid, k_s, g_s, b_s, eg_s, t_f):
+    def _write_u0_wk(v, ubuf, wbuf, t0, h, cid, k_s, g2_s, mcol_s, eg_s, t_f):
         """Form "uw": from A in t_f, U0 = M V and -Wk = (-Mg) K to ubuf / wbuf."""
         v_s = T.alloc_shared((C, DV), io_dtype)
         m_s = T.alloc_shared((C, C), io_dtype)
@@ -148,7 +155,7 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
         # M, and -Mg = -M diag(exp(gc)) = -diag(exp(gc)) A diag(beta) (negated so the GEMM below
         # yields -Wk directly; exp(gc) <= 1: no overflow). U0 = M V, then -Wk = (-Mg) K, all 64
         # rows (rows >= n are finite, never weighted).
-        _gated_m(t_f, g_s, b_s)
+        _gated_m(t_f, g2_s, mcol_s)
         _store_split(t_f, m_s, ml_s)
         T.barrier_arrive(v_bar)
         T.barrier_wait(v_bar, 0)
@@ -202,6 +209,12 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
             g_s = T.alloc_shared((C,), acc)
             b_s = T.alloc_shared((C,), acc)
             eg_s = T.alloc_shared((C,), acc)
+            # The gate factors' exponents in base 2, so that each factor is one ex2 (no multiply
+            # by log2(e) per element): g2 = gc log2(e), P's row term g2 + log2(scale) and M's
+            # column term g2 - log2(beta).
+            g2_s = T.alloc_shared((C,), acc)
+            prow_s = T.alloc_shared((C,), acc)
+            mcol_s = T.alloc_shared((C,), acc)
             ld_s = T.alloc_shared((4, 16, 16), acc)  # the diagonal 16x16 blocks of L
             dinv_s = T.alloc_shared((C, C), mm_dtype)
             loff_s = T.alloc_shared((C, C), mm_dtype)
@@ -216,14 +229,17 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
             # tile puts the 8 rows of each 8x8 matrix in the same banks (8-way conflicts; ncu on
             # v11: 31% of prep's shared-memory wavefronts, with L1 82% busy). Swizzled, the store
             # goes through a tensor map in 64-column boxes.
-            T.annotate_layout({p_s: tilelang.layout.make_swizzled_layout(p_s)})
+            T.annotate_layout({p_s: tilelang.layout.make_swizzled_layout(p_s),
+                               loff_s: tilelang.layout.make_swizzled_layout(loff_s),
+                               dinv_s: tilelang.layout.make_swizzled_layout(dinv_s),
+                               y_s: tilelang.layout.make_swizzled_layout(y_s)})
 
             # Which sequence owns chunk cid: largest s with chunk_offsets[s] <= cid.
             lo = T.alloc_var("int32")
             hi = T.alloc_var("int32")
             lo = 0
             hi = nseq
-            for _ in T.serial(24):
+            for _ in T.serial(32 - T.clz(nseq)):  # > log2(nseq) halvings (v9-v16: always 24)
                 if hi - lo > 1:
                     mid = (lo + hi) // 2
                     if chunk_offsets[mid] <= cid:
@@ -233,14 +249,16 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
             t0 = cu_seqlens[lo] + (cid - chunk_offsets[lo]) * C
             n = T.min(cu_seqlens[lo + 1] - t0, C)
 
-            for i in T.Parallel(C):
-                g_s[i] = T.if_then_else(i < n, g[t0 + i, h], 0.0)
-                b_s[i] = T.if_then_else(i < n, beta[t0 + i, h], 0.0)
             # Tile loads; rows >= n belong to the next sequence (or are zero past T):
             # they only enter rows >= n of K K^T, which the solve and M never mix into rows < n.
+            # Issued before the scalar g / beta loads, so that the two latencies overlap (v15's
+            # ncu: g / beta loads first, then the TMA wait: 14% of prep's stall samples).
             T.tma_copy(k[t0:t0 + C, hk, 0:DK], k_s, barrier=qk_bar)
             T.tma_copy(q[t0:t0 + C, hk, 0:DK], q_s, barrier=qk_bar)
             T.barrier_arrive(qk_bar)
+            for i in T.Parallel(C):
+                g_s[i] = T.if_then_else(i < n, g[t0 + i, h], 0.0)
+                b_s[i] = T.if_then_else(i < n, beta[t0 + i, h], 0.0)
             T.barrier_wait(qk_bar, 0)
             if copy_qk:
                 # Stage 2 reads fp16 q/k: one converted copy per qk-head, written by its first
@@ -256,25 +274,41 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
             # Rows >= n have g = 0, so they repeat gc[n-1]: gc[63] is the chunk's total.
             T.cumsum(src=g_s, dim=0)
             for i in T.Parallel(C):
-                eg_s[i] = T.exp(g_s[i])
+                g2 = g_s[i] * _LOG2E
+                g2_s[i] = g2
+                prow_s[i] = g2 + T.log2(scale)
+                mcol_s[i] = g2 - T.log2(b_s[i])  # +inf for beta = 0 (rows >= n among them)
+                eg_s[i] = T.exp2(g2)
                 fbuf[cid, h, 0, i] = eg_s[i]
-                fbuf[cid, h, 1, i] = T.if_then_else(i < n, T.exp(g_s[C - 1] - g_s[i]), 0.0)
+                fbuf[cid, h, 1, i] = T.if_then_else(i < n, T.exp2(g_s[C - 1] * _LOG2E - g2), 0.0)
 
-            # P = scale * Lower(Gamma) o Q K^T (state-free, so off stage 2's sequential chain).
+            # P = scale * Lower(Gamma) o Q K^T (state-free, so off stage 2's sequential chain):
+            # P[i, j] = (Q K^T)[i, j] exp2(g2_i + log2(scale) - g2_j) for i >= j.
             T.gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)
+            # (every element, then masked: see _gated_m)
             for i, j in T.Parallel(C, C):
-                p_f[i, j] = T.if_then_else(i >= j, p_f[i, j] * T.exp(g_s[i] - g_s[j]) * scale, 0.0)
+                p_f[i, j] = p_f[i, j] * T.exp2(prow_s[i] - g2_s[j])
+            for i, j in T.Parallel(C, C):
+                p_f[i, j] = T.if_then_else(i >= j, p_f[i, j], 0.0)
             T.copy(p_f, p_s)
             T.copy(p_s, pbuf[cid, h, :, :])
 
             # L = StrictLower(diag(beta) K K^T): its diagonal 16x16 blocks in fp32 for the
             # substitution, the blocks below them in fp16 for the tensor-core products.
+            # L is built in the fragment and the off-diagonal part leaves by stmatrix into the
+            # swizzled loff_s (v16 wrote it element by element: ~400 instructions per thread,
+            # the most expensive phase in v15's ncu).
             T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
             for i, j in T.Parallel(C, C):
+                kk_f[i, j] = kk_f[i, j] * b_s[i]
+            for i, j in T.Parallel(C, C):
+                kk_f[i, j] = T.if_then_else(i > j, kk_f[i, j], 0.0)
+            for i, j in T.Parallel(C, C):
                 if i // 16 == j // 16:
-                    ld_s[i // 16, i % 16, j % 16] = T.if_then_else(i > j, kk_f[i, j] * b_s[i], 0.0)
-                loff_s[i, j] = T.if_then_else(i // 16 > j // 16, T.cast(kk_f[i, j] * b_s[i], mm_dtype),
-                                              T.cast(0, mm_dtype))
+                    ld_s[i // 16, i % 16, j % 16] = kk_f[i, j]
+            for i, j in T.Parallel(C, C):
+                kk_f[i, j] = T.if_then_else(i // 16 > j // 16, kk_f[i, j], 0.0)
+            T.copy(kk_f, loff_s)
 
             # Diagonal 16x16 blocks of (I + L): forward substitution in registers, one thread
             # per (block b, column c) holding column c of Dinv_b, rows r = 0..15:
@@ -295,7 +329,8 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
                     xd_s[blk * 16 + r, col] = dcol[r]
 
             for i, j in T.Parallel(C, C):
-                dinv_s[i, j] = T.if_then_else(i // 16 == j // 16, T.cast(xd_s[i, j % 16], mm_dtype), T.cast(0, mm_dtype))
+                n_f[i, j] = T.if_then_else(i // 16 == j // 16, xd_s[i, j % 16], 0.0)
+            T.copy(n_f, dinv_s)
             # N = Dinv L_off ; N2 = N N ; N3 = N N2 ; Y = I - N + N2 - N3 ; A = Y Dinv
             T.gemm(dinv_s, loff_s, n_f, clear_accum=True)
             T.copy(n_f, n_s)
@@ -305,16 +340,17 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
                 n_f[i, j] = t_f[i, j] - n_f[i, j]
             T.gemm(n_s, n2_s, t_f, clear_accum=True)
             for i, j in T.Parallel(C, C):
-                y_s[i, j] = T.cast(T.if_then_else(i == j, 1.0, 0.0) + n_f[i, j] - t_f[i, j], mm_dtype)
+                n_f[i, j] = T.if_then_else(i == j, 1.0, 0.0) + n_f[i, j] - t_f[i, j]
+            T.copy(n_f, y_s)
             T.gemm(y_s, dinv_s, t_f, clear_accum=True)
             if uw_form:
-                _write_u0_wk(v, ubuf, wbuf, t0, h, cid, k_s, g_s, b_s, eg_s, t_f)
+                _write_u0_wk(v, ubuf, wbuf, t0, h, cid, k_s, g2_s, mcol_s, eg_s, t_f)
             else:
                 # M in fp16 (stage 2 meets it with fp16 operands; v10 stored U0 = fp16(M) fp16(V)
                 # within the budget).
                 mo_s = T.alloc_shared((C, C), mm_dtype)
                 T.annotate_layout({mo_s: tilelang.layout.make_swizzled_layout(mo_s)})
-                _gated_m(t_f, g_s, b_s)
+                _gated_m(t_f, g2_s, mcol_s)
                 T.copy(t_f, mo_s)
                 T.copy(mo_s, mbuf[cid, h, :, :])
 
