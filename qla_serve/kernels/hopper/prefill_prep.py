@@ -51,9 +51,15 @@ warp stall samples; benchmarks/prefill.md v10). The fp16 q/k copies go straight 
 tiles to global memory in 16-byte stores.
 
 Occupancy (v11): 49 KB of shared memory and <= 128 registers, so 4 CTAs (16 warps) per SM
-share the latency of each CTA's serial phases (v10: 65 KB, 3 CTAs); form "m" takes 33 KB and
+share the latency of each CTA's serial phases (v10: 65 KB, 3 CTAs); form "m" takes 34 KB and
 <= 102 registers, 5 CTAs (v15).
-Figures of every version: benchmarks/prefill.md ("v11-v13", "v14" for form "m").
+Instruction count (v17): prep issues ~2 instructions per cycle per SM with 20 warps, so fewer
+instructions is time saved. Every masked elementwise product is computed for all elements and
+masked afterwards (a conditional product compiled to a branch per element), each gate factor is
+one ex2 of base-2 exponents kept in shared memory (scale and beta folded in), and L_off, Dinv and
+Y leave their fragments by stmatrix: 2307 -> 1481 SASS instructions in form m's main span
+(ptxas), 22-27% less GPU time.
+Figures of every version: benchmarks/prefill.md ("v11-v13", "v14" for form "m", "v17").
 """
 
 
