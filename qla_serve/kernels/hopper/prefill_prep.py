@@ -137,7 +137,8 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
         """A in t_f -> M = (Gamma o A) diag(beta), lower triangle incl. the diagonal, zero above
         it: M[i, j] = A[i, j] exp2(g2_i - (g2_j - log2 beta_j)), one exponential and one product
         per element (g2 = gc log2(e); beta_j = 0 gives +inf in mcol_s and so 0; the exponent is
-        <= log2 beta_j on and below the diagonal: no overflow). Computed for every element, then
+        <= log2 beta_j on and below the diagonal: no overflow; beta >= 0 by the contract, (0, 1),
+        since a negative one has no log2). Computed for every element, then
         masked: a conditional product compiles to a branch per element (above the diagonal the
         factor may be inf, and the select drops it)."""
         for i, j in T.Parallel(C, C):
