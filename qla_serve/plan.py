@@ -30,6 +30,7 @@ Strategies the arch's kernels do not implement are never chosen.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import struct
 from itertools import accumulate, chain
 from typing import Iterable, Sequence
@@ -113,9 +114,11 @@ class PrefillPlan:
         n1 = self.num_seqs + 1
         return [tuple(r) for r in self.host_buffer[2 * n1:].view(-1, 4).tolist()]
 
-    @property
+    @functools.cached_property
     def total_tokens(self) -> int:
-        return self.cu_seqlens_cpu[-1]
+        # Cached: every GDN layer's call checks it (a list of N + 1 ints each time cost ~5 us
+        # at 256 sequences). cached_property writes the instance __dict__, so frozen is fine.
+        return sum(self.seq_lens)
 
     @property
     def max_seq_len(self) -> int:
