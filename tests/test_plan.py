@@ -145,7 +145,7 @@ def test_cost_models_load_and_reject_bad_fields():
 def test_sm90_choices_against_the_h200_sweep(sweep, pairs):
     """The fitted sm90 model against the sweeps it was fitted on (benchmarks/data/, every row at
     every forced split): chunk_us on v15's (head pairs 2/8, 16/64 x every benchmark row),
-    stage1_us on v17's (prep 22-27% faster than v16's; 2/8, 16/32, 16/64 x 64x512, 1024x8).
+    stage1_us on v17's (prep 19-27% faster than v16's; 2/8, 16/32, 16/64 x 64x512, 1024x8).
     The split the planner picks is never more than 15% slower than the measured-best one, and 3%
     slower on average (at the fit: the best on all 14, and on all 6)."""
     import json

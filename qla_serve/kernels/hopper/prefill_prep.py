@@ -58,7 +58,7 @@ instructions is time saved. Every masked elementwise product is computed for all
 masked afterwards (a conditional product compiled to a branch per element), each gate factor is
 one ex2 of base-2 exponents kept in shared memory (scale and beta folded in), and L_off, Dinv and
 Y leave their fragments by stmatrix: 2307 -> 1481 SASS instructions in form m's main span
-(ptxas), 22-27% less GPU time.
+(ptxas), 19-27% less GPU time.
 Figures of every version: benchmarks/prefill.md ("v11-v13", "v14" for form "m", "v17").
 """
 
