@@ -10,7 +10,8 @@
 # benchmarks/fit_costmodel.py), CP_SWEEP="4:64 2:128 ..." times qla at each forced v_split:segment
 # length (context parallelism; one JSON-lines file), WARMUP=on|off runs the bench and the CP sweep with
 # --gate-warmup on|off (prefill_api.GATE_WARMUP; default on), MAIN=v8|vfirst runs them on that stage-2
-# kernel (prefill_api.MAIN_IMPL; default vfirst at v_split 1/2), NCU=0 skips the profile (NCU_KERNEL=<regex> picks the kernels, default gdn_prefill; NCU_LAUNCHES how many launches), SANITIZE=1 adds compute-sanitizer
+# kernel (prefill_api.MAIN_IMPL; default vfirst at v_split 1/2), NCU=0 skips the profile (NCU_KERNEL=<regex> picks the kernels, default gdn_prefill; NCU_LAUNCHES how many launches), KERNELS=1 records qla's kernels of a call in launch order (GPU us, idle us
+# before each; bench --kernels), SANITIZE=1 adds compute-sanitizer
 # memcheck and racecheck on test_sanitizer_case, SAVE_JIT=1 tars every TileLang cache file this run
 # created (FlashQLA's JIT kernels: ~2.5 min of compiling per head pair) into
 # $OUT/flashqla_tlcache.tar.xz; carried back as .gpucache/flashqla_tlcache.tar.xz it is unpacked
@@ -39,8 +40,11 @@ if [[ ${TESTS:-} != none ]]; then
 fi
 if [[ ${BENCH:-1} == 1 ]]; then
   step "bench prefill (${IMPLS:-qla})" ${BENCH_TIMEOUT:-300} python -m qla_serve.bench.prefill --impls "${IMPLS:-qla}" \
-    --heads "${HEADS:-all}" --rows "${ROWS:-all}" ${WARMUP:+--gate-warmup $WARMUP} ${MAIN:+--main $MAIN} --breakdown --json "$out/prefill.json" --md "$out/prefill.md" \
+    --heads "${HEADS:-all}" --rows "${ROWS:-all}" ${WARMUP:+--gate-warmup $WARMUP} ${MAIN:+--main $MAIN} --breakdown ${KERNELS:+--kernels} --json "$out/prefill.json" --md "$out/prefill.md" \
     --png "$out/prefill.png" 2>&1 | tee "$out/bench.log" | grep -v '^{' | tail -60
+  [[ -n ${KERNELS:-} ]] && python -c "import json,sys
+for r in json.load(open(sys.argv[1]))['results']:
+    print(r['heads'], r['row'], r.get('qla_plan'), r.get('qla_gpu_ms'), [(k['kernel'][12:], k['us'], k['idle_us']) for k in r.get('qla_kernels', [])])" "$out/prefill.json"
 fi
 for vs in ${SWEEP:-}; do
   step "sweep v_split $vs" 150 python -m qla_serve.bench.prefill --impls qla --heads "${HEADS:-all}" --rows "${ROWS:-all}" \

@@ -60,6 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--graph-calls", type=int, default=5)
     parser.add_argument("--breakdown", action="store_true", help="also time qla_serve's prep and main kernels apart")
+    parser.add_argument("--kernels", action="store_true",
+                        help="also record qla_serve's kernels in launch order (GPU us each, idle us before each)")
     parser.add_argument("--check", action="store_true", help="also report qla_serve vs FLA rel. L2 difference")
     parser.add_argument("--json", default=None)
     parser.add_argument("--md", default=None)
@@ -148,6 +150,45 @@ def _gpu_time_ms(fn, reps, graph_calls):
             return _kernel_sum_ms(fn, reps), "profiler", eager
         except Exception:  # noqa: BLE001 - no profiler (or no device events): the wall time
             return eager, "events", eager
+
+
+def _kernel_timeline(fn, reps, graph_calls):
+    """qla_serve's launches of one call in order, from the profiler over CUDA-graph replays (eager
+    calls if the profiler sees no kernels in a replay): [{"kernel", "us", "idle_us"}], the mean
+    GPU time of each and the mean idle time between the previous kernel's end and its start
+    (the first kernel's idle time is measured from the previous call's last kernel)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(graph_calls):
+            fn()
+    for replay in (graph.replay, fn):
+        calls = graph_calls if replay is graph.replay else 1
+        replay()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                replay()
+            torch.cuda.synchronize()
+        cuda = torch.autograd.DeviceType.CUDA
+        spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                       if e.device_type == cuda)
+        ncalls = reps * calls
+        if spans and len(spans) % ncalls == 0:
+            break
+    else:
+        raise RuntimeError(f"the profiler recorded {len(spans)} kernels for {ncalls} calls")
+    per_call = len(spans) // ncalls
+    out = []
+    for i in range(per_call):
+        at = range(i, len(spans), per_call)
+        idle = [spans[j][0] - spans[j - 1][1] for j in at if j > 0]
+        out.append({"kernel": spans[i][2].split("(")[0],
+                    "us": round(statistics.mean(spans[j][1] - spans[j][0] for j in at), 2),
+                    "idle_us": round(statistics.mean(idle), 2) if idle else None})
+    return out
 
 
 def _host_ms(fn, reps, gpu_ms):
@@ -281,6 +322,8 @@ def run(args) -> int:
                                 f2 = _qla_fn(lens, hk, hv, data, args.v_split, st, args.segment_chunks,
                                              args.cp)[0]
                                 rec[f"qla_{st}_gpu_ms"] = round(_gpu_time_ms(f2, args.reps, args.graph_calls)[0], 4)
+                        if args.kernels:
+                            rec["qla_kernels"] = _kernel_timeline(fn, args.reps, args.graph_calls)
                     else:
                         fn, res = _fla_fn(lens, data, impl)
                     gpu, how, eager = _gpu_time_ms(fn, args.reps, args.graph_calls)
