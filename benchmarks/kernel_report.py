@@ -34,17 +34,23 @@ sys.path.insert(0, str(ROOT))
 
 
 def build_variant(argv: list[str], target: str):
-    """argv: "prep HK/HV IO [FORM]" or "main HK/HV IO POOL V_SPLIT MODE [IMPL]"; the compiled kernel."""
+    """argv: "prep HK/HV IO [FORM]", "main HK/HV IO POOL V_SPLIT MODE [IMPL]", "scan HV [ROWS]" or
+    "warmup HV"; the compiled kernel."""
     from qla_serve.kernels.hopper import prefill_api as P
 
     kind, heads, rest = argv[0], argv[1], argv[2:]
+    if kind in ("scan", "warmup"):
+        hv = int(heads)
+        variant = P.scan_variant(hv, *map(int, rest)) if kind == "scan" else P.warmup_variant(hv)
+        return variant["name"], P.build(variant, target)
     hk, hv = (int(x) for x in heads.split("/"))
     if kind == "prep" and len(rest) in (1, 2):
         variant = P.prep_variant(hv, hk, *rest)
     elif kind == "main" and len(rest) in (4, 5):
         variant = P.main_variant(hv, hk, rest[0], rest[1], int(rest[2]), rest[3], *rest[4:])
     else:
-        raise SystemExit("variant: expected 'prep HK/HV IO [FORM]' or 'main HK/HV IO POOL V_SPLIT MODE [IMPL]', "
+        raise SystemExit("variant: expected 'prep HK/HV IO [FORM]', 'main HK/HV IO POOL V_SPLIT MODE [IMPL]', "
+                         "'scan HV [ROWS]' or 'warmup HV', "
                          f"got {' '.join(argv)!r}")
     return variant["name"], P.build(variant, target)
 
@@ -115,7 +121,8 @@ def sass_loops(cubin: Path, cuobjdump: str) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("variant", nargs="+", help="prep HK/HV IO | main HK/HV IO POOL V_SPLIT MODE [IMPL]")
+    ap.add_argument("variant", nargs="+",
+                    help="prep HK/HV IO | main HK/HV IO POOL V_SPLIT MODE [IMPL] | scan HV [ROWS] | warmup HV")
     ap.add_argument("--arch", default="sm_90a")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args()

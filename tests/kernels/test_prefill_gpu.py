@@ -259,6 +259,106 @@ def test_cp_warmup(v_split, pool_dtype):
     print(f"cp warmup v_split {v_split} pool {pool_dtype}: o {e_o:.2e} state {e_s:.2e}")
 
 
+def _finder_reference(log_decay, coff, nseg, L, cap):
+    """prefill_warmup.py's contract in float64 for one cut sequence: per segment k >= 1 and head,
+    the latest chunk c >= c0 - cap (c0 = k L) with sum(log_decay[c .. c0 - 1]) <= -10, else -1;
+    plus whether some partial sum within the cap lies within 1e-3 of -10 (a flip by one chunk is
+    allowed there: the kernel sums in fp32, in another order)."""
+    starts, near = [], []
+    for k in range(1, nseg):
+        c0 = k * L
+        lo = max(c0 - cap, 0)
+        back = log_decay[coff + lo:coff + c0].flip(0).cumsum(0)  # chunks c0-1, c0-2, ..., lo
+        hit = back <= reference.WARMUP_LOG_DECAY
+        first = torch.where(hit.any(0), hit.int().argmax(0), torch.full_like(hit[0], -1, dtype=torch.long))
+        starts.append([c0 - 1 - int(w) if w >= 0 else -1 for w in first.tolist()])
+        near.append(((back - reference.WARMUP_LOG_DECAY).abs() < 1e-3).any(0).tolist())
+    return starts, near
+
+
+def test_cp_finder_long_warmups():
+    """The warmup finder (prefill_warmup.py) alone, on warmups of up to 80 chunks (three 32-chunk
+    windows of the warp scan): two cut sequences in segments of L = 160 chunks, per-chunk log
+    decays drawn per head from ranges that end the walk in the first, second or third window, never
+    (g = 0; too slow for the cap) or at once (an exp that underflowed to 0). warm_start must match
+    the float64 walk, items the finder does not own (segment 0, other sequences) stay untouched."""
+    mod = _mod()
+    gen = torch.Generator(device="cpu").manual_seed(4321)
+    hv, L = 8, 160
+    cap = mod.max_warmup_chunks(L)
+    nchunks = [700, 3, 161]  # sequence 1 is uncut
+    coffs = [0, 700, 703, 864]
+    ranges = [(0.0, 0.0), (-0.14, -0.12), (-0.25, -0.2), (-0.9, -0.6), (-0.11, -0.09), (-0.3, 0.0),
+              (-30.0, -12.0), (-1.0, 0.0)]  # (lo, hi) of each head's per-chunk log decay
+    lo = torch.tensor([r[0] for r in ranges], dtype=torch.float64)
+    hi = torch.tensor([r[1] for r in ranges], dtype=torch.float64)
+    log_decay = lo + (hi - lo) * torch.rand(coffs[-1], hv, generator=gen, dtype=torch.float64)
+    log_decay[150:153, 5] = -float("inf")  # exp underflowed (segment 1's walk meets it)
+    fbuf = torch.randn(coffs[-1], hv, 2, 64, generator=gen)
+    fbuf[:, :, 0, 63] = log_decay.exp().float()
+    log_decay = fbuf[:, :, 0, 63].double().log()  # what the kernel reads, exactly
+    nsegs = [(n + L - 1) // L for n in nchunks]
+    cuts = [(0, nsegs[0], 1), (2, nsegs[2], 1 + nsegs[0] + 1)]  # item 0 and the uncut sequence's item are others'
+    nitem = 1 + nsegs[0] + 1 + nsegs[2]
+    dev = "cuda"
+    warm_start = torch.full((nitem, hv), -7, dtype=torch.int32, device=dev)
+    need_maps = torch.full((2, hv), -7, dtype=torch.int32, device=dev)
+    finder = mod.build(mod.warmup_variant(hv))
+    finder(fbuf.to(dev), torch.tensor(coffs, dtype=torch.int32, device=dev),
+           torch.tensor(cuts, dtype=torch.int32, device=dev), warm_start, need_maps, L, cap)
+    got, need = warm_start.cpu(), need_maps.cpu()
+    owned = set()
+    windows = set()
+    for j, (seq, nseg, base) in enumerate(cuts):
+        starts, near = _finder_reference(log_decay, coffs[seq], nseg, L, cap)
+        for k in range(1, nseg):
+            owned.add(base + k)
+            for h in range(hv):
+                g_, w_ = int(got[base + k, h]), starts[k - 1][h]
+                assert g_ == w_ or (near[k - 1][h] and abs(g_ - w_) == 1), \
+                    f"cut {j} segment {k} head {h}: warm_start {g_}, float64 walk {w_}"
+                if w_ >= 0:
+                    windows.add((k * L - 1 - w_) // 32)
+        want_need = [int(any(starts[k][h] < 0 for k in range(nseg - 1))) for h in range(hv)]
+        assert need[j].tolist() == want_need, f"need_maps of cut {j}"
+    assert windows >= {0, 1, 2}, f"the case must end walks in three windows, got {sorted(windows)}"
+    for i in set(range(nitem)) - owned:
+        assert (got[i] == -7).all(), f"warm_start row {i} is not the finder's and was written"
+
+
+def test_cp_scan_kernel():
+    """The CP scan (prefill_scan.py) alone against the float64 recurrence in the layout maps
+    stores: X_k = X_{k-1} @ maps[m, h, 1] + maps[m, h, 0] (m = k * num_cut + j). Three cut sequences with 1, 12 and 2
+    maps, 8 heads; with use_warmup = 1 the pairs with need_maps 0 must stay bit-identical (and
+    every Phi in all cases); then use_warmup = 0 scans every pair."""
+    mod = _mod()
+    gen = torch.Generator(device="cuda").manual_seed(99)
+    hv, levels = 8, [1, 12, 2]
+    ncut = len(levels)
+    maps0 = torch.randn(max(levels) * ncut, hv, 2, HD, HD, generator=gen, device="cuda")
+    maps0[:, :, 1] *= 0.5 / math.sqrt(HD)  # transitions of norm about 1: the scan stays bounded
+    need = torch.randint(0, 2, (ncut, hv), generator=gen, device="cuda", dtype=torch.int32)
+    need[:, 0] = 1
+    scan = mod.build(mod.scan_variant(hv))
+    cut_levels = torch.tensor(levels, dtype=torch.int32, device="cuda")
+    for use_warmup in (1, 0):
+        maps = maps0.clone()
+        scan(maps, cut_levels, need, use_warmup)
+        assert torch.equal(maps[:, :, 1], maps0[:, :, 1]), "the scan wrote a transition"
+        for j, nlev in enumerate(levels):
+            for h in range(hv):
+                x = maps0[j, h, 0].double()
+                assert torch.equal(maps[j, h, 0], maps0[j, h, 0])
+                for lvl in range(1, nlev):
+                    m = lvl * ncut + j
+                    if use_warmup and not need[j, h]:
+                        assert torch.equal(maps[m, h, 0], maps0[m, h, 0]), f"skipped pair ({j}, {h}) written"
+                        continue
+                    x = x @ maps0[m, h, 1].double() + maps0[m, h, 0].double()
+                    err = rel(maps[m, h, 0], x)
+                    assert err < 1e-5, f"cut {j} head {h} level {lvl}: rel err {err:.2e}"
+
+
 @pytest.mark.parametrize("v_split", [1, 2])
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_v8_main(v_split, pool_dtype, monkeypatch):

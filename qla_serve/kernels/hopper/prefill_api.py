@@ -155,9 +155,12 @@ def main_impl_for(v_split: int, target: str = ARCH) -> str:
     return "v8"
 
 
-def scan_variant(num_v_heads: int) -> dict:
+def scan_variant(num_v_heads: int, rows: int = prefill_scan.ROWS) -> dict:
+    """The CP scan; rows (of X per block) other than prefill_scan.ROWS only for benchmarks."""
     v = {"op": "prefill_cp_scan", "num_v_heads": num_v_heads}
-    v["name"] = f"gdn_prefill_cp_scan_hv{num_v_heads}"
+    if rows != prefill_scan.ROWS:
+        v["rows"] = rows
+    v["name"] = f"gdn_prefill_cp_scan_hv{num_v_heads}" + (f"_rows{rows}" if rows != prefill_scan.ROWS else "")
     return v
 
 
@@ -208,7 +211,8 @@ def build(variant: dict, target: str = ARCH):
             hv = variant["num_v_heads"]
             hk, io = variant.get("num_k_heads"), variant.get("io_dtype")
             if variant["op"] == "prefill_cp_scan":
-                func, cfg = prefill_scan.scan_func(hv), prefill_scan.PASS_CONFIGS
+                func = prefill_scan.scan_func(hv, variant.get("rows", prefill_scan.ROWS))
+                cfg = prefill_scan.PASS_CONFIGS
             elif variant["op"] == "prefill_cp_warmup":
                 func, cfg = prefill_warmup.warmup_func(hv), prefill_warmup.PASS_CONFIGS
             elif variant["op"] == "prefill_prep":

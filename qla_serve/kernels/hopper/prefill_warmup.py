@@ -13,14 +13,22 @@ take the exact path instead: maps pass, scan, start from the map. max_warmup < L
 reads the pool (whose slot the sequence's last segment writes in the same launch).
 
 This kernel decides that per (segment, head) from stage 1's gate factors, so the host never
-waits for the GPU. Grid (num_cut, Hv), 128 threads; thread t handles segments k = 1 + t,
-1 + t + 128, ... of cut sequence j and walks back at most ``max_warmup`` chunks:
+waits for the GPU. Grid (num_cut, Hv), 128 threads (4 warps); warp w handles segments
+k = 1 + w, 5 + w, ... of cut sequence j. Lane i of a warp reads the log decay of chunk
+c0 - 1 - (32 b + i) in window b = 0, 1, ... (one load per lane: the 32 loads of a window are in
+flight together), a warp prefix sum (shuffles) plus the earlier windows' total gives the summed
+decay back to that chunk, and the first lane at or below WARMUP_LOG_DECAY (ballot) is the start:
     warm_start[out_base + k, h] = w (the chunk, within the sequence, the walk starts at),
                                   or -1: the exact path (start from the scanned map)
     need_maps[j, h]             = 1 if any segment of (j, h) takes the exact path, else 0:
                                   the maps pass and the scan skip (j, h) when 0.
 gamma_last[c] is read as fbuf[c, h, 0, 63] = exp(gc[63]) (prefill_prep.py); its log is the
-chunk's summed g in fp32 (an exp that underflowed gives -inf: decayed, as it should).
+chunk's summed g in fp32 (an exp that underflowed gives -inf: decayed, as it should). The fp32
+sums are associated differently from a left-to-right walk: a start may move by one chunk where
+the float64 sum lies within rounding of the threshold (tests/kernels/test_prefill_gpu.py
+allows exactly that).
+(v9's finder walked back one dependent load at a time, a thread per segment: 10.5 us at 2/8
+1x32768, the longest warmup 16 chunks; benchmarks/prefill.md v18.)
 """
 
 import tilelang
@@ -30,6 +38,8 @@ from ..reference import WARMUP_LOG_DECAY
 
 C = 64
 THREADS = 128
+WARPS = THREADS // 32
+FULL_MASK = 0xFFFFFFFF
 
 PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 
@@ -56,34 +66,49 @@ def warmup_func(num_v_heads: int):
     ):
         with T.Kernel(ncut, Hv, threads=THREADS) as (j, h):
             tx = T.get_thread_binding()
-            exact_s = T.alloc_shared((THREADS,), "int32")
+            lane = tx % 32
+            warp = tx // 32
+            exact_s = T.alloc_shared((WARPS,), "int32")
             s = cuts[j, 0]
             nseg = cuts[j, 1]
             base = cuts[j, 2]
             coff = chunk_offsets[s]
             exact = T.alloc_var("int32")
             start = T.alloc_var("int32")
-            decay = T.alloc_var("float32")
+            carry = T.alloc_var("float32")  # the summed log decay of the windows before this one
+            x = T.alloc_var("float32")
+            hits = T.alloc_var("uint32")
             exact = 0
-            for kk in T.serial(T.ceildiv(nseg - 1, THREADS)):
-                k = 1 + kk * THREADS + tx
+            for kk in T.serial(T.ceildiv(nseg - 1, WARPS)):
+                k = 1 + kk * WARPS + warp  # warp-uniform
                 if k < nseg:
                     c0 = k * segment_chunks
                     start = -1
-                    decay = 0.0
-                    for w in T.serial(max_warmup):
-                        c = c0 - 1 - w
-                        if start < 0 and c >= 0:
-                            decay = decay + T.log(fbuf[coff + c, h, 0, C - 1])
-                            if decay <= WARMUP_LOG_DECAY:
-                                start = c
-                    warm_start[base + k, h] = start
+                    carry = 0.0
+                    for b in T.serial(T.ceildiv(max_warmup, 32)):
+                        if start < 0:  # warp-uniform: every lane saw the same ballot
+                            w = b * 32 + lane
+                            c = c0 - 1 - w
+                            x = T.if_then_else(w < max_warmup and c >= 0,
+                                               T.log(fbuf[coff + T.max(c, 0), h, 0, C - 1]), 0.0)
+                            for o in T.unroll(5):  # inclusive prefix sum over the lanes
+                                y = T.shfl_up(x, 1 << o)
+                                if lane >= (1 << o):
+                                    x = x + y
+                            hits = T.Cast("uint32", T.ballot_sync(
+                                w < max_warmup and c >= 0 and carry + x <= WARMUP_LOG_DECAY, FULL_MASK))
+                            if hits != 0:
+                                start = c0 - 1 - (b * 32 + T.__ffs(T.Cast("int32", hits)) - 1)
+                            carry = carry + T.shfl_sync(x, 31)
+                    if lane == 0:
+                        warm_start[base + k, h] = start
                     if start < 0:
                         exact = 1
-            exact_s[tx] = exact
+            if lane == 0:
+                exact_s[warp] = exact
             T.sync_threads()
             if tx == 0:
-                for i in T.serial(1, THREADS):
+                for i in T.serial(1, WARPS):
                     exact = T.max(exact, exact_s[i])
                 need_maps[j, h] = exact
 
