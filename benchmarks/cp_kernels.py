@@ -1,9 +1,10 @@
-"""Time the context-parallel helper kernels alone on a GPU: the scan (prefill_scan.py) at
-several rows of X per block, and the warmup finder (prefill_warmup.py), at the shapes the bench
-rows give them (benchmarks/prefill.md, v18). Each scan variant is first checked against the
+"""Time the context-parallel helper kernels alone on a GPU: the scan (prefill_scan.py) as
+shipped (rows of X per block chosen per launch: "rows" 0) and forced to 2, 4 and 8 rows, and
+the warmup finder (prefill_warmup.py), at the shapes the bench rows give them
+(benchmarks/prefill.md, v18). Each scan variant is first checked against the
 float64 recurrence on the same inputs. GPU time per launch: CUDA-graph replay, median.
 
-    python benchmarks/cp_kernels.py [--rows 2,4,8] [--json out.json]
+    python benchmarks/cp_kernels.py [--rows 0,2,4,8] [--json out.json]
 
 Scan cases (Hv, heads that need maps, levels): the bench's gates put a quarter of the heads on
 the exact path; "all" has every head there (cp="exact", or heads that do not decay).
@@ -37,10 +38,10 @@ def _scan_case(torch, hv, need_heads, levels, gen):
     return maps, torch.tensor([levels], dtype=torch.int32, device="cuda"), need
 
 
-def _scan_error(torch, scan, maps0, cut_levels, need):
+def _scan_error(torch, scan, maps0, cut_levels, need, sm_count):
     """Largest relative error of the scanned states against the float64 recurrence."""
     maps = maps0.clone()
-    scan(maps, cut_levels, need, 1)
+    scan(maps, cut_levels, need, 1, sm_count)
     worst = 0.0
     for h in range(int(need.sum())):
         x = maps0[0, h, 0].double()
@@ -65,7 +66,7 @@ def _finder_case(torch, hv, nseg, L, gen):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", default="2,4,8", help="scan variants: rows of X per block")
+    ap.add_argument("--rows", default="0,2,4,8", help="scan variants: rows of X per block (0: chosen per launch)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -75,14 +76,15 @@ def main() -> int:
     from qla_serve.kernels.hopper import prefill_api as P
 
     gen = torch.Generator(device="cuda").manual_seed(0)
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     results = []
     for label, hv, need_heads, levels in SCAN_CASES:
         maps0, cut_levels, need = _scan_case(torch, hv, need_heads, levels, gen)
         for rows in (int(r) for r in args.rows.split(",")):
             scan = P.build(P.scan_variant(hv, rows))
-            err = _scan_error(torch, scan, maps0, cut_levels, need)
+            err = _scan_error(torch, scan, maps0, cut_levels, need, sm_count)
             maps = maps0.clone()
-            us = _gpu_time_ms(lambda: scan(maps, cut_levels, need, 1), args.reps, 10)[0] * 1e3
+            us = _gpu_time_ms(lambda: scan(maps, cut_levels, need, 1, sm_count), args.reps, 10)[0] * 1e3
             rec = {"kernel": "scan", "case": label, "rows": rows, "us": round(us, 2), "max_rel_err": err}
             print(json.dumps(rec), flush=True)
             results.append(rec)

@@ -328,9 +328,12 @@ def test_cp_finder_long_warmups():
 
 def test_cp_scan_kernel():
     """The CP scan (prefill_scan.py) alone against the float64 recurrence in the layout maps
-    stores: X_k = X_{k-1} @ maps[m, h, 1] + maps[m, h, 0] (m = k * num_cut + j). Three cut sequences with 1, 12 and 2
-    maps, 8 heads; with use_warmup = 1 the pairs with need_maps 0 must stay bit-identical (and
-    every Phi in all cases); then use_warmup = 0 scans every pair."""
+    stores: X_k = X_{k-1} @ maps[m, h, 1] + maps[m, h, 0] (m = k * num_cut + j). Three cut
+    sequences with 1, 12 and 2 maps, 8 heads. With use_warmup = 1 the pairs with need_maps 0
+    must stay bit-identical (and every Phi, and the 1-map sequence, in all cases); then
+    use_warmup = 0 scans every pair. Each run three times, with sm_count arguments that make
+    the kernel choose 2, 4 and 8 rows of X per block (its choice depends on the pairs with
+    work, which only the device knows)."""
     mod = _mod()
     gen = torch.Generator(device="cuda").manual_seed(99)
     hv, levels = 8, [1, 12, 2]
@@ -342,21 +345,23 @@ def test_cp_scan_kernel():
     scan = mod.build(mod.scan_variant(hv))
     cut_levels = torch.tensor(levels, dtype=torch.int32, device="cuda")
     for use_warmup in (1, 0):
-        maps = maps0.clone()
-        scan(maps, cut_levels, need, use_warmup)
-        assert torch.equal(maps[:, :, 1], maps0[:, :, 1]), "the scan wrote a transition"
-        for j, nlev in enumerate(levels):
-            for h in range(hv):
-                x = maps0[j, h, 0].double()
-                assert torch.equal(maps[j, h, 0], maps0[j, h, 0])
-                for lvl in range(1, nlev):
-                    m = lvl * ncut + j
-                    if use_warmup and not need[j, h]:
-                        assert torch.equal(maps[m, h, 0], maps0[m, h, 0]), f"skipped pair ({j}, {h}) written"
-                        continue
-                    x = x @ maps0[m, h, 1].double() + maps0[m, h, 0].double()
-                    err = rel(maps[m, h, 0], x)
-                    assert err < 1e-5, f"cut {j} head {h} level {lvl}: rel err {err:.2e}"
+        nwork = sum(hv if not use_warmup else int(need[j].sum()) for j, n in enumerate(levels) if n > 1)
+        for sm_count in (64 * nwork, 32 * nwork, 32 * nwork - 1):  # 2, 4, 8 rows per block
+            maps = maps0.clone()
+            scan(maps, cut_levels, need, use_warmup, sm_count)
+            assert torch.equal(maps[:, :, 1], maps0[:, :, 1]), "the scan wrote a transition"
+            for j, nlev in enumerate(levels):
+                for h in range(hv):
+                    x = maps0[j, h, 0].double()
+                    assert torch.equal(maps[j, h, 0], maps0[j, h, 0])
+                    for lvl in range(1, nlev):
+                        m = lvl * ncut + j
+                        if use_warmup and not need[j, h]:
+                            assert torch.equal(maps[m, h, 0], maps0[m, h, 0]), f"skipped pair ({j}, {h}) written"
+                            continue
+                        x = x @ maps0[m, h, 1].double() + maps0[m, h, 0].double()
+                        err = rel(maps[m, h, 0], x)
+                        assert err < 1e-5, f"sm_count {sm_count}: cut {j} head {h} level {lvl}: rel err {err:.2e}"
 
 
 @pytest.mark.parametrize("v_split", [1, 2])

@@ -155,12 +155,13 @@ def main_impl_for(v_split: int, target: str = ARCH) -> str:
     return "v8"
 
 
-def scan_variant(num_v_heads: int, rows: int = prefill_scan.ROWS) -> dict:
-    """The CP scan; rows (of X per block) other than prefill_scan.ROWS only for benchmarks."""
+def scan_variant(num_v_heads: int, rows: int = 0) -> dict:
+    """The CP scan; rows (of X per block) 0 = chosen on the device per launch, 2/4/8 forced (for
+    benchmarks only)."""
     v = {"op": "prefill_cp_scan", "num_v_heads": num_v_heads}
-    if rows != prefill_scan.ROWS:
+    if rows:
         v["rows"] = rows
-    v["name"] = f"gdn_prefill_cp_scan_hv{num_v_heads}" + (f"_rows{rows}" if rows != prefill_scan.ROWS else "")
+    v["name"] = f"gdn_prefill_cp_scan_hv{num_v_heads}" + (f"_rows{rows}" if rows else "")
     return v
 
 
@@ -211,7 +212,7 @@ def build(variant: dict, target: str = ARCH):
             hv = variant["num_v_heads"]
             hk, io = variant.get("num_k_heads"), variant.get("io_dtype")
             if variant["op"] == "prefill_cp_scan":
-                func = prefill_scan.scan_func(hv, variant.get("rows", prefill_scan.ROWS))
+                func = prefill_scan.scan_func(hv, variant.get("rows", 0))
                 cfg = prefill_scan.PASS_CONFIGS
             elif variant["op"] == "prefill_cp_warmup":
                 func, cfg = prefill_warmup.warmup_func(hv), prefill_warmup.PASS_CONFIGS
@@ -284,6 +285,12 @@ def _dummy(key, make):
     if t is None:
         t = _dummies[key] = make()
     return t
+
+
+def _sm_count(device) -> int:
+    """The device's SM count (the CP scan sizes its blocks by it), looked up once per device."""
+    return _dummy(("sm_count", device), lambda: torch.cuda.get_device_properties(device).multi_processor_count
+                  if device.type == "cuda" else 132)
 
 
 def _unread_maps(hv: int, device) -> torch.Tensor:
@@ -441,7 +448,7 @@ def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale,
         kmaps(*head, cp.maps_items, maps, *warm, out, float(scale), all_init, 1, warmup)
         if cp.levels > 1:
             kk = (hv, "scan", _target)
-            (_fns.get(kk) or _fn(scan_variant(hv), kk))(maps, cp.cut_levels, warm[1], warmup)
+            (_fns.get(kk) or _fn(scan_variant(hv), kk))(maps, cp.cut_levels, warm[1], warmup, _sm_count(q.device))
     km(*head, cp.out_items, maps, *warm, out, float(scale), all_init, 1, warmup)
 
 
