@@ -156,7 +156,8 @@ def _kernel_timeline(fn, reps, graph_calls):
     """qla_serve's launches of one call in order, from the profiler over CUDA-graph replays (eager
     calls if the profiler sees no kernels in a replay): [{"kernel", "us", "idle_us"}], the mean
     GPU time of each and the mean idle time between the previous kernel's end and its start
-    (the first kernel's idle time is measured from the previous call's last kernel)."""
+    (the first kernel's idle time is measured from the previous call's last kernel). Only
+    qla_serve's kernels (names gdn_*) count: a replay may add its own."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -164,17 +165,16 @@ def _kernel_timeline(fn, reps, graph_calls):
     with torch.cuda.graph(graph):
         for _ in range(graph_calls):
             fn()
-    for replay in (graph.replay, fn):
-        calls = graph_calls if replay is graph.replay else 1
-        replay()
+    for run_once, calls in ((graph.replay, graph_calls), (fn, 1)):
+        run_once()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(reps):
-                replay()
+                run_once()
             torch.cuda.synchronize()
         cuda = torch.autograd.DeviceType.CUDA
         spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                       if e.device_type == cuda)
+                       if e.device_type == cuda and e.name.startswith("gdn_"))
         ncalls = reps * calls
         if spans and len(spans) % ncalls == 0:
             break
