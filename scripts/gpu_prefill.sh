@@ -40,9 +40,9 @@ if [[ ${TESTS:-} != none ]]; then
 fi
 if [[ ${BENCH:-1} == 1 ]]; then
   step "bench prefill (${IMPLS:-qla})" ${BENCH_TIMEOUT:-300} python -m qla_serve.bench.prefill --impls "${IMPLS:-qla}" \
-    --heads "${HEADS:-all}" --rows "${ROWS:-all}" ${WARMUP:+--gate-warmup $WARMUP} ${MAIN:+--main $MAIN} --breakdown ${KERNELS:+--kernels} --json "$out/prefill.json" --md "$out/prefill.md" \
+    --heads "${HEADS:-all}" --rows "${ROWS:-all}" ${WARMUP:+--gate-warmup $WARMUP} ${MAIN:+--main $MAIN} --breakdown $([[ ${KERNELS:-0} == 1 ]] && echo --kernels) --json "$out/prefill.json" --md "$out/prefill.md" \
     --png "$out/prefill.png" 2>&1 | tee "$out/bench.log" | grep -v '^{' | tail -60
-  [[ -n ${KERNELS:-} ]] && python -c "import json,sys
+  [[ ${KERNELS:-0} == 1 ]] && python -c "import json,sys
 for r in json.load(open(sys.argv[1]))['results']:
     print(r['heads'], r['row'], r.get('qla_plan'), r.get('qla_gpu_ms'), [(k['kernel'][12:], k['us'], k['idle_us']) for k in r.get('qla_kernels', [])])" "$out/prefill.json"
 fi

@@ -288,7 +288,8 @@ def _dummy(key, make):
 
 
 def _sm_count(device) -> int:
-    """The device's SM count (the CP scan sizes its blocks by it), looked up once per device."""
+    """The device's SM count (the CP scan sizes its blocks by it), looked up once per device;
+    132 (the H200's) for a non-CUDA device (the launch-recording tests)."""
     return _dummy(("sm_count", device), lambda: torch.cuda.get_device_properties(device).multi_processor_count
                   if device.type == "cuda" else 132)
 

@@ -10,10 +10,10 @@ The scan makes every X_k the true end state, in order of k:
 which is reference.segmented_gdn's scan (the float64 oracle). With gate warmup (use_warmup = 1),
 pairs (j, h) with need_maps[j, h] = 0 are skipped: no segment of theirs reads a map.
 
-A block owns `rows` rows of X for one (sequence, head) pair and keeps them in shared memory;
-rows is chosen on the device, per launch, from the number of pairs with work (A pairs: those
-with at least two maps that the warmup finder did not exempt, which the host cannot know):
-2 if 64 A blocks fit on the GPU's SMs at once, else 4 if 32 A do, else 8. With few pairs the
+A block owns `rows` rows of X for one (sequence, head) pair and keeps them in shared memory.
+rows is chosen on the device, per launch, from the number P of pairs with work (those with at
+least two maps that the warmup finder did not exempt, which the host cannot know): 2 rows if
+64 P blocks fit on the GPU's SMs at once, else 4 if 32 P do, else 8. With few pairs the
 chain is spread over more SMs; with many, each block does more of the (then throughput-bound)
 work. 1-D grid of 64 blocks per pair: every block counts the pairs with work, block b takes
 row block b % (128 / rows) of the (b // (128 / rows))-th such pair, the rest return at once.
