@@ -87,9 +87,8 @@ def _inputs(lens, hk, hv, seed=0):
     return q, k, v, g.contiguous(), beta, h0
 
 
-def _kernel_sum_ms(fn, reps):
-    """GPU ms per call as the profiler's sum of device time (kernels, copies) over reps eager
-    calls: what the GPU spent, not the wall time between the calls' first and last kernel."""
+def _profiled(fn, reps):
+    """The torch profiler's record (CUDA activity) of reps calls of fn, synchronised on both sides."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -98,6 +97,15 @@ def _kernel_sum_ms(fn, reps):
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
+    return prof
+
+
+def _kernel_sum_ms(fn, reps):
+    """GPU ms per call as the profiler's sum of device time (kernels, copies) over reps eager
+    calls: what the GPU spent, not the wall time between the calls' first and last kernel."""
+    import torch
+
+    prof = _profiled(fn, reps)
     cuda = torch.autograd.DeviceType.CUDA
     us = sum(getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
              for e in prof.key_averages() if e.device_type == cuda)
@@ -159,19 +167,14 @@ def _kernel_timeline(fn, reps, graph_calls):
     (the first kernel's idle time is measured from the previous call's last kernel). Only
     qla_serve's kernels (names gdn_*) count: a replay may add its own."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(graph_calls):
             fn()
     for run_once, calls in ((graph.replay, graph_calls), (fn, 1)):
-        run_once()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(reps):
-                run_once()
-            torch.cuda.synchronize()
+        run_once()  # warm-up
+        prof = _profiled(run_once, reps)
         cuda = torch.autograd.DeviceType.CUDA
         spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                        if e.device_type == cuda and e.name.startswith("gdn_"))
