@@ -222,6 +222,25 @@ def segmented_gdn(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None,
     return o, final
 
 
+def scan_segment_maps(maps, cut_levels, skip=None):
+    """The CP scan (kernels/hopper/prefill_scan.py) in the layout the maps pass leaves, in place:
+    for cut sequence j (num_cut = len(cut_levels)) and k = 1 .. cut_levels[j] - 1, map
+    m = k num_cut + j,
+        maps[m, h, 0] <- maps[m - num_cut, h, 0] @ maps[m, h, 1] + maps[m, h, 0]
+    i.e. X_k = X_{k-1} Phi_k^T + B_k^T, segmented_gdn's S_k = Phi_k S_{k-1} + B_k with the state
+    transposed (V-first, like the pool). maps [num_maps, Hv, 2, 128, 128]; skip [num_cut, Hv]
+    bool: pairs left as they are (the warmup finder's need_maps == 0). Returns maps."""
+    ncut = len(cut_levels)
+    for j, levels in enumerate(cut_levels):
+        for lvl in range(1, levels):
+            m = lvl * ncut + j
+            x = maps[m - ncut, :, 0] @ maps[m, :, 1] + maps[m, :, 0]
+            if skip is not None:
+                x[skip[j]] = maps[m, :, 0][skip[j]]
+            maps[m, :, 0] = x
+    return maps
+
+
 WARMUP_LOG_DECAY = -10.0  # DESIGN.md: history decayed by e^-10 ~ 4.5e-5 may be dropped
 
 

@@ -1,6 +1,6 @@
 """Compile-only tests of the TileLang prefill kernels (marker `compile`: nvcc, no GPU).
 
-Every variant of one head pair (24/8: prep in both forms, V-first and v8 stage 2 for every io
+Every variant of one head pair (8/24 qk/v heads: prep in both forms, V-first and v8 stage 2 for every io
 and pool dtype, split and mode, the CP scan and warmup finder; 30 compiles, ~2 minutes on 2 cores)
 compiles for sm_90a, and every prefill variant of the Blackwell module (28) for sm_100a; a few
 representatives are also checked for their resources (registers, shared memory, spills: the
@@ -67,7 +67,7 @@ def test_compiles_sm90a(variant):
     else:
         # prep v11: 4 CTAs per SM (<= 128 registers, <= 56 KB of shared memory each), and q, k, v
         # enter the tensor cores as loaded: no fp16 tile is made in shared memory.
-        # form "m" (no U0/Wk tiles, 33 KB): 5 CTAs per SM; the shared memory of each form fits its
+        # form "m" (no U0/Wk tiles, 34 KB): 5 CTAs per SM; the shared memory of each form fits its
         # CTAs per SM (228 KB per SM, 1 KB of it reserved per CTA)
         ctas = PREP_CTAS_PER_SM[variant.get("form", "uw")]
         assert f"__launch_bounds__(128, {ctas})" in src

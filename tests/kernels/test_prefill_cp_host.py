@@ -113,10 +113,7 @@ def test_scan_gives_the_true_segment_end_states():
         maps[m, :, 0] = S.transpose(-1, -2)
         # a first segment's Phi blocks store its initial state instead (for the output pass)
         maps[m, :, 1] = init[s] if first == 0 else Phi.transpose(-1, -2)
-    for j, levels in enumerate(cp.cut_levels.tolist()):  # prefill_scan.py's recurrence
-        for lvl in range(1, levels):
-            m = lvl * cp.num_cut + j
-            maps[m, :, 0] = maps[m - cp.num_cut, :, 0] @ maps[m, :, 1] + maps[m, :, 0]
+    reference.scan_segment_maps(maps, cp.cut_levels.tolist())  # prefill_scan.py's recurrence
     # The true states at every chunk boundary, from the per-token recurrence.
     for s, first, n, m in cp.out_items.tolist():
         if first == 0:

@@ -259,29 +259,14 @@ def test_cp_warmup(v_split, pool_dtype):
     print(f"cp warmup v_split {v_split} pool {pool_dtype}: o {e_o:.2e} state {e_s:.2e}")
 
 
-def _finder_reference(log_decay, coff, nseg, L, cap):
-    """prefill_warmup.py's contract in float64 for one cut sequence: per segment k >= 1 and head,
-    the latest chunk c >= c0 - cap (c0 = k L) with sum(log_decay[c .. c0 - 1]) <= -10, else -1;
-    plus whether some partial sum within the cap lies within 1e-3 of -10 (a flip by one chunk is
-    allowed there: the kernel sums in fp32, in another order)."""
-    starts, near = [], []
-    for k in range(1, nseg):
-        c0 = k * L
-        lo = max(c0 - cap, 0)
-        back = log_decay[coff + lo:coff + c0].flip(0).cumsum(0)  # chunks c0-1, c0-2, ..., lo
-        hit = back <= reference.WARMUP_LOG_DECAY
-        first = torch.where(hit.any(0), hit.int().argmax(0), torch.full_like(hit[0], -1, dtype=torch.long))
-        starts.append([c0 - 1 - int(w) if w >= 0 else -1 for w in first.tolist()])
-        near.append(((back - reference.WARMUP_LOG_DECAY).abs() < 1e-3).any(0).tolist())
-    return starts, near
-
-
 def test_cp_finder_long_warmups():
     """The warmup finder (prefill_warmup.py) alone, on warmups of up to 80 chunks (three 32-chunk
     windows of the warp scan): two cut sequences in segments of L = 160 chunks, per-chunk log
     decays drawn per head from ranges that end the walk in the first, second or third window, never
     (g = 0; too slow for the cap) or at once (an exp that underflowed to 0). warm_start must match
-    the float64 walk, items the finder does not own (segment 0, other sequences) stay untouched."""
+    the float64 walk (reference.warmup_start_chunks on gates with those chunk sums, as
+    _expected_warm_starts caps it), items the finder does not own (segment 0, other sequences)
+    stay untouched."""
     mod = _mod()
     gen = torch.Generator(device="cpu").manual_seed(4321)
     hv, L = 8, 160
@@ -310,16 +295,20 @@ def test_cp_finder_long_warmups():
     owned = set()
     windows = set()
     for j, (seq, nseg, base) in enumerate(cuts):
-        starts, near = _finder_reference(log_decay, coffs[seq], nseg, L, cap)
+        # Gates whose chunk sums are those decays: each chunk's on its first token.
+        g_seq = torch.zeros(nchunks[seq] * 64, hv, dtype=torch.float64)
+        g_seq[::64] = log_decay[coffs[seq]:coffs[seq + 1]]
+        want_need = [0] * hv
         for k in range(1, nseg):
             owned.add(base + k)
+            want, near = _expected_warm_starts(g_seq, k * L, cap)
             for h in range(hv):
-                g_, w_ = int(got[base + k, h]), starts[k - 1][h]
-                assert g_ == w_ or (near[k - 1][h] and abs(g_ - w_) == 1), \
+                g_, w_ = int(got[base + k, h]), want[h]
+                assert g_ == w_ or (near[h] and abs(g_ - w_) == 1), \
                     f"cut {j} segment {k} head {h}: warm_start {g_}, float64 walk {w_}"
                 if w_ >= 0:
                     windows.add((k * L - 1 - w_) // 32)
-        want_need = [int(any(starts[k][h] < 0 for k in range(nseg - 1))) for h in range(hv)]
+                want_need[h] |= int(w_ < 0)
         assert need[j].tolist() == want_need, f"need_maps of cut {j}"
     assert windows >= {0, 1, 2}, f"the case must end walks in three windows, got {sorted(windows)}"
     for i in set(range(nitem)) - owned:
@@ -346,21 +335,20 @@ def test_cp_scan_kernel():
     cut_levels = torch.tensor(levels, dtype=torch.int32, device="cuda")
     for use_warmup in (1, 0):
         nwork = sum(hv if not use_warmup else int(need[j].sum()) for j, n in enumerate(levels) if n > 1)
+        want = reference.scan_segment_maps(maps0.double(), levels, skip=(need == 0) if use_warmup else None)
         for sm_count in (64 * nwork, 32 * nwork, 32 * nwork - 1):  # 2, 4, 8 rows per block
             maps = maps0.clone()
             scan(maps, cut_levels, need, use_warmup, sm_count)
             assert torch.equal(maps[:, :, 1], maps0[:, :, 1]), "the scan wrote a transition"
             for j, nlev in enumerate(levels):
                 for h in range(hv):
-                    x = maps0[j, h, 0].double()
                     assert torch.equal(maps[j, h, 0], maps0[j, h, 0])
                     for lvl in range(1, nlev):
                         m = lvl * ncut + j
                         if use_warmup and not need[j, h]:
                             assert torch.equal(maps[m, h, 0], maps0[m, h, 0]), f"skipped pair ({j}, {h}) written"
                             continue
-                        x = x @ maps0[m, h, 1].double() + maps0[m, h, 0].double()
-                        err = rel(maps[m, h, 0], x)
+                        err = rel(maps[m, h, 0], want[m, h, 0])
                         assert err < 1e-5, f"sm_count {sm_count}: cut {j} head {h} level {lvl}: rel err {err:.2e}"
 
 

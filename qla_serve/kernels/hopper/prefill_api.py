@@ -49,6 +49,7 @@ uploaded once per plan (plan.scratch). Nothing here synchronises with the GPU.
 """
 
 import collections
+import functools
 import os
 import threading
 
@@ -287,11 +288,11 @@ def _dummy(key, make):
     return t
 
 
+@functools.lru_cache(maxsize=None)
 def _sm_count(device) -> int:
     """The device's SM count (the CP scan sizes its blocks by it), looked up once per device;
     132 (the H200's) for a non-CUDA device (the launch-recording tests)."""
-    return _dummy(("sm_count", device), lambda: torch.cuda.get_device_properties(device).multi_processor_count
-                  if device.type == "cuda" else 132)
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
 def _unread_maps(hv: int, device) -> torch.Tensor:
