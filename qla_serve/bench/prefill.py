@@ -57,6 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--main", choices=("v8", "vfirst"), default=None,
                         help="qla_serve's Hopper stage-2 kernel at v_split 1/2 (prefill_api.MAIN_IMPL; "
                              "default: $QLA_SERVE_PREFILL_MAIN or vfirst); v_split 4 always runs v8")
+    parser.add_argument("--maps-v-split", type=int, default=None,
+                        help="experiment: the CP maps pass's v_split (prefill_api.MAPS_V_SPLIT; default the plan's)")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--graph-calls", type=int, default=5)
     parser.add_argument("--breakdown", action="store_true", help="also time qla_serve's prep and main kernels apart")
@@ -297,11 +299,12 @@ def run(args) -> int:
     if not torch.cuda.is_available():
         print("bench prefill: needs a CUDA GPU")
         return 2
-    if args.gate_warmup or args.main:
+    if args.gate_warmup or args.main or args.maps_v_split:
         from qla_serve.kernels.hopper import prefill_api
         if args.gate_warmup:
             prefill_api.GATE_WARMUP = args.gate_warmup == "on"
         prefill_api.MAIN_IMPL = args.main or prefill_api.MAIN_IMPL
+        prefill_api.MAPS_V_SPLIT = args.maps_v_split
     heads = HEAD_PAIRS if args.heads == "all" else [tuple(int(x) for x in p.split("/")) for p in args.heads.split(",")]
     rows = list(ROWS) if args.rows == "all" else args.rows.split(",")
     impls = args.impls.split(",")

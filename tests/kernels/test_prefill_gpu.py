@@ -212,6 +212,16 @@ def test_cp_exact_heads_long(Hk, Hv):
     print(f"cp heads {Hk}/{Hv}: o {e[0]:.2e} state {e[1]:.2e}")
 
 
+@pytest.mark.parametrize("cp", ["exact", "auto"])
+def test_cp_maps_pass_at_its_own_split(cp, monkeypatch):
+    """prefill_api.MAPS_V_SPLIT = 2 under a v_split 1 plan (branch next/maps-vsplit): the maps
+    pass's two value halves must leave the same maps the scan and the output pass read."""
+    monkeypatch.setattr(_mod(), "MAPS_V_SPLIT", 2)
+    lens = [64 * 29 + 17, 0, 64 * 5, 1, 64 * 9, 200]
+    e = run_case(lens, 2, 8, v_split=1, seed=900, pad_frac=0.2, segment_chunks=4, cp=cp)
+    print(f"cp {cp}, maps pass at v_split 2: o {e[0]:.2e} state {e[1]:.2e}")
+
+
 def _expected_warm_starts(g_seq, first, cap):
     """What prefill_warmup.py must find for a segment starting at chunk ``first``: the
     reference's warmup start (reference.warmup_start_chunks) where it lies within ``cap`` chunks,

@@ -145,3 +145,20 @@ def test_stage1_form_matches_the_stage2_kernel(launches, monkeypatch, main_impl,
     for name in unread:
         assert prep[name].shape[0] == 1 and name not in main
     assert (main.get("values") is inputs["v"]) == (impl == "vfirst")
+
+
+@pytest.mark.parametrize("maps_split", [None, 2])
+def test_maps_pass_split_may_differ_from_the_plan(launches, monkeypatch, maps_split):
+    """prefill_api.MAPS_V_SPLIT (an experiment): the maps pass at its own value split, the output
+    pass at the plan's; both V-first, so both read the prep form "m"."""
+    monkeypatch.setattr(P, "MAPS_V_SPLIT", maps_split)
+    _call([64 * 10, 100], 1, 3, "exact")
+    mains = [(v["mode"], v["v_split"]) for v, _ in launches if v["op"] == "prefill_main"]
+    assert mains == [("maps", maps_split or 1), ("output", 1)]
+
+
+def test_maps_pass_split_must_read_the_plans_prep_form(launches, monkeypatch):
+    """v_split 4 runs v8 (prep form "uw"): not a maps split for a V-first plan."""
+    monkeypatch.setattr(P, "MAPS_V_SPLIT", 4)
+    with pytest.raises(ValueError, match="MAPS_V_SPLIT"):
+        _call([64 * 10, 100], 1, 3, "exact")
