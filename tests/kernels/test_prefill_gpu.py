@@ -330,9 +330,10 @@ def test_cp_scan_kernel():
     stores: X_k = X_{k-1} @ maps[m, h, 1] + maps[m, h, 0] (m = k * num_cut + j). Three cut
     sequences with 1, 12 and 2 maps, 8 heads. With use_warmup = 1 the pairs with need_maps 0
     must stay bit-identical (and every Phi, and the 1-map sequence, in all cases); then
-    use_warmup = 0 scans every pair. Each run three times, with sm_count arguments that make
-    the kernel choose 2, 4 and 8 rows of X per block (its choice depends on the pairs with
-    work, which only the device knows)."""
+    use_warmup = 0 scans every pair. Each run four times, with sm_count arguments (the
+    persistent grid's size) that make the kernel choose 2, 4 and 8 rows of X per block (its
+    choice depends on the pairs with work, which only the device knows), and with 5 blocks, each
+    walking several pairs' row blocks through one ring."""
     mod = _mod()
     gen = torch.Generator(device="cuda").manual_seed(99)
     hv, levels = 8, [1, 12, 2]
@@ -346,7 +347,7 @@ def test_cp_scan_kernel():
     for use_warmup in (1, 0):
         nwork = sum(hv if not use_warmup else int(need[j].sum()) for j, n in enumerate(levels) if n > 1)
         want = reference.scan_segment_maps(maps0.double(), levels, skip=(need == 0) if use_warmup else None)
-        for sm_count in (64 * nwork, 32 * nwork, 32 * nwork - 1):  # 2, 4, 8 rows per block
+        for sm_count in (64 * nwork, 32 * nwork, 32 * nwork - 1, 5):  # 2, 4, 8, 8 rows per block
             maps = maps0.clone()
             scan(maps, cut_levels, need, use_warmup, sm_count)
             assert torch.equal(maps[:, :, 1], maps0[:, :, 1]), "the scan wrote a transition"

@@ -15,8 +15,11 @@ rows is chosen on the device, per launch, from the number P of pairs with work (
 least two maps that the warmup finder did not exempt, which the host cannot know): 2 rows if
 64 P blocks fit on the GPU's SMs at once, else 4 if 32 P do, else 8. With few pairs the
 chain is spread over more SMs; with many, each block does more of the (then throughput-bound)
-work. 1-D grid of 64 blocks per pair: every block counts the pairs with work, block b takes
-row block b % (128 / rows) of the (b // (128 / rows))-th such pair, the rest return at once.
+work. A persistent grid of one block per SM (sm_count): every block counts the pairs with
+work, then takes work items bid, bid + sm_count, ... (item i: row block i % (128 / rows) of the
+(i // (128 / rows))-th such pair), keeping one running level count for the ring's barrier
+phases. (8e88ca6 launched 64 blocks per pair, most returning at once but each holding an SM
+with its 192 KB of shared memory while it counted: 2-6 us at few levels.)
 
 Every level needs all of Phi_k^T (64 KB): warp 0 brings it into a ring of NSTAGES shared-memory
 buffers by one TMA load per level, NSTAGES levels ahead. Thread (half, d) sums column d over
@@ -67,8 +70,10 @@ def scan_func(num_v_heads: int, rows: int = 0):
         return p < ncut * Hv and cut_levels[p // Hv] > 1 and (use_warmup == 0 or need_maps[p // Hv, p % Hv] != 0)
 
     @T.macro
-    def scan_pair(R, rb, j, h, maps, cut_levels, phi_s, x_s, part_s, ready, b, b_next, acc, xv, t):
-        """Rows rb R .. rb R + R - 1 of pair (j, h) through every level."""
+    def scan_pair(R, rb, j, h, maps, cut_levels, phi_s, x_s, part_s, ready, b, b_next, acc, xv, t, used):
+        """Rows rb R .. rb R + R - 1 of pair (j, h) through every level. `used`: the ring levels
+        this block consumed before (level u of the block's run is in buffer u % NSTAGES, and
+        waits for that buffer's fill u // NSTAGES)."""
         d = t % DV
         half = t // DV
         e0 = half * HALF
@@ -77,20 +82,22 @@ def scan_func(num_v_heads: int, rows: int = 0):
         if t < 32:  # levels 1 .. NSTAGES into the ring
             for st in T.serial(NSTAGES):
                 if 1 + st < levels:
-                    T.tma_copy(maps[(1 + st) * ncut + j, h, 1, 0:DK, 0:DV], phi_s[st, :, :], barrier=ready[st])
-                    T.barrier_arrive(ready[st])
+                    u0 = (used + st) % NSTAGES
+                    T.tma_copy(maps[(1 + st) * ncut + j, h, 1, 0:DK, 0:DV], phi_s[u0, :, :], barrier=ready[u0])
+                    T.barrier_arrive(ready[u0])
         if half == 0:
             for r in T.unroll(R):
                 x_s[r, d] = maps[j, h, 0, r0 + r, d]
                 b[r] = maps[ncut + j, h, 0, r0 + r, d]
         T.sync_threads()
         for lvl in T.serial(1, levels):
-            st = (lvl - 1) % NSTAGES
+            u = used + lvl - 1
+            st = u % NSTAGES
             m = lvl * ncut + j
             if half == 0 and lvl + 1 < levels:  # the next level's B: in flight during this one
                 for r in T.unroll(R):
                     b_next[r] = maps[m + ncut, h, 0, r0 + r, d]
-            T.barrier_wait(ready[st], ((lvl - 1) // NSTAGES) % 2)
+            T.barrier_wait(ready[st], (u // NSTAGES) % 2)
             for r in T.unroll(R):
                 acc[r] = 0.0
             for i4 in T.unroll(HALF // 4):
@@ -124,7 +131,7 @@ def scan_func(num_v_heads: int, rows: int = 0):
         use_warmup: T.int32,
         sm_count: T.int32,
     ):
-        with T.Kernel(DV // ROW_CHOICES[0] * Hv * ncut, threads=THREADS) as bid:
+        with T.Kernel(sm_count, threads=THREADS) as bid:
             phi_s = T.alloc_shared((NSTAGES, DK, DV), "float32")  # Phi_k^T[e, d], a ring
             x_s = T.alloc_shared((8, DK), "float32")  # X_{k-1}'s rows of this block
             part_s = T.alloc_shared((8, DV), "float32")  # half 1's partial sums
@@ -148,11 +155,15 @@ def scan_func(num_v_heads: int, rows: int = 0):
                 R = rows
             else:
                 R = T.if_then_else(nwork * (DV // 2) <= sm_count, 2, T.if_then_else(nwork * (DV // 4) <= sm_count, 4, 8))
-            rank = bid // (DV // R)
-            rb = bid % (DV // R)
-            if rank < nwork:
+            used = T.alloc_var("int32")  # ring levels this block has consumed
+            used = 0
+            before = T.alloc_var("int32")
+            mine = T.alloc_var("int32")
+            for k in T.serial(T.ceildiv(nwork * (DV // R) - bid, sm_count)):
+                item = bid + k * sm_count
+                rank = item // (DV // R)
+                rb = item % (DV // R)
                 # Which pair has this rank among those with work: a block-wide prefix count.
-                before = T.alloc_var("int32")
                 before = 0
                 for tile in T.serial(tiles):
                     p = tile * THREADS + t
@@ -161,7 +172,6 @@ def scan_func(num_v_heads: int, rows: int = 0):
                     if lane == 0:
                         warp_s[warp] = T.popcount(votes)
                     T.sync_threads()
-                    mine = T.alloc_var("int32")
                     mine = before + T.popcount(votes & ((T.Cast("uint32", 1) << lane) - 1))
                     for w in T.serial(WARPS):
                         if w < warp:
@@ -173,10 +183,11 @@ def scan_func(num_v_heads: int, rows: int = 0):
                 j = pair_s[0] // Hv
                 h = pair_s[0] % Hv
                 if R == 2:
-                    scan_pair(2, rb, j, h, maps, cut_levels, phi_s, x_s, part_s, ready, b, b_next, acc, xv, t)
+                    scan_pair(2, rb, j, h, maps, cut_levels, phi_s, x_s, part_s, ready, b, b_next, acc, xv, t, used)
                 elif R == 4:
-                    scan_pair(4, rb, j, h, maps, cut_levels, phi_s, x_s, part_s, ready, b, b_next, acc, xv, t)
+                    scan_pair(4, rb, j, h, maps, cut_levels, phi_s, x_s, part_s, ready, b, b_next, acc, xv, t, used)
                 else:
-                    scan_pair(8, rb, j, h, maps, cut_levels, phi_s, x_s, part_s, ready, b, b_next, acc, xv, t)
+                    scan_pair(8, rb, j, h, maps, cut_levels, phi_s, x_s, part_s, ready, b, b_next, acc, xv, t, used)
+                used = used + cut_levels[j] - 1
 
     return gdn_prefill_cp_scan
