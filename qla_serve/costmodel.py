@@ -28,6 +28,13 @@ class CostModel(BaseModel):
     cp_fixed_us: float = Field(ge=0, description="extra launches of the CP path (maps pass, scan)")
     cp_maps_ratio: float = Field(gt=0, description="per-chunk time of the CP maps pass over chunk_us")
     cp_segment_chunks: list[int] = Field(min_length=1, description="candidate segment lengths L (chunks)")
+    cp_maps_v_splits: dict[int, int] = Field(
+        default_factory=dict, description="v_split -> a narrower split the CP maps pass may run at under a plan "
+        "at that v_split (its kernel must read the same stage-1 form); taken where the maps blocks expected to "
+        "do work fit on the SMs in one wave at it (qla_serve.plan._maps_v_split)")
+    cp_exact_fraction: float = Field(
+        default=1.0, ge=0, le=1, description="share of the v-heads the planner expects on the exact CP path "
+        "under cp='auto' (the others take the gate warmup, which the device decides); 1 under cp='exact'")
     fitted: bool = Field(description="true once the figures come from a device sweep")
 
     @field_validator("chunk_us")
@@ -58,6 +65,13 @@ class CostModel(BaseModel):
                 raise ValueError(f"stage1_us has no entry for v_split {v_split}")
             return self.stage1_us[v_split]
         return self.stage1_us
+
+    @field_validator("cp_maps_v_splits")
+    @classmethod
+    def _maps_splits(cls, v: dict[int, int]) -> dict[int, int]:
+        if any(a not in (1, 2, 4) or b not in (1, 2, 4) or b <= a for a, b in v.items()):
+            raise ValueError("cp_maps_v_splits: v_split -> a larger split, both in 1, 2, 4")
+        return v
 
     @field_validator("cp_segment_chunks")
     @classmethod

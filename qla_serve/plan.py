@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import struct
 from itertools import accumulate, chain
 from typing import Iterable, Sequence
@@ -80,6 +81,7 @@ class PrefillPlan:
     strategy: str
     v_split: int
     segment_chunks: int          # L; 0 unless strategy == "cp"
+    maps_v_split: int            # the CP maps pass's value split; 0 unless strategy == "cp"
     cp: str
     arch: str
     sm_count: int
@@ -132,7 +134,8 @@ class PrefillPlan:
         """JSON-friendly summary (the CLI prints it)."""
         return {
             "strategy": self.strategy, "v_split": self.v_split,
-            "segment_chunks": self.segment_chunks, "cp": self.cp, "arch": self.arch,
+            "segment_chunks": self.segment_chunks, "maps_v_split": self.maps_v_split,
+            "cp": self.cp, "arch": self.arch,
             "sm_count": self.sm_count, "num_seqs": self.num_seqs,
             "num_v_heads": self.num_v_heads, "num_k_heads": self.num_k_heads,
             "total_tokens": self.total_tokens, "num_segments": self.num_segments,
@@ -203,6 +206,26 @@ def _choose(model: CostModel, chunks: list[int], hv: int, sm: int, cp: str,
                 if t < best.estimated_us:
                     best = _Choice("cp", s, L, t)
     return best
+
+
+def _maps_v_split(model: CostModel, chunks: list[int], hv: int, sm: int, cp: str, v_split: int,
+                  L: int) -> int:
+    """The CP maps pass's value split (0 without a cut): the cost model's narrower alternative
+    for ``v_split`` (cp_maps_v_splits) where the maps blocks expected to do work fit on the SMs in
+    one wave at it, else ``v_split``. The maps grid has 2 blocks (end state, transition) per split,
+    v-head and segment but a sequence's last; a block does work where its head takes the exact
+    path: every head under cp="exact", a cp_exact_fraction share under "auto" (which heads is
+    decided on the device by the warmup finder, so this is an expectation). Narrower blocks
+    finish sooner but, past one wave, the extra waves cost more than they save (H200: 2/8
+    1x32768 maps pass 47.7 -> 38.8 us at split 2; 8/24, two waves, 84.6 -> 118 us)."""
+    if L == 0:
+        return 0
+    narrow = model.cp_maps_v_splits.get(v_split)
+    if narrow is None:
+        return v_split
+    heads = hv if cp == "exact" else math.ceil(model.cp_exact_fraction * hv)
+    maps_per_head = sum(-(-c // L) - 1 for c in chunks if c > L)
+    return narrow if 2 * narrow * heads * maps_per_head <= sm else v_split
 
 
 def _segment_rows(chunks: list[int], L: int) -> Iterable[int]:
@@ -277,21 +300,23 @@ def plan_prefill(seq_lens: Sequence[int], num_v_heads: int, num_k_heads: int, *,
     chunks = [(n + CHUNK - 1) // CHUNK for n in lens]
     choice = _choose(model, chunks, num_v_heads, sm, cp, frozenset(supported_strategies))
     rows = _segment_rows(chunks, choice.segment_chunks)
+    maps_vs = _maps_v_split(model, chunks, num_v_heads, sm, cp, choice.v_split, choice.segment_chunks)
     host, cu_t, off_t, seg_t = _upload(lens, chunks, rows, device)
     return PrefillPlan(
         seq_lens=tuple(lens), num_v_heads=num_v_heads, num_k_heads=num_k_heads,
         strategy=choice.strategy, v_split=choice.v_split, segment_chunks=choice.segment_chunks,
-        cp=cp, arch=arch, sm_count=sm, estimated_us=choice.estimated_us, device=device,
+        maps_v_split=maps_vs, cp=cp, arch=arch, sm_count=sm, estimated_us=choice.estimated_us, device=device,
         cu_seqlens=cu_t, chunk_offsets=off_t, segments=seg_t, host_buffer=host)
 
 
 def force_plan(plan: PrefillPlan, strategy: str, v_split: int, segment_chunks: int = 0,
-               cp: str | None = None) -> PrefillPlan:
+               cp: str | None = None, maps_v_split: int | None = None) -> PrefillPlan:
     """``plan``'s batch with a fixed strategy instead of the cost model's choice (sweeps, tests):
     the index tensors and the segment table rebuilt for it, a fresh kernel_cache, and
     estimated_us the model's figure for it. ``segment_chunks`` (>= 1) only with "cp".
     ``cp``: the mode the kernels see (default the plan's; "auto" lets a cut use gate warmup,
-    "exact" never truncates). A cut forced on an "off" plan gets "exact": "off" cannot cut."""
+    "exact" never truncates). A cut forced on an "off" plan gets "exact": "off" cannot cut.
+    ``maps_v_split``: the CP maps pass's split (default the planner's rule, _maps_v_split)."""
     if strategy not in ALL_STRATEGIES:
         raise ValueError(f"strategy: expected one of {sorted(ALL_STRATEGIES)}, got {strategy!r}")
     if v_split not in V_SPLITS or (strategy != "cp" and (strategy == "plain") != (v_split == 1)):
@@ -305,9 +330,13 @@ def force_plan(plan: PrefillPlan, strategy: str, v_split: int, segment_chunks: i
         raise ValueError(f"cp: expected one of {CP_MODES} (not 'off' with a cut), got {cp!r} for {strategy!r}")
     lens = list(plan.seq_lens)
     chunks = [(n + CHUNK - 1) // CHUNK for n in lens]
+    model = load_cost_model(plan.arch)
+    if maps_v_split is None:
+        maps_v_split = _maps_v_split(model, chunks, plan.num_v_heads, plan.sm_count, cp, v_split, segment_chunks)
+    elif strategy != "cp" or maps_v_split not in V_SPLITS:
+        raise ValueError(f"maps_v_split: one of {V_SPLITS} with a cut (cp), got {maps_v_split} for {strategy!r}")
     host, cu_t, off_t, seg_t = _upload(lens, chunks, _segment_rows(chunks, segment_chunks), plan.device)
-    est = _score(load_cost_model(plan.arch), chunks, plan.num_v_heads, plan.sm_count, v_split,
-                 segment_chunks) if any(chunks) else 0.0
+    est = _score(model, chunks, plan.num_v_heads, plan.sm_count, v_split, segment_chunks) if any(chunks) else 0.0
     return dataclasses.replace(plan, strategy=strategy, v_split=v_split, segment_chunks=segment_chunks,
-                               cp=cp, estimated_us=est, cu_seqlens=cu_t, chunk_offsets=off_t, segments=seg_t,
+                               maps_v_split=maps_v_split, cp=cp, estimated_us=est, cu_seqlens=cu_t, chunk_offsets=off_t, segments=seg_t,
                                host_buffer=host, kernel_cache={})

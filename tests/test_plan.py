@@ -257,3 +257,65 @@ def test_stage1_cost_per_split():
     for bad in ({1: -1.0}, {3: 1.0}, -0.5):
         with pytest.raises(ValueError, match="stage1_us"):
             CostModel.model_validate({**base, "stage1_us": bad})
+
+
+def test_cp_maps_split_rule():
+    """plan.maps_v_split (plan._maps_v_split): the CP maps pass of a v_split 1 plan runs at
+    split 2 where the maps blocks expected to do work, doubled, fit on the SMs in one wave
+    (cp="auto" expects a quarter of the v-heads on the exact path, cp="exact" all of them);
+    0 without a cut; no alternative on sm100 (its cost model lists none); force_plan takes an
+    explicit split and refuses one outside 1/2/4 or without a cut by name."""
+    from qla_serve.plan import force_plan
+
+    def plan(lens, hk, hv, cp="auto", arch="sm90"):
+        return plan_prefill(lens, hv, hk, device="cpu", cp=cp, arch=arch, sm_count=132, supported_strategies=ALL)
+
+    p = plan([32768], 2, 8)  # 16 segments of 32 chunks: 2 heads x 15 maps x 2 blocks x 2 halves = 120
+    assert (p.strategy, p.v_split, p.segment_chunks, p.maps_v_split) == ("cp", 1, 32, 2)
+    assert p.describe()["maps_v_split"] == 2
+    assert plan([32768], 2, 8, cp="exact").maps_v_split == 1  # 8 heads: 480 half blocks
+    p = plan([32768], 8, 24)  # 6 heads x 7 maps x 2 x 2 = 168 > 132
+    assert (p.strategy, p.v_split, p.maps_v_split) == ("cp", 1, 1)
+    assert plan([512] * 64, 2, 8).maps_v_split == 0
+    p = plan([32768], 2, 8, arch="sm100")
+    assert p.strategy != "cp" or p.maps_v_split == p.v_split
+    assert force_plan(plan([32768], 2, 8), "cp", 1, 64, maps_v_split=1).maps_v_split == 1
+    assert force_plan(plan([32768], 2, 8), "cp", 1, 64).maps_v_split == 2  # the rule: 2 x 7 x 2 x 2 = 56
+    for args, kw in [(("cp", 1, 32), {"maps_v_split": 3}), (("vsplit", 2), {"maps_v_split": 2})]:
+        with pytest.raises(ValueError, match="maps_v_split"):
+            force_plan(p, *args, **kw)
+    good = load_cost_model("sm90").model_dump()
+    for bad in ({1: 1}, {2: 1}, {1: 3}):
+        with pytest.raises(ValueError, match="cp_maps_v_splits"):
+            CostModel.model_validate({**good, "cp_maps_v_splits": bad})
+    with pytest.raises(ValueError, match="cp_exact_fraction"):
+        CostModel.model_validate({**good, "cp_exact_fraction": 1.5})
+
+
+def test_cp_maps_split_against_the_h200_runs():
+    """The maps-split rule against the H200 (benchmarks/data/prefill_v19_cp_rows_maps_vs{1,2}
+    _h200.json: the bench's 15 CP-capable rows, 9 of them cut at v_split 1, with the maps pass
+    at split 1, then 2; bench gates, a quarter of the heads with g = 0). Where the plan cuts at
+    v_split 1, the split the rule picks is the faster one measured, or within 2% of it (2/8
+    1x8192, L8: +0.9 us of 87)."""
+    import json
+    from pathlib import Path
+
+    from qla_serve.bench.prefill import ROWS
+
+    data = Path(__file__).resolve().parent.parent / "benchmarks" / "data"
+    runs = {}
+    for split in (1, 2):
+        for r in json.loads((data / f"prefill_v19_cp_rows_maps_vs{split}_h200.json").read_text())["results"]:
+            runs.setdefault((r["heads"], r["row"]), {})[split] = r
+    checked = 0
+    for (heads, row), by_split in runs.items():
+        if not by_split[1]["qla_plan"].startswith("cp/vs1/"):
+            continue
+        hk, hv = (int(x) for x in heads.split("/"))
+        p = plan_prefill(ROWS[row], hv, hk, device="cpu", arch="sm90", sm_count=132, supported_strategies=ALL)
+        assert p.strategy == "cp" and p.v_split == 1, (heads, row, p.describe())
+        ms = {s: by_split[s]["qla_gpu_ms"] for s in (1, 2)}
+        assert ms[p.maps_v_split] <= 1.02 * min(ms.values()), (heads, row, p.maps_v_split, ms)
+        checked += 1
+    assert checked == 9

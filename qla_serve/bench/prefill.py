@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="qla_serve's Hopper stage-2 kernel at v_split 1/2 (prefill_api.MAIN_IMPL; "
                              "default: $QLA_SERVE_PREFILL_MAIN or vfirst); v_split 4 always runs v8")
     parser.add_argument("--maps-v-split", type=int, default=None,
-                        help="experiment: the CP maps pass's v_split (prefill_api.MAPS_V_SPLIT; default the plan's)")
+                        help="qla_serve's CP maps pass at this v_split (default: the planner's, plan.maps_v_split)")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--graph-calls", type=int, default=5)
     parser.add_argument("--breakdown", action="store_true", help="also time qla_serve's prep and main kernels apart")
@@ -234,7 +234,7 @@ def _cp_label(plan) -> str:
     return plan.cp + ("+warmup" if warm else "")
 
 
-def _qla_fn(lens, hk, hv, data, v_split, stages="prep,main", segment_chunks="auto", cp="auto"):
+def _qla_fn(lens, hk, hv, data, v_split, stages="prep,main", segment_chunks="auto", cp="auto", maps_v_split=None):
     import torch
 
     import qla_serve
@@ -252,6 +252,8 @@ def _qla_fn(lens, hk, hv, data, v_split, stages="prep,main", segment_chunks="aut
         L = 0 if segment_chunks == "auto" else int(segment_chunks)
         strategy = "cp" if L else ("plain" if vs == 1 else "vsplit")
         plan = force_plan(plan, strategy, vs, L)
+    if maps_v_split and plan.strategy == "cp":
+        plan = force_plan(plan, "cp", plan.v_split, plan.segment_chunks, maps_v_split=maps_v_split)
     pool = torch.empty(len(lens), hv, 128, 128, device=dev)
     slots = torch.arange(len(lens), dtype=torch.int32, device=dev)
     out = torch.empty_like(v)
@@ -299,12 +301,11 @@ def run(args) -> int:
     if not torch.cuda.is_available():
         print("bench prefill: needs a CUDA GPU")
         return 2
-    if args.gate_warmup or args.main or args.maps_v_split:
+    if args.gate_warmup or args.main:
         from qla_serve.kernels.hopper import prefill_api
         if args.gate_warmup:
             prefill_api.GATE_WARMUP = args.gate_warmup == "on"
         prefill_api.MAIN_IMPL = args.main or prefill_api.MAIN_IMPL
-        prefill_api.MAPS_V_SPLIT = args.maps_v_split
     heads = HEAD_PAIRS if args.heads == "all" else [tuple(int(x) for x in p.split("/")) for p in args.heads.split(",")]
     rows = list(ROWS) if args.rows == "all" else args.rows.split(",")
     impls = args.impls.split(",")
@@ -318,15 +319,16 @@ def run(args) -> int:
             for impl in impls:
                 try:
                     if impl == "qla":
-                        fn, qla_out, _, plan = _qla_fn(lens, hk, hv, data, args.v_split,
-                                                       segment_chunks=args.segment_chunks, cp=args.cp)
+                        fn, qla_out, _, plan = _qla_fn(lens, hk, hv, data, args.v_split, segment_chunks=args.segment_chunks,
+                                                       cp=args.cp, maps_v_split=args.maps_v_split)
                         rec["qla_plan"] = plan_label(plan)
+                        rec["qla_maps_v_split"] = plan.maps_v_split
                         rec["qla_cp"] = _cp_label(plan)
                         rec["qla_main"] = _main_impl(plan)
                         if args.breakdown:
                             for st in ("prep", "main"):
                                 f2 = _qla_fn(lens, hk, hv, data, args.v_split, st, args.segment_chunks,
-                                             args.cp)[0]
+                                             args.cp, args.maps_v_split)[0]
                                 rec[f"qla_{st}_gpu_ms"] = round(_gpu_time_ms(f2, args.reps, args.graph_calls)[0], 4)
                         if args.kernels:
                             rec["qla_kernels"] = _kernel_timeline(fn, args.reps, args.graph_calls)

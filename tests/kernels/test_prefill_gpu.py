@@ -74,20 +74,24 @@ def make_pool(S, Hv, dtype, gen, pad=512, dev="cuda"):
     return flat.as_strided((S, Hv, HD, HD), (slot, HD * HD, HD, 1))
 
 
-def make_plan(lens, Hv, Hk, v_split, segment_chunks=0, cp=None):
+def make_plan(lens, Hv, Hk, v_split, segment_chunks=0, cp=None, maps_v_split=None):
     """A plan forced to v_split (and, with segment_chunks > 0, to the "cp" strategy with
     segments of that many chunks), whatever the cost model would pick. cp: the mode the kernels
-    see ("auto": cut segments may use gate warmup; default "exact" for a cut)."""
+    see ("auto": cut segments may use gate warmup; default "exact" for a cut). The CP maps pass
+    runs at maps_v_split, default v_split (not the planner's rule, so that each test runs the
+    split it names)."""
     import qla_serve
     from qla_serve.plan import force_plan
     plan = qla_serve.plan_prefill(lens, Hv, Hk, device="cuda", cp="off", arch="sm90",
                                   supported_strategies={"plain", "vsplit"})
     strategy = "cp" if segment_chunks else ("plain" if v_split == 1 else "vsplit")
-    return force_plan(plan, strategy, v_split, segment_chunks, cp)
+    return force_plan(plan, strategy, v_split, segment_chunks, cp,
+                      maps_v_split=(maps_v_split or v_split) if segment_chunks else None)
 
 
 def run_case(lens, Hk, Hv, *, pool_dtype=torch.float32, v_split=2, io=torch.bfloat16, seed=0,
-             pad_frac=0.0, init_frac=0.8, all_init=False, extra_slots=3, segment_chunks=0, cp=None):
+             pad_frac=0.0, init_frac=0.8, all_init=False, extra_slots=3, segment_chunks=0, cp=None,
+             maps_v_split=None):
     """One prefill call on fresh random inputs, checked against the float64 recurrence (see the
     module docstring). Returns (o rel err, state rel err, the plan, g)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -111,7 +115,7 @@ def run_case(lens, Hk, Hv, *, pool_dtype=torch.float32, v_split=2, io=torch.bflo
             init[i] = pool[s].double()
     T = sum(lens)
     out = torch.full((T, Hv, HD), float("nan"), dtype=io, device="cuda")
-    plan = make_plan(lens, Hv, Hk, v_split, segment_chunks, cp)
+    plan = make_plan(lens, Hv, Hk, v_split, segment_chunks, cp, maps_v_split)
     _mod().prefill(q, k, v, g, beta, pool, slot_t, plan, has_initial_state=has_t,
                    scale=HD ** -0.5, out=out)
     cu = [0]
@@ -213,12 +217,12 @@ def test_cp_exact_heads_long(Hk, Hv):
 
 
 @pytest.mark.parametrize("cp", ["exact", "auto"])
-def test_cp_maps_pass_at_its_own_split(cp, monkeypatch):
-    """prefill_api.MAPS_V_SPLIT = 2 under a v_split 1 plan (branch next/maps-vsplit): the maps
-    pass's two value halves must leave the same maps the scan and the output pass read."""
-    monkeypatch.setattr(_mod(), "MAPS_V_SPLIT", 2)
+def test_cp_maps_pass_at_its_own_split(cp):
+    """plan.maps_v_split 2 under a v_split 1 plan (the planner's choice where the maps blocks fit
+    on the SMs, plan._maps_v_split): the maps pass's two value halves must leave the maps the
+    scan and the output pass read."""
     lens = [64 * 29 + 17, 0, 64 * 5, 1, 64 * 9, 200]
-    e = run_case(lens, 2, 8, v_split=1, seed=900, pad_frac=0.2, segment_chunks=4, cp=cp)
+    e = run_case(lens, 2, 8, v_split=1, seed=900, pad_frac=0.2, segment_chunks=4, cp=cp, maps_v_split=2)
     print(f"cp {cp}, maps pass at v_split 2: o {e[0]:.2e} state {e[1]:.2e}")
 
 

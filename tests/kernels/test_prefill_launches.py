@@ -57,7 +57,7 @@ def launches(monkeypatch):
     return calls
 
 
-def _call(lens, v_split, segment_chunks, cp, inputs=None):
+def _call(lens, v_split, segment_chunks, cp, inputs=None, maps_v_split=None):
     T = sum(lens)
     q = torch.randn(T, HK, 128, dtype=torch.bfloat16)
     k = torch.randn(T, HK, 128, dtype=torch.bfloat16)
@@ -70,7 +70,8 @@ def _call(lens, v_split, segment_chunks, cp, inputs=None):
     plan = qla_serve.plan_prefill(lens, HV, HK, device="cpu", cp="off", arch="sm90",
                                   supported_strategies={"plain", "vsplit"})
     strategy = "cp" if segment_chunks else ("plain" if v_split == 1 else "vsplit")
-    plan = force_plan(plan, strategy, v_split, segment_chunks, cp)
+    plan = force_plan(plan, strategy, v_split, segment_chunks, cp,
+                      maps_v_split=(maps_v_split or v_split) if segment_chunks else None)
     if inputs is not None:
         inputs.update(q=q, k=k, v=v)
     P.prefill(q, k, v, g, beta, pool, slots, plan, has_initial_state=None, scale=None, out=out)
@@ -147,18 +148,16 @@ def test_stage1_form_matches_the_stage2_kernel(launches, monkeypatch, main_impl,
     assert (main.get("values") is inputs["v"]) == (impl == "vfirst")
 
 
-@pytest.mark.parametrize("maps_split", [None, 2])
-def test_maps_pass_split_may_differ_from_the_plan(launches, monkeypatch, maps_split):
-    """prefill_api.MAPS_V_SPLIT (an experiment): the maps pass at its own value split, the output
-    pass at the plan's; both V-first, so both read the prep form "m"."""
-    monkeypatch.setattr(P, "MAPS_V_SPLIT", maps_split)
-    _call([64 * 10, 100], 1, 3, "exact")
+@pytest.mark.parametrize("maps_split", [1, 2])
+def test_maps_pass_split_may_differ_from_the_plan(launches, maps_split):
+    """plan.maps_v_split: the maps pass at its own value split, the output pass at the plan's;
+    both V-first, so both read the prep form "m"."""
+    _call([64 * 10, 100], 1, 3, "exact", maps_v_split=maps_split)
     mains = [(v["mode"], v["v_split"]) for v, _ in launches if v["op"] == "prefill_main"]
-    assert mains == [("maps", maps_split or 1), ("output", 1)]
+    assert mains == [("maps", maps_split), ("output", 1)]
 
 
-def test_maps_pass_split_must_read_the_plans_prep_form(launches, monkeypatch):
+def test_maps_pass_split_must_read_the_plans_prep_form(launches):
     """v_split 4 runs v8 (prep form "uw"): not a maps split for a V-first plan."""
-    monkeypatch.setattr(P, "MAPS_V_SPLIT", 4)
-    with pytest.raises(ValueError, match="MAPS_V_SPLIT"):
-        _call([64 * 10, 100], 1, 3, "exact")
+    with pytest.raises(ValueError, match="plan.maps_v_split: 4 runs v8"):
+        _call([64 * 10, 100], 1, 3, "exact", maps_v_split=4)

@@ -98,15 +98,6 @@ def _main_impl_from_env() -> str:
 
 MAIN_IMPL = _main_impl_from_env()
 
-# Experiment (branch next/maps-vsplit, not yet measured): the value split of the CP maps pass
-# when it should differ from the plan's. The maps pass writes whole 128-row maps whatever its
-# split (each block its rows of X or Phi^T), so the scan and the output pass do not care. At
-# 2/8 1x32768 (L32) the maps pass runs 60 blocks (the two g = 0 heads x 15 segments x X and
-# Phi) on 132 SMs at v_split 1, and takes 47 us of the call's 206; at v_split 2, 120 blocks of
-# half the columns. None: the plan's split. Only splits whose stage-2 kernel reads the same
-# prep form as the plan's may be chosen. `bench prefill --maps-v-split` sets it.
-MAPS_V_SPLIT = None
-
 _TORCH_TO_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 _kernels: dict = {}
 _lock = threading.Lock()
@@ -454,7 +445,7 @@ def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale,
     else:
         warm = _unread_warmup(hv, q.device)
     if cp.maps_items.shape[0]:
-        mvs = _maps_v_split(vs, impl, _target)
+        mvs = _maps_v_split(plan, vs, impl, _target)
         kk = (hv, hk, io, pool_dt, mvs, "maps", impl, _target)
         kmaps = _fns.get(kk) or _fn(main_variant(hv, hk, io, pool_dt, mvs, "maps", impl), kk)
         kmaps(*head, cp.maps_items, maps, *warm, out, float(scale), all_init, 1, warmup)
@@ -464,13 +455,15 @@ def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale,
     km(*head, cp.out_items, maps, *warm, out, float(scale), all_init, 1, warmup)
 
 
-def _maps_v_split(vs: int, impl: str, target: str) -> int:
-    """The maps pass's value split: MAPS_V_SPLIT where set, else the plan's."""
-    mvs = MAPS_V_SPLIT or vs
+def _maps_v_split(plan, vs: int, impl: str, target: str) -> int:
+    """The maps pass's value split (plan.maps_v_split; the plan's v_split where unset). The maps
+    are whole 128-row tensors whatever the split, so the scan and the output pass do not care;
+    but the maps pass reads stage 1's output, which must be in the form the plan's stage 2 reads."""
+    mvs = getattr(plan, "maps_v_split", 0) or vs
     if mvs not in V_SPLITS or main_impl_for(mvs, target) != impl:
-        raise ValueError(f"MAPS_V_SPLIT: {mvs} runs {main_impl_for(mvs, target) if mvs in V_SPLITS else 'no kernel'}"
-                         f", but this plan's stage 2 is {impl} (v_split {vs}): the maps pass must read the same "
-                         "stage-1 form")
+        runs = main_impl_for(mvs, target) if mvs in V_SPLITS else "no kernel"
+        raise ValueError(f"plan.maps_v_split: {mvs} runs {runs}, but this plan's stage 2 is {impl} (v_split {vs}): "
+                         "the maps pass must read the same stage-1 form")
     return mvs
 
 
