@@ -416,10 +416,12 @@ def test_sanitizer_case(monkeypatch):
     racecheck (SANITIZE=1); here it is a plain correctness check: 2/8 heads, v_split 2 and 4,
     lengths that end mid-chunk, padding slots, and the CP path (segments of 2 chunks: the maps
     pass, the scan and the output pass; exact, then with gate warmup), on the default stage-2
-    kernels (V-first at v_split 1/2, v8 at 4); then v8 at v_split 1 with CP and warmup."""
+    kernels (V-first at v_split 1/2, v8 at 4); a v_split 1 plan whose maps pass runs at split 2
+    (plan.maps_v_split); then v8 at v_split 1 with CP and warmup."""
     for vs in (2, 4):
         run_case([65, 1, 130], 2, 8, v_split=vs, seed=77 + vs, pad_frac=0.3)
     for cp in ("exact", "auto"):
         run_case([65, 1, 300], 2, 8, v_split=2, seed=79, pad_frac=0.3, segment_chunks=2, cp=cp)
+    run_case([65, 1, 300], 2, 8, v_split=1, seed=81, pad_frac=0.3, segment_chunks=2, cp="auto", maps_v_split=2)
     monkeypatch.setattr(_mod(), "MAIN_IMPL", "v8")
     run_case([65, 1, 300], 2, 8, v_split=1, seed=80, pad_frac=0.3, segment_chunks=2, cp="auto")
