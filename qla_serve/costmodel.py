@@ -27,6 +27,9 @@ class CostModel(BaseModel):
         "stage-2 kernel takes another stage-1 form (sm90: v_split 4 runs v8, whose prep makes U0 and Wk)")
     cp_fixed_us: float = Field(ge=0, description="extra launches of the CP path (maps pass, scan)")
     cp_maps_ratio: float = Field(gt=0, description="per-chunk time of the CP maps pass over chunk_us")
+    cp_level_us: float = Field(
+        default=0.0, ge=0, description="per scan step of a cut (segments - 2 of the most-cut sequence): the "
+        "scan's step plus the fixed cost of shorter segments that the chunk terms miss")
     cp_segment_chunks: list[int] = Field(min_length=1, description="candidate segment lengths L (chunks)")
     cp_maps_v_splits: dict[int, int] = Field(
         default_factory=dict, description="v_split -> a narrower split the CP maps pass may run at under a plan "

@@ -23,7 +23,8 @@ device; on Hopper on by default, QLA_SERVE_GATE_WARMUP=0 turns it off, see
 kernels/hopper/prefill_api.GATE_WARMUP).
 The cost model scores a cut by the exact path (a warmup, at most L/2 chunks, costs about as
 much or less, and which heads take it is only known on the device), so ``auto`` and ``exact``
-choose the same plans.
+choose the same strategy, split and segment length. They may differ in the CP maps pass's split
+(plan.maps_v_split, _maps_v_split), which depends on how many heads are expected to need maps.
 Strategies the arch's kernels do not implement are never chosen.
 """
 
@@ -159,7 +160,8 @@ def _score(model: CostModel, chunks: list[int], hv: int, sm: int, v_split: int, 
     Cut sequences are scored by the exact CP path (the gate warmup that cp="auto" may take for
     some heads is decided on the device): a "maps" pass over every segment but the last (the
     first segment's end state; for the others also the transition Phi, a second block per
-    split), a scan, then the output pass over all segments at once (kernels/hopper/prefill_api).
+    split), a scan (segments - 2 steps: cp_level_us each), then the output pass over all
+    segments at once (kernels/hopper/prefill_api).
     """
     chunk_heads = sum(chunks) * hv
     if L == 0:
@@ -171,7 +173,7 @@ def _score(model: CostModel, chunks: list[int], hv: int, sm: int, v_split: int, 
     out_us = model.estimate_us(v_split, L, chunk_heads * v_split, sm, cut=True, chunk_heads=chunk_heads)
     maps_block_chunks = hv * v_split * sum(L * (2 * s - 3) for s in segs if s > 1)
     maps_us = model.cp_maps_ratio * model.chunk_us[v_split] * max(L, -(-maps_block_chunks // sm))
-    return out_us + maps_us
+    return out_us + maps_us + model.cp_level_us * (max(segs) - 2)
 
 
 def _choose(model: CostModel, chunks: list[int], hv: int, sm: int, cp: str,

@@ -297,11 +297,12 @@ def test_cp_maps_split_against_the_h200_runs():
     _h200.json: the bench's 15 CP-capable rows, 9 of them cut at v_split 1, with the maps pass
     at split 1, then 2; bench gates, a quarter of the heads with g = 0). Where the plan cuts at
     v_split 1, the split the rule picks is the faster one measured, or within 2% of it (2/8
-    1x8192, L8: +0.9 us of 87)."""
+    1x8192, L8: +0.9 us of 87). Checked where the planner still plans what ran (8 of the 9 rows:
+    2/8 1x8192 now plans cp/vs2/L16, see test_sm90_cp_choices_against_the_v19_sweep)."""
     import json
     from pathlib import Path
 
-    from qla_serve.bench.prefill import ROWS
+    from qla_serve.bench.prefill import ROWS, plan_label
 
     data = Path(__file__).resolve().parent.parent / "benchmarks" / "data"
     runs = {}
@@ -314,8 +315,43 @@ def test_cp_maps_split_against_the_h200_runs():
             continue
         hk, hv = (int(x) for x in heads.split("/"))
         p = plan_prefill(ROWS[row], hv, hk, device="cpu", arch="sm90", sm_count=132, supported_strategies=ALL)
-        assert p.strategy == "cp" and p.v_split == 1, (heads, row, p.describe())
+        if plan_label(p) != by_split[1]["qla_plan"]:
+            continue
         ms = {s: by_split[s]["qla_gpu_ms"] for s in (1, 2)}
         assert ms[p.maps_v_split] <= 1.02 * min(ms.values()), (heads, row, p.maps_v_split, ms)
         checked += 1
-    assert checked == 9
+    assert checked == 8
+
+
+def test_sm90_cp_choices_against_the_v19_sweep():
+    """The cost model against the v19 CP sweep (benchmarks/data/prefill_v19_cp_sweep_h200.jsonl:
+    2/8, 4/16, 16/32, 16/64 x 1x32768, 1x8192, 4x8192 x forced (v_split, segment length), the
+    maps split by the planner's rule): per (heads, row) the model's favourite among the measured
+    configurations is within 3% of the measured best (the largest: +2.8%, 16/64 1x8192, against
+    a no-cut "cp" run at L = 128 chunks), and 2/8 1x8192 takes cp/vs2/L16, the measured best, by
+    the per-step term cp_level_us (without it: cp/vs1/L8, +3.5%)."""
+    import json
+    from pathlib import Path
+
+    from qla_serve.bench.prefill import ROWS, parse_plan_label
+    from qla_serve.costmodel import load_cost_model
+    from qla_serve.plan import _score
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "data" / "prefill_v19_cp_sweep_h200.jsonl"
+    model = load_cost_model("sm90")
+    by_case = {}
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        _, vs, L = parse_plan_label(r["qla_plan"])
+        by_case.setdefault((r["heads"], r["row"]), []).append((r["qla_gpu_ms"], vs, L))
+    assert len(by_case) == 12 and all(len(runs) == 14 for runs in by_case.values())
+    for (heads, row), runs in by_case.items():
+        hv = int(heads.split("/")[1])
+        chunks = [-(-n // 64) for n in ROWS[row]]
+        pick = min(runs, key=lambda t: _score(model, chunks, hv, 132, t[1], t[2]))
+        assert pick[0] <= 1.03 * min(runs)[0], (heads, row, pick, min(runs))
+    p = plan_prefill(ROWS["1x8192"], 8, 2, device="cpu", arch="sm90", sm_count=132, supported_strategies=ALL)
+    assert (p.strategy, p.v_split, p.segment_chunks) == ("cp", 2, 16) == ("cp",) + min(by_case["2/8", "1x8192"])[1:]
+    no_level = model.model_copy(update={"cp_level_us": 0.0})
+    chunks = [128]
+    assert _score(no_level, chunks, 8, 132, 1, 8) < _score(no_level, chunks, 8, 132, 2, 16)
