@@ -277,13 +277,13 @@ def test_cp_maps_split_rule():
     p = plan([32768], 8, 24)  # 6 heads x 7 maps x 2 x 2 = 168 > 132
     assert (p.strategy, p.v_split, p.maps_v_split) == ("cp", 1, 1)
     assert plan([512] * 64, 2, 8).maps_v_split == 0
-    p = plan([32768], 2, 8, arch="sm100")
-    assert p.strategy != "cp" or p.maps_v_split == p.v_split
-    assert force_plan(plan([32768], 2, 8), "cp", 1, 64, maps_v_split=1).maps_v_split == 1
-    assert force_plan(plan([32768], 2, 8), "cp", 1, 64).maps_v_split == 2  # the rule: 2 x 7 x 2 x 2 = 56
+    assert force_plan(plan([32768], 2, 8, arch="sm100"), "cp", 1, 32).maps_v_split == 1  # no alternative
+    sm90 = plan([32768], 2, 8)
+    assert force_plan(sm90, "cp", 1, 64, maps_v_split=1).maps_v_split == 1
+    assert force_plan(sm90, "cp", 1, 64).maps_v_split == 2  # the rule: 2 x 7 x 2 x 2 = 56
     for args, kw in [(("cp", 1, 32), {"maps_v_split": 3}), (("vsplit", 2), {"maps_v_split": 2})]:
         with pytest.raises(ValueError, match="maps_v_split"):
-            force_plan(p, *args, **kw)
+            force_plan(sm90, *args, **kw)
     good = load_cost_model("sm90").model_dump()
     for bad in ({1: 1}, {2: 1}, {1: 3}):
         with pytest.raises(ValueError, match="cp_maps_v_splits"):

@@ -28,9 +28,11 @@ segments of L chunks):
       max_warmup_chunks(L); -1 where the head's gates do not decay that fast (g = 0 heads):
       the exact path below. Found on the device from stage 1's gate factors, so the host never
       waits. plan.cp "exact": no warmup.
-  2a. main "maps" grid (2 v_split, Hv, G1) over every segment but a sequence's last: the state
-      at the segment's end from its start (the pool's for the first segment, zero for the
-      others) and the segment's transition Phi (the linear part: S_end = Phi S_start + B);
+  2a. main "maps" grid (2 maps_v_split, Hv, G1) over every segment but a sequence's last: the
+      state at the segment's end from its start (the pool's for the first segment, zero for the
+      others) and the segment's transition Phi (the linear part: S_end = Phi S_start + B). Its
+      split is plan.maps_v_split (the planner may make it 2 under a v_split 1 plan: the maps are
+      whole 128-row tensors whatever the split, only the stage-1 form must match);
   2b. scan (prefill_scan.py, one launch, fp32): the true state at the end of every segment but
       the last, S_k = Phi_k S_{k-1} + B_k; V-first (X = S^T, as the pool stores it) that is
       X_k = X_{k-1} @ maps[k, 1] + maps[k, 0];
@@ -445,7 +447,7 @@ def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale,
     else:
         warm = _unread_warmup(hv, q.device)
     if cp.maps_items.shape[0]:
-        mvs = _maps_v_split(plan, vs, impl, _target)
+        mvs = _maps_pass_split(plan, vs, impl, _target)
         kk = (hv, hk, io, pool_dt, mvs, "maps", impl, _target)
         kmaps = _fns.get(kk) or _fn(main_variant(hv, hk, io, pool_dt, mvs, "maps", impl), kk)
         kmaps(*head, cp.maps_items, maps, *warm, out, float(scale), all_init, 1, warmup)
@@ -455,7 +457,7 @@ def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale,
     km(*head, cp.out_items, maps, *warm, out, float(scale), all_init, 1, warmup)
 
 
-def _maps_v_split(plan, vs: int, impl: str, target: str) -> int:
+def _maps_pass_split(plan, vs: int, impl: str, target: str) -> int:
     """The maps pass's value split (plan.maps_v_split; the plan's v_split where unset). The maps
     are whole 128-row tensors whatever the split, so the scan and the output pass do not care;
     but the maps pass reads stage 1's output, which must be in the form the plan's stage 2 reads."""
