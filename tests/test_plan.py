@@ -180,6 +180,32 @@ def test_scratch_is_made_once_per_plan():
     assert plan_prefill([100, 0, 7], 8, 2, device="cpu").kernel_cache == {}
 
 
+def _cp_sweep(name: str) -> dict:
+    """{(heads, row): [(GPU ms, v_split, segment length)]} from a CP sweep's JSON lines in
+    benchmarks/data (scripts/gpu_prefill.sh CP_SWEEP, or one bench run per forced plan)."""
+    import json
+    from pathlib import Path
+
+    from qla_serve.bench.prefill import parse_plan_label
+
+    by_case = {}
+    for line in (Path(__file__).resolve().parent.parent / "benchmarks" / "data" / name).read_text().splitlines():
+        r = json.loads(line)
+        _, vs, L = parse_plan_label(r["qla_plan"])
+        by_case.setdefault((r["heads"], r["row"]), []).append((r["qla_gpu_ms"], vs, L))
+    return by_case
+
+
+def _model_pick(model, heads: str, row: str, runs: list) -> tuple:
+    """The measured configuration the cost model scores cheapest (132 SMs, the H200's)."""
+    from qla_serve.bench.prefill import ROWS
+    from qla_serve.plan import _score
+
+    hv = int(heads.split("/")[1])
+    chunks = [-(-n // 64) for n in ROWS[row]]
+    return min(runs, key=lambda t: _score(model, chunks, hv, 132, t[1], t[2]))
+
+
 def test_sm90_cp_choices_against_the_h200_sweep():
     """The fitted CP terms (cp_maps_ratio, cp_fixed_us) against the CP sweep they were fitted on
     (benchmarks/data/prefill_v16_cp_sweep_h200.jsonl: 2/8 and 16/64 heads x 1x32768, 1x8192,
@@ -188,25 +214,16 @@ def test_sm90_cp_choices_against_the_h200_sweep():
     +10%, 2/8 1x8192), and for the single long sequences the planner's own plan cuts the
     sequence exactly where the measured best does (2/8: cut, 2.1-3.0x faster than the best
     uncut; 16/64: the V split without a cut, 6-15% faster than the best cut)."""
-    import json
-    from pathlib import Path
-
-    from qla_serve.bench.prefill import ROWS, parse_plan_label
+    from qla_serve.bench.prefill import ROWS
     from qla_serve.costmodel import load_cost_model
-    from qla_serve.plan import _score
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "data" / "prefill_v16_cp_sweep_h200.jsonl"
     model = load_cost_model("sm90")
-    by_case = {}
-    for line in path.read_text().splitlines():
-        r = json.loads(line)
-        _, vs, L = parse_plan_label(r["qla_plan"])
-        by_case.setdefault((r["heads"], r["row"]), []).append((r["qla_gpu_ms"], vs, L))
+    by_case = _cp_sweep("prefill_v16_cp_sweep_h200.jsonl")
     assert len(by_case) == 6
     for (heads, row), runs in by_case.items():
         hk, hv = (int(x) for x in heads.split("/"))
         chunks = [-(-n // 64) for n in ROWS[row]]
-        pick = min(runs, key=lambda t: _score(model, chunks, hv, 132, t[1], t[2]))
+        pick = _model_pick(model, heads, row, runs)
         assert pick[0] <= 1.12 * min(runs)[0], (heads, row, pick, min(runs))
         if row in ("1x32768", "1x8192"):
             plan = plan_prefill(ROWS[row], hv, hk, device="cpu", arch="sm90", sm_count=132,
@@ -330,25 +347,15 @@ def test_sm90_cp_choices_against_the_v19_sweep():
     configurations is within 3% of the measured best (the largest: +2.8%, 16/64 1x8192, against
     a no-cut "cp" run at L = 128 chunks), and 2/8 1x8192 takes cp/vs2/L16, the measured best, by
     the per-step term cp_level_us (without it: cp/vs1/L8, +3.5%)."""
-    import json
-    from pathlib import Path
-
-    from qla_serve.bench.prefill import ROWS, parse_plan_label
+    from qla_serve.bench.prefill import ROWS
     from qla_serve.costmodel import load_cost_model
     from qla_serve.plan import _score
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "data" / "prefill_v19_cp_sweep_h200.jsonl"
     model = load_cost_model("sm90")
-    by_case = {}
-    for line in path.read_text().splitlines():
-        r = json.loads(line)
-        _, vs, L = parse_plan_label(r["qla_plan"])
-        by_case.setdefault((r["heads"], r["row"]), []).append((r["qla_gpu_ms"], vs, L))
+    by_case = _cp_sweep("prefill_v19_cp_sweep_h200.jsonl")
     assert len(by_case) == 12 and all(len(runs) == 14 for runs in by_case.values())
     for (heads, row), runs in by_case.items():
-        hv = int(heads.split("/")[1])
-        chunks = [-(-n // 64) for n in ROWS[row]]
-        pick = min(runs, key=lambda t: _score(model, chunks, hv, 132, t[1], t[2]))
+        pick = _model_pick(model, heads, row, runs)
         assert pick[0] <= 1.03 * min(runs)[0], (heads, row, pick, min(runs))
     p = plan_prefill(ROWS["1x8192"], 8, 2, device="cpu", arch="sm90", sm_count=132, supported_strategies=ALL)
     assert (p.strategy, p.v_split, p.segment_chunks) == ("cp", 2, 16) == ("cp",) + min(by_case["2/8", "1x8192"])[1:]
