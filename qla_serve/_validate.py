@@ -47,8 +47,10 @@ def check_plan_args(seq_lens, num_v_heads, num_k_heads, cp, sm_count) -> list[in
     return lens
 
 
+# check_dtype and check_shape run ~15 times per public-op call: written as plain loops (no
+# generator, no torch.is_tensor call), they cost about half as much (CPU-measured).
 def check_dtype(name: str, x: torch.Tensor, allowed) -> None:
-    if not torch.is_tensor(x):
+    if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in allowed:
         raise TypeError(f"{name}: expected dtype in {[str(d) for d in allowed]}, got {x.dtype}")
@@ -56,9 +58,15 @@ def check_dtype(name: str, x: torch.Tensor, allowed) -> None:
 
 def check_shape(name: str, x: torch.Tensor, shape: tuple) -> None:
     """``shape`` entries may be None (any size)."""
-    if x.dim() != len(shape) or any(e is not None and e != s for e, s in zip(shape, x.shape)):
-        want = "[" + ", ".join("*" if e is None else str(e) for e in shape) + "]"
-        _fail(name, f"shape {want}", list(x.shape))
+    got = x.shape
+    if len(got) == len(shape):
+        for e, s in zip(shape, got):
+            if e is not None and e != s:
+                break
+        else:
+            return
+    want = "[" + ", ".join("*" if e is None else str(e) for e in shape) + "]"
+    _fail(name, f"shape {want}", list(got))
 
 
 def check_device(device: torch.device, **tensors) -> None:
