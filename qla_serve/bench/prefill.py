@@ -14,9 +14,9 @@ sum over `--reps` eager calls ("profiler" in the row): the GPU's own time, witho
 its host syncs leave; CUDA events around its eager calls are kept as `<impl>_eager_ms`
 ("events" is the timing only if the profiler fails). Host time per eager call: wall time of
 `--reps` eager calls with a sync only at the end, minus GPU time (what the CPU adds when it,
-not the GPU, is the bottleneck); the median over three rounds, each measuring the GPU time
-again just before its eager calls (`<impl>_host_over_gpu_rounds_us`), and the CPU time of one
-eager call alone (enqueue, no sync) as `<impl>_host_ms`.
+not the GPU, is the bottleneck); the median over three rounds, each with a GPU time measured
+just before its eager calls (the first: the row's own; `<impl>_host_over_gpu_rounds_us`), and
+the CPU time of one eager call alone (enqueue, no sync; first round) as `<impl>_host_ms`.
 
 Writes JSON (--json), a markdown table (--md) and optionally a PNG (--png, needs matplotlib).
 """
@@ -198,16 +198,19 @@ def _kernel_timeline(fn, reps, graph_calls):
     return out
 
 
-def _host_over_gpu_ms(fn, reps, graph_calls, rounds=3):
-    """(median, all rounds) of the wall time per back-to-back eager call above the GPU time per
-    call, each round measuring the two next to each other: the GPU time of one call drifts by
-    1-4% between measurements minutes apart, 10-40 us on the 1 ms rows, which a single GPU figure
-    taken earlier put into this difference (benchmarks/prefill.md v19)."""
-    overs = []
-    for _ in range(rounds):
-        gpu = _gpu_time_ms(fn, reps, graph_calls)[0]
-        overs.append(_host_ms(fn, reps, gpu)[1])
-    return statistics.median(overs), overs
+def _host_rounds_ms(fn, reps, graph_calls, gpu_ms, rounds=3):
+    """(CPU ms per eager call of the first round, median and all rounds of the wall time per
+    back-to-back eager call above the GPU time per call). Each round measures the two next to
+    each other: the GPU time of one call drifts by 1-4% between measurements minutes apart,
+    10-40 us on the 1 ms rows, which a single GPU figure taken earlier put into this difference
+    (benchmarks/prefill.md v19). The first round uses ``gpu_ms``, measured just before."""
+    cpus, overs = [], []
+    for r in range(rounds):
+        gpu = gpu_ms if r == 0 else _gpu_time_ms(fn, reps, graph_calls)[0]
+        cpu, over = _host_ms(fn, reps, gpu)
+        cpus.append(cpu)
+        overs.append(over)
+    return cpus[0], statistics.median(overs), overs
 
 
 def _host_ms(fn, reps, gpu_ms):
@@ -351,8 +354,7 @@ def run(args) -> int:
                     else:
                         fn, res = _fla_fn(lens, data, impl)
                     gpu, how, eager = _gpu_time_ms(fn, args.reps, args.graph_calls)
-                    host = _host_ms(fn, args.reps, gpu)[0]
-                    over, rounds = _host_over_gpu_ms(fn, args.reps, args.graph_calls)
+                    host, over, rounds = _host_rounds_ms(fn, args.reps, args.graph_calls, gpu)
                     rec[f"{impl}_gpu_ms"] = round(gpu, 4)
                     rec[f"{impl}_timing"] = how
                     if eager is not None:
