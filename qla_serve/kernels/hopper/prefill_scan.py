@@ -40,7 +40,7 @@ import tilelang.language as T
 
 DV = 128
 DK = 128
-ROW_CHOICES = (2, 4, 8)  # rows of X per block: 64, 32 or 16 blocks per pair
+ROW_CHOICES = (2, 4, 8)  # rows of X per work item: 64, 32 or 16 items per pair
 THREADS = 256
 WARPS = THREADS // 32
 HALF = DK // 2
