@@ -28,4 +28,5 @@ step "demo (GPU)" 60 python -m qla_serve.cli demo 2>&1 | tee "$out/demo.log"
 step "cold start with the precompiled TP8 cache" 90 env TILELANG_CACHE_DIR=/tmp/tl_tp8 \
   python -m qla_serve.deploy.coldstart --config configs/deploy/qwen3.5-397b-a17b-tp8.yaml 2>&1 | tee "$out/coldstart.log"
 step "host time: ops vs kernel modules" 60 python benchmarks/ops_host.py 2>&1 | tee "$out/ops_host.log"
+step "host time: prefill launch by launch (raw vs adapter)" 120 python benchmarks/launch_host.py 2>&1 | tee "$out/launch_host.log"
 step "host time: planner" 40 python benchmarks/plan_host.py --iters 2000 2>&1 | tee "$out/plan_host.log"

@@ -44,10 +44,11 @@ of a fused projection.
 # which refer to closure variables (head counts, dtypes).
 import os
 import threading
-import warnings
 from typing import Any
 
 import torch
+
+from .raw_launch import raw_function
 
 HEAD_DIM = 128
 _LANES = 8            # lanes per state row
@@ -562,27 +563,7 @@ def _launcher(op, q, pool, g, a, A_log, dt_bias, b, beta, l2, tile):
     variant = _variant(op, pool.shape[1], q.shape[1], io, pdt, gating, ab, param, l2, tile)
     with _BUILD_LOCK:
         kernel = build(variant, _device_target(idx))
-    return _raw_function(kernel)
-
-
-def _raw_function(kernel):
-    """The raw tvm-ffi function of the kernel's host wrapper.
-
-    Calling it directly skips the tilelang adapter's per-call Python loop (output allocation,
-    dynamic-shape bookkeeping) that this module does not use; it is the very function the
-    adapter ends up calling, and reads the CUDA stream from torch's current stream the same
-    way. A kernel loaded from TileLang's disk cache holds a loaded module; a fresh compile holds
-    an executable to link first. Anything else: the adapter's own callable (same kernel, slower
-    host path), with a warning.
-    """
-    exe = kernel.adapter.get_exportable_executable()
-    mod = exe.jit() if hasattr(type(exe), "jit") else exe
-    try:
-        return mod.main
-    except AttributeError:
-        warnings.warn("qla_serve decode: TileLang's host function not found; using the adapter "
-                      "callable (correct, but ~15 µs more host time per call)", RuntimeWarning)
-        return kernel.torch_function
+    return raw_function(kernel, variant["name"])
 
 
 def _check_alignment(vec: int, pool, q, k, inter=None) -> None:
@@ -680,7 +661,7 @@ def commit_verified(pool, slot_ids, intermediate, intermediate_ids, num_accepted
         idx = pool.device.index if pool.device.index is not None else torch.cuda.current_device()
         with _BUILD_LOCK:
             kernel = build(_commit_variant(pool.shape[1], pdt, acc), _device_target(idx))
-        fn = _FAST[key] = _raw_function(kernel)
+        fn = _FAST[key] = raw_function(kernel, "commit_verified")
     if intermediate.dtype != pool.dtype:
         raise TypeError(f"intermediate: expected the pool dtype {pool.dtype}, got {intermediate.dtype}")
     vec = 4 if pool.dtype == torch.float32 else 8

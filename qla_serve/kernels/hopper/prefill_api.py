@@ -58,6 +58,7 @@ import threading
 import torch
 
 from . import prefill_main, prefill_main_vfirst, prefill_prep, prefill_scan, prefill_warmup
+from .raw_launch import raw_function
 
 ARCH = "sm_90a"
 CHUNK = 64
@@ -103,7 +104,7 @@ MAIN_IMPL = _main_impl_from_env()
 _TORCH_TO_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 _kernels: dict = {}
 _lock = threading.Lock()
-_fns: dict = {}  # short key -> the compiled kernel's raw callable (fast path per call)
+_fns: dict = {}  # short key -> the compiled kernel's raw launch function (raw_launch.py)
 _dummies: dict = {}
 
 
@@ -267,9 +268,12 @@ def _half_qk(plan, ntok: int, hk: int, device):
 
 
 def _check_tma_strides(**tensors) -> None:
-    """TMA tile loads need 16-byte aligned bases and strides (true for engine layouts)."""
+    """TMA tile loads need 16-byte aligned bases and strides (true for engine layouts). The
+    tensors are [T, H, 128] (the last stride is 1, checked by the kernel); written out, not as a
+    generator, because it runs on every call (~1 µs less)."""
     for name, t in tensors.items():
-        if t.data_ptr() % 16 or any((st * t.element_size()) % 16 for st in t.stride()[:-1]):
+        st, size = t.stride(), t.element_size()
+        if t.data_ptr() % 16 or (st[0] * size) % 16 or (st[1] * size) % 16:
             raise ValueError(
                 f"{name}: expected a 16-byte aligned base and token/head strides that are multiples of "
                 f"16 bytes, got strides {tuple(t.stride())} for dtype {t.dtype}"
@@ -277,9 +281,15 @@ def _check_tma_strides(**tensors) -> None:
 
 
 def _fn(variant: dict, short_key: tuple):
-    fn = build(variant, short_key[-1]).torch_function
+    fn = raw_function(build(variant, short_key[-1]), variant["name"])
     _fns[short_key] = fn
     return fn
+
+
+def _kernel(variant: dict, short_key: tuple):
+    """The variant's raw launch function (raw_launch.py), compiled or loaded on first use; short_key
+    (ending in the target) keys the process-wide dict."""
+    return _fns.get(short_key) or _fn(variant, short_key)
 
 
 def _dummy(key, make):
@@ -390,71 +400,108 @@ def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale,
     computed, the pool is neither read nor written for them. ``_stages`` (benchmarks only) runs
     "prep" or "main" alone; ``_target`` is the compile target ("sm_100a" from
     qla_serve.kernels.blackwell).
+
+    The launches are resolved once per plan and call shape (:class:`_Launches`, kept in
+    plan.scratch): every GDN layer of a step then only binds its own tensors.
     """
-    strategy = getattr(plan, "strategy", "plain")
-    if strategy not in SUPPORTED_STRATEGIES:
-        raise ValueError(f"plan.strategy must be one of {sorted(SUPPORTED_STRATEGIES)} on {ARCH}, got {strategy!r}")
-    vs = int(getattr(plan, "v_split", 1))
-    if vs not in V_SPLITS:
-        raise ValueError(f"plan.v_split must be one of {V_SPLITS}, got {vs}")
-    ntok = q.shape[0]
-    nseq = slot_ids.shape[0]
-    hk, hv = k.shape[1], v.shape[1]
-    io = _TORCH_TO_TL[q.dtype]
-    pool_dt = _TORCH_TO_TL[pool.dtype]
-    impl = main_impl_for(vs, _target)
-    form = PREP_FORM[impl]
-    kp = _fns.get((hv, hk, io, form, _target)) or _fn(prep_variant(hv, hk, io, form), (hv, hk, io, form, _target))
-    kk = (hv, hk, io, pool_dt, vs, "output", impl, _target)
-    km = _fns.get(kk) or _fn(main_variant(hv, hk, io, pool_dt, vs, "output", impl), kk)
-    if scale is None:
-        scale = 128**-0.5
-    if has_initial_state is None:
-        flags, all_init = _dummy(("flags", q.device), lambda: torch.ones(1, dtype=torch.uint8, device=q.device)), 1
-    else:
-        flags, all_init = has_initial_state.view(torch.uint8), 0
-    if nseq == 0:
-        return
-    nchunks, stage1 = _plan_scratch(plan, hv, form, q.device)
-    if ntok == 0:  # only empty sequences: nothing to compute, final state = initial state
-        q, k, v, out, g, beta = (_one_row(x) for x in (q, k, v, out, g, beta))
-    else:
-        _check_tma_strides(q=q, k=k, v=v)
-    # Stage 2's tensor-core operands are fp16: bf16 q/k are converted once, by stage 1.
-    qh, kh = _half_qk(plan, q.shape[0], hk, q.device) if io == "bfloat16" else (q, k)
-    if nchunks > 0 and "prep" in _stages:  # _stages: benchmarks time the two kernels apart
-        kp(q, k, v, g, beta, plan.cu_seqlens, plan.chunk_offsets, *stage1, qh, kh, float(scale))
-    if "main" not in _stages:
-        return
-    fbuf, pbuf, mbuf, ubuf, wbuf = stage1
-    # Stage 2's inputs: V-first reads v and M, v8 U0 and -Wk.
-    tiles = (v, fbuf, pbuf, mbuf) if impl == "vfirst" else (fbuf, pbuf, ubuf, wbuf)
-    head = (qh, kh, *tiles, pool, slot_ids, flags, plan.cu_seqlens, plan.chunk_offsets)
-    if strategy != "cp":
-        km(*head, _whole_sequence_items(plan, q.device), _unread_maps(hv, q.device),
-           *_unread_warmup(hv, q.device), out, float(scale), all_init, 0, 0)
-        return
-    cp = plan.scratch(("hopper_prefill_cp", q.device), lambda: _CPTables(plan, q.device))
-    maps = plan.scratch(("hopper_prefill_maps", hv, q.device), lambda: cp.maps(hv, q.device))
-    # Gate warmup only where truncating at e^-10 is allowed ("auto"; never for cp="exact").
-    max_warmup = max_warmup_chunks(plan.segment_chunks)
-    warmup = int(GATE_WARMUP and plan.cp == "auto" and cp.num_cut > 0 and max_warmup > 0)
-    if warmup:
-        warm = plan.scratch(("hopper_prefill_warm", hv, q.device), lambda: cp.warmup(hv, q.device))
-        kk = (hv, "warmup", _target)
-        (_fns.get(kk) or _fn(warmup_variant(hv), kk))(
-            stage1[0], plan.chunk_offsets, cp.cuts, *warm, plan.segment_chunks, max_warmup)
-    else:
-        warm = _unread_warmup(hv, q.device)
-    if cp.maps_items.shape[0]:
-        mvs = _maps_pass_split(plan, vs, impl, _target)
-        kk = (hv, hk, io, pool_dt, mvs, "maps", impl, _target)
-        kmaps = _fns.get(kk) or _fn(main_variant(hv, hk, io, pool_dt, mvs, "maps", impl), kk)
-        kmaps(*head, cp.maps_items, maps, *warm, out, float(scale), all_init, 1, warmup)
-        if cp.levels > 1:
-            kk = (hv, "scan", _target)
-            (_fns.get(kk) or _fn(scan_variant(hv), kk))(maps, cp.cut_levels, warm[1], warmup, _sm_count(q.device))
-    km(*head, cp.out_items, maps, *warm, out, float(scale), all_init, 1, warmup)
+    key = ("hopper_prefill_launches", q.shape[0], k.shape[1], v.shape[1], q.dtype, pool.dtype,
+           has_initial_state is None, q.device, _stages, _target, GATE_WARMUP, MAIN_IMPL)
+    launches = plan.kernel_cache.get(key)
+    if launches is None:
+        launches = plan.kernel_cache[key] = _Launches(plan, q, k, v, pool, has_initial_state is None, _stages,
+                                                      _target)
+    launches(q, k, v, g, beta, pool, slot_ids, has_initial_state, scale, out)
+
+
+class _Launches:
+    """One prefill call's launches for a plan and call shape (token count, heads, dtypes, device,
+    the module switches GATE_WARMUP and MAIN_IMPL): the kernels' raw launch functions, stage 1's
+    buffers, the CP tables and workspaces, resolved once (FlashInfer's plan/run split). A call
+    binds q, k, v, g, beta, the pool, the slots, the flags, the scale and out, and launches:
+
+      prep -> main output                                        (plain, vsplit)
+      prep -> [finder] -> maps -> [scan] -> main output          (cp; module docstring)
+    """
+
+    def __init__(self, plan, q, k, v, pool, all_init: bool, stages: str, target: str):
+        strategy = getattr(plan, "strategy", "plain")
+        if strategy not in SUPPORTED_STRATEGIES:
+            raise ValueError(f"plan.strategy must be one of {sorted(SUPPORTED_STRATEGIES)} on {ARCH}, "
+                             f"got {strategy!r}")
+        vs = int(getattr(plan, "v_split", 1))
+        if vs not in V_SPLITS:
+            raise ValueError(f"plan.v_split must be one of {V_SPLITS}, got {vs}")
+        hk, hv, dev = k.shape[1], v.shape[1], q.device
+        io, pool_dt = _TORCH_TO_TL[q.dtype], _TORCH_TO_TL[pool.dtype]
+        impl = main_impl_for(vs, target)
+        self.vfirst = impl == "vfirst"
+        form = PREP_FORM[impl]
+        self.ntok = q.shape[0]
+        self.all_init = int(all_init)
+        self.flags = _dummy(("flags", dev), lambda: torch.ones(1, dtype=torch.uint8, device=dev))
+        self.cu_seqlens, self.chunk_offsets = plan.cu_seqlens, plan.chunk_offsets
+        nchunks, self.stage1 = _plan_scratch(plan, hv, form, dev)
+        # Stage 2's tensor-core operands are fp16: bf16 q/k are converted once, by stage 1.
+        self.half_qk = _half_qk(plan, max(self.ntok, 1), hk, dev) if io == "bfloat16" else None
+        kp = _kernel(prep_variant(hv, hk, io, form), (hv, hk, io, form, target))
+        self.prep = kp if nchunks > 0 and "prep" in stages else None  # stages: benchmarks time them apart
+        self.output = None
+        if "main" not in stages:
+            return
+        self.output = _kernel(main_variant(hv, hk, io, pool_dt, vs, "output", impl),
+                              (hv, hk, io, pool_dt, vs, "output", impl, target))
+        self.finder = self.maps_pass = self.scan = None
+        if strategy != "cp":
+            self.items, self.maps = _whole_sequence_items(plan, dev), _unread_maps(hv, dev)
+            self.warm, self.use_items, self.warmup = _unread_warmup(hv, dev), 0, 0
+            return
+        cp = plan.scratch(("hopper_prefill_cp", dev), lambda: _CPTables(plan, dev))
+        self.items, self.use_items = cp.out_items, 1
+        self.maps = plan.scratch(("hopper_prefill_maps", hv, dev), lambda: cp.maps(hv, dev))
+        # Gate warmup only where truncating at e^-10 is allowed ("auto"; never for cp="exact").
+        max_warmup = max_warmup_chunks(plan.segment_chunks)
+        self.warmup = int(GATE_WARMUP and plan.cp == "auto" and cp.num_cut > 0 and max_warmup > 0)
+        self.warm = _unread_warmup(hv, dev)
+        if self.warmup:
+            self.warm = plan.scratch(("hopper_prefill_warm", hv, dev), lambda: cp.warmup(hv, dev))
+            self.finder = functools.partial(_kernel(warmup_variant(hv), (hv, "warmup", target)), self.stage1[0],
+                                            plan.chunk_offsets, cp.cuts, *self.warm, plan.segment_chunks,
+                                            max_warmup)
+        if cp.maps_items.shape[0]:
+            mvs = _maps_pass_split(plan, vs, impl, target)
+            self.maps_items = cp.maps_items
+            self.maps_pass = _kernel(main_variant(hv, hk, io, pool_dt, mvs, "maps", impl),
+                                     (hv, hk, io, pool_dt, mvs, "maps", impl, target))
+            if cp.levels > 1:
+                self.scan = functools.partial(_kernel(scan_variant(hv), (hv, "scan", target)), self.maps,
+                                              cp.cut_levels, self.warm[1], self.warmup, _sm_count(dev))
+
+    def __call__(self, q, k, v, g, beta, pool, slot_ids, has_initial_state, scale, out) -> None:
+        if slot_ids.shape[0] == 0:
+            return
+        if self.ntok == 0:  # only empty sequences: nothing to compute, final state = initial state
+            q, k, v, out, g, beta = (_one_row(x) for x in (q, k, v, out, g, beta))
+        else:
+            _check_tma_strides(q=q, k=k, v=v)
+        flags = self.flags if has_initial_state is None else has_initial_state.view(torch.uint8)
+        scale = 128**-0.5 if scale is None else float(scale)
+        qh, kh = self.half_qk or (q, k)
+        if self.prep is not None:
+            self.prep(q, k, v, g, beta, self.cu_seqlens, self.chunk_offsets, *self.stage1, qh, kh, scale)
+        if self.output is None:
+            return
+        fbuf, pbuf, mbuf, ubuf, wbuf = self.stage1
+        # Stage 2's inputs: V-first reads v and M, v8 U0 and -Wk.
+        tiles = (v, fbuf, pbuf, mbuf) if self.vfirst else (fbuf, pbuf, ubuf, wbuf)
+        head = (qh, kh, *tiles, pool, slot_ids, flags, self.cu_seqlens, self.chunk_offsets)
+        if self.finder is not None:
+            self.finder()
+        if self.maps_pass is not None:
+            self.maps_pass(*head, self.maps_items, self.maps, *self.warm, out, scale, self.all_init, 1, self.warmup)
+        if self.scan is not None:
+            self.scan()
+        self.output(*head, self.items, self.maps, *self.warm, out, scale, self.all_init, self.use_items,
+                    self.warmup)
 
 
 def _maps_pass_split(plan, vs: int, impl: str, target: str) -> int:
