@@ -26,6 +26,7 @@ SCAN_CASES = [  # (label, Hv, heads needing maps, maps = segments - 1; the scan 
 FINDER_CASES = [  # (label, Hv, segments, L)
     ("2/8 1x32768 L32", 8, 16, 32),
     ("2/8 1x8192 L8", 8, 16, 8),
+    ("2/8 1x8192 L16", 8, 8, 16),
     ("16/32 1x32768 L128", 32, 4, 128),
 ]
 

@@ -13,8 +13,9 @@ take the exact path instead: maps pass, scan, start from the map. max_warmup < L
 reads the pool (whose slot the sequence's last segment writes in the same launch).
 
 This kernel decides that per (segment, head) from stage 1's gate factors, so the host never
-waits for the GPU. Grid (num_cut, Hv), 128 threads (4 warps); warp w handles segments
-k = 1 + w, 5 + w, ... of cut sequence j. Lane i of a warp reads the log decay of chunk
+waits for the GPU. Grid (num_cut, Hv), 512 threads (16 warps); warp w handles segments
+k = 1 + w, 17 + w, ... of cut sequence j (16 warps: a 1 x 32768 sequence at L = 32 has 15
+segments to place, one round of windows; v18-v19's 4 warps took four rounds). Lane i of a warp reads the log decay of chunk
 c0 - 1 - (32 b + i) in window b = 0, 1, ... (one load per lane: the 32 loads of a window are in
 flight together), a warp prefix sum (shuffles) plus the earlier windows' total gives the summed
 decay back to that chunk, and the first lane at or below WARMUP_LOG_DECAY (ballot) is the start:
@@ -37,7 +38,7 @@ import tilelang.language as T
 from ..reference import WARMUP_LOG_DECAY
 
 C = 64
-THREADS = 128
+THREADS = 512
 WARPS = THREADS // 32
 FULL_MASK = 0xFFFFFFFF
 
