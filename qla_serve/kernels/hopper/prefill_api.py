@@ -45,9 +45,11 @@ The algebra is reference.segmented_gdn's (the float64 oracle of the exact path) 
 reference.warmup_gdn's (the gate warmup).
 
 Kernels are compiled once per (heads, dtypes, v_split, mode) with an explicit target, through
-TileLang's disk cache (TILELANG_CACHE_DIR), and kept in an in-process dict, so a call costs two
-launches (four with CP) and a few dict lookups; a CP plan's segment tables are built and
-uploaded once per plan (plan.scratch). Nothing here synchronises with the GPU.
+TileLang's disk cache (TILELANG_CACHE_DIR), and kept in an in-process dict. A plan's first call
+resolves its launches (_Launches: kernels, workspaces, a CP plan's segment tables, uploaded once)
+and keeps them in plan.scratch, so every later call of the step (every GDN layer) costs two
+launches (four or five with CP) through the kernels' raw host functions (raw_launch.py) and a
+few attribute reads. Nothing here synchronises with the GPU.
 """
 
 import collections
