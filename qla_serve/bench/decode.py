@@ -96,7 +96,6 @@ class _Case:
         self.bytes = self.state_bytes + io_bytes
         self.nsets = max(2, min(256, math.ceil(L2_FLUSH_BYTES / self.state_bytes)))
         S = B * self.nsets
-        slot = hv * HD * HD
         self.pool = (torch.randn(S, hv, HD, HD, generator=gen, device=dev) * 0.3).to(self.pdt)
         perm = torch.randperm(S, generator=gen, device=dev).to(torch.int32)
         self.slot_sets = [perm[i * B:(i + 1) * B].contiguous() for i in range(self.nsets)]
