@@ -15,10 +15,11 @@ reads the pool (whose slot the sequence's last segment writes in the same launch
 This kernel decides that per (segment, head) from stage 1's gate factors, so the host never
 waits for the GPU. Grid (num_cut, Hv), 512 threads (16 warps); warp w handles segments
 k = 1 + w, 17 + w, ... of cut sequence j (16 warps: a 1 x 32768 sequence at L = 32 has 15
-segments to place, one round of windows; v18-v19's 4 warps took four rounds). Lane i of a warp reads the log decay of chunk
-c0 - 1 - (32 b + i) in window b = 0, 1, ... (one load per lane: the 32 loads of a window are in
-flight together), a warp prefix sum (shuffles) plus the earlier windows' total gives the summed
-decay back to that chunk, and the first lane at or below WARMUP_LOG_DECAY (ballot) is the start:
+segments to place, one round; v18-v19's 4 warps took four, 3.9 -> 2.6 us on the H200,
+benchmarks/prefill.md v20). Lane i of a warp reads the log decay of chunk c0 - 1 - (32 b + i)
+in window b = 0, 1, ... (one load per lane: the 32 loads of a window are in flight together), a
+warp prefix sum (shuffles) plus the earlier windows' total gives the summed decay back to that
+chunk, and the first lane at or below WARMUP_LOG_DECAY (ballot) is the start:
     warm_start[out_base + k, h] = w (the chunk, within the sequence, the walk starts at),
                                   or -1: the exact path (start from the scanned map)
     need_maps[j, h]             = 1 if any segment of (j, h) takes the exact path, else 0:

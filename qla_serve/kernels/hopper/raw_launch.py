@@ -5,9 +5,8 @@ output allocation, dynamic-shape bookkeeping, a per-device executable lookup) be
 the kernel's host function; qla_serve's kernels allocate nothing and take every argument
 positionally, so calling the host function directly is the same launch without 2.5-3.5 µs of
 Python per launch (H200 host, benchmarks/launch_host.py; benchmarks/prefill.md v20). The host
-function itself still
-checks every argument's dtype, shape, strides and device, and takes the CUDA stream from
-torch's current stream, exactly as through the adapter.
+function itself still checks every argument's dtype, shape, strides and device, and takes the
+CUDA stream from torch's current stream, exactly as through the adapter.
 """
 
 import warnings
