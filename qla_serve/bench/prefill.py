@@ -17,6 +17,9 @@ its host syncs leave; CUDA events around its eager calls are kept as `<impl>_eag
 not the GPU, is the bottleneck); the median over three rounds, each with a GPU time measured
 just before its eager calls (the first: the row's own; `<impl>_host_over_gpu_rounds_us`), and
 the CPU time of one eager call alone (enqueue, no sync; first round) as `<impl>_host_ms`.
+With --idle, the host's share measured another way: the GPU's idle time per call in back-to-back
+eager calls minus that in graph replays, both from the profiler's kernel timeline
+(`<impl>_host_idle_us`), which the GPU time's drift between measurements does not move.
 
 Writes JSON (--json), a markdown table (--md) and optionally a PNG (--png, needs matplotlib).
 """
@@ -66,6 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--breakdown", action="store_true", help="also time qla_serve's prep and main kernels apart")
     parser.add_argument("--kernels", action="store_true",
                         help="also record qla_serve's kernels in launch order (GPU us each, idle us before each)")
+    parser.add_argument("--idle", action="store_true",
+                        help="also record each impl's GPU idle us per call in eager calls and in graph replays "
+                             "(<impl>_eager_idle_us, _graph_idle_us; their difference <impl>_host_idle_us: the "
+                             "host's share, free of GPU-time drift), from the profiler")
     parser.add_argument("--check", action="store_true", help="also report qla_serve vs FLA rel. L2 difference")
     parser.add_argument("--json", default=None)
     parser.add_argument("--md", default=None)
@@ -211,6 +218,52 @@ def _host_rounds_ms(fn, reps, graph_calls, gpu_ms, rounds=3):
         cpus.append(cpu)
         overs.append(over)
     return cpus[0], statistics.median(overs), overs
+
+
+def idle_per_call_us(spans, calls) -> float:
+    """GPU idle us per call from the (start, end) spans (us) of every kernel of `calls`
+    consecutive calls: from the first kernel's start to the last kernel's end, the time no
+    kernel ran, over calls (overlapping kernels count once)."""
+    spans = sorted(spans)
+    busy, run_start, run_end = 0.0, spans[0][0], spans[0][1]
+    for start, end in spans[1:]:
+        if start > run_end:
+            busy += run_end - run_start
+            run_start = start
+        run_end = max(run_end, end)
+    busy += run_end - run_start
+    return (max(end for _, end in spans) - spans[0][0] - busy) / calls
+
+
+def _kernel_spans(prof):
+    import torch
+
+    cuda = torch.autograd.DeviceType.CUDA
+    return [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == cuda]
+
+
+def _idle_us(fn, reps, graph_calls):
+    """(GPU idle us per call over reps back-to-back eager calls, the same in CUDA-graph replays
+    or None where fn cannot be captured), from the profiler's kernel timeline. Their difference
+    is the host's share of an eager call's time that, unlike wall time minus a GPU time taken
+    beside it, does not move with the GPU time's own drift (up to 10% between measurements on
+    the ~1 ms rows: benchmarks/prefill.md v20). The profiler's tracing adds its own host time
+    per launch, so the eager figure errs high."""
+    import torch
+
+    fn()
+    eager = idle_per_call_us(_kernel_spans(_profiled(fn, reps)), reps)
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(graph_calls):
+                fn()
+        graph.replay()
+        replays = max(1, reps // graph_calls)
+        return eager, idle_per_call_us(_kernel_spans(_profiled(graph.replay, replays)), replays * graph_calls)
+    except Exception:  # noqa: BLE001 - baselines that sync on the host cannot be captured
+        torch.cuda.synchronize()
+        return eager, None
 
 
 def _host_ms(fn, reps, gpu_ms):
@@ -362,6 +415,12 @@ def run(args) -> int:
                     rec[f"{impl}_host_ms"] = round(host, 4)
                     rec[f"{impl}_host_over_gpu_us"] = round(over * 1e3, 1)
                     rec[f"{impl}_host_over_gpu_rounds_us"] = [round(x * 1e3, 1) for x in rounds]
+                    if args.idle:
+                        eager_idle, graph_idle = _idle_us(fn, args.reps, args.graph_calls)
+                        rec[f"{impl}_eager_idle_us"] = round(eager_idle, 1)
+                        if graph_idle is not None:
+                            rec[f"{impl}_graph_idle_us"] = round(graph_idle, 1)
+                            rec[f"{impl}_host_idle_us"] = round(eager_idle - graph_idle, 1)
                     if args.check and impl == "fla" and qla_out is not None:
                         fn()
                         o = res["o"][0]
