@@ -118,7 +118,6 @@ def test_compiles_cp_warmup_sm90a():
     assert "logf(" in src and "-1.000000e+01" in src, "expected log decays summed against -10"
 
 
-
 def test_launches_go_to_the_kernels_host_function():
     """prefill_api launches through raw_launch.raw_function: the compiled host function itself
     (a tvm_ffi Function, not TileLang's Python adapter), which still checks its arguments. Here,
@@ -134,6 +133,7 @@ def test_launches_go_to_the_kernels_host_function():
     warm, need = torch.zeros(2, 8, dtype=torch.int32), torch.zeros(1, 8, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="gdn_prefill_cp_warmup input fbuf device_type mismatch"):
         fn(fbuf, offsets, cuts, warm, need, 2, 1)
+
 
 @pytest.mark.parametrize("v_split,mode", [(1, "output"), (2, "maps")])
 def test_compiles_vfirst_sm90a(v_split, mode):

@@ -163,36 +163,37 @@ def test_maps_pass_split_must_read_the_plans_prep_form(launches):
         _call([64 * 10, 100], 1, 3, "exact", maps_v_split=4)
 
 
+def _resolved(plan):
+    return [key for key in plan.kernel_cache if key[0] == "hopper_prefill_launches"]
+
+
 def test_a_plans_later_calls_bind_their_own_tensors(launches, monkeypatch):
     """prefill_api._Launches: a plan's launches are resolved on its first call and reused (every
     GDN layer of a step), but each call launches with its own tensors and flags; a call of
     another shape (has_initial_state given instead of None) or under another switch
     (GATE_WARMUP) gets launches of its own."""
-    inputs = {}
-    plan = _call([64 * 10, 100], 1, 3, "auto", inputs)
+    plan = _call([64 * 10, 100], 1, 3, "auto")
     first = list(launches)
-    resolved = [key for key in plan.kernel_cache if key[0] == "hopper_prefill_launches"]
-    assert len(resolved) == 1
-    T = sum([64 * 10, 100])
+    assert len(_resolved(plan)) == 1 and first[-1][1]["all_init"] == 1  # has_initial_state=None
+    T = 64 * 10 + 100
     q2, k2, v2 = (torch.randn(T, h, 128, dtype=torch.bfloat16) for h in (HK, HK, HV))
     g, beta, out2 = torch.zeros(T, HV), torch.ones(T, HV), torch.empty(T, HV, 128, dtype=torch.bfloat16)
     pool2 = torch.zeros(3, HV, 128, 128)
     slots = torch.arange(2, dtype=torch.int32)
     flags = torch.tensor([True, False])
-    launches.clear()
-    P.prefill(q2, k2, v2, g, beta, pool2, slots, plan, has_initial_state=flags, scale=0.5, out=out2)
-    assert _sequence(launches) == _sequence(first)
+
+    def call():
+        launches.clear()
+        P.prefill(q2, k2, v2, g, beta, pool2, slots, plan, has_initial_state=flags, scale=0.5, out=out2)
+
+    call()
+    assert _sequence(launches) == _sequence(first) and len(_resolved(plan)) == 2
     prep, main = launches[0][1], launches[-1][1]
     assert prep["q"] is q2 and prep["k"] is k2 and prep["scale"] == 0.5
     assert main["values"] is v2 and main["pool"] is pool2 and main["out"] is out2
     assert main["has_init"].data_ptr() == flags.data_ptr() and main["all_init"] == 0
-    assert first[-1][1]["all_init"] == 1  # the first call passed has_initial_state=None
-    assert len([key for key in plan.kernel_cache if key[0] == "hopper_prefill_launches"]) == 2
-    # same shape again: the second resolution is reused, nothing new
-    P.prefill(q2, k2, v2, g, beta, pool2, slots, plan, has_initial_state=flags, scale=0.5, out=out2)
-    assert len([key for key in plan.kernel_cache if key[0] == "hopper_prefill_launches"]) == 2
-    # GATE_WARMUP switched off: this plan's calls drop the finder from then on
-    monkeypatch.setattr(P, "GATE_WARMUP", False)
-    launches.clear()
-    P.prefill(q2, k2, v2, g, beta, pool2, slots, plan, has_initial_state=flags, scale=0.5, out=out2)
+    call()  # the same shape again: the second resolution is reused
+    assert len(_resolved(plan)) == 2
+    monkeypatch.setattr(P, "GATE_WARMUP", False)  # from now on this plan's calls drop the finder
+    call()
     assert ("cp_warmup", "", "") in _sequence(first) and ("cp_warmup", "", "") not in _sequence(launches)
