@@ -164,6 +164,21 @@ def gdn_prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state=Non
     Returns:
         o [T, Hv, 128]; every live slot holds its sequence's final state.
     """
+    args = (q, k, v, g, beta, pool, slot_ids, has_initial_state, out)
+    seen = _prefill_metadata(plan, args)
+    if seen is None or seen not in plan.kernel_cache:
+        _check_prefill(plan, *args)
+        if seen is not None:
+            plan.kernel_cache[seen] = True
+    if out is None:
+        out = torch.empty((q.shape[0], v.shape[1], V.HEAD_DIM), dtype=q.dtype, device=q.device)
+    slot_ids = slot_ids.to(q.device, torch.int32, non_blocking=True)
+    _run("prefill", q.device, q.dtype, q, k, v, g, beta, pool, slot_ids, plan,
+         has_initial_state=has_initial_state, scale=_scale(scale), out=out)
+    return out
+
+
+def _check_prefill(plan, q, k, v, g, beta, pool, slot_ids, has_initial_state, out) -> None:
     T, Hk, Hv = V.check_qkv(q, k, v)
     V.check_gates(T, Hv, g, beta, None, None, None, None, allow_raw=False)
     V.check_pool(pool, Hv)
@@ -181,11 +196,26 @@ def gdn_prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state=Non
         V.check_shape("has_initial_state", has_initial_state, (N,))
     V.check_device(q.device, k=k, v=v, g=g, beta=beta, pool=pool, slot_ids=slot_ids,
                    has_initial_state=has_initial_state)
-    out = V.output(out, (T, Hv, V.HEAD_DIM), q.dtype, q.device)
-    slot_ids = slot_ids.to(q.device, torch.int32, non_blocking=True)
-    _run("prefill", q.device, q.dtype, q, k, v, g, beta, pool, slot_ids, plan,
-         has_initial_state=has_initial_state, scale=_scale(scale), out=out)
-    return out
+    V.output(out, (T, Hv, V.HEAD_DIM), q.dtype, q.device)
+
+
+def _metadata(x):
+    return None if x is None else (x.dtype, x.shape, x.stride(), x.device)
+
+
+def _prefill_metadata(plan, args):
+    """The key under which gdn_prefill records, in plan.kernel_cache, that arguments with this
+    metadata passed _check_prefill: every tensor's dtype, shape, strides and device, which is
+    all the checks read, so the other GDN layers of the step (same metadata, other tensors)
+    skip them (~16 -> ~5 us on the CPU machine). None, and the checks run on every call, where
+    they also read values (slot ids on the CPU; QLA_SERVE_DEBUG=1), where an argument is not a
+    tensor, or for a plan object without a kernel_cache."""
+    try:
+        if args[6].device.type == "cpu" or V.debug_checks() or not isinstance(plan.kernel_cache, dict):
+            return None
+        return ("ops.gdn_prefill checked", *map(_metadata, args))
+    except AttributeError:
+        return None
 
 
 def _same_dtype(x, y):

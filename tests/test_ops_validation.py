@@ -103,3 +103,39 @@ def test_forced_unavailable_path_raises(monkeypatch):
     monkeypatch.setenv("QLA_SERVE_OP_PATH", "bogus")
     with pytest.raises(ValueError, match="QLA_SERVE_OP_PATH"):
         qla_serve.explain_path("prefill", "cpu")
+
+
+def test_prefill_checks_run_once_per_plan_and_metadata(monkeypatch):
+    """gdn_prefill records in the plan that arguments with this metadata (dtype, shape, strides,
+    device of every tensor) passed its checks, so a step's other GDN layers skip them; any
+    argument with other metadata is checked again and still fails by name. Tensors on the meta
+    device stand in for CUDA ones (values the checks must not read anyway), and the dispatch is
+    a recorder: the kernels need a GPU (tests/test_gpu_paths.py runs the real thing)."""
+    from qla_serve import ops
+
+    checks, runs = [], []
+    real_check = ops._check_prefill
+    monkeypatch.setattr(ops, "_check_prefill", lambda *a: (checks.append(1), real_check(*a)))
+    monkeypatch.setattr(ops, "_run", lambda op, *a, **kw: runs.append(kw["out"]))
+    meta = torch.device("meta")
+    plan = qla_serve.plan_prefill([6, 4], HV, HK, device=meta)
+
+    def args(**over):
+        a = _prefill_args(plan=plan, **over)
+        return {k: x.to(meta) if isinstance(x, torch.Tensor) else x for k, x in a.items()}
+
+    layer1, layer2 = args(), args()
+    assert layer1["q"] is not layer2["q"]
+    _prefill(layer1)
+    _prefill(layer2)
+    assert len(checks) == 1 and len(runs) == 2 and runs[1].shape == (T, HV, 128)
+    with pytest.raises(TypeError, match="g: expected dtype"):
+        _prefill(args(g=-torch.rand(T, HV).double()))
+    with pytest.raises(ValueError, match="pool: expected shape"):
+        _prefill(args(pool=torch.zeros(4, HV, 128, 64)))
+    assert len(checks) == 3 and len(runs) == 2
+    # slot ids on the CPU (the reference path's inputs): their values are checked, on every call
+    cpu = _prefill_args()
+    _prefill(cpu)
+    _prefill(cpu)
+    assert len(checks) == 5
