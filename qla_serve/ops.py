@@ -196,7 +196,8 @@ def _check_prefill(plan, q, k, v, g, beta, pool, slot_ids, has_initial_state, ou
         V.check_shape("has_initial_state", has_initial_state, (N,))
     V.check_device(q.device, k=k, v=v, g=g, beta=beta, pool=pool, slot_ids=slot_ids,
                    has_initial_state=has_initial_state)
-    V.output(out, (T, Hv, V.HEAD_DIM), q.dtype, q.device)
+    if out is not None:  # (gdn_prefill allocates a missing one)
+        V.output(out, (T, Hv, V.HEAD_DIM), q.dtype, q.device)
 
 
 def _metadata(x):
