@@ -340,5 +340,5 @@ def force_plan(plan: PrefillPlan, strategy: str, v_split: int, segment_chunks: i
     host, cu_t, off_t, seg_t = _upload(lens, chunks, _segment_rows(chunks, segment_chunks), plan.device)
     est = _score(model, chunks, plan.num_v_heads, plan.sm_count, v_split, segment_chunks) if any(chunks) else 0.0
     return dataclasses.replace(plan, strategy=strategy, v_split=v_split, segment_chunks=segment_chunks,
-                               maps_v_split=maps_v_split, cp=cp, estimated_us=est, cu_seqlens=cu_t, chunk_offsets=off_t, segments=seg_t,
-                               host_buffer=host, kernel_cache={})
+                               maps_v_split=maps_v_split, cp=cp, estimated_us=est, cu_seqlens=cu_t,
+                               chunk_offsets=off_t, segments=seg_t, host_buffer=host, kernel_cache={})

@@ -98,6 +98,17 @@ def _inputs(lens, hk, hv, seed=0):
     return q, k, v, g.contiguous(), beta, h0
 
 
+def _captured(fn, calls):
+    """A CUDA graph of ``calls`` consecutive calls of fn (raises where fn cannot be captured)."""
+    import torch
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph
+
+
 def _profiled(fn, reps):
     """The torch profiler's record (CUDA activity) of reps calls of fn, synchronised on both sides."""
     import torch
@@ -139,10 +150,7 @@ def _gpu_time_ms(fn, reps, graph_calls):
         with torch.cuda.stream(s):
             fn()
         torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(graph_calls):
-                fn()
+        graph = _captured(fn, graph_calls)
         graph.replay()
         torch.cuda.synchronize()
         times = []
@@ -179,10 +187,7 @@ def _kernel_timeline(fn, reps, graph_calls):
     qla_serve's kernels (names gdn_*) count: a replay may add its own."""
     import torch
 
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(graph_calls):
-            fn()
+    graph = _captured(fn, graph_calls)
     for run_once, calls in ((graph.replay, graph_calls), (fn, 1)):
         run_once()  # warm-up
         prof = _profiled(run_once, reps)
@@ -254,10 +259,7 @@ def _idle_us(fn, reps, graph_calls):
     fn()
     eager = idle_per_call_us(_kernel_spans(_profiled(fn, reps)), reps)
     try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(graph_calls):
-                fn()
+        graph = _captured(fn, graph_calls)
         graph.replay()
         replays = max(1, reps // graph_calls)
         return eager, idle_per_call_us(_kernel_spans(_profiled(graph.replay, replays)), replays * graph_calls)
@@ -391,8 +393,9 @@ def run(args) -> int:
             for impl in impls:
                 try:
                     if impl == "qla":
-                        fn, qla_out, _, plan = _qla_fn(lens, hk, hv, data, args.v_split, segment_chunks=args.segment_chunks,
-                                                       cp=args.cp, maps_v_split=args.maps_v_split)
+                        fn, qla_out, _, plan = _qla_fn(lens, hk, hv, data, args.v_split,
+                                                       segment_chunks=args.segment_chunks, cp=args.cp,
+                                                       maps_v_split=args.maps_v_split)
                         rec["qla_plan"] = plan_label(plan)
                         rec["qla_maps_v_split"] = plan.maps_v_split
                         rec["qla_cp"] = _cp_label(plan)
