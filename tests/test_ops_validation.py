@@ -139,3 +139,52 @@ def test_prefill_checks_run_once_per_plan_and_metadata(monkeypatch):
     _prefill(cpu)
     _prefill(cpu)
     assert len(checks) == 5
+
+
+def test_decode_and_verify_checks_run_once_per_metadata(monkeypatch):
+    """gdn_decode / gdn_verify remember (bounded, process-wide) which argument metadata passed
+    their checks: an engine's other GDN layers of the step skip them, anything with other
+    metadata is checked again and fails by name. As in the prefill test above, meta-device
+    tensors stand in for CUDA ones and the dispatch is a recorder (the kernels need a GPU);
+    index tensors on the CPU have their values checked on every call."""
+    from qla_serve import ops
+
+    checked, runs = [], []
+    real_inputs = ops._check_step_inputs
+    monkeypatch.setattr(ops, "_check_step_inputs", lambda *a: (checked.append(1), real_inputs(*a))[1])
+    monkeypatch.setattr(ops, "_run", lambda op, *a, **kw: runs.append(kw["out"]))
+    monkeypatch.setattr(ops, "_checked_steps", {})
+    meta = torch.device("meta")
+    B = 3
+
+    def decode_args(device=meta, **over):
+        a = dict(q=torch.empty(B, HK, 128), k=torch.empty(B, HK, 128), v=torch.empty(B, HV, 128),
+                 pool=torch.empty(4, HV, 128, 128), slot_ids=torch.tensor([0, 1, 2], dtype=torch.int32),
+                 a=torch.empty(B, HV), b=torch.empty(B, HV), A_log=torch.empty(HV), dt_bias=torch.empty(HV))
+        a.update(over)
+        return {n: x.to(device) for n, x in a.items()}
+
+    for _ in range(3):  # three layers: fresh tensors, same metadata
+        out = qla_serve.gdn_decode(**decode_args())
+    assert len(checked) == 1 and len(runs) == 3 and out.shape == (B, HV, 128)
+    with pytest.raises(ValueError, match="pool: expected shape"):
+        qla_serve.gdn_decode(**decode_args(pool=torch.empty(4, HV, 128, 64)))
+    with pytest.raises(TypeError, match="slot_ids: expected dtype"):
+        qla_serve.gdn_decode(**decode_args(slot_ids=torch.empty(B)))
+    assert len(runs) == 3
+    for _ in range(2):  # CPU slot ids: values checked on every call
+        with pytest.raises(ValueError, match="slot_ids: expected distinct"):
+            qla_serve.gdn_decode(**decode_args(device="cpu", slot_ids=torch.tensor([1, 1, 2], dtype=torch.int32)))
+
+    checked.clear()
+    inter, cu = torch.empty(2, 3, HV, 128, 128, device=meta), torch.empty(3, dtype=torch.int32, device=meta)
+    ids = torch.empty(2, dtype=torch.int32, device=meta)
+    x = decode_args(q=torch.empty(5, HK, 128), k=torch.empty(5, HK, 128), v=torch.empty(5, HV, 128),
+                    a=torch.empty(5, HV), b=torch.empty(5, HV))
+    for _ in range(2):
+        qla_serve.gdn_verify(x["q"], x["k"], x["v"], x["pool"], ids, cu, inter, ids, a=x["a"], b=x["b"],
+                             A_log=x["A_log"], dt_bias=x["dt_bias"])
+    assert len(checked) == 1 and len(runs) == 5
+    with pytest.raises(TypeError, match="intermediate: expected dtype"):
+        qla_serve.gdn_verify(x["q"], x["k"], x["v"], x["pool"], ids, cu, inter.bfloat16(), ids, a=x["a"],
+                             b=x["b"], A_log=x["A_log"], dt_bias=x["dt_bias"])
