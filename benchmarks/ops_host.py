@@ -48,6 +48,21 @@ def main() -> None:
     rows = [("decode B=1, 2/8", _per_call_us(lambda: qla_serve.gdn_decode(q, k, v, pool, ids, g=g, beta=beta, out=out)),
              _per_call_us(lambda: mod.decode(q, k, v, pool, ids, **kw)))]
 
+    # the engines' decode call: raw gating (SGLang mixes an fp32 A_log with a bf16 dt_bias), the
+    # L2 norm in the kernel, q/k/v strided views of one projection, batch 8
+    Bd = 8
+    qkv = torch.randn(Bd, (2 * Hk + Hv) * 128, device=dev, generator=gen).bfloat16()
+    qd, kd, vd = (qkv[:, a * 128:b * 128].unflatten(1, (-1, 128)) for a, b in ((0, Hk), (Hk, 2 * Hk), (2 * Hk, 2 * Hk + Hv)))
+    ad, bd = (torch.randn(Bd, Hv, device=dev, generator=gen).bfloat16() for _ in range(2))
+    A_log, dt_bias = torch.rand(Hv, device=dev, generator=gen), torch.rand(Hv, device=dev, generator=gen).bfloat16()
+    idd = torch.arange(1, Bd + 1, dtype=torch.int32, device=dev)
+    outd = torch.empty(Bd, Hv, 128, device=dev, dtype=torch.bfloat16)
+    kwd = dict(g=None, beta=None, a=ad, b=bd, A_log=A_log, dt_bias=dt_bias.float(), use_qk_l2norm=True,
+               scale=128 ** -0.5, out=outd)
+    rows.append(("decode B=8, 2/8, raw gating + l2norm", _per_call_us(lambda: qla_serve.gdn_decode(
+        qd, kd, vd, pool, idd, a=ad, b=bd, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm=True, out=outd)),
+        _per_call_us(lambda: mod.decode(qd, kd, vd, pool, idd, **kwd))))
+
     lens = [512] * 4
     T = sum(lens)
     qp = torch.nn.functional.normalize(torch.randn(T, Hk, 128, device=dev, generator=gen), dim=-1).bfloat16()
