@@ -197,3 +197,18 @@ def test_a_plans_later_calls_bind_their_own_tensors(launches, monkeypatch):
     monkeypatch.setattr(P, "GATE_WARMUP", False)  # from now on this plan's calls drop the finder
     call()
     assert ("cp_warmup", "", "") in _sequence(first) and ("cp_warmup", "", "") not in _sequence(launches)
+
+
+def test_misaligned_pool_rejected_before_any_launch(launches):
+    """Stage 2 moves states in 8-byte pairs and assumes 16-byte slot strides (as decode does):
+    a pool whose stride(0) is not a multiple of 16 bytes is refused by name, nothing launched."""
+    lens, T = [100, 30], 130
+    q, k, v = (torch.randn(T, h, 128, dtype=torch.bfloat16) for h in (HK, HK, HV))
+    slot = HV * 128 * 128 + 1
+    pool = torch.zeros(3 * slot).as_strided((3, HV, 128, 128), (slot, 128 * 128, 128, 1))
+    plan = qla_serve.plan_prefill(lens, HV, HK, device="cpu", cp="off", arch="sm90",
+                                  supported_strategies={"plain", "vsplit"})
+    with pytest.raises(ValueError, match=r"pool: expected a 16-byte aligned base and a slot stride"):
+        P.prefill(q, k, v, torch.zeros(T, HV), torch.ones(T, HV), pool, torch.arange(2, dtype=torch.int32),
+                  plan, has_initial_state=None, scale=None, out=torch.empty_like(v))
+    assert launches == []

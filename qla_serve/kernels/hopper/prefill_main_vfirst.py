@@ -56,6 +56,8 @@ V_SPLITS = (1, 2)
 # consumers to the launch's 168 and spills ~270 bytes; at v_split 2 (256 threads) the launch
 # allocation is already 255.
 _NREG_CONSUMER = 224
+# Elements per 16 bytes of a pool slot: prefill_api checks that the slot stride is a multiple.
+_POOL_VEC = {"float32": 4, "bfloat16": 8}
 
 
 def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str, v_split: int,
@@ -116,6 +118,9 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
         use_warmup: T.int32,
     ):
         with T.Kernel(n_vblocks, Hv, nitem, threads=threads) as (vb, h, it):
+            # Slot strides in 16-byte vectors (checked on the host, prefill_api, as decode does):
+            # the state enters and leaves as whole fragment pairs, 8 bytes per access, not 4.
+            T.assume(sp0 % _POOL_VEC[pool_dtype] == 0)
             hk = h // group
             v0 = (vb % v_split) * BV  # value rows (or, for Phi blocks, the rows of Phi^T)
             q_s = T.alloc_shared((2, C, DK), mm)
