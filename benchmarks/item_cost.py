@@ -1,13 +1,13 @@
 """What a stage-2 work item costs besides its chunks: stage 2's GPU time on batches of equal
-sequences, same token count (2/8 heads, 32768 tokens), forced plain (v_split 1) and vsplit
+sequences, same token count (32768 tokens; 2/8 heads unless --heads), forced plain (v_split 1) and vsplit
 (v_split 2), against the chunks per sequence. With one CTA per SM, a launch of W = items / SMs
 waves of n-chunk items takes about W (a + b n): a is a work item's fixed cost (state in and out,
 the first tiles' latency, the last O store), b a chunk's.
 
     python benchmarks/item_cost.py [--heads 2/8] [--json F]     # on the H200
 
-Then the state's share: two of those launches again with the pool neither read nor written, and
-written only.
+Then the state's share: the 512- and 2048-token launches again with the pool neither read nor
+written (slot ids -1), and written only (has_initial_state False).
 """
 
 import argparse
@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 def main() -> None:
     import torch
 
+    from qla_serve import ops
     from qla_serve.bench import prefill as B
 
     p = argparse.ArgumentParser()
@@ -44,7 +45,6 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
     # The state's share of the fixed cost: the same launches with the pool neither read nor
     # written (slot ids -1), and written only (has_initial_state False).
-    from qla_serve import ops
     mod = ops.kernel_module(ops._arch_of(0))
     for L in (512, 2048):
         lens = [L] * (32768 // L)
