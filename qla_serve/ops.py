@@ -165,7 +165,9 @@ def gdn_prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state=Non
         o [T, Hv, 128]; every live slot holds its sequence's final state.
     """
     args = (q, k, v, g, beta, pool, slot_ids, has_initial_state, out)
-    seen = _prefill_metadata(plan, args)
+    seen = None
+    if isinstance(getattr(plan, "kernel_cache", None), dict):  # (no cache: checked on every call)
+        seen = _checked_key("ops.gdn_prefill checked", args, (slot_ids,))
     if seen is None or seen not in plan.kernel_cache:
         _check_prefill(plan, *args)
         if seen is not None:
@@ -204,17 +206,22 @@ def _metadata(x):
     return None if x is None else (x.dtype, x.shape, x.stride(), x.device)
 
 
-def _prefill_metadata(plan, args):
-    """The key under which gdn_prefill records, in plan.kernel_cache, that arguments with this
-    metadata passed _check_prefill: every tensor's dtype, shape, strides and device, which is
-    all the checks read, so the other GDN layers of the step (same metadata, other tensors)
-    skip them (~16 -> ~5 us on the CPU machine). None, and the checks run on every call, where
-    they also read values (slot ids on the CPU; QLA_SERVE_DEBUG=1), where an argument is not a
-    tensor, or for a plan object without a kernel_cache."""
+def _checked_key(tag: str, tensors, index_tensors) -> tuple | None:
+    """The key under which a public op records that arguments with this metadata passed its
+    checks: every tensor's dtype, shape, strides and device, which is all the checks read, so an
+    engine's other GDN layers of the step (same metadata, other tensors) skip them. gdn_prefill
+    keeps its keys in the plan (~16 -> ~5 us on the CPU machine), gdn_decode / gdn_verify in
+    _checked_steps (the engines' decode call, benchmarks/ops_host.py: 39 -> 31 us of host time
+    on the H200's CPU). None, and the checks run on every call, where they also read values (an
+    index tensor on the CPU, QLA_SERVE_DEBUG=1) or where an argument is not a tensor (the checks
+    then say which)."""
     try:
-        if args[6].device.type == "cpu" or V.debug_checks() or not isinstance(plan.kernel_cache, dict):
+        for x in index_tensors:
+            if x.device.type == "cpu":
+                return None
+        if V.debug_checks():
             return None
-        return ("ops.gdn_prefill checked", *map(_metadata, args))
+        return (tag, *map(_metadata, tensors))
     except AttributeError:
         return None
 
@@ -236,25 +243,11 @@ def _check_step_inputs(q, k, v, pool, g, beta, a, b, A_log, dt_bias):
     return T, Hk, Hv
 
 
-# Metadata keys (_step_metadata) of decode / verify argument sets that passed their checks: an
+# Metadata keys (_checked_key) of decode / verify argument sets that passed their checks: an
 # engine calls these once per GDN layer per step with the same metadata, so every layer but the
 # first skips the checks. Bounded: cleared when full (batch sizes vary from step to step).
 _checked_steps: dict = {}
 _CHECKED_STEPS_MAX = 4096
-
-
-def _step_metadata(op: str, tensors) -> tuple | None:
-    """The key under which gdn_decode / gdn_verify record that arguments with this metadata
-    passed their checks (dtype, shape, strides and device of every tensor: all the checks read).
-    The engines' decode call (raw gating, B = 8, benchmarks/ops_host.py): 39 -> 31 us of host time
-    on the H200's CPU, 44 -> 19 us on the CPU machine. None, and the checks run on every call,
-    where they also read values: index tensors on the CPU, or QLA_SERVE_DEBUG=1."""
-    try:
-        if tensors[4].device.type == "cpu" or V.debug_checks():
-            return None
-        return (op, *map(_metadata, tensors))
-    except AttributeError:  # not a tensor: the checks say which argument
-        return None
 
 
 def _checks_due(key) -> bool:
@@ -281,7 +274,7 @@ def gdn_decode(q, k, v, pool, slot_ids, *, g=None, beta=None, a=None, b=None, A_
     Returns:
         o [B, Hv, 128] in q's dtype.
     """
-    key = _step_metadata("decode", (q, k, v, pool, slot_ids, g, beta, a, b, A_log, dt_bias, out))
+    key = _checked_key("decode", (q, k, v, pool, slot_ids, g, beta, a, b, A_log, dt_bias, out), (slot_ids,))
     if _checks_due(key):
         B, Hk, Hv = _check_step_inputs(q, k, v, pool, g, beta, a, b, A_log, dt_bias)
         V.check_index("slot_ids", slot_ids, B, pool.shape[0], unique_live=True)
@@ -312,10 +305,8 @@ def gdn_verify(q, k, v, pool, slot_ids, cu_seqlens, intermediate, intermediate_i
     Returns:
         o [T, Hv, 128]. Commit the accepted step with :func:`commit_verified`.
     """
-    key = None
-    if cu_seqlens.device.type != "cpu" and intermediate_ids.device.type != "cpu":  # else values are checked
-        key = _step_metadata("verify", (q, k, v, pool, slot_ids, g, beta, a, b, A_log, dt_bias, out,
-                                        cu_seqlens, intermediate, intermediate_ids))
+    key = _checked_key("verify", (q, k, v, pool, slot_ids, g, beta, a, b, A_log, dt_bias, out, cu_seqlens,
+                                  intermediate, intermediate_ids), (slot_ids, cu_seqlens, intermediate_ids))
     if _checks_due(key):
         _check_verify(q, k, v, pool, slot_ids, cu_seqlens, intermediate, intermediate_ids,
                       g, beta, a, b, A_log, dt_bias, out)
