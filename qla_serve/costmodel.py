@@ -21,6 +21,9 @@ class CostModel(BaseModel):
     arch: str = Field(description="sm90 or sm100")
     sm_count: int = Field(gt=0, description="SMs assumed when the device is not asked")
     chunk_us: dict[int, float] = Field(description="GPU time of one 64-token chunk for one block, by V split")
+    item_us: dict[int, float] = Field(
+        default_factory=dict, description="fixed GPU time of one stage-2 block (start, state in and out), per "
+        "wave of blocks, by V split; 0 for a split without an entry")
     launch_us: float = Field(ge=0)
     stage1_us: float | dict[int, float] = Field(
         default=0.0, description="state-free stage per (chunk, v-head), per SM; by V split where the split's "
@@ -45,6 +48,13 @@ class CostModel(BaseModel):
     def _splits(cls, v: dict[int, float]) -> dict[int, float]:
         if 1 not in v or any(s not in (1, 2, 4) for s in v) or any(t <= 0 for t in v.values()):
             raise ValueError("chunk_us needs key 1 and only keys 1, 2, 4 with positive times")
+        return v
+
+    @field_validator("item_us")
+    @classmethod
+    def _items(cls, v: dict[int, float]) -> dict[int, float]:
+        if any(s not in (1, 2, 4) for s in v) or any(t < 0 for t in v.values()):
+            raise ValueError("item_us: keys 1, 2, 4 with times >= 0")
         return v
 
     @field_validator("stage1_us")
@@ -84,12 +94,21 @@ class CostModel(BaseModel):
         return sorted(set(v))
 
     def estimate_us(self, v_split: int, chain_chunks: int, total_block_chunks: int,
-                    sm_count: int, cut: bool, chunk_heads: int = 0) -> float:
-        """Modelled GPU time of one prefill call (see the YAML header for the formula);
-        ``chunk_heads`` = chunks x v-heads, the state-free stage's work."""
-        waves = -(-total_block_chunks // sm_count)
-        busy = max(chain_chunks, waves)
-        return (self.chunk_us[v_split] * busy + self.stage1_for(v_split) * chunk_heads / sm_count + self.launch_us
+                    sm_count: int, cut: bool, chunk_heads: int = 0, blocks: int = 0,
+                    chain_blocks: int = 1) -> float:
+        """Modelled GPU time of one prefill call (see the YAML header for the formula).
+
+        ``chain_chunks``: the longest block's walk, and ``chain_blocks`` how many blocks walk
+        that long; ``total_block_chunks``: all blocks' chunks; ``blocks``: the stage-2 pass's
+        blocks (sequences or segments x v-heads x v_split), each paying item_us once (0: no
+        item term); ``chunk_heads`` = chunks x v-heads, the state-free stage's work.
+        """
+        chunk, item = self.chunk_us[v_split], self.item_us.get(v_split, 0.0) if blocks else 0.0
+        # Stage 2 takes the longer of: the longest blocks, a wave of them at a time (a batch of
+        # equal blocks runs in whole waves), and all blocks' work spread evenly over the SMs.
+        longest = -(-chain_blocks // sm_count) * (chunk * chain_chunks + item)
+        spread = chunk * -(-total_block_chunks // sm_count) + item * -(-blocks // sm_count)
+        return (max(longest, spread) + self.stage1_for(v_split) * chunk_heads / sm_count + self.launch_us
                 + (self.cp_fixed_us if cut else 0.0))
 
 

@@ -166,11 +166,15 @@ def _score(model: CostModel, chunks: list[int], hv: int, sm: int, v_split: int, 
     chunk_heads = sum(chunks) * hv
     if L == 0:
         chain, total = max(chunks), chunk_heads * v_split
-        return model.estimate_us(v_split, chain, total, sm, cut=False, chunk_heads=chunk_heads)
+        return model.estimate_us(v_split, chain, total, sm, cut=False, chunk_heads=chunk_heads,
+                                 blocks=(len(chunks) - chunks.count(0)) * hv * v_split,
+                                 chain_blocks=chunks.count(chain) * hv * v_split)
     segs = [-(-c // L) for c in chunks]
     if max(segs) < 2:
         return _score(model, chunks, hv, sm, v_split, 0)
-    out_us = model.estimate_us(v_split, L, chunk_heads * v_split, sm, cut=True, chunk_heads=chunk_heads)
+    out_us = model.estimate_us(v_split, L, chunk_heads * v_split, sm, cut=True, chunk_heads=chunk_heads,
+                               blocks=sum(segs) * hv * v_split,
+                               chain_blocks=sum(c // L for c in chunks) * hv * v_split)
     maps_block_chunks = hv * v_split * sum(L * (2 * s - 3) for s in segs if s > 1)
     maps_us = model.cp_maps_ratio * model.chunk_us[v_split] * max(L, -(-maps_block_chunks // sm))
     return out_us + maps_us + model.cp_level_us * (max(segs) - 2)
