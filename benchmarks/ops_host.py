@@ -57,7 +57,7 @@ def main() -> None:
     A_log, dt_bias = torch.rand(Hv, device=dev, generator=gen), torch.rand(Hv, device=dev, generator=gen).bfloat16()
     idd = torch.arange(1, Bd + 1, dtype=torch.int32, device=dev)
     outd = torch.empty(Bd, Hv, 128, device=dev, dtype=torch.bfloat16)
-    kwd = dict(g=None, beta=None, a=ad, b=bd, A_log=A_log, dt_bias=dt_bias.float(), use_qk_l2norm=True,
+    kwd = dict(g=None, beta=None, a=ad, b=bd, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm=True,
                scale=128 ** -0.5, out=outd)
     rows.append(("decode B=8, 2/8, raw gating + l2norm", _per_call_us(lambda: qla_serve.gdn_decode(
         qd, kd, vd, pool, idd, a=ad, b=bd, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm=True, out=outd)),

@@ -227,8 +227,8 @@ def _checked_key(tag: str, tensors, index_tensors) -> tuple | None:
 
 
 def _same_dtype(x, y):
-    """Kernels take each pair (a, b) and (A_log, dt_bias) in one dtype; engines mix them (SGLang:
-    fp32 A_log beside a bf16 dt_bias). Upcast a mixed pair to fp32: exact, [*, Hv] elements."""
+    """The kernels take a and b in one dtype (A_log and dt_bias each in its own: SGLang keeps
+    A_log in fp32 beside a bf16 dt_bias). Upcast a mixed a/b pair to fp32: exact, [T, Hv]."""
     if x is not None and y is not None and x.dtype != y.dtype:
         return x.float(), y.float()
     return x, y
@@ -282,7 +282,7 @@ def gdn_decode(q, k, v, pool, slot_ids, *, g=None, beta=None, a=None, b=None, A_
         if out is not None:
             V.output(out, (B, v.shape[1], V.HEAD_DIM), q.dtype, q.device)
         _passed(key)
-    (a, b), (A_log, dt_bias) = _same_dtype(a, b), _same_dtype(A_log, dt_bias)
+    a, b = _same_dtype(a, b)
     if out is None:
         out = torch.empty((q.shape[0], v.shape[1], V.HEAD_DIM), dtype=q.dtype, device=q.device)
     _run("decode", q.device, q.dtype, q, k, v, pool, slot_ids, g=g, beta=beta, a=a, b=b,
@@ -311,7 +311,7 @@ def gdn_verify(q, k, v, pool, slot_ids, cu_seqlens, intermediate, intermediate_i
         _check_verify(q, k, v, pool, slot_ids, cu_seqlens, intermediate, intermediate_ids,
                       g, beta, a, b, A_log, dt_bias, out)
         _passed(key)
-    (a, b), (A_log, dt_bias) = _same_dtype(a, b), _same_dtype(A_log, dt_bias)
+    a, b = _same_dtype(a, b)
     if out is None:
         out = torch.empty((q.shape[0], v.shape[1], V.HEAD_DIM), dtype=q.dtype, device=q.device)
     _run("verify", q.device, q.dtype, q, k, v, pool, slot_ids, cu_seqlens, intermediate,

@@ -36,17 +36,25 @@ def test_variant_compiles(variant, target):
     assert f"*({vec}*)(Pool" in src, "state accesses are not vectorised"
     # Batch is dynamic: one compile for every B / T (no literal batch in the launch grid).
     assert ("int B" in src) if variant["op"] == "decode" else ("int N" in src)
+    if variant.get("gating") == "ab":  # A_log and dt_bias each read in its own dtype (no host upcast)
+        c_type = {"float32": "float", "bfloat16": "bfloat16_t", "float16": "half_t"}
+        assert f"const {c_type[variant['param_dtype']]}* __restrict__ A_log" in src
+        assert f"const {c_type[variant['bias_dtype']]}* __restrict__ dt_bias" in src
 
 
 def test_kernel_variants_are_unique_and_json_serialisable():
     vs = dec.kernel_variants(32, 16)
     names = [v["name"] for v in vs]
-    assert len(names) == len(set(names)) == 52
+    assert len(names) == len(set(names)) == 68
     assert json.loads(json.dumps(vs)) == vs
     assert {v["pool_dtype"] for v in vs} == {"float32", "bfloat16"}
     assert {v["io_dtype"] for v in vs if v["op"] != "commit"} == {"bfloat16", "float16"}
     assert {v["op"] for v in vs} == {"decode", "verify", "commit"}
     assert {v["tile"] for v in vs if v["op"] != "commit"} == set(dec.DEFAULT_TILES.values())
+    # SGLang's layers: A_log fp32 beside a dt_bias in the activation dtype, its own variant
+    assert {(v["param_dtype"], v["bias_dtype"]) for v in vs if v.get("gating") == "ab"} == {
+        ("float32", "float32"), ("bfloat16", "bfloat16"), ("float16", "float16"),
+        ("float32", "bfloat16"), ("float32", "float16")}
 
 
 def test_bad_variants_and_targets_are_rejected():

@@ -30,7 +30,9 @@ def _mod():
 
 def make_case(T, Hk, Hv, *, io=torch.bfloat16, gating="gb", l2norm=False, gen, dev="cuda"):
     """Inputs of T token rows. q, k, v are strided views of one fused projection
-    [T, 2*Hk*128 + Hv*128 + 64] (as the engines pass them); a, b are views of a [T, 2*Hv] tensor."""
+    [T, 2*Hk*128 + Hv*128 + 64] (as the engines pass them); a, b are views of a [T, 2*Hv] tensor.
+    gating "gb" (fp32 g, beta), "ab" (raw a, b in io; A_log, dt_bias fp32) or "ab-sglang" (as
+    "ab" with dt_bias in the io dtype: SGLang's layers)."""
     width = (2 * Hk + Hv) * HD + 64
     proj = torch.randn(T, width, generator=gen, device=dev).to(io)
     q = proj[:, : Hk * HD].view(T, Hk, HD)
@@ -50,6 +52,8 @@ def make_case(T, Hk, Hv, *, io=torch.bfloat16, gating="gb", l2norm=False, gen, d
         c["A_log"] = torch.log(torch.rand(Hv, generator=gen, device=dev) * 15 + 1)
         dt = torch.rand(Hv, generator=gen, device=dev) * 0.099 + 0.001
         c["dt_bias"] = torch.log(torch.expm1(dt))           # softplus^-1
+        if gating == "ab-sglang":
+            c["dt_bias"] = c["dt_bias"].to(io)
     return c
 
 
@@ -94,6 +98,7 @@ CASES = [
     (2, 8, 1, torch.float32, torch.bfloat16, "gb", False),
     (2, 8, 37, torch.float32, torch.bfloat16, "ab", True),
     (2, 8, 64, torch.bfloat16, torch.bfloat16, "ab", True),
+    (2, 8, 19, torch.float32, torch.bfloat16, "ab-sglang", True),
     (4, 16, 33, torch.float32, torch.float16, "gb", True),
     (16, 32, 20, torch.bfloat16, torch.bfloat16, "gb", False),
     (16, 64, 9, torch.float32, torch.bfloat16, "ab", False),
@@ -177,7 +182,8 @@ def _verify_case(seq_lens, Hk, Hv, pdt, gating, l2, gen, D=None):
     return N, D, cu, pool, base, slots, inter, inter_full, iids, c
 
 
-@pytest.mark.parametrize("pdt,gating,l2", [(torch.float32, "ab", True), (torch.bfloat16, "gb", False)])
+@pytest.mark.parametrize("pdt,gating,l2", [(torch.float32, "ab", True), (torch.bfloat16, "gb", False),
+                                            (torch.bfloat16, "ab-sglang", True)])
 def test_verify_intermediates_equal_sequential_decode(pdt, gating, l2):
     _check_verify(pdt, gating, l2)
 

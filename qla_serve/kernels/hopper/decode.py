@@ -75,18 +75,21 @@ _PASS_CONFIGS = {"tl.disable_safe_memory_legalize": True}
 # ----------------------------------------------------------------------------------------
 
 def _variant(op: str, hv: int, hk: int, io: str, pool: str, gating: str, ab: str | None,
-             param: str | None, l2norm: bool, tile: str | None = None) -> dict:
+             param: str | None, l2norm: bool, tile: str | None = None, bias: str | None = None) -> dict:
     """A JSON-serialisable variant description; ``name`` identifies it uniquely.
 
-    ``tile`` (see :func:`parse_tile`) defaults to the choice for the pool dtype.
+    ``param`` is A_log's dtype and ``bias`` dt_bias's (default: A_log's; SGLang keeps A_log in
+    fp32 beside a bf16 dt_bias). ``tile`` (see :func:`parse_tile`) defaults to the choice for
+    the pool dtype.
     """
     tile = tile or default_tile(pool)
     parse_tile(tile)
-    gate = "gb" if gating == "gb" else f"ab-{ab}-{param}"
+    bias = bias or param
+    gate = "gb" if gating == "gb" else f"ab-{ab}-{param}" + (f"-{bias}" if bias != param else "")
     name = f"gdn_{op}_hv{hv}_hk{hk}_{io}_pool-{pool}_{gate}_l2{int(l2norm)}_{tile}"
     return {"name": name, "op": op, "num_v_heads": hv, "num_k_heads": hk, "io_dtype": io,
             "pool_dtype": pool, "gating": gating, "ab_dtype": ab, "param_dtype": param,
-            "l2norm": bool(l2norm), "tile": tile}
+            "bias_dtype": bias, "l2norm": bool(l2norm), "tile": tile}
 
 
 def parse_tile(tile: str) -> tuple[int, int, bool, int]:
@@ -117,8 +120,9 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
 
     Matrix: op {decode, verify} x io dtype {bf16, fp16} x pool {fp32, bf16} x gating
     {g/beta fp32, raw a/b in the io dtype with A_log/dt_bias fp32, a/b and A_log/dt_bias in
-    the io dtype} x l2norm {off, on} = 48 variants, each with its pool dtype's default tile;
-    plus 4 commit variants (pool dtype x num_accepted int32/int64).
+    the io dtype, a/b and dt_bias in the io dtype with A_log fp32 (SGLang's layers)} x l2norm
+    {off, on} = 64 variants, each with its pool dtype's default tile; plus 4 commit variants
+    (pool dtype x num_accepted int32/int64).
     Other gate dtype combinations and tile overrides (TILE_OVERRIDE) compile on first use
     (JIT, same cache).
     """
@@ -127,10 +131,11 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
     for op in ("decode", "verify"):
         for io in _IO_DTYPES:
             for pool in _POOL_DTYPES:
-                for gating, ab, param in (("gb", None, None), ("ab", io, "float32"), ("ab", io, io)):
+                for gating, ab, param, bias in (("gb", None, None, None), ("ab", io, "float32", None),
+                                                ("ab", io, io, None), ("ab", io, "float32", io)):
                     for l2 in (False, True):
                         out.append(_variant(op, num_v_heads, num_k_heads, io, pool, gating, ab,
-                                            param, l2))
+                                            param, l2, bias=bias))
     for pool in _POOL_DTYPES:
         for acc in _ACC_DTYPES:
             out.append(_commit_variant(num_v_heads, pool, acc))
@@ -158,10 +163,11 @@ def _check_variant(v: dict) -> None:
     if v["pool_dtype"] not in _POOL_DTYPES:
         raise ValueError(f"pool dtype: decode kernels support {_POOL_DTYPES}, got {v['pool_dtype']}")
     if v["gating"] == "ab":
-        for key in ("ab_dtype", "param_dtype"):
-            if v[key] not in _GATE_DTYPES:
-                raise ValueError(f"{'a/b' if key == 'ab_dtype' else 'A_log/dt_bias'} dtype: "
-                                 f"expected one of {_GATE_DTYPES}, got {v[key]}")
+        # (bias_dtype: dt_bias's dtype, A_log's where the variant does not name it)
+        for key, what in (("ab_dtype", "a/b"), ("param_dtype", "A_log"), ("bias_dtype", "dt_bias")):
+            dtype = v.get(key) or v["param_dtype"]
+            if dtype not in _GATE_DTYPES:
+                raise ValueError(f"{what} dtype: expected one of {_GATE_DTYPES}, got {dtype}")
     elif v["gating"] != "gb":
         raise ValueError(f"variant gating: expected 'gb' or 'ab', got {v['gating']!r}")
     parse_tile(v["tile"])
@@ -181,6 +187,7 @@ def _program(variant: dict):
     fused = variant["gating"] == "ab"
     gdt = variant["ab_dtype"] if fused else "float32"
     prm = variant["param_dtype"] if fused else "float32"
+    bias = (variant.get("bias_dtype") or prm) if fused else "float32"
     BV, W, QK_SMEM, MIN_BLOCKS = parse_tile(variant["tile"])
     R = BV // (W * _ROWS_PER_WARP_STEP)            # register rows per thread
     NV = HEAD_DIM // BV
@@ -345,7 +352,7 @@ def _program(variant: dict):
             Ga: T.StridedTensor((B, Hv), (sg0, sg1), gdt),
             Gb: T.StridedTensor((B, Hv), (sb0, sb1), gdt),
             A_log: T.StridedTensor(al_shape, al_str, prm),
-            dt_bias: T.StridedTensor(dt_shape, dt_str, prm),
+            dt_bias: T.StridedTensor(dt_shape, dt_str, bias),
             Pool: T.StridedTensor((S, Hv, HEAD_DIM, HEAD_DIM), (sp, HEAD_DIM * HEAD_DIM, HEAD_DIM, 1), pdt),
             Slots: T.Tensor((B,), "int32"),
             Out: T.StridedTensor((B, Hv, HEAD_DIM), (sob, soh, 1), io),
@@ -394,7 +401,7 @@ def _program(variant: dict):
         Ga: T.StridedTensor((Tt, Hv), (sg0, sg1), gdt),
         Gb: T.StridedTensor((Tt, Hv), (sb0, sb1), gdt),
         A_log: T.StridedTensor(al_shape, al_str, prm),
-        dt_bias: T.StridedTensor(dt_shape, dt_str, prm),
+        dt_bias: T.StridedTensor(dt_shape, dt_str, bias),
         Pool: T.StridedTensor((S, Hv, HEAD_DIM, HEAD_DIM), (sp, HEAD_DIM * HEAD_DIM, HEAD_DIM, 1), pdt),
         Slots: T.Tensor((N,), "int32"),
         Cu: T.Tensor((N + 1,), "int32"),
@@ -550,17 +557,16 @@ def _launcher(op, q, pool, g, a, A_log, dt_bias, b, beta, l2, tile):
     if g is not None:
         if g.dtype != torch.float32 or beta.dtype != torch.float32:
             raise TypeError(f"g/beta: expected float32, got {g.dtype}/{beta.dtype}")
-        gating, ab, param = "gb", None, None
+        gating, ab, param, bias = "gb", None, None, None
     else:
         gating = "ab"
         ab = _dtype_name(a.dtype, "a", _GATE_DTYPES)
         param = _dtype_name(A_log.dtype, "A_log", _GATE_DTYPES)
+        bias = _dtype_name(dt_bias.dtype, "dt_bias", _GATE_DTYPES)
         if b.dtype != a.dtype:
             raise TypeError(f"b: expected the dtype of a ({a.dtype}), got {b.dtype}")
-        if dt_bias.dtype != A_log.dtype:
-            raise TypeError(f"dt_bias: expected the dtype of A_log ({A_log.dtype}), got {dt_bias.dtype}")
     idx = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    variant = _variant(op, pool.shape[1], q.shape[1], io, pdt, gating, ab, param, l2, tile)
+    variant = _variant(op, pool.shape[1], q.shape[1], io, pdt, gating, ab, param, l2, tile, bias=bias)
     with _BUILD_LOCK:
         kernel = build(variant, _device_target(idx))
     return raw_function(kernel, variant["name"])
@@ -588,7 +594,8 @@ def _lookup(op, q, pool, g, beta, a, b, A_log, dt_bias, l2):
     tile = TILE_OVERRIDE
     fused = g is None
     key = (op, q.device, q.dtype, pdt, fused, a.dtype if fused else None,
-           A_log.dtype if fused else None, bool(l2), pool.shape[1], q.shape[1], tile)
+           A_log.dtype if fused else None, dt_bias.dtype if fused else None, bool(l2), pool.shape[1],
+           q.shape[1], tile)
     fn = _FAST.get(key)
     if fn is None:
         fn = _launcher(op, q, pool, g, a, A_log, dt_bias, b, beta, l2, tile)
