@@ -1,8 +1,8 @@
 """Per-arch prefill cost models (configs/costmodel/<arch>.yaml), pydantic-validated.
 
 The planner (qla_serve.plan) scores each candidate strategy with :meth:`CostModel.estimate_us`
-and keeps the cheapest. The model is deliberately small (a per-chunk time per V split, a
-launch cost, a CP surcharge) so its coefficients can be fitted from one sweep on a device.
+and keeps the cheapest. The model is deliberately small (a per-chunk and a per-block time per V
+split, a launch cost, a CP surcharge) so its coefficients can be fitted from one sweep on a device.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ class CostModel(BaseModel):
     sm_count: int = Field(gt=0, description="SMs assumed when the device is not asked")
     chunk_us: dict[int, float] = Field(description="GPU time of one 64-token chunk for one block, by V split")
     item_us: dict[int, float] = Field(
-        default_factory=dict, description="fixed GPU time of one stage-2 block (start, state in and out), per "
-        "wave of blocks, by V split; 0 for a split without an entry")
+        default_factory=dict, description="GPU time of one stage-2 block besides its chunks (its start, the state "
+        "in and out), by V split; blocks pay it a wave (sm_count blocks) at a time; 0 for a split without an entry")
     launch_us: float = Field(ge=0)
     stage1_us: float | dict[int, float] = Field(
         default=0.0, description="state-free stage per (chunk, v-head), per SM; by V split where the split's "
