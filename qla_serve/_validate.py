@@ -75,20 +75,33 @@ def check_device(device: torch.device, **tensors) -> None:
             _fail(name, f"a tensor on {device} (like q)", t.device)
 
 
-def check_qkv(q, k, v) -> tuple[int, int, int]:
-    """q, k [T, Hk, 128], v [T, Hv, 128]; last dim contiguous (strided views allowed)."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        check_dtype(name, x, IO_DTYPES)
-        if x.dim() != 3:
-            _fail(name, "3 dims [tokens, heads, 128]", list(x.shape))
-        if x.shape[-1] != HEAD_DIM:
-            _fail(name, f"head dim {HEAD_DIM}", x.shape[-1])
-        if x.stride(-1) != 1:
-            _fail(name, "a contiguous last dim (stride(-1) == 1)", x.stride())
+def _check_heads_tensor(name: str, x) -> None:
+    check_dtype(name, x, IO_DTYPES)
+    if x.dim() != 3:
+        _fail(name, "3 dims [tokens, heads, 128]", list(x.shape))
+    if x.shape[-1] != HEAD_DIM:
+        _fail(name, f"head dim {HEAD_DIM}", x.shape[-1])
+    if x.stride(-1) != 1:
+        _fail(name, "a contiguous last dim (stride(-1) == 1)", x.stride())
+
+
+def check_qk(q, k) -> tuple[int, int]:
+    """q, k [T, Hk, 128] in one dtype; last dim contiguous (strided views allowed)."""
+    for name, x in (("q", q), ("k", k)):
+        _check_heads_tensor(name, x)
     T, Hk, _ = q.shape
     check_shape("k", k, (T, Hk, HEAD_DIM))
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"k, v: expected q's dtype {q.dtype}, got k {k.dtype}, v {v.dtype}")
+    if k.dtype != q.dtype:
+        raise TypeError(f"k: expected q's dtype {q.dtype}, got {k.dtype}")
+    return T, Hk
+
+
+def check_qkv(q, k, v) -> tuple[int, int, int]:
+    """q, k [T, Hk, 128], v [T, Hv, 128]; last dim contiguous (strided views allowed)."""
+    T, Hk = check_qk(q, k)
+    _check_heads_tensor("v", v)
+    if v.dtype != q.dtype:
+        raise TypeError(f"v: expected q's dtype {q.dtype}, got {v.dtype}")
     if v.shape[0] != T:
         _fail("v", f"{T} tokens like q", v.shape[0])
     Hv = v.shape[1]

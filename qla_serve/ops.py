@@ -63,7 +63,8 @@ def _fla_error() -> str | None:
 
 
 def explain_path(op: str, device, io_dtype=torch.bfloat16) -> tuple[str, str]:
-    """(path, reason) that ``op`` ("prefill" | "decode" | "verify" | "commit_verified") takes on
+    """(path, reason) that ``op`` ("prefill" | "prefill_inputs" | "decode" | "verify" |
+    "commit_verified") takes on
     ``device`` for q/k/v of ``io_dtype``."""
     device = torch.device(device)
     forced = os.environ.get("QLA_SERVE_OP_PATH", "auto")
@@ -224,6 +225,45 @@ def _checked_key(tag: str, tensors, index_tensors) -> tuple | None:
         return (tag, *map(_metadata, tensors))
     except AttributeError:
         return None
+
+
+def gdn_prefill_inputs(q, k, a=None, b=None, A_log=None, dt_bias=None):
+    """What :func:`gdn_prefill` takes, from what the engines' GDN layers have, in one launch on
+    the TileLang path (kernels/hopper/prefill_inputs.py; torch's ~20 elementwise launches
+    elsewhere).
+
+    Args:
+        q, k: [T, Hk, 128] bf16/fp16 (fp32 takes the reference path), not yet L2-normalised;
+            strided views of a fused projection are fine.
+        a, b: [T, Hv] raw gating logits; A_log, dt_bias: [Hv] (each in its own dtype). All four
+            None: q and k only (a caller that has g and beta).
+    Returns:
+        (q, k, g, beta): q, k L2-normalised, [T, Hk, 128] in q's dtype, contiguous (x / sqrt(
+        sum x^2 + 1e-6), fp32 math); g = -exp(A_log) * softplus(a + dt_bias) and
+        beta = sigmoid(b), [T, Hv] float32 (None without the raw gates).
+    """
+    gates = any(x is not None for x in (a, b, A_log, dt_bias))
+    key = _checked_key("inputs", (q, k, a, b, A_log, dt_bias), ())
+    if _checks_due(key):
+        T, Hk = V.check_qk(q, k)
+        V.check_device(q.device, k=k)
+        if gates:
+            Hv = a.shape[-1] if isinstance(a, torch.Tensor) and a.dim() == 2 else 0
+            V.check_gates(T, Hv, None, None, a, b, A_log, dt_bias, allow_raw=True)
+            if Hv % Hk:
+                raise ValueError(f"a: expected a value-head count that is a multiple of q's {Hk} heads, got {Hv}")
+            V.check_device(q.device, a=a, b=b, A_log=A_log, dt_bias=dt_bias)
+        _passed(key)
+    T, Hk = q.shape[0], q.shape[1]
+    q_out = torch.empty((T, Hk, V.HEAD_DIM), dtype=q.dtype, device=q.device)
+    k_out = torch.empty_like(q_out)
+    g_out = beta_out = None
+    if gates:
+        g_out = torch.empty((T, a.shape[1]), dtype=torch.float32, device=q.device)
+        beta_out = torch.empty_like(g_out)
+    _run("prefill_inputs", q.device, q.dtype, q, k, a, b, A_log, dt_bias, q_out=q_out, k_out=k_out,
+         g_out=g_out, beta_out=beta_out)
+    return q_out, k_out, g_out, beta_out
 
 
 def _same_dtype(x, y):

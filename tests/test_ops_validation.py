@@ -25,7 +25,7 @@ def _prefill(a, **kw):
 @pytest.mark.parametrize("over,exc,match", [
     (dict(q=torch.randn(T, HK, 64)), ValueError, "q: expected head dim 128"),
     (dict(v=torch.randn(T, 3, 128)), ValueError, "v: expected a value-head count"),
-    (dict(k=torch.randn(T, HK, 128).half()), TypeError, "k, v: expected q's dtype"),
+    (dict(k=torch.randn(T, HK, 128).half()), TypeError, "k: expected q's dtype"),
     (dict(q=torch.randn(T, HK, 128).to(torch.int8)), TypeError, "q: expected dtype"),
     (dict(g=-torch.rand(T, HV).double()), TypeError, "g: expected dtype"),
     (dict(beta=torch.rand(T, HV + 1)), ValueError, "beta: expected shape"),
@@ -188,3 +188,41 @@ def test_decode_and_verify_checks_run_once_per_metadata(monkeypatch):
     with pytest.raises(TypeError, match="intermediate: expected dtype"):
         qla_serve.gdn_verify(x["q"], x["k"], x["v"], x["pool"], ids, cu, inter.bfloat16(), ids, a=x["a"],
                              b=x["b"], A_log=x["A_log"], dt_bias=x["dt_bias"])
+
+
+def test_prefill_inputs_on_the_reference_path():
+    """gdn_prefill_inputs on CPU tensors (the reference path): exactly reference.l2norm and
+    reference.fused_gating, on strided views of one projection as the engines pass them and with
+    SGLang's dtypes (fp32 A_log beside a bf16 dt_bias); without gates, q and k only."""
+    from qla_serve.kernels import reference
+
+    fused = torch.randn(T, (2 * HK + HV) * 128).bfloat16()
+    q, k = fused[:, : HK * 128].view(T, HK, 128), fused[:, HK * 128: 2 * HK * 128].view(T, HK, 128)
+    ab = torch.randn(T, 2 * HV).bfloat16()
+    a, b = ab[:, :HV], ab[:, HV:]
+    A_log, dt_bias = torch.rand(HV), torch.randn(HV).bfloat16()
+    qn, kn, g, beta = qla_serve.gdn_prefill_inputs(q, k, a, b, A_log, dt_bias)
+    g_ref, beta_ref = reference.fused_gating(a, b, A_log, dt_bias)
+    assert torch.equal(qn, reference.l2norm(q)) and torch.equal(kn, reference.l2norm(k))
+    assert torch.equal(g, g_ref) and torch.equal(beta, beta_ref)
+    assert qn.is_contiguous() and qn.dtype == torch.bfloat16 and g.dtype == torch.float32
+    qn2, kn2, g2, beta2 = qla_serve.gdn_prefill_inputs(q, k)
+    assert torch.equal(qn2, qn) and torch.equal(kn2, kn) and g2 is None and beta2 is None
+
+
+@pytest.mark.parametrize("over,exc,match", [
+    (dict(k=torch.randn(T, HK, 128).half()), TypeError, "k: expected q's dtype"),
+    (dict(k=torch.randn(T + 1, HK, 128).bfloat16()), ValueError, "k: expected shape"),
+    (dict(a=torch.randn(T, HV + 1).bfloat16()), ValueError, "b: expected shape"),
+    (dict(a=torch.randn(T, 3).bfloat16(), b=torch.randn(T, 3).bfloat16(), A_log=torch.rand(3),
+          dt_bias=torch.rand(3)), ValueError, "a: expected a value-head count"),
+    (dict(A_log=None), ValueError, "A_log: expected a tensor"),
+    (dict(dt_bias=torch.rand(HV).to(torch.int32)), TypeError, "dt_bias: expected dtype"),
+])
+def test_prefill_inputs_bad_input(over, exc, match):
+    args = dict(q=torch.randn(T, HK, 128).bfloat16(), k=torch.randn(T, HK, 128).bfloat16(),
+                a=torch.randn(T, HV).bfloat16(), b=torch.randn(T, HV).bfloat16(), A_log=torch.rand(HV),
+                dt_bias=torch.rand(HV))
+    args.update(over)
+    with pytest.raises(exc, match=match):
+        qla_serve.gdn_prefill_inputs(**args)

@@ -10,8 +10,9 @@ What one call does (the work behind vLLM's ``qwen_gdn_attention_core``), for a b
    (read and written in place); SiLU.
 2. split into q, k [.., Hk, 128] and v [.., Hv, 128].
 3. decodes: :func:`qla_serve.gdn_decode` with the raw gating (a, b, A_log, dt_bias) and the
-   in-kernel L2 norm; prefills: L2 norm and gating here, then :func:`qla_serve.gdn_prefill` with
-   the step's shared :class:`qla_serve.PrefillPlan`; spec decodes: :func:`qla_serve.gdn_verify`.
+   in-kernel L2 norm; prefills: L2 norm and gating by :func:`qla_serve.gdn_prefill_inputs` (one
+   launch), then :func:`qla_serve.gdn_prefill` with the step's shared
+   :class:`qla_serve.PrefillPlan`; spec decodes: :func:`qla_serve.gdn_verify`.
 4. outputs written into ``out`` [T, Hv, 128].
 
 State caches (engine-owned, never copied as a whole):
@@ -48,7 +49,6 @@ import torch
 import torch.nn.functional as F
 
 import qla_serve
-from qla_serve.kernels.reference import fused_gating, l2norm
 from qla_serve.plan import PrefillPlan
 
 HEAD_DIM = 128
@@ -362,9 +362,8 @@ def gdn_layer_forward(step: StepPlan, mixed_qkv: torch.Tensor, a: torch.Tensor, 
                            step.prefill_has_initial_state, step.prefill_conv, conv_weight,
                            conv_bias, activation)
         q, k, v = _split_qkv(xp, num_k_heads, Hv)
-        g, beta = fused_gating(an[Td:Td + Tp], bn[Td:Td + Tp], A_log, dt_bias)
-        qla_serve.gdn_prefill(l2norm(q), l2norm(k), v,
-                              g, beta, ssm_state, _ops_slots(step.prefill_slots, null),
+        q, k, g, beta = qla_serve.gdn_prefill_inputs(q, k, an[Td:Td + Tp], bn[Td:Td + Tp], A_log, dt_bias)
+        qla_serve.gdn_prefill(q, k, v, g, beta, ssm_state, _ops_slots(step.prefill_slots, null),
                               step.prefill_plan, has_initial_state=step.prefill_has_initial_state,
                               scale=scale, out=out_n[Td:Td + Tp])
         if on_call:

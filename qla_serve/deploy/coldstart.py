@@ -95,6 +95,13 @@ def run(config_path: str, long_len: int = 16384, seed: int = 0) -> dict:
         record(f"decode[a,b,l2norm={l2}]", lambda: qla_serve.gdn_decode(
             q, k, v, pool, slots, a=a, b=b, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm=l2))
 
+    # the layers' prefill preamble: A_log / dt_bias as each engine holds them (both fp32, both in
+    # the model dtype: vLLM, fp32 beside the model dtype: SGLang), and q/k only (SGLang's extend)
+    for name, pdt, bdt in (("fp32", torch.float32, torch.float32), ("model", io, io), ("sglang", torch.float32, io)):
+        record(f"prefill_inputs[a,b,{name}]", lambda: qla_serve.gdn_prefill_inputs(
+            q, k, a, b, A_log.to(pdt), dt_bias.to(bdt)))
+    record("prefill_inputs[q,k]", lambda: qla_serve.gdn_prefill_inputs(q, k))
+
     D = 4
     qv, kv, vv, gv, bv = qkv(B * D)
     cu = torch.arange(0, B * D + 1, D, dtype=torch.int32, device=dev)

@@ -6,9 +6,11 @@
 * ``blackwell/``       TileLang kernels for sm_100a.
 * ``fla_fallback.py``  FLA's Triton ops on other CUDA GPUs.
 
-Every kernel module implements the same functions (ops.py validates and allocates first)::
+Every kernel module implements these functions (ops.py validates and allocates first; the FLA
+fallback only prefill and decode, ops.FLA_OPS: the others take the reference path there)::
 
     prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale, out)
+    prefill_inputs(q, k, a, b, A_log, dt_bias, *, q_out, k_out, g_out, beta_out)
     decode(q, k, v, pool, slot_ids, *, g, beta, a, b, A_log, dt_bias, use_qk_l2norm, scale, out)
     verify(q, k, v, pool, slot_ids, cu_seqlens, intermediate, intermediate_ids, *, g, beta,
            a, b, A_log, dt_bias, use_qk_l2norm, scale, out)

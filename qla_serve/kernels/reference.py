@@ -56,6 +56,18 @@ def fused_gating(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
     return g, torch.sigmoid(b.float())
 
 
+def prefill_inputs(q, k, a, b, A_log, dt_bias, *, q_out, k_out, g_out, beta_out) -> None:
+    """What prefill takes from what the engines' layers have: l2norm(q), l2norm(k) and, unless
+    a is None, fused_gating(a, b, A_log, dt_bias), into the outputs (the math of
+    kernels/hopper/prefill_inputs.py)."""
+    q_out.copy_(l2norm(q))
+    k_out.copy_(l2norm(k))
+    if a is not None:
+        g, beta = fused_gating(a, b, A_log, dt_bias)
+        g_out.copy_(g)
+        beta_out.copy_(beta)
+
+
 def _expand_heads(x: torch.Tensor, num_v_heads: int) -> torch.Tensor:
     """GVA: qk-head h // (Hv // Hk) serves v-head h. [T, Hk, D] -> [T, Hv, D]."""
     return x.repeat_interleave(num_v_heads // x.shape[1], dim=1)

@@ -3,8 +3,9 @@
 Prefill: qla_serve.kernels.hopper.prefill_* built with target "sm_100a" (TileLang lowers the
 same tile programs -- TMA loads, T.gemm -- for the target; no Hopper-only intrinsic is written by
 hand). They compile for sm_100a (tests/kernels/test_prefill_compile.py) but have NOT been run
-on Blackwell hardware; no tcgen05/TMEM-specific tuning has been done. Decode/verify come from
-qla_serve.kernels.hopper.decode, which picks the target from the device.
+on Blackwell hardware; no tcgen05/TMEM-specific tuning has been done. Decode/verify and the
+prefill inputs come from qla_serve.kernels.hopper.decode / prefill_inputs, which pick the target
+from the device.
 """
 
 import functools
@@ -15,6 +16,7 @@ from qla_serve.kernels.hopper import prefill_api as _prefill
 ARCH = "sm_100a"
 SUPPORTED_STRATEGIES = _prefill.SUPPORTED_STRATEGIES
 prefill = functools.partial(_prefill.prefill, _target=ARCH)
+prefill_inputs = _hopper.prefill_inputs
 decode = _hopper.decode
 verify = _hopper.verify
 commit_verified = _hopper.commit_verified

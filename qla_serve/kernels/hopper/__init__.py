@@ -2,28 +2,33 @@
 
 * prefill (prefill_api.py -> prefill_prep.py, prefill_main.py, prefill_scan.py): chunked prefill; the
   strategies it implements are in ``SUPPORTED_STRATEGIES`` (the planner picks only those).
+* prefill_inputs (prefill_inputs.py): a prefill step's L2-normalised q/k and gates from raw
+  a, b in one launch (what the engines' layers hand over, made into what prefill takes).
 * decode / verify / commit_verified (decode.py): single-token and speculative-verify steps.
 
-``kernel_variants`` is the union of both modules' variants (what ``qla-serve precompile``
+``kernel_variants`` is the union of the modules' variants (what ``qla-serve precompile``
 compiles); ``build`` dispatches on the variant's ``op``.
 """
 
 from . import decode as _decode
 from . import prefill_api as _prefill
+from . import prefill_inputs as _inputs
 from .decode import commit_verified, decode, verify
 from .prefill_api import SUPPORTED_STRATEGIES, prefill
+from .prefill_inputs import prefill_inputs
 
 ARCH = "sm_90a"
 TARGETS = ("sm_90a",)  # sm_100a builds come from qla_serve.kernels.blackwell
 
 __all__ = ["ARCH", "SUPPORTED_STRATEGIES", "TARGETS", "build", "commit_verified", "decode",
-           "kernel_variants", "prefill", "verify"]
+           "kernel_variants", "prefill", "prefill_inputs", "verify"]
 
 
 def kernel_variants(num_v_heads: int, num_k_heads: int, target: str = ARCH) -> list[dict]:
-    """Prefill variants (the stage-2 forms target runs) followed by decode/verify/commit
-    variants for these TP-local heads."""
+    """Prefill variants (the stage-2 forms target runs), the prefill-input variants, then
+    decode/verify/commit variants for these TP-local heads."""
     return (_prefill.kernel_variants(num_v_heads, num_k_heads, target)
+            + _inputs.kernel_variants(num_v_heads, num_k_heads)
             + _decode.kernel_variants(num_v_heads, num_k_heads))
 
 
@@ -31,4 +36,6 @@ def build(variant: dict, target: str = ARCH):
     """Compile one variant (from kernel_variants) for "sm_90a" or "sm_100a"."""
     if str(variant.get("op", "")).startswith("prefill"):
         return _prefill.build(variant, target)
+    if variant.get("op") == "inputs":
+        return _inputs.build(variant, target)
     return _decode.build(variant, target)

@@ -1,0 +1,199 @@
+"""A prefill step's inputs in one launch: L2-normalised q and k, and the gates from raw a, b.
+
+What the engines' GDN layers hand to prefill are q and k before their L2 norm and the raw
+gating logits a, b with the layer's A_log and dt_bias; the chunked prefill (prefill_api.py)
+takes unit-norm q/k and fp32 g, beta. In torch that is ~20 elementwise launches per layer and
+step (reference.l2norm on q and on k, reference.fused_gating); this kernel does it in one:
+
+    q_out[t, h] = q[t, h] / sqrt(sum(q[t, h]^2) + 1e-6)      (fp32 math, stored in q's dtype)
+    k_out[t, h] = k[t, h] / sqrt(sum(k[t, h]^2) + 1e-6)
+    g_out[t, h]    = -exp(A_log[h]) * softplus(a[t, h] + dt_bias[h])     (fp32)
+    beta_out[t, h] = sigmoid(b[t, h])                                     (fp32)
+
+softplus(x) = x above 20, else log1p(exp(x)): torch's softplus, so the results match
+reference.l2norm and reference.fused_gating (the float64 truth is the same formulas;
+tests/kernels/test_prefill_inputs*.py). A variant without gates (``ab`` None) does q/k only,
+for callers that bring g and beta (SGLang's extend).
+
+Grid: one CTA of 128 threads per 16 tokens. A warp normalises one (token, qk-head) row of q and
+the same row of k per step: each lane loads 4 elements (one 8-byte access), the sum of squares
+is 5 xor-shuffles over the warp. Then each thread computes one (token, v-head) gate pair per
+step. Dtypes: q/k bf16 or fp16; a/b, A_log and dt_bias each in its own dtype (SGLang keeps
+A_log in fp32 beside a bf16 dt_bias), as in decode.py; head counts are static, the token count
+and every input stride dynamic (q/k and a/b may be strided views of a fused projection; the
+host checks that q/k strides are multiples of 4 elements).
+"""
+
+# No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
+import torch
+
+from .decode import _BUILD_LOCK, _GATE_DTYPES, _IO_DTYPES, _PASS_CONFIGS, _TARGETS, _device_target, _dtype_name
+from .raw_launch import raw_function
+
+HEAD_DIM = 128
+TOKENS_PER_CTA = 16
+# Gate dtype combinations kernel_variants lists (a/b in the io dtype, as the engines project
+# them; A_log, dt_bias): fp32 both, io both, fp32 A_log beside an io dt_bias (SGLang).
+_PARAM_PAIRS = (("float32", "float32"), (None, None), ("float32", None))
+
+
+def variant(hv: int, hk: int, io: str, ab: str | None = None, param: str | None = None,
+            bias: str | None = None) -> dict:
+    """A JSON-serialisable variant description (op "inputs"); ``name`` identifies it. ``ab``
+    None: q/k only (the caller has its gates: SGLang's extend)."""
+    checks = [("q", io, _IO_DTYPES)]
+    if ab is not None:
+        checks += [("a", ab, _GATE_DTYPES), ("A_log", param, _GATE_DTYPES), ("dt_bias", bias, _GATE_DTYPES)]
+    for what, dtype, allowed in checks:
+        if dtype not in allowed:
+            raise ValueError(f"{what} dtype: expected one of {allowed}, got {dtype}")
+    if not (hk > 0 and hv > 0 and hv % hk == 0):
+        raise ValueError(f"num_v_heads/num_k_heads: expected positive ints with num_v_heads % "
+                         f"num_k_heads == 0, got {hv}/{hk}")
+    if ab is None:  # no gate columns: the kernel, and so its name, does not depend on Hv
+        return {"name": f"gdn_prefill_inputs_hk{hk}_{io}_qk-only", "op": "inputs", "num_v_heads": hv,
+                "num_k_heads": hk, "io_dtype": io, "ab_dtype": None, "param_dtype": None, "bias_dtype": None}
+    return {"name": f"gdn_prefill_inputs_hv{hv}_hk{hk}_{io}_ab-{ab}-{param}-{bias}", "op": "inputs",
+            "num_v_heads": hv, "num_k_heads": hk, "io_dtype": io, "ab_dtype": ab, "param_dtype": param,
+            "bias_dtype": bias}
+
+
+def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
+    """io dtype {bf16, fp16} x (the gate dtype pairs of _PARAM_PAIRS, q/k only): 8 variants.
+    Other dtype combinations compile on first use (same cache)."""
+    return [variant(num_v_heads, num_k_heads, io, io, param or io, bias or io)
+            for io in _IO_DTYPES for param, bias in _PARAM_PAIRS] + [
+        variant(num_v_heads, num_k_heads, io) for io in _IO_DTYPES]
+
+
+def _program(v: dict):
+    import tilelang.language as T
+
+    Hv, Hk, io = v["num_v_heads"], v["num_k_heads"], v["io_dtype"]
+    ab, prm, bias = v["ab_dtype"], v["param_dtype"], v["bias_dtype"]
+    f32 = "float32"
+    TPB = TOKENS_PER_CTA
+    qk_steps = TPB * Hk // 4           # (token, qk-head) rows per warp
+    gate_steps = -(-(TPB * Hv) // 128)  # (token, v-head) pairs per thread
+    ntok = T.dynamic("ntok")
+    sq0, sq1, sk0, sk1, sa0, sa1, sb0, sb1, sal, sdt = T.dynamic("sq0 sq1 sk0 sk1 sa0 sa1 sb0 sb1 sal sdt")
+
+    @T.macro
+    def normalise_row(X, Xo, t, h, lane, x4):
+        for e in T.vectorized(4):
+            x4[e] = T.cast(X[t, h, lane * 4 + e], f32)
+        s = T.alloc_var(f32)
+        s = x4[0] * x4[0] + x4[1] * x4[1] + x4[2] * x4[2] + x4[3] * x4[3]
+        for m in T.unroll(5):
+            s += T.shfl_xor(s, 1 << m)
+        r = T.rsqrt(s + 1e-6)
+        for e in T.vectorized(4):
+            Xo[t, h, lane * 4 + e] = T.cast(x4[e] * r, io)
+
+    @T.macro
+    def normalise_rows(Q, K, Qo, Ko, bx, warp, lane, x4):
+        # 8-byte vector loads and stores of q/k rows (checked on the host: _check_strides)
+        T.assume(sq0 % 4 == 0)
+        T.assume(sq1 % 4 == 0)
+        T.assume(sk0 % 4 == 0)
+        T.assume(sk1 % 4 == 0)
+        for step in T.serial(qk_steps):
+            row = step * 4 + warp
+            t = bx * TPB + row // Hk
+            if t < ntok:  # the same for the whole warp: the shuffles see every lane
+                normalise_row(Q, Qo, t, row % Hk, lane, x4)
+                normalise_row(K, Ko, t, row % Hk, lane, x4)
+
+    if ab is None:
+        @T.prim_func
+        def gdn_prefill_qk_inputs(
+            Q: T.StridedTensor((ntok, Hk, HEAD_DIM), (sq0, sq1, 1), io),
+            K: T.StridedTensor((ntok, Hk, HEAD_DIM), (sk0, sk1, 1), io),
+            Qo: T.Tensor((ntok, Hk, HEAD_DIM), io),
+            Ko: T.Tensor((ntok, Hk, HEAD_DIM), io),
+        ):
+            with T.Kernel(T.ceildiv(ntok, TPB), threads=128) as bx:
+                tx = T.get_thread_binding()
+                x4 = T.alloc_local((4,), f32)
+                normalise_rows(Q, K, Qo, Ko, bx, tx // 32, tx % 32, x4)
+
+        return gdn_prefill_qk_inputs
+
+    @T.prim_func
+    def gdn_prefill_inputs(
+        Q: T.StridedTensor((ntok, Hk, HEAD_DIM), (sq0, sq1, 1), io),
+        K: T.StridedTensor((ntok, Hk, HEAD_DIM), (sk0, sk1, 1), io),
+        A: T.StridedTensor((ntok, Hv), (sa0, sa1), ab),
+        B: T.StridedTensor((ntok, Hv), (sb0, sb1), ab),
+        A_log: T.StridedTensor((Hv,), (sal,), prm),
+        dt_bias: T.StridedTensor((Hv,), (sdt,), bias),
+        Qo: T.Tensor((ntok, Hk, HEAD_DIM), io),
+        Ko: T.Tensor((ntok, Hk, HEAD_DIM), io),
+        Go: T.Tensor((ntok, Hv), f32),
+        Bo: T.Tensor((ntok, Hv), f32),
+    ):
+        with T.Kernel(T.ceildiv(ntok, TPB), threads=128) as bx:
+            tx = T.get_thread_binding()
+            x4 = T.alloc_local((4,), f32)
+            normalise_rows(Q, K, Qo, Ko, bx, tx // 32, tx % 32, x4)
+            for step in T.serial(gate_steps):
+                idx = step * 128 + tx
+                t = bx * TPB + idx // Hv
+                h = idx % Hv
+                if idx < TPB * Hv and t < ntok:
+                    x = T.cast(A[t, h], f32) + T.cast(dt_bias[h], f32)
+                    Go[t, h] = -T.exp(T.cast(A_log[h], f32)) * T.if_then_else(x > 20.0, x, T.log1p(T.exp(x)))
+                    Bo[t, h] = 1.0 / (1.0 + T.exp(-T.cast(B[t, h], f32)))
+
+    return gdn_prefill_inputs
+
+
+def build(v: dict, target: str):
+    """Compile variant ``v`` for ``target`` ("sm_90a" or "sm_100a") through TileLang's cache."""
+    import tilelang
+
+    if target not in _TARGETS:
+        raise ValueError(f"target: expected one of {_TARGETS}, got {target!r}")
+    return tilelang.compile(_program(v), target={"kind": "cuda", "arch": target},
+                            execution_backend="tvm_ffi", pass_configs=dict(_PASS_CONFIGS))
+
+
+# (device, q dtype, a / A_log / dt_bias dtypes or None, Hv, Hk) -> the raw launch function
+_FAST: dict[tuple, object] = {}
+
+
+def _check_strides(q, k) -> None:
+    """The kernel's 8-byte q/k row accesses (host metadata only)."""
+    for name, x in (("q", q), ("k", k)):
+        if x.stride(0) % 4 or x.stride(1) % 4 or x.stride(2) != 1 or x.data_ptr() % 8:
+            raise ValueError(f"{name}: the prefill input kernel needs token and head strides that are "
+                             f"multiples of 4 elements, unit stride along the head dim and an 8-byte "
+                             f"aligned data pointer; got strides {tuple(x.stride())}")
+
+
+def prefill_inputs(q, k, a, b, A_log, dt_bias, *, q_out, k_out, g_out, beta_out) -> None:
+    """q, k [T, Hk, 128] (bf16/fp16, strided), a, b [T, Hv], A_log, dt_bias [Hv] ->
+    q_out, k_out [T, Hk, 128] (q's dtype, contiguous), g_out, beta_out [T, Hv] fp32
+    (contiguous). a is None: q/k only (b, A_log, dt_bias, g_out, beta_out are None too)."""
+    if q.shape[0] == 0:
+        return
+    _check_strides(q, k)
+    gates = a is not None
+    hv = a.shape[1] if gates else q.shape[1]
+    key = (q.device, q.dtype) + ((a.dtype, A_log.dtype, dt_bias.dtype) if gates else ()) + (hv, q.shape[1])
+    fn = _FAST.get(key)
+    if fn is None:
+        given = ((q, "q", _IO_DTYPES),) + (((a, "a", _GATE_DTYPES), (A_log, "A_log", _GATE_DTYPES),
+                                            (dt_bias, "dt_bias", _GATE_DTYPES)) if gates else ())
+        names = [_dtype_name(x.dtype, what, allowed) for x, what, allowed in given]
+        if gates and b.dtype != a.dtype:
+            raise TypeError(f"b: expected the dtype of a ({a.dtype}), got {b.dtype}")
+        v = variant(hv, q.shape[1], *names)
+        idx = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        with _BUILD_LOCK:
+            kernel = build(v, _device_target(idx))
+        fn = _FAST[key] = raw_function(kernel, v["name"])
+    if gates:
+        fn(q, k, a, b, A_log, dt_bias, q_out, k_out, g_out, beta_out)
+    else:
+        fn(q, k, q_out, k_out)
