@@ -5,54 +5,30 @@ before) against qla_serve.gdn_prefill_inputs (one TileLang launch), GPU and host
 
 Inputs as the engines pass them: q/k strided views of one fused projection (bf16), raw a, b
 (bf16) and A_log fp32 beside a bf16 dt_bias (SGLang; vLLM has both in bf16). GPU time: median
-over replays of a CUDA graph of 20 calls; host time: median CPU time of an eager call (enqueue
-only, the queue drained every 200 calls). A benchmark, not a test.
+over replays of a CUDA graph of 20 calls (qla_serve.bench.prefill's timer); host time: median
+CPU time of an eager call (enqueue only, the queue drained every 200 calls: ops_host.py's
+timer). A benchmark, not a test.
 """
 
-import statistics
-import time
-
 import torch
+from ops_host import _per_call_us  # benchmarks/ is the script's directory
 
 import qla_serve
+from qla_serve.bench.prefill import _gpu_time_ms
 from qla_serve.kernels import reference
 
 ROWS = [(2, 8, 8192), (2, 8, 32768), (4, 16, 8192), (16, 64, 8192)]
 
 
-def _gpu_us(fn, calls=20, reps=30):
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        graph.replay()
-        e1.record()
-        torch.cuda.synchronize()
-        times.append(e0.elapsed_time(e1) * 1e3 / calls)
-    return statistics.median(times)
+def _gpu_us(fn):
+    ms, how, _ = _gpu_time_ms(fn, reps=30, graph_calls=20)
+    if how != "graph":
+        raise RuntimeError(f"expected a CUDA-graph timing, got {how}")
+    return ms * 1e3
 
 
-def _host_us(fn, n=1000, drain=200):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(0, n, drain):
-        t0 = time.perf_counter()
-        for _ in range(drain):
-            fn()
-        samples.append((time.perf_counter() - t0) / drain * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(samples)
+def _host_us(fn):
+    return _per_call_us(fn, n=1000)
 
 
 def main() -> None:

@@ -19,6 +19,7 @@ import time
 import torch
 
 from qla_serve.bench import prefill as bench
+from qla_serve.bench.prefill import _captured
 
 
 def _smi() -> subprocess.Popen:
@@ -38,10 +39,7 @@ def sustained(fn, secs: float) -> dict:
         for _ in range(3):
             fn()
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(5):
-            fn()
+    graph = _captured(fn, 5)
     torch.cuda.synchronize()
     smi, times, end = _smi(), [], time.time() + secs
     while time.time() < end:
