@@ -64,8 +64,7 @@ def _fla_error() -> str | None:
 
 def explain_path(op: str, device, io_dtype=torch.bfloat16) -> tuple[str, str]:
     """(path, reason) that ``op`` ("prefill" | "prefill_inputs" | "decode" | "verify" |
-    "commit_verified") takes on
-    ``device`` for q/k/v of ``io_dtype``."""
+    "commit_verified") takes on ``device`` for q/k/v of ``io_dtype``."""
     device = torch.device(device)
     forced = os.environ.get("QLA_SERVE_OP_PATH", "auto")
     if forced not in PATHS + ("auto",):
@@ -259,6 +258,7 @@ def gdn_prefill_inputs(q, k, a=None, b=None, A_log=None, dt_bias=None):
     k_out = torch.empty_like(q_out)
     g_out = beta_out = None
     if gates:
+        a, b = _same_dtype(a, b)
         g_out = torch.empty((T, a.shape[1]), dtype=torch.float32, device=q.device)
         beta_out = torch.empty_like(g_out)
     _run("prefill_inputs", q.device, q.dtype, q, k, a, b, A_log, dt_bias, q_out=q_out, k_out=k_out,
