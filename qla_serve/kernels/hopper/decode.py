@@ -572,12 +572,21 @@ def _launcher(op, q, pool, g, a, A_log, dt_bias, b, beta, l2, tile):
     return raw_function(kernel, variant["name"])
 
 
+def check_pool_alignment(pool) -> None:
+    """A pool slot's state moves in 16-byte vectors here (8-byte pairs in prefill's V-first stage
+    2): a 16-byte aligned base and a slot stride of whole vectors, true for every engine pool.
+    Host metadata only; prefill_api checks the same rule."""
+    vec = 16 // pool.element_size()
+    if pool.stride(0) % vec or pool.data_ptr() % 16:
+        raise ValueError(f"pool: expected a 16-byte aligned base and a slot stride (stride(0)) that is a "
+                         f"multiple of {vec} elements, got stride(0) {pool.stride(0)}")
+
+
 def _check_alignment(vec: int, pool, q, k, inter=None) -> None:
     """Vector-access preconditions (see module docstring); host metadata only."""
+    check_pool_alignment(pool)
     bad = None
-    if pool.stride(0) % vec or pool.data_ptr() % 16:
-        bad = "pool"
-    elif q.stride(0) % vec or q.stride(1) % vec or q.data_ptr() % (2 * vec):
+    if q.stride(0) % vec or q.stride(1) % vec or q.data_ptr() % (2 * vec):
         bad = "q"
     elif k.stride(0) % vec or k.stride(1) % vec or k.data_ptr() % (2 * vec):
         bad = "k"

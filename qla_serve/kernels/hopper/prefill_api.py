@@ -60,6 +60,7 @@ import threading
 import torch
 
 from . import prefill_main, prefill_main_vfirst, prefill_prep, prefill_scan, prefill_warmup
+from .decode import check_pool_alignment
 from .raw_launch import raw_function
 
 ARCH = "sm_90a"
@@ -282,16 +283,6 @@ def _check_tma_strides(**tensors) -> None:
             )
 
 
-def _check_pool_alignment(pool) -> None:
-    """Stage 2 moves a slot's state in 8-byte pairs of fp32 (4 of bf16) and assumes 16-byte slot
-    strides and base (prefill_main_vfirst.py), like decode (decode._check_alignment): true for
-    every engine pool."""
-    vec = 16 // pool.element_size()
-    if pool.stride(0) % vec or pool.data_ptr() % 16:
-        raise ValueError(f"pool: expected a 16-byte aligned base and a slot stride (stride(0)) that is a "
-                         f"multiple of {vec} elements, got stride(0) {pool.stride(0)}")
-
-
 def _fn(variant: dict, short_key: tuple):
     fn = raw_function(build(variant, short_key[-1]), variant["name"])
     _fns[short_key] = fn
@@ -495,7 +486,9 @@ class _Launches:
             q, k, v, out, g, beta = (_one_row(x) for x in (q, k, v, out, g, beta))
         else:
             _check_tma_strides(q=q, k=k, v=v)
-        _check_pool_alignment(pool)
+        # stage 2 moves a slot's state in 8-byte pairs and assumes 16-byte slot strides and
+        # base (prefill_main_vfirst.py): decode's rule
+        check_pool_alignment(pool)
         flags = self.flags if has_initial_state is None else has_initial_state.view(torch.uint8)
         scale = 128**-0.5 if scale is None else float(scale)
         qh, kh = self.half_qk or (q, k)

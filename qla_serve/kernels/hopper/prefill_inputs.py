@@ -27,7 +27,8 @@ host checks that q/k strides are multiples of 4 elements).
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
 import torch
 
-from .decode import _BUILD_LOCK, _GATE_DTYPES, _IO_DTYPES, _PASS_CONFIGS, _TARGETS, _device_target, _dtype_name
+from .decode import (_BUILD_LOCK, _GATE_DTYPES, _IO_DTYPES, _PASS_CONFIGS, _TARGETS, _check_heads,
+                     _device_target, _dtype_name)
 from .raw_launch import raw_function
 
 HEAD_DIM = 128
@@ -47,9 +48,7 @@ def variant(hv: int, hk: int, io: str, ab: str | None = None, param: str | None 
     for what, dtype, allowed in checks:
         if dtype not in allowed:
             raise ValueError(f"{what} dtype: expected one of {allowed}, got {dtype}")
-    if not (hk > 0 and hv > 0 and hv % hk == 0):
-        raise ValueError(f"num_v_heads/num_k_heads: expected positive ints with num_v_heads % "
-                         f"num_k_heads == 0, got {hv}/{hk}")
+    _check_heads(hv, hk)
     if ab is None:  # no gate columns: the kernel, and so its name, does not depend on Hv
         return {"name": f"gdn_prefill_inputs_hk{hk}_{io}_qk-only", "op": "inputs", "num_v_heads": hv,
                 "num_k_heads": hk, "io_dtype": io, "ab_dtype": None, "param_dtype": None, "bias_dtype": None}
