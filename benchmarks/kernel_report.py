@@ -5,6 +5,7 @@ around one) that holds tensor-core instructions or global stores, smallest first
 is usually the innermost loop, e.g. stage 2's chunk walk.
 
     python benchmarks/kernel_report.py prep 2/8 bfloat16            # form uw; add "m" for form m
+    python benchmarks/kernel_report.py prep 2/8 bfloat16 m float16  # fp16 q/k beside bf16 v
     python benchmarks/kernel_report.py main 2/8 bfloat16 float32 1 output vfirst
     python benchmarks/kernel_report.py ... --json            # one JSON object instead of text
 
@@ -34,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def build_variant(argv: list[str], target: str):
-    """argv: "prep HK/HV IO [FORM]", "main HK/HV IO POOL V_SPLIT MODE [IMPL]", "scan HV [ROWS]" or
+    """argv: "prep HK/HV IO [FORM [QK]]", "main HK/HV IO POOL V_SPLIT MODE [IMPL]", "scan HV [ROWS]" or
     "warmup HV"; the compiled kernel."""
     from qla_serve.kernels.hopper import prefill_api as P
 
@@ -44,12 +45,12 @@ def build_variant(argv: list[str], target: str):
         variant = P.scan_variant(hv, *map(int, rest)) if kind == "scan" else P.warmup_variant(hv)
         return variant["name"], P.build(variant, target)
     hk, hv = (int(x) for x in heads.split("/"))
-    if kind == "prep" and len(rest) in (1, 2):
+    if kind == "prep" and len(rest) in (1, 2, 3):
         variant = P.prep_variant(hv, hk, *rest)
     elif kind == "main" and len(rest) in (4, 5):
         variant = P.main_variant(hv, hk, rest[0], rest[1], int(rest[2]), rest[3], *rest[4:])
     else:
-        raise SystemExit("variant: expected 'prep HK/HV IO [FORM]', 'main HK/HV IO POOL V_SPLIT MODE [IMPL]', "
+        raise SystemExit("variant: expected 'prep HK/HV IO [FORM [QK]]', 'main HK/HV IO POOL V_SPLIT MODE [IMPL]', "
                          "'scan HV [ROWS]' or 'warmup HV', "
                          f"got {' '.join(argv)!r}")
     return variant["name"], P.build(variant, target)

@@ -96,12 +96,15 @@ def check_qk(q, k) -> tuple[int, int]:
     return T, Hk
 
 
-def check_qkv(q, k, v) -> tuple[int, int, int]:
-    """q, k [T, Hk, 128], v [T, Hv, 128]; last dim contiguous (strided views allowed)."""
+def check_qkv(q, k, v, *, fp16_qk_ok: bool = False) -> tuple[int, int, int]:
+    """q, k [T, Hk, 128], v [T, Hv, 128]; last dim contiguous (strided views allowed). v in q's
+    dtype; with fp16_qk_ok (prefill) also bf16 v beside fp16 q/k, what
+    gdn_prefill_inputs(..., qk_dtype=torch.float16) makes of a bf16 model's q/k."""
     T, Hk = check_qk(q, k)
     _check_heads_tensor("v", v)
-    if v.dtype != q.dtype:
-        raise TypeError(f"v: expected q's dtype {q.dtype}, got {v.dtype}")
+    if v.dtype != q.dtype and not (fp16_qk_ok and (q.dtype, v.dtype) == (torch.float16, torch.bfloat16)):
+        also = " (or torch.bfloat16 beside float16 q/k)" if fp16_qk_ok else ""
+        raise TypeError(f"v: expected q's dtype {q.dtype}{also}, got {v.dtype}")
     if v.shape[0] != T:
         _fail("v", f"{T} tokens like q", v.shape[0])
     Hv = v.shape[1]

@@ -153,16 +153,18 @@ def gdn_prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state=Non
 
     Args:
         q, k: [T, Hk, 128] bf16/fp16 (fp32 takes the reference path), L2-normalised.
-        v: [T, Hv, 128], same dtype; Hv % Hk == 0.
+        v: [T, Hv, 128], q's dtype, or bf16 beside fp16 q/k (gdn_prefill_inputs with
+            qk_dtype=torch.float16: the Hopper kernels then skip their fp16 copy of q/k);
+            Hv % Hk == 0.
         g, beta: [T, Hv] float32 (log decay <= 0; write strength in (0, 1)).
         pool: [S, Hv, 128(V), 128(K)] fp32/bf16 state slots (stride(0) may exceed a slot).
         slot_ids: [N] int32/int64, one slot per sequence; < 0 is padding (not read or written).
         plan: from :func:`qla_serve.plan_prefill` for these sequence lengths and heads.
         has_initial_state: [N] bool or None (all True); False starts from zero, slot unread.
         scale: defaults to 128 ** -0.5.
-        out: optional [T, Hv, 128] output buffer of q's dtype.
+        out: optional [T, Hv, 128] output buffer of v's dtype.
     Returns:
-        o [T, Hv, 128]; every live slot holds its sequence's final state.
+        o [T, Hv, 128] in v's dtype; every live slot holds its sequence's final state.
     """
     args = (q, k, v, g, beta, pool, slot_ids, has_initial_state, out)
     seen = None
@@ -173,15 +175,15 @@ def gdn_prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state=Non
         if seen is not None:
             plan.kernel_cache[seen] = True
     if out is None:
-        out = torch.empty((q.shape[0], v.shape[1], V.HEAD_DIM), dtype=q.dtype, device=q.device)
+        out = torch.empty((q.shape[0], v.shape[1], V.HEAD_DIM), dtype=v.dtype, device=q.device)
     slot_ids = slot_ids.to(q.device, torch.int32, non_blocking=True)
-    _run("prefill", q.device, q.dtype, q, k, v, g, beta, pool, slot_ids, plan,
+    _run("prefill", q.device, v.dtype, q, k, v, g, beta, pool, slot_ids, plan,
          has_initial_state=has_initial_state, scale=_scale(scale), out=out)
     return out
 
 
 def _check_prefill(plan, q, k, v, g, beta, pool, slot_ids, has_initial_state, out) -> None:
-    T, Hk, Hv = V.check_qkv(q, k, v)
+    T, Hk, Hv = V.check_qkv(q, k, v, fp16_qk_ok=True)
     V.check_gates(T, Hv, g, beta, None, None, None, None, allow_raw=False)
     V.check_pool(pool, Hv)
     if (plan.num_v_heads, plan.num_k_heads) != (Hv, Hk):
@@ -199,14 +201,14 @@ def _check_prefill(plan, q, k, v, g, beta, pool, slot_ids, has_initial_state, ou
     V.check_device(q.device, k=k, v=v, g=g, beta=beta, pool=pool, slot_ids=slot_ids,
                    has_initial_state=has_initial_state)
     if out is not None:  # (gdn_prefill allocates a missing one)
-        V.output(out, (T, Hv, V.HEAD_DIM), q.dtype, q.device)
+        V.output(out, (T, Hv, V.HEAD_DIM), v.dtype, q.device)
 
 
 def _metadata(x):
     return None if x is None else (x.dtype, x.shape, x.stride(), x.device)
 
 
-def _checked_key(tag: str, tensors, index_tensors) -> tuple | None:
+def _checked_key(tag, tensors, index_tensors) -> tuple | None:
     """The key under which a public op records that arguments with this metadata passed its
     checks: every tensor's dtype, shape, strides and device, which is all the checks read, so an
     engine's other GDN layers of the step (same metadata, other tensors) skip them. gdn_prefill
@@ -226,7 +228,7 @@ def _checked_key(tag: str, tensors, index_tensors) -> tuple | None:
         return None
 
 
-def gdn_prefill_inputs(q, k, a=None, b=None, A_log=None, dt_bias=None):
+def gdn_prefill_inputs(q, k, a=None, b=None, A_log=None, dt_bias=None, *, qk_dtype=None):
     """What :func:`gdn_prefill` takes, from what the engines' GDN layers have, in one launch on
     the TileLang path (kernels/hopper/prefill_inputs.py; torch's ~20 elementwise launches
     elsewhere).
@@ -236,15 +238,22 @@ def gdn_prefill_inputs(q, k, a=None, b=None, A_log=None, dt_bias=None):
             strided views of a fused projection are fine.
         a, b: [T, Hv] raw gating logits; A_log, dt_bias: [Hv] (each in its own dtype). All four
             None: q and k only (a caller that has g and beta).
+        qk_dtype: the normalised q/k's dtype: None (q's), or torch.float16 for bf16 q. fp16 from a bf16 q
+            is what gdn_prefill reads on Hopper without converting q/k itself (its stage 1
+            then writes no fp16 copies: benchmarks/prefill.md "fp16 q/k"); unit-norm rows lose
+            nothing to fp16's range, and its rounding is 8x finer than bf16's.
     Returns:
-        (q, k, g, beta): q, k L2-normalised, [T, Hk, 128] in q's dtype, contiguous (x / sqrt(
+        (q, k, g, beta): q, k L2-normalised, [T, Hk, 128] in qk_dtype, contiguous (x / sqrt(
         sum x^2 + 1e-6), fp32 math); g = -exp(A_log) * softplus(a + dt_bias) and
         beta = sigmoid(b), [T, Hv] float32 (None without the raw gates).
     """
     gates = any(x is not None for x in (a, b, A_log, dt_bias))
-    key = _checked_key("inputs", (q, k, a, b, A_log, dt_bias), ())
+    key = _checked_key(("inputs", qk_dtype), (q, k, a, b, A_log, dt_bias), ())
     if _checks_due(key):
         T, Hk = V.check_qk(q, k)
+        if qk_dtype not in (None, q.dtype) and (qk_dtype, q.dtype) != (torch.float16, torch.bfloat16):
+            raise TypeError(f"qk_dtype: expected None, q's dtype ({q.dtype}) or torch.float16 for bf16 q, "
+                            f"got {qk_dtype}")
         V.check_device(q.device, k=k)
         if gates:
             Hv = a.shape[-1] if isinstance(a, torch.Tensor) and a.dim() == 2 else 0
@@ -254,7 +263,7 @@ def gdn_prefill_inputs(q, k, a=None, b=None, A_log=None, dt_bias=None):
             V.check_device(q.device, a=a, b=b, A_log=A_log, dt_bias=dt_bias)
         _passed(key)
     T, Hk = q.shape[0], q.shape[1]
-    q_out = torch.empty((T, Hk, V.HEAD_DIM), dtype=q.dtype, device=q.device)
+    q_out = torch.empty((T, Hk, V.HEAD_DIM), dtype=qk_dtype or q.dtype, device=q.device)
     k_out = torch.empty_like(q_out)
     g_out = beta_out = None
     if gates:

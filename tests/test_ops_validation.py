@@ -38,6 +38,11 @@ def _prefill(a, **kw):
     (dict(plan=qla_serve.plan_prefill([5, 4], HV, HK, device="cpu")), ValueError, "plan: expected a plan for 10 tokens"),
     (dict(plan=qla_serve.plan_prefill([6, 4], 8, HK, device="cpu")), ValueError, "plan: expected a plan for 2/4"),
     (dict(q=torch.randn(T, HK, 256)[..., ::2]), ValueError, "q: expected a contiguous last dim"),
+    # q/k and v in different dtypes: only fp16 q/k beside bf16 v (gdn_prefill_inputs' qk_dtype)
+    (dict(v=torch.randn(T, HV, 128).bfloat16()), TypeError,
+     r"v: expected q's dtype torch.float32 \(or torch.bfloat16 beside float16 q/k\)"),
+    (dict(q=torch.randn(T, HK, 128).bfloat16(), k=torch.randn(T, HK, 128).bfloat16(),
+          v=torch.randn(T, HV, 128).half()), TypeError, "v: expected q's dtype torch.bfloat16"),
 ])
 def test_prefill_bad_input(over, exc, match):
     a = _prefill_args(**over)
@@ -64,6 +69,27 @@ def test_strided_qkv_views_accepted():
     a = _prefill_args(q=q, k=k, v=v)
     o = _prefill(a)
     assert o.shape == (T, HV, 128) and torch.isfinite(o).all()
+
+
+def test_prefill_fp16_qk_beside_bf16_v():
+    """fp16 q/k beside bf16 v (the engine layers' form): accepted, the output in v's dtype, the
+    same result as the reference on those inputs; decode keeps one dtype."""
+    from qla_serve.kernels import reference
+
+    q = reference.l2norm(torch.randn(T, HK, 128)).half()
+    k = reference.l2norm(torch.randn(T, HK, 128)).half()
+    a = _prefill_args(q=q, k=k, v=torch.randn(T, HV, 128).bfloat16(), pool=torch.randn(4, HV, 128, 128))
+    want_pool = a["pool"].clone()
+    o = _prefill(a)
+    assert o.dtype == torch.bfloat16 and o.shape == (T, HV, 128)
+    o_ref, final = reference.recurrent_gdn(q.double(), k.double(), a["v"].double(), a["g"].double(),
+                                           a["beta"].double(), [0, 6, 10], want_pool[:2].double(), 128**-0.5)
+    assert (o.double() - o_ref).norm() / o_ref.norm() < 5e-3  # bf16 output rounding
+    assert torch.allclose(a["pool"][:2].double(), final, rtol=1e-4, atol=1e-5)
+    with pytest.raises(TypeError, match="out: expected dtype"):
+        _prefill(a, out=torch.empty(T, HV, 128, dtype=torch.float16))
+    with pytest.raises(TypeError, match="v: expected q's dtype torch.float16, got torch.bfloat16"):
+        qla_serve.gdn_decode(q[:2], k[:2], a["v"][:2], a["pool"], a["slot_ids"], g=a["g"][:2], beta=a["beta"][:2])
 
 
 def test_decode_gating_forms():
@@ -208,6 +234,12 @@ def test_prefill_inputs_on_the_reference_path():
     assert qn.is_contiguous() and qn.dtype == torch.bfloat16 and g.dtype == torch.float32
     qn2, kn2, g2, beta2 = qla_serve.gdn_prefill_inputs(q, k)
     assert torch.equal(qn2, qn) and torch.equal(kn2, kn) and g2 is None and beta2 is None
+    # qk_dtype=float16 (the layers' form): the same fp32 math rounded to fp16
+    qh, kh, g3, _ = qla_serve.gdn_prefill_inputs(q, k, a, b, A_log, dt_bias, qk_dtype=torch.float16)
+    assert qh.dtype == kh.dtype == torch.float16 and torch.equal(g3, g_ref)
+    assert torch.equal(qh, reference.l2norm(q.float()).half()) and torch.equal(kh, reference.l2norm(k.float()).half())
+    with pytest.raises(TypeError, match="qk_dtype: expected None, q's dtype"):
+        qla_serve.gdn_prefill_inputs(q, k, qk_dtype=torch.float32)
 
 
 @pytest.mark.parametrize("over,exc,match", [

@@ -6,6 +6,9 @@ Inputs per row: bf16 q/k/v (unit-norm q/k), fp32 gates g = -exp(A_log) * softplu
 beta ~ U(0.01, 0.99), fp32 initial states for every sequence.
   * qla_serve: qla_serve.kernels.<arch>.prefill on a pool of N slots, plan built once (outside the
     timed region, as an engine builds it once per step for all layers).
+  * qla16 (opt-in, `--impls qla,qla16,...`): the same on fp16 copies of those q/k (bf16 v), what
+    the engine layers hand prefill since gdn_prefill_inputs(..., qk_dtype=torch.float16); the
+    baselines take bf16 q/k, so this row is qla_serve's engine path, not the same op's inputs.
   * FLA / FlashQLA: chunk_gated_delta_rule with cu_seqlens, K-first fp32 initial states, final
     state returned (what an engine does around them: gathering the pool is not counted).
 GPU time per call: CUDA-graph replay of `--graph-calls` calls, median of `--reps` replays.
@@ -49,7 +52,8 @@ ROWS = {
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", default="all", help="qk/v head pairs, e.g. 2/8,16/64 (default: all five)")
     parser.add_argument("--rows", default="all", help=f"rows among {','.join(ROWS)} (default: all)")
-    parser.add_argument("--impls", default="qla,fla,flashqla", help="subset of qla,fla,flashqla")
+    parser.add_argument("--impls", default="qla,fla,flashqla",
+                        help="subset of qla,qla16,fla,flashqla (qla16: qla_serve on fp16 q/k, the engine layers' form)")
     parser.add_argument("--v-split", default="auto", help="qla_serve v_split: auto (planner) or 1/2/4")
     parser.add_argument("--segment-chunks", default="auto",
                         help="qla_serve CP segment length in chunks: auto (planner; no cut when --v-split "
@@ -308,6 +312,18 @@ def _cp_label(plan) -> str:
     return plan.cp + ("+warmup" if warm else "")
 
 
+QLA_IMPLS = ("qla", "qla16")
+
+
+def _qla_data(impl, data):
+    """The inputs qla_serve gets: the row's, or for "qla16" fp16 q/k beside the bf16 v (unit-norm
+    bf16 values: exact in fp16 down to its normal range, 6e-5)."""
+    if impl == "qla":
+        return data
+    q, k, *rest = data
+    return (q.half(), k.half(), *rest)
+
+
 def _qla_fn(lens, hk, hv, data, v_split, stages="prep,main", segment_chunks="auto", cp="auto", maps_v_split=None):
     import torch
 
@@ -392,21 +408,24 @@ def run(args) -> int:
             qla_out = None
             for impl in impls:
                 try:
-                    if impl == "qla":
-                        fn, qla_out, _, plan = _qla_fn(lens, hk, hv, data, args.v_split,
-                                                       segment_chunks=args.segment_chunks, cp=args.cp,
-                                                       maps_v_split=args.maps_v_split)
-                        rec["qla_plan"] = plan_label(plan)
-                        rec["qla_maps_v_split"] = plan.maps_v_split
-                        rec["qla_cp"] = _cp_label(plan)
-                        rec["qla_main"] = _main_impl(plan)
+                    if impl in QLA_IMPLS:
+                        qdata = _qla_data(impl, data)
+                        fn, out, _, plan = _qla_fn(lens, hk, hv, qdata, args.v_split,
+                                                   segment_chunks=args.segment_chunks, cp=args.cp,
+                                                   maps_v_split=args.maps_v_split)
+                        if impl == "qla":
+                            qla_out = out
+                            rec["qla_plan"] = plan_label(plan)
+                            rec["qla_maps_v_split"] = plan.maps_v_split
+                            rec["qla_cp"] = _cp_label(plan)
+                            rec["qla_main"] = _main_impl(plan)
                         if args.breakdown:
                             for st in ("prep", "main"):
-                                f2 = _qla_fn(lens, hk, hv, data, args.v_split, st, args.segment_chunks,
+                                f2 = _qla_fn(lens, hk, hv, qdata, args.v_split, st, args.segment_chunks,
                                              args.cp, args.maps_v_split)[0]
-                                rec[f"qla_{st}_gpu_ms"] = round(_gpu_time_ms(f2, args.reps, args.graph_calls)[0], 4)
+                                rec[f"{impl}_{st}_gpu_ms"] = round(_gpu_time_ms(f2, args.reps, args.graph_calls)[0], 4)
                         if args.kernels:
-                            rec["qla_kernels"] = _kernel_timeline(fn, args.reps, args.graph_calls)
+                            rec[f"{impl}_kernels"] = _kernel_timeline(fn, args.reps, args.graph_calls)
                     else:
                         fn, res = _fla_fn(lens, data, impl)
                     gpu, how, eager = _gpu_time_ms(fn, args.reps, args.graph_calls)
@@ -430,8 +449,9 @@ def run(args) -> int:
                         rec["qla_vs_fla_o_rel"] = float((qla_out.float() - o.float()).norm() / o.float().norm())
                 except Exception as e:  # noqa: BLE001 - a baseline failing must not hide the others
                     rec[f"{impl}_error"] = f"{type(e).__name__}: {e}"[:300]
-            if "qla_gpu_ms" in rec and "flashqla_gpu_ms" in rec:
-                rec["qla_over_flashqla"] = round(rec["qla_gpu_ms"] / rec["flashqla_gpu_ms"], 3)
+            for impl in QLA_IMPLS:
+                if f"{impl}_gpu_ms" in rec and "flashqla_gpu_ms" in rec:
+                    rec[f"{impl}_over_flashqla"] = round(rec[f"{impl}_gpu_ms"] / rec["flashqla_gpu_ms"], 3)
             print(json.dumps(rec), flush=True)
             results.append(rec)
             del data
@@ -450,7 +470,8 @@ def run(args) -> int:
 
 
 def _markdown(results, impls):
-    cols = ["heads", "row", "qla_plan"] + [f"{i}_gpu_ms" for i in impls] + ["qla_over_flashqla"] + [
+    ratios = [f"{i}_over_flashqla" for i in impls if i in QLA_IMPLS] if "flashqla" in impls else []
+    cols = ["heads", "row", "qla_plan"] + [f"{i}_gpu_ms" for i in impls] + ratios + [
         f"{i}_host_over_gpu_us" for i in impls
     ]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]

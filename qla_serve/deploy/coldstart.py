@@ -82,6 +82,10 @@ def run(config_path: str, long_len: int = 16384, seed: int = 0) -> dict:
         slots = torch.arange(1, len(lens) + 1, dtype=torch.int32, device=dev)
         record(f"prefill[{plan.strategy}]",
                lambda: qla_serve.gdn_prefill(q, k, v, g, beta, pool, slots, plan))
+        if io != torch.float16:  # the engine layers' form: fp16 q/k (gdn_prefill_inputs' qk_dtype)
+            q16, k16 = q.half(), k.half()
+            record(f"prefill[{plan.strategy},qk-fp16]",
+                   lambda: qla_serve.gdn_prefill(q16, k16, v, g, beta, pool, slots, plan))
 
     B = 8
     slots = torch.arange(1, B + 1, dtype=torch.int32, device=dev)
@@ -96,11 +100,13 @@ def run(config_path: str, long_len: int = 16384, seed: int = 0) -> dict:
             q, k, v, pool, slots, a=a, b=b, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm=l2))
 
     # the layers' prefill preamble: A_log / dt_bias as each engine holds them (both fp32, both in
-    # the model dtype: vLLM, fp32 beside the model dtype: SGLang), and q/k only (SGLang's extend)
+    # the model dtype: vLLM, fp32 beside the model dtype: SGLang), and q/k only (SGLang's extend);
+    # fp16 q/k out, as the layers ask, and once in q's dtype (the default)
     for name, pdt, bdt in (("fp32", torch.float32, torch.float32), ("model", io, io), ("sglang", torch.float32, io)):
         record(f"prefill_inputs[a,b,{name}]", lambda: qla_serve.gdn_prefill_inputs(
-            q, k, a, b, A_log.to(pdt), dt_bias.to(bdt)))
-    record("prefill_inputs[q,k]", lambda: qla_serve.gdn_prefill_inputs(q, k))
+            q, k, a, b, A_log.to(pdt), dt_bias.to(bdt), qk_dtype=torch.float16))
+    record("prefill_inputs[q,k]", lambda: qla_serve.gdn_prefill_inputs(q, k, qk_dtype=torch.float16))
+    record("prefill_inputs[q,k,q's dtype]", lambda: qla_serve.gdn_prefill_inputs(q, k))
 
     D = 4
     qv, kv, vv, gv, bv = qkv(B * D)

@@ -40,6 +40,8 @@ def _nonempty(plan):
 def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale, out):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
+    if q.dtype != v.dtype:  # fp16 q/k beside bf16 v (gdn_prefill_inputs' qk_dtype): FLA takes one dtype
+        q, k = q.to(v.dtype), k.to(v.dtype)
     init = _gather(pool, slot_ids, has_initial_state)
     final = init.clone()  # an empty sequence ends where it started
     idx, cu = _nonempty(plan)

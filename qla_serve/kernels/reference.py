@@ -60,8 +60,9 @@ def prefill_inputs(q, k, a, b, A_log, dt_bias, *, q_out, k_out, g_out, beta_out)
     """What prefill takes from what the engines' layers have: l2norm(q), l2norm(k) and, unless
     a is None, fused_gating(a, b, A_log, dt_bias), into the outputs (the math of
     kernels/hopper/prefill_inputs.py)."""
-    q_out.copy_(l2norm(q))
-    k_out.copy_(l2norm(k))
+    # fp32 math rounded once into the outputs' dtype (q's, or fp16: the kernel's qk_dtype)
+    q_out.copy_(l2norm(q.to(_compute_dtype(q))))
+    k_out.copy_(l2norm(k.to(_compute_dtype(k))))
     if a is not None:
         g, beta = fused_gating(a, b, A_log, dt_bias)
         g_out.copy_(g)

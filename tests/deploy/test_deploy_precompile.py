@@ -50,14 +50,18 @@ def test_config_enumeration_matches_its_heads_dtypes_and_targets(modules):
         assert v.get("io_dtype", "bfloat16") == "bfloat16", v
     # no duplicates; per target the same set of variants, except the prefill stage 2 at v_split
     # 1/2 (V-first, wgmma-only, on sm_90a; v8 on sm_100a) and the prep form V-first reads ("_m",
-    # sm_90a only: v8 reads form "uw", which both targets build)
+    # sm_90a only: v8 reads form "uw", which both targets build), each for bf16 q/k and for the
+    # fp16 q/k the engine layers hand over beside bf16 v ("_qkfloat16")
     assert len({j.key for j in jobs}) == len(jobs)
     names = {t: sorted(j.name for j in jobs if j.target == t) for t in TARGETS}
     vfirst = [n for n in names["sm_90a"] if n.endswith("_vfirst")]
     assert vfirst and all(("_vs1" in n or "_vs2" in n) for n in vfirst)
-    prep_m = [n for n in names["sm_90a"] if n.startswith("gdn_prefill_prep") and n.endswith("_m")]
-    assert prep_m == ["gdn_prefill_prep_hv8_hk2_bfloat16_m"]
-    assert not any(n.endswith(("_vfirst", "_m")) for n in names["sm_100a"])
+    form_m = re.compile(r"gdn_prefill_prep_.*_m(_qk\w+)?$")
+    prep_m = [n for n in names["sm_90a"] if form_m.match(n)]
+    assert prep_m == ["gdn_prefill_prep_hv8_hk2_bfloat16_m", "gdn_prefill_prep_hv8_hk2_bfloat16_m_qkfloat16"]
+    assert "gdn_prefill_prep_hv8_hk2_bfloat16_qkfloat16" in names["sm_100a"]
+    assert "gdn_prefill_inputs_hk2_bfloat16_to-float16_qk-only" in names["sm_100a"]
+    assert not any(n.endswith("_vfirst") or form_m.match(n) for n in names["sm_100a"])
     assert sorted(n.removesuffix("_vfirst") for n in names["sm_90a"] if n not in prep_m) == names["sm_100a"]
 
 

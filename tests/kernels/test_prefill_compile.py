@@ -87,6 +87,29 @@ def test_compiles_sm90a(variant):
             assert stores == {"pbuf", "ubuf", "wbuf"} and loads_v, stores
 
 
+@pytest.mark.parametrize("form", ["m", "uw"])
+def test_prep_fp16_qk_beside_bf16_v(form):
+    """fp16 q/k beside bf16 v (QK_V_DTYPES; the engine layers' form): Q K^T and K K^T in fp16 on
+    the tiles as loaded, no fp16 copies written (stage 2 reads q/k themselves), the same CTAs
+    per SM; form "uw" meets V in bf16 and K in fp16 (two hi + lo pairs). Names: the one-dtype
+    variants keep theirs."""
+    variant = P.prep_variant(8, 2, "bfloat16", form, "float16")
+    assert variant["name"].endswith("_qkfloat16")
+    assert P.prep_variant(8, 2, "bfloat16", form, "bfloat16") == P.prep_variant(8, 2, "bfloat16", form)
+    assert variant in P.kernel_variants(8, 2)
+    with pytest.raises(ValueError, match="q/k dtype bfloat16 with v dtype float16"):
+        P.prep_variant(8, 2, "float16", form, "bfloat16")
+    kern = P.build(variant, "sm_90a")
+    src = kern.get_kernel_source()
+    assert "DataType::kFloat16" in src
+    assert not re.search(r"\(qh \+", src) and not re.search(r"\(kh \+", src), "no fp16 copies of fp16 q/k"
+    assert ("DataType::kBFloat16" in src) == (form == "uw"), "only M V meets a bf16 tile"
+    ctas = PREP_CTAS_PER_SM[form]
+    assert f"__launch_bounds__(128, {ctas})" in src
+    smem = kernel_report.launch_dynamic_smem(kern.get_host_source(), threads=128)
+    assert smem is not None and ctas * (smem + 1024) <= 228 * 1024, smem
+
+
 PREP_CTAS_PER_SM = {"uw": 4, "m": 5}
 # ptxas spill stores allowed per form: form "m" at 5 CTAs per SM (<= 102 registers) spills 16
 # bytes (four values kept across the solve: a handful of STL/LDL in the whole kernel, no loop).

@@ -46,18 +46,23 @@ def _kernel_switches(monkeypatch):
     monkeypatch.setattr(_mod(), "MAIN_IMPL", "vfirst")
 
 
-def make_case(lens, Hk, Hv, *, io=torch.bfloat16, gen, dev="cuda"):
+def make_case(lens, Hk, Hv, *, io=torch.bfloat16, qk=None, gen, dev="cuda"):
+    """q, k, v as strided views of one projection in io (q/k in qk where given: fp16 q/k beside
+    bf16 v, rounded once from the fp32 unit-norm rows, as gdn_prefill_inputs makes them)."""
     T = sum(lens)
     width = (2 * Hk + Hv) * HD + 64
     proj = torch.randn(T, width, generator=gen, device=dev)
-    q = reference.l2norm(proj[:, : Hk * HD].view(T, Hk, HD))
-    k = reference.l2norm(proj[:, Hk * HD: 2 * Hk * HD].view(T, Hk, HD))
-    proj[:, : Hk * HD] = q.reshape(T, Hk * HD)
-    proj[:, Hk * HD: 2 * Hk * HD] = k.reshape(T, Hk * HD)
+    q32 = reference.l2norm(proj[:, : Hk * HD].view(T, Hk, HD))
+    k32 = reference.l2norm(proj[:, Hk * HD: 2 * Hk * HD].view(T, Hk, HD))
+    proj[:, : Hk * HD] = q32.reshape(T, Hk * HD)
+    proj[:, Hk * HD: 2 * Hk * HD] = k32.reshape(T, Hk * HD)
     proj = proj.to(io)
     q = proj[:, : Hk * HD].view(T, Hk, HD)
     k = proj[:, Hk * HD: 2 * Hk * HD].view(T, Hk, HD)
     v = proj[:, 2 * Hk * HD: (2 * Hk + Hv) * HD].view(T, Hv, HD)
+    if qk is not None and qk != io:
+        qk_proj = torch.cat([q32.reshape(T, -1), k32.reshape(T, -1), proj[:, :64].float()], 1).to(qk)
+        q, k = qk_proj[:, : Hk * HD].view(T, Hk, HD), qk_proj[:, Hk * HD: 2 * Hk * HD].view(T, Hk, HD)
     A_log = torch.log(torch.rand(Hv, generator=gen, device=dev) * 15 + 1)
     dt = torch.rand(Hv, generator=gen, device=dev) * 0.099 + 0.001
     x = torch.randn(T, Hv, generator=gen, device=dev)
@@ -89,15 +94,16 @@ def make_plan(lens, Hv, Hk, v_split, segment_chunks=0, cp=None, maps_v_split=Non
                       maps_v_split=(maps_v_split or v_split) if segment_chunks else None)
 
 
-def run_case(lens, Hk, Hv, *, pool_dtype=torch.float32, v_split=2, io=torch.bfloat16, seed=0,
+def run_case(lens, Hk, Hv, *, pool_dtype=torch.float32, v_split=2, io=torch.bfloat16, qk=None, seed=0,
              pad_frac=0.0, init_frac=0.8, all_init=False, extra_slots=3, segment_chunks=0, cp=None,
              maps_v_split=None):
     """One prefill call on fresh random inputs, checked against the float64 recurrence (see the
-    module docstring). Returns (o rel err, state rel err, the plan, g)."""
+    module docstring). io is v's and the output's dtype, qk q/k's (None: io). Returns (o rel err,
+    state rel err, the plan, g)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     rng = random.Random(seed)
     N = len(lens)
-    q, k, v, g, beta = make_case(lens, Hk, Hv, io=io, gen=gen)
+    q, k, v, g, beta = make_case(lens, Hk, Hv, io=io, qk=qk, gen=gen)
     S = N + extra_slots
     pool = make_pool(S, Hv, pool_dtype, gen)
     ids = list(range(S))
@@ -139,7 +145,8 @@ def run_case(lens, Hk, Hv, *, pool_dtype=torch.float32, v_split=2, io=torch.bflo
                            before[u].view(torch.int16 if pool_dtype == torch.bfloat16 else torch.int32)), \
             "slots outside the batch changed"
     tol_s = TOL if pool_dtype == torch.float32 else TOL_BF16_STATE
-    _record_errors(e_o, e_s, Hk, Hv, pool_dtype, io, v_split, len(lens), T)
+    _record_errors(e_o, e_s, Hk, Hv, pool_dtype, io if qk in (None, io) else f"{io}+qk-{qk}", v_split,
+                   len(lens), T)
     assert e_o <= TOL, f"o rel L2 {e_o:.3e} > {TOL}"
     assert e_s <= tol_s, f"state rel L2 {e_s:.3e} > {tol_s}"
     return e_o, e_s, plan, g
@@ -180,6 +187,23 @@ def test_vsplit(v_split, pool_dtype):
 def test_fp16_io_all_initial():
     e = run_case([100, 64, 1, 0, 333], 4, 16, io=torch.float16, all_init=True, seed=5)
     print(f"fp16 io: o {e[0]:.2e} state {e[1]:.2e}")
+
+
+@pytest.mark.parametrize("Hk,Hv,v_split", [(2, 8, 1), (2, 8, 2), (2, 8, 4), (16, 64, 1)])
+def test_fp16_qk_beside_bf16_v(Hk, Hv, v_split):
+    """fp16 q/k beside bf16 v (what gdn_prefill_inputs(..., qk_dtype=torch.float16) hands the
+    engine layers' prefill): stage 1 reads q/k as they are and writes no fp16 copies, stage 2
+    reads them directly; bf16 output. Edge lengths, padding, both pools; then CP with the exact
+    path and with gate warmup (V-first at v_split 1/2, v8 with prep form uw at 4)."""
+    for pool_dtype in (torch.float32, torch.bfloat16):
+        e = run_case(EDGE_LENS, Hk, Hv, pool_dtype=pool_dtype, v_split=v_split, qk=torch.float16,
+                     seed=900 + v_split + Hv, pad_frac=0.2)
+        print(f"fp16 q/k, bf16 v, {Hk}/{Hv} v_split {v_split} pool {pool_dtype}: o {e[0]:.2e} state {e[1]:.2e}")
+    lens = [64 * 29 + 17, 0, 64 * 3, 1, 64 * 7, 200]
+    for cp in ("exact", "auto"):
+        e = run_case(lens, Hk, Hv, v_split=v_split, qk=torch.float16, seed=910 + v_split + Hv, pad_frac=0.2,
+                     segment_chunks=3, cp=cp)
+        print(f"fp16 q/k, bf16 v, {Hk}/{Hv} v_split {v_split} cp {cp}: o {e[0]:.2e} state {e[1]:.2e}")
 
 
 def test_many_sequences():

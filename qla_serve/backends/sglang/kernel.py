@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import torch
 
 import qla_serve
+from qla_serve.backends.gdn_layer import prefill_qk_dtype
 from qla_serve.plan import cp_from_env
 
 log = logging.getLogger("qla_serve.sglang")
@@ -254,8 +255,9 @@ class FlashQLAGDNKernel(LinearAttnKernelBase):
         if n < T:  # physical padding past the logical tokens: keep it finite and defined
             o[0, n:].zero_()
         # SGLang's Triton path normalises q and k inside its kernel; gdn_prefill takes them
-        # normalised: one launch (gdn_prefill_inputs without gates: SGLang brings g and beta).
-        qn, kn, _, _ = qla_serve.gdn_prefill_inputs(q3[:n], k3[:n])
+        # normalised: one launch (gdn_prefill_inputs without gates: SGLang brings g and beta),
+        # in fp16, which the Hopper prefill reads without its own conversion.
+        qn, kn, _, _ = qla_serve.gdn_prefill_inputs(q3[:n], k3[:n], qk_dtype=prefill_qk_dtype(q3))
         slots = _slots(cache_indices)
         if track_state is None:
             qla_serve.gdn_prefill(qn, kn, v3[:n], g2[:n].float(), beta2[:n].float(), ssm_states,

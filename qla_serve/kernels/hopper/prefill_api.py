@@ -69,6 +69,10 @@ SUPPORTED_STRATEGIES = frozenset({"plain", "vsplit", "cp"})
 V_SPLITS = prefill_main.V_SPLITS  # (1, 2, 4)
 MAIN_MODES = prefill_main.MODES  # ("output", "maps")
 IO_DTYPES = ("bfloat16", "float16")
+# (q/k dtype, v dtype) pairs a call may bring: one dtype, or fp16 q/k beside bf16 v (what
+# gdn_prefill_inputs(..., qk_dtype=torch.float16) makes of a bf16 model's q/k: stage 2's
+# operands are fp16, so stage 1 then writes no fp16 copies).
+QK_V_DTYPES = (("bfloat16", "bfloat16"), ("float16", "float16"), ("float16", "bfloat16"))
 POOL_DTYPES = ("float32", "bfloat16")
 
 
@@ -114,7 +118,8 @@ _dummies: dict = {}
 def _variant_name(v: dict) -> str:
     if v["op"] == "prefill_prep":
         return (f"gdn_prefill_prep_hv{v['num_v_heads']}_hk{v['num_k_heads']}_{v['io_dtype']}"
-                + ("_m" if v.get("form", "uw") == "m" else ""))
+                + ("_m" if v.get("form", "uw") == "m" else "")
+                + (f"_qk{v['qk_dtype']}" if "qk_dtype" in v else ""))
     return (
         f"gdn_prefill_main_hv{v['num_v_heads']}_hk{v['num_k_heads']}_{v['io_dtype']}"
         f"_pool{v['pool_dtype']}_vs{v['v_split']}" + ("_maps" if v["mode"] == "maps" else "")
@@ -122,14 +127,20 @@ def _variant_name(v: dict) -> str:
     )
 
 
-def prep_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw") -> dict:
+def prep_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw",
+                 qk_dtype: str | None = None) -> dict:
     """Stage 1; form "uw" (U0 and -Wk, for the v8 stage 2) or "m" (M, for V-first): the form
-    a stage-2 kernel reads is PREP_FORM[impl]."""
+    a stage-2 kernel reads is PREP_FORM[impl]. io_dtype is v's; qk_dtype q/k's (None: v's)."""
     if form not in prefill_prep.FORMS:
         raise ValueError(f"form: expected one of {prefill_prep.FORMS}, got {form!r}")
+    qk_dtype = qk_dtype or io_dtype
+    if (qk_dtype, io_dtype) not in QK_V_DTYPES:
+        raise ValueError(f"q/k dtype {qk_dtype} with v dtype {io_dtype}: expected one of {QK_V_DTYPES}")
     v = {"op": "prefill_prep", "num_v_heads": num_v_heads, "num_k_heads": num_k_heads, "io_dtype": io_dtype}
     if form != "uw":  # "uw" variants keep their names
         v["form"] = form
+    if qk_dtype != io_dtype:  # one-dtype variants keep their names (and compile caches)
+        v["qk_dtype"] = qk_dtype
     v["name"] = _variant_name(v)
     return v
 
@@ -189,12 +200,13 @@ def max_warmup_chunks(segment_chunks: int) -> int:
 
 def kernel_variants(num_v_heads: int, num_k_heads: int, target: str = ARCH) -> list[dict]:
     """Every compiled prefill kernel a deployment with these (per-GPU) head counts can need:
-    prep per io dtype, main per (io dtype, pool dtype, v_split, mode) in the form main_impl_for
+    prep per (q/k, v) dtype pair of QK_V_DTYPES, main per (v dtype, pool dtype, v_split, mode)
+    (stage 2 reads q/k as fp16 whatever they came as) in the form main_impl_for
     picks (V-first at v_split 1 and 2 unless MAIN_IMPL is "v8"). JSON-serialisable dicts."""
     if num_k_heads <= 0 or num_v_heads % num_k_heads:
         raise ValueError(f"num_v_heads ({num_v_heads}) must be a positive multiple of num_k_heads ({num_k_heads})")
     forms = sorted({PREP_FORM[main_impl_for(vs, target)] for vs in V_SPLITS}, reverse=True)
-    out = [prep_variant(num_v_heads, num_k_heads, io, form) for io in IO_DTYPES for form in forms]
+    out = [prep_variant(num_v_heads, num_k_heads, io, form, qk) for qk, io in QK_V_DTYPES for form in forms]
     out += [scan_variant(num_v_heads), warmup_variant(num_v_heads)]
     for io in IO_DTYPES:
         for pool in POOL_DTYPES:
@@ -224,7 +236,7 @@ def build(variant: dict, target: str = ARCH):
             elif variant["op"] == "prefill_cp_warmup":
                 func, cfg = prefill_warmup.warmup_func(hv), prefill_warmup.PASS_CONFIGS
             elif variant["op"] == "prefill_prep":
-                func = prefill_prep.prep_func(hv, hk, io, variant.get("form", "uw"))
+                func = prefill_prep.prep_func(hv, hk, io, variant.get("form", "uw"), variant.get("qk_dtype"))
                 cfg = prefill_prep.PASS_CONFIGS
             elif variant["op"] == "prefill_main":
                 kmod = prefill_main_vfirst if variant.get("impl", "v8") == "vfirst" else prefill_main
@@ -395,10 +407,11 @@ def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale,
             _target=ARCH) -> None:
     """Chunked GDN prefill, in place on the pool (contract: qla_serve/kernels/__init__ and DESIGN.md).
 
-    q, k [T, Hk, 128], v [T, Hv, 128] bf16/fp16 (last dim contiguous), g, beta [T, Hv] fp32
+    q, k [T, Hk, 128], v [T, Hv, 128] bf16/fp16 (last dim contiguous; q/k in v's dtype, or fp16
+    beside bf16 v: QK_V_DTYPES), g, beta [T, Hv] fp32
     contiguous, pool [S, Hv, 128(V), 128(K)] fp32/bf16 (inner dims contiguous), slot_ids [N] int32,
     has_initial_state [N] bool or None, plan: PrefillPlan (cu_seqlens, chunk_offsets on device;
-    strategy "plain"/"vsplit"/"cp" with v_split and segment_chunks), out [T, Hv, 128] q's dtype,
+    strategy "plain"/"vsplit"/"cp" with v_split and segment_chunks), out [T, Hv, 128] v's dtype,
     fully written. Sequences with slot < 0 run from a zero state: their rows of `out` are
     computed, the pool is neither read nor written for them. ``_stages`` (benchmarks only) runs
     "prep" or "main" alone; ``_target`` is the compile target ("sm_100a" from
@@ -407,7 +420,7 @@ def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale,
     The launches are resolved once per plan and call shape (:class:`_Launches`, kept in
     plan.scratch): every GDN layer of a step then only binds its own tensors.
     """
-    key = ("hopper_prefill_launches", q.shape[0], k.shape[1], v.shape[1], q.dtype, pool.dtype,
+    key = ("hopper_prefill_launches", q.shape[0], k.shape[1], v.shape[1], q.dtype, v.dtype, pool.dtype,
            has_initial_state is None, q.device, _stages, _target, GATE_WARMUP, MAIN_IMPL)
     launches = plan.kernel_cache.get(key)
     if launches is None:
@@ -435,7 +448,8 @@ class _Launches:
         if vs not in V_SPLITS:
             raise ValueError(f"plan.v_split must be one of {V_SPLITS}, got {vs}")
         hk, hv, dev = k.shape[1], v.shape[1], q.device
-        io, pool_dt = _TORCH_TO_TL[q.dtype], _TORCH_TO_TL[pool.dtype]
+        # io: v's and the output's dtype (stage 2's variant); q/k may be fp16 beside bf16 v
+        io, qk, pool_dt = _TORCH_TO_TL[v.dtype], _TORCH_TO_TL[q.dtype], _TORCH_TO_TL[pool.dtype]
         impl = main_impl_for(vs, target)
         self.vfirst = impl == "vfirst"
         form = PREP_FORM[impl]
@@ -445,8 +459,8 @@ class _Launches:
         self.cu_seqlens, self.chunk_offsets = plan.cu_seqlens, plan.chunk_offsets
         nchunks, self.stage1 = _plan_scratch(plan, hv, form, dev)
         # Stage 2's tensor-core operands are fp16: bf16 q/k are converted once, by stage 1.
-        self.half_qk = _half_qk(plan, max(self.ntok, 1), hk, dev) if io == "bfloat16" else None
-        kp = _kernel(prep_variant(hv, hk, io, form), (hv, hk, io, form, target))
+        self.half_qk = _half_qk(plan, max(self.ntok, 1), hk, dev) if qk == "bfloat16" else None
+        kp = _kernel(prep_variant(hv, hk, io, form, qk), (hv, hk, io, form, qk, target))
         self.prep = kp if nchunks > 0 and "prep" in stages else None  # stages: benchmarks time them apart
         self.output = None
         if "main" not in stages:

@@ -5,7 +5,7 @@ gating logits a, b with the layer's A_log and dt_bias; the chunked prefill (pref
 takes unit-norm q/k and fp32 g, beta. In torch that is ~20 elementwise launches per layer and
 step (reference.l2norm on q and on k, reference.fused_gating); this kernel does it in one:
 
-    q_out[t, h] = q[t, h] / sqrt(sum(q[t, h]^2) + 1e-6)      (fp32 math, stored in q's dtype)
+    q_out[t, h] = q[t, h] / sqrt(sum(q[t, h]^2) + 1e-6)      (fp32 math, stored in q_out's dtype)
     k_out[t, h] = k[t, h] / sqrt(sum(k[t, h]^2) + 1e-6)
     g_out[t, h]    = -exp(A_log[h]) * softplus(a[t, h] + dt_bias[h])     (fp32)
     beta_out[t, h] = sigmoid(b[t, h])                                     (fp32)
@@ -18,7 +18,9 @@ for callers that bring g and beta (SGLang's extend).
 Grid: one CTA of 128 threads per 16 tokens. A warp normalises one (token, qk-head) row of q and
 the same row of k per step: each lane loads 4 elements (one 8-byte access), the sum of squares
 is 5 xor-shuffles over the warp. Then each thread computes one (token, v-head) gate pair per
-step. Dtypes: q/k bf16 or fp16; a/b, A_log and dt_bias each in its own dtype (SGLang keeps
+step. Dtypes: q/k bf16 or fp16, the outputs in q's dtype or fp16 (``out``: fp16 from bf16 is
+what the Hopper prefill reads without its own fp16 copy, prefill_prep.py); a/b, A_log and dt_bias
+each in its own dtype (SGLang keeps
 A_log in fp32 beside a bf16 dt_bias), as in decode.py; head counts are static, the token count
 and every input stride dynamic (q/k and a/b may be strided views of a fused projection; the
 host checks that q/k strides are multiples of 4 elements).
@@ -39,36 +41,45 @@ _PARAM_PAIRS = (("float32", "float32"), (None, None), ("float32", None))
 
 
 def variant(hv: int, hk: int, io: str, ab: str | None = None, param: str | None = None,
-            bias: str | None = None) -> dict:
+            bias: str | None = None, out: str | None = None) -> dict:
     """A JSON-serialisable variant description (op "inputs"); ``name`` identifies it. ``ab``
-    None: q/k only (the caller has its gates: SGLang's extend)."""
-    checks = [("q", io, _IO_DTYPES)]
+    None: q/k only (the caller has its gates: SGLang's extend). ``out``: the normalised q/k's
+    dtype (None: io; the name says it only where it differs)."""
+    out = out or io
+    checks = [("q", io, _IO_DTYPES), ("q_out", out, _IO_DTYPES)]
     if ab is not None:
         checks += [("a", ab, _GATE_DTYPES), ("A_log", param, _GATE_DTYPES), ("dt_bias", bias, _GATE_DTYPES)]
     for what, dtype, allowed in checks:
         if dtype not in allowed:
             raise ValueError(f"{what} dtype: expected one of {allowed}, got {dtype}")
     _check_heads(hv, hk)
+    to = "" if out == io else f"_to-{out}"
+    common = {"op": "inputs", "num_v_heads": hv, "num_k_heads": hk, "io_dtype": io, "out_dtype": out}
     if ab is None:  # no gate columns: the kernel, and so its name, does not depend on Hv
-        return {"name": f"gdn_prefill_inputs_hk{hk}_{io}_qk-only", "op": "inputs", "num_v_heads": hv,
-                "num_k_heads": hk, "io_dtype": io, "ab_dtype": None, "param_dtype": None, "bias_dtype": None}
-    return {"name": f"gdn_prefill_inputs_hv{hv}_hk{hk}_{io}_ab-{ab}-{param}-{bias}", "op": "inputs",
-            "num_v_heads": hv, "num_k_heads": hk, "io_dtype": io, "ab_dtype": ab, "param_dtype": param,
-            "bias_dtype": bias}
+        return {"name": f"gdn_prefill_inputs_hk{hk}_{io}{to}_qk-only", **common, "ab_dtype": None,
+                "param_dtype": None, "bias_dtype": None}
+    return {"name": f"gdn_prefill_inputs_hv{hv}_hk{hk}_{io}{to}_ab-{ab}-{param}-{bias}", **common,
+            "ab_dtype": ab, "param_dtype": param, "bias_dtype": bias}
+
+
+# (q dtype, normalised q/k dtype) pairs kernel_variants lists: each dtype as it is, and bf16 to
+# fp16 (what the engine layers ask for: gdn_prefill_inputs(..., qk_dtype=torch.float16)).
+_IO_OUT = (("bfloat16", "bfloat16"), ("float16", "float16"), ("bfloat16", "float16"))
 
 
 def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
-    """io dtype {bf16, fp16} x (the gate dtype pairs of _PARAM_PAIRS, q/k only): 8 variants.
-    Other dtype combinations compile on first use (same cache)."""
-    return [variant(num_v_heads, num_k_heads, io, io, param or io, bias or io)
-            for io in _IO_DTYPES for param, bias in _PARAM_PAIRS] + [
-        variant(num_v_heads, num_k_heads, io) for io in _IO_DTYPES]
+    """(q dtype, q/k output dtype) of _IO_OUT x (the gate dtype pairs of _PARAM_PAIRS, q/k
+    only): 12 variants. Other dtype combinations compile on first use (same cache)."""
+    return [variant(num_v_heads, num_k_heads, io, io, param or io, bias or io, out)
+            for io, out in _IO_OUT for param, bias in _PARAM_PAIRS] + [
+        variant(num_v_heads, num_k_heads, io, out=out) for io, out in _IO_OUT]
 
 
 def _program(v: dict):
     import tilelang.language as T
 
     Hv, Hk, io = v["num_v_heads"], v["num_k_heads"], v["io_dtype"]
+    out = v.get("out_dtype") or io
     ab, prm, bias = v["ab_dtype"], v["param_dtype"], v["bias_dtype"]
     f32 = "float32"
     TPB = TOKENS_PER_CTA
@@ -87,7 +98,7 @@ def _program(v: dict):
             s += T.shfl_xor(s, 1 << m)
         r = T.rsqrt(s + 1e-6)
         for e in T.vectorized(4):
-            Xo[t, h, lane * 4 + e] = T.cast(x4[e] * r, io)
+            Xo[t, h, lane * 4 + e] = T.cast(x4[e] * r, out)
 
     @T.macro
     def normalise_rows(Q, K, Qo, Ko, bx, warp, lane, x4):
@@ -108,8 +119,8 @@ def _program(v: dict):
         def gdn_prefill_qk_inputs(
             Q: T.StridedTensor((ntok, Hk, HEAD_DIM), (sq0, sq1, 1), io),
             K: T.StridedTensor((ntok, Hk, HEAD_DIM), (sk0, sk1, 1), io),
-            Qo: T.Tensor((ntok, Hk, HEAD_DIM), io),
-            Ko: T.Tensor((ntok, Hk, HEAD_DIM), io),
+            Qo: T.Tensor((ntok, Hk, HEAD_DIM), out),
+            Ko: T.Tensor((ntok, Hk, HEAD_DIM), out),
         ):
             with T.Kernel(T.ceildiv(ntok, TPB), threads=128) as bx:
                 tx = T.get_thread_binding()
@@ -126,8 +137,8 @@ def _program(v: dict):
         B: T.StridedTensor((ntok, Hv), (sb0, sb1), ab),
         A_log: T.StridedTensor((Hv,), (sal,), prm),
         dt_bias: T.StridedTensor((Hv,), (sdt,), bias),
-        Qo: T.Tensor((ntok, Hk, HEAD_DIM), io),
-        Ko: T.Tensor((ntok, Hk, HEAD_DIM), io),
+        Qo: T.Tensor((ntok, Hk, HEAD_DIM), out),
+        Ko: T.Tensor((ntok, Hk, HEAD_DIM), out),
         Go: T.Tensor((ntok, Hv), f32),
         Bo: T.Tensor((ntok, Hv), f32),
     ):
@@ -157,7 +168,7 @@ def build(v: dict, target: str):
                             execution_backend="tvm_ffi", pass_configs=dict(_PASS_CONFIGS))
 
 
-# (device, q dtype, a / A_log / dt_bias dtypes or None, Hv, Hk) -> the raw launch function
+# (device, q dtype, q_out dtype, a / A_log / dt_bias dtypes or None, Hv, Hk) -> the raw launch function
 _FAST: dict[tuple, object] = {}
 
 
@@ -172,14 +183,14 @@ def _check_strides(q, k) -> None:
 
 def prefill_inputs(q, k, a, b, A_log, dt_bias, *, q_out, k_out, g_out, beta_out) -> None:
     """q, k [T, Hk, 128] (bf16/fp16, strided), a, b [T, Hv], A_log, dt_bias [Hv] ->
-    q_out, k_out [T, Hk, 128] (q's dtype, contiguous), g_out, beta_out [T, Hv] fp32
+    q_out, k_out [T, Hk, 128] (q's dtype or fp16, contiguous), g_out, beta_out [T, Hv] fp32
     (contiguous). a is None: q/k only (b, A_log, dt_bias, g_out, beta_out are None too)."""
     if q.shape[0] == 0:
         return
     _check_strides(q, k)
     gates = a is not None
     hv = a.shape[1] if gates else q.shape[1]
-    key = (q.device, q.dtype) + ((a.dtype, A_log.dtype, dt_bias.dtype) if gates else ()) + (hv, q.shape[1])
+    key = (q.device, q.dtype, q_out.dtype) + ((a.dtype, A_log.dtype, dt_bias.dtype) if gates else ()) + (hv, q.shape[1])
     fn = _FAST.get(key)
     if fn is None:
         given = ((q, "q", _IO_DTYPES),) + (((a, "a", _GATE_DTYPES), (A_log, "A_log", _GATE_DTYPES),
@@ -187,7 +198,7 @@ def prefill_inputs(q, k, a, b, A_log, dt_bias, *, q_out, k_out, g_out, beta_out)
         names = [_dtype_name(x.dtype, what, allowed) for x, what, allowed in given]
         if gates and b.dtype != a.dtype:
             raise TypeError(f"b: expected the dtype of a ({a.dtype}), got {b.dtype}")
-        v = variant(hv, q.shape[1], *names)
+        v = variant(hv, q.shape[1], *names, out=_dtype_name(q_out.dtype, "q_out", _IO_DTYPES))
         idx = q.device.index if q.device.index is not None else torch.cuda.current_device()
         with _BUILD_LOCK:
             kernel = build(v, _device_target(idx))

@@ -29,8 +29,8 @@ substitution in fp32 on the CUDA cores (Dinv), then with N = Dinv L_off (strictl
 N^4 = 0): (I + L)^-1 = (I - N + N^2 - N^3) Dinv, four 64x64x64 fp16 tensor-core GEMMs with fp32
 accumulation. fp16 (11-bit mantissa) rather than bf16 for these operands and the outputs: the
 bf16 variant misses the 2e-3 relative-L2 budget against the float64 recurrence (see
-benchmarks/prefill.md). q, k and v are used as loaded (io dtype): Q K^T and K K^T are exact
-products with fp32 sums, and in form "uw" M meets V and K as io-dtype hi + lo (M = hi + lo to
+benchmarks/prefill.md). q, k and v are used as loaded (their dtypes): Q K^T and K K^T are exact
+products with fp32 sums, and in form "uw" M meets V and K each as hi + lo in that tile's dtype (M = hi + lo to
 ~2^-16 relative), two GEMMs each, so no tile is converted in shared memory. Form "m" stores M
 rounded once to fp16 (as v10 did before its U0 = M V).
 
@@ -42,8 +42,9 @@ Outputs (workspace, chunk-major so stage 2 loads each tile with one TMA copy; al
   form "m": mbuf [NC, Hv, 64, 64] fp16 (M, zero above the diagonal and in columns >= n);
   form "uw": ubuf (U0) and wbuf (-Wk, negated so stage 2 accumulates onto U0) [NC, Hv, 64, 128],
        fp16;
-  for bf16 io also qh, kh [T, Hk, 128]: fp16 copies of q and k (exact for unit-norm rows down to
-  6e-5), so stage 2's tensor-core operands are fp16 without converting on its sequential chain.
+  for bf16 q/k also qh, kh [T, Hk, 128]: fp16 copies of q and k (exact for unit-norm rows down to
+  6e-5), so stage 2's tensor-core operands are fp16 without converting on its sequential chain
+  (fp16 q/k, also beside bf16 v, go to stage 2 as they are: no copies).
 Every output tile leaves through a swizzled shared-memory tile and a TMA store: written from the
 fragment by stmatrix (conflict-free only because the tile is swizzled: v12), not by scalar 2- and
 4-byte global stores (v9's prep: those stores and their address arithmetic were a fifth of its
@@ -77,9 +78,15 @@ _LOG2E = 1.4426950408889634
 FORMS = ("uw", "m")
 
 
-def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw"):
-    """Build the stage-1 PrimFunc for (Hv, Hk, io dtype, form); T (tokens), N (sequences) and
-    the number of chunks are symbolic, so one compile serves every batch.
+def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw",
+              qk_dtype: str | None = None):
+    """Build the stage-1 PrimFunc for (Hv, Hk, io dtype, form, q/k dtype); T (tokens), N
+    (sequences) and the number of chunks are symbolic, so one compile serves every batch.
+
+    io_dtype is v's (and the output's); q and k are qk_dtype (default io_dtype). fp16 q/k
+    beside bf16 v is what gdn_prefill_inputs(..., qk_dtype=torch.float16) hands over: stage 2
+    reads such q/k as they are, so this kernel writes no fp16 copies (v21's measurement: prep
+    -10% without them).
 
     form "uw" (for prefill_main.py, v8) writes U0 and -Wk; form "m" (for prefill_main_vfirst.py)
     writes M itself, and the stage-2 kernel forms V' = M (V - diag(exp(gc)) K S) on its chain.
@@ -88,6 +95,7 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
     uw_form = form == "uw"
+    qk_dtype = qk_dtype or io_dtype
     Hv, Hk = num_v_heads, num_k_heads
     group = Hv // Hk
     ntok = T.dynamic("ntok")
@@ -103,7 +111,7 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
     nm = T.dynamic("nm") if uw_form else nchunk
     mm_dtype = "float16"
     acc = "float32"
-    copy_qk = io_dtype != mm_dtype  # stage 2 wants fp16 q/k
+    copy_qk = qk_dtype != mm_dtype  # stage 2 wants fp16 q/k
     if copy_qk:
         # The fp16 copies this kernel writes: contiguous (prefill_api allocates them), so the
         # stores below vectorize to 16 bytes.
@@ -119,11 +127,11 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
     # them to fp16 (v10). M rounded once to bf16 would miss the error budget (Numerics in
     # benchmarks/prefill.md).
     @T.macro
-    def _store_split(f, hi_s, lo_s):
-        """fp32 fragment f [64, 64] -> hi_s = io(f), lo_s = io(f - hi); leaves f - hi in f."""
+    def _store_split(f, hi_s, lo_s, dtype):
+        """fp32 fragment f [64, 64] -> hi_s = dtype(f), lo_s = dtype(f - hi); leaves f - hi in f."""
         T.copy(f, hi_s)
         for i, j in T.Parallel(C, C):
-            f[i, j] = f[i, j] - T.cast(T.cast(f[i, j], io_dtype), acc)
+            f[i, j] = f[i, j] - T.cast(T.cast(f[i, j], dtype), acc)
         T.copy(f, lo_s)
 
     @T.macro
@@ -163,7 +171,7 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
         # yields -Wk directly; exp(gc) <= 1: no overflow). U0 = M V, then -Wk = (-Mg) K, all 64
         # rows (rows >= n are finite, never weighted).
         _gated_m(t_f, g2_s, mcol_s)
-        _store_split(t_f, m_s, ml_s)
+        _store_split(t_f, m_s, ml_s, io_dtype)
         T.barrier_arrive(v_bar)
         T.barrier_wait(v_bar, 0)
         _split_times(m_s, ml_s, v_s, x_f)
@@ -173,15 +181,23 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
         # beside U0's accumulator would take prep past 128 registers (4 CTAs per SM).
         for i, j in T.Parallel(C, C):
             t_f[i, j] = -(T.cast(m_s[i, j], acc) + T.cast(ml_s[i, j], acc)) * eg_s[j]
-        _store_split(t_f, m_s, ml_s)
-        _split_times(m_s, ml_s, k_s, x_f)
+        if qk_dtype == io_dtype:
+            _store_split(t_f, m_s, ml_s, io_dtype)
+            _split_times(m_s, ml_s, k_s, x_f)
+        else:
+            # -Mg meets K as hi + lo in K's dtype (fp16 q/k beside bf16 v): tiles of its own,
+            # 16 KB more shared memory in that variant only.
+            mk_s = T.alloc_shared((C, C), qk_dtype)
+            mkl_s = T.alloc_shared((C, C), qk_dtype)
+            _store_split(t_f, mk_s, mkl_s, qk_dtype)
+            _split_times(mk_s, mkl_s, k_s, x_f)
         T.copy(x_f, x_s)
         T.copy(x_s, wbuf[cid, h, :, :])
 
     @T.prim_func
     def gdn_prefill_prep(
-        q: T.StridedTensor((ntok, Hk, DK), (sq0, sq1, 1), io_dtype),
-        k: T.StridedTensor((ntok, Hk, DK), (sk0, sk1, 1), io_dtype),
+        q: T.StridedTensor((ntok, Hk, DK), (sq0, sq1, 1), qk_dtype),
+        k: T.StridedTensor((ntok, Hk, DK), (sk0, sk1, 1), qk_dtype),
         v: T.StridedTensor((ntok, Hv, DV), (sv0, sv1, 1), io_dtype),
         g: T.Tensor((ntok, Hv), "float32"),
         beta: T.Tensor((ntok, Hv), "float32"),
@@ -204,10 +220,10 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
             # (loads, the 16-step substitution), so other CTAs fill the gaps.
             T.annotate_min_blocks_per_sm(4 if uw_form else 5)
             hk = h // group
-            # q, k, v stay in the io dtype: Q K^T and K K^T take them as they are (exact
-            # products, fp32 sums), and M meets V and K as two io-dtype GEMMs, hi + lo (below).
-            k_s = T.alloc_shared((C, DK), io_dtype)
-            q_s = T.alloc_shared((C, DK), io_dtype)
+            # q, k, v stay in their dtypes: Q K^T and K K^T take them as they are (exact
+            # products, fp32 sums), and M meets V and K as two GEMMs each, hi + lo (below).
+            k_s = T.alloc_shared((C, DK), qk_dtype)
+            q_s = T.alloc_shared((C, DK), qk_dtype)
             p_s = T.alloc_shared((C, C), mm_dtype)
             # TMA tile loads (one elected thread issues them; every thread waits on the barrier):
             # a plain T.copy of these bounds-checked strided tiles lowers to per-element loads.
