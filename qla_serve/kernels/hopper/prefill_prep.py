@@ -336,18 +336,19 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
             # Diagonal 16x16 blocks of (I + L): forward substitution in registers, one thread
             # per (block b, column c) holding column c of Dinv_b, rows r = 0..15:
             #   Dinv_b[r, c] = [c == r] - sum_{m<r} L_b[r, m] Dinv_b[m, c]
-            # (L_b's row r is a broadcast read). Threads 64-127 repeat threads 0-63's work; only
-            # the first 64 write xd_s[b*16 + r, c] = Dinv_b[r, c]. (v11 kept the column in shared
-            # memory: a barrier and a dependent load per row.)
+            # (L_b's row r is a broadcast read), written to xd_s[b*16 + r, c]. Threads 0-63 (warps
+            # 0-1) do it; warps 2-3 skip to the barrier after it (v24: until v23 they repeated
+            # the same ~250 instructions, 8% of the CTA's, for nothing). (v11 kept the column in
+            # shared memory: a barrier and a dependent load per row.)
             tx = T.get_thread_binding()
             blk = (tx % 64) // 16
             col = tx % 16
             dcol = T.alloc_local((16,), acc)
-            for r in T.unroll(16):
-                dcol[r] = T.if_then_else(col == r, 1.0, 0.0)
-                for m in T.unroll(r):
-                    dcol[r] = dcol[r] - ld_s[blk, r, m] * dcol[m]
             if tx < 64:
+                for r in T.unroll(16):
+                    dcol[r] = T.if_then_else(col == r, 1.0, 0.0)
+                    for m in T.unroll(r):
+                        dcol[r] = dcol[r] - ld_s[blk, r, m] * dcol[m]
                 for r in T.unroll(16):
                     xd_s[blk * 16 + r, col] = dcol[r]
 

@@ -98,7 +98,7 @@ def test_kit_catches_a_wrong_kernel(gdn_kit, monkeypatch):
 
     kit = gdn_kit(**FLASHQLA)
     # the kernel class normalises q/k through qla_serve.gdn_prefill_inputs: make that a no-op
-    monkeypatch.setattr(K.qla_serve, "gdn_prefill_inputs", lambda q, k, *gates: (q.contiguous(), k.contiguous(), None, None))
+    monkeypatch.setattr(K.qla_serve, "gdn_prefill_inputs", lambda q, k, *gates, **kw: (q.contiguous(), k.contiguous(), None, None))
     case = next(c for c in _cases(kit) if c.name == "gdn_extend_zero_prefix_input_page_edges")
     with pytest.raises(AssertionError):
         kit.run_gdn_attention_case(unittest.TestCase(), case, head_k_dim=128, head_v_dim=128,
