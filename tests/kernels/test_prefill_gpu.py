@@ -145,8 +145,8 @@ def run_case(lens, Hk, Hv, *, pool_dtype=torch.float32, v_split=2, io=torch.bflo
                            before[u].view(torch.int16 if pool_dtype == torch.bfloat16 else torch.int32)), \
             "slots outside the batch changed"
     tol_s = TOL if pool_dtype == torch.float32 else TOL_BF16_STATE
-    _record_errors(e_o, e_s, Hk, Hv, pool_dtype, io if qk in (None, io) else f"{io}+qk-{qk}", v_split,
-                   len(lens), T)
+    io_label = str(io).split(".")[-1] + ("" if qk in (None, io) else "+qk-" + str(qk).split(".")[-1])
+    _record_errors(e_o, e_s, Hk, Hv, pool_dtype, io_label, v_split, len(lens), T)
     assert e_o <= TOL, f"o rel L2 {e_o:.3e} > {TOL}"
     assert e_s <= tol_s, f"state rel L2 {e_s:.3e} > {tol_s}"
     return e_o, e_s, plan, g
