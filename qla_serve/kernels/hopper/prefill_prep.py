@@ -321,11 +321,12 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
             # L is built in the fragment and the off-diagonal part leaves by stmatrix into the
             # swizzled loff_s (v16 wrote it element by element: ~400 instructions per thread,
             # the most expensive phase in v15's ncu).
+            # The diagonal blocks go to ld_s unmasked: the substitution reads only their strict
+            # lower triangle (m < r), and the mask below zeroes them in L_off (v24: one select per
+            # element less than masking i > j first).
             T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
             for i, j in T.Parallel(C, C):
                 kk_f[i, j] = kk_f[i, j] * b_s[i]
-            for i, j in T.Parallel(C, C):
-                kk_f[i, j] = T.if_then_else(i > j, kk_f[i, j], 0.0)
             for i, j in T.Parallel(C, C):
                 if i // 16 == j // 16:
                     ld_s[i // 16, i % 16, j % 16] = kk_f[i, j]
