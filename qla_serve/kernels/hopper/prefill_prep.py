@@ -338,7 +338,7 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
             # per (block b, column c) holding column c of Dinv_b, rows r = 0..15:
             #   Dinv_b[r, c] = [c == r] - sum_{m<r} L_b[r, m] Dinv_b[m, c]
             # (L_b's row r is a broadcast read), written to xd_s[b*16 + r, c]. Threads 0-63 (warps
-            # 0-1) do it; warps 2-3 skip to the barrier after it (v24: until v23 they repeated
+            # 0-1) do it; warps 2-3 skip to the barrier after it (v24: until v22 they repeated
             # the same ~250 instructions, 8% of the CTA's, for nothing). (v11 kept the column in
             # shared memory: a barrier and a dependent load per row.)
             tx = T.get_thread_binding()
