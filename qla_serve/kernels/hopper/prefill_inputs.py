@@ -19,9 +19,9 @@ Grid: one CTA of 128 threads per 16 tokens. A warp normalises one (token, qk-hea
 the same row of k per step: each lane loads 4 elements (one 8-byte access), the sum of squares
 is 5 xor-shuffles over the warp. Then each thread computes one (token, v-head) gate pair per
 step. Dtypes: q/k bf16 or fp16, the outputs in q's dtype or fp16 (``out``: fp16 from bf16 is
-what the Hopper prefill reads without its own fp16 copy, prefill_prep.py); a/b, A_log and dt_bias
-each in its own dtype (SGLang keeps
-A_log in fp32 beside a bf16 dt_bias), as in decode.py; head counts are static, the token count
+what the Hopper prefill reads without its own fp16 copy, prefill_prep.py); a/b, A_log and
+dt_bias each in its own dtype (SGLang keeps A_log in fp32 beside a bf16 dt_bias), as in
+decode.py; head counts are static, the token count
 and every input stride dynamic (q/k and a/b may be strided views of a fused projection; the
 host checks that q/k strides are multiples of 4 elements).
 """

@@ -29,10 +29,10 @@ substitution in fp32 on the CUDA cores (Dinv), then with N = Dinv L_off (strictl
 N^4 = 0): (I + L)^-1 = (I - N + N^2 - N^3) Dinv, four 64x64x64 fp16 tensor-core GEMMs with fp32
 accumulation. fp16 (11-bit mantissa) rather than bf16 for these operands and the outputs: the
 bf16 variant misses the 2e-3 relative-L2 budget against the float64 recurrence (see
-benchmarks/prefill.md). q, k and v are used as loaded (their dtypes): Q K^T and K K^T are exact
-products with fp32 sums, and in form "uw" M meets V and K each as hi + lo in that tile's dtype (M = hi + lo to
-~2^-16 relative), two GEMMs each, so no tile is converted in shared memory. Form "m" stores M
-rounded once to fp16 (as v10 did before its U0 = M V).
+benchmarks/prefill.md). q, k and v are used as loaded (their dtypes): Q K^T and K K^T are
+exact products with fp32 sums, and in form "uw" M meets V and K each as hi + lo in that tile's
+dtype (M = hi + lo to ~2^-16 relative), two GEMMs each, so no tile is converted in shared
+memory. Form "m" stores M rounded once to fp16 (as v10 did before its U0 = M V).
 
 Outputs (workspace, chunk-major so stage 2 loads each tile with one TMA copy; all 64 rows, rows
 >= n finite and only ever meeting zero weights in stage 2):
