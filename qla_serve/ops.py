@@ -275,6 +275,17 @@ def gdn_prefill_inputs(q, k, a=None, b=None, A_log=None, dt_bias=None, *, qk_dty
     return q_out, k_out, g_out, beta_out
 
 
+def prefill_qk_dtype(q):
+    """The q/k dtype a layer should ask :func:`gdn_prefill_inputs` for ahead of
+    :func:`gdn_prefill`: torch.float16 for bf16 q where prefill runs the TileLang kernels, which
+    read fp16 q/k as they are (their stage 1 then writes no fp16 copies; unit-norm rows lose
+    nothing to fp16's range); None (q's own dtype) elsewhere: the reference gains nothing, and
+    FLA's fallback takes one dtype and would convert back. Resolved with the op's path (cached)."""
+    if q.dtype != torch.bfloat16:
+        return None
+    return torch.float16 if _path("prefill", q.device, q.dtype) == "tilelang" else None
+
+
 def _same_dtype(x, y):
     """The kernels take a and b in one dtype (A_log and dt_bias each in its own: SGLang keeps
     A_log in fp32 beside a bf16 dt_bias). Upcast a mixed a/b pair to fp32: exact, [T, Hv]."""

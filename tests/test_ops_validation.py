@@ -92,6 +92,24 @@ def test_prefill_fp16_qk_beside_bf16_v():
         qla_serve.gdn_decode(q[:2], k[:2], a["v"][:2], a["pool"], a["slot_ids"], g=a["g"][:2], beta=a["beta"][:2])
 
 
+def test_prefill_qk_dtype_follows_the_prefill_path(monkeypatch):
+    """fp16 only for bf16 q where prefill runs the TileLang kernels. On this CPU machine the
+    path is the reference (None: q's dtype); the TileLang branch is reached by replacing the
+    path lookup (ops._path), since the TileLang path cannot run without a GPU."""
+    from qla_serve import ops
+
+    q = torch.zeros(2, HK, 128, dtype=torch.bfloat16)
+    assert qla_serve.prefill_qk_dtype(q) is None
+    assert qla_serve.prefill_qk_dtype(q.half()) is None
+    seen = []
+    monkeypatch.setattr(ops, "_path", lambda op, device, dtype: seen.append((op, dtype)) or "tilelang")
+    assert qla_serve.prefill_qk_dtype(q) is torch.float16
+    assert qla_serve.prefill_qk_dtype(q.half()) is None  # already fp16: nothing to ask for
+    assert seen == [("prefill", torch.bfloat16)]
+    monkeypatch.setattr(ops, "_path", lambda op, device, dtype: "fla")
+    assert qla_serve.prefill_qk_dtype(q) is None  # FLA's fallback takes one dtype
+
+
 def test_decode_gating_forms():
     B = 3
     q, k, v = torch.randn(B, HK, 128), torch.randn(B, HK, 128), torch.randn(B, HV, 128)

@@ -195,13 +195,6 @@ def make_step_plan(*, num_actual_tokens: int, num_v_heads: int, num_k_heads: int
 # Pieces
 # ---------------------------------------------------------------------------------------------
 
-def prefill_qk_dtype(q: torch.Tensor):
-    """The dtype the layers ask gdn_prefill_inputs for: fp16 for a bf16 model (unit-norm rows
-    lose nothing to fp16's range; the Hopper prefill reads fp16 q/k without converting them
-    itself), else q's own."""
-    return torch.float16 if q.dtype == torch.bfloat16 else None
-
-
 def _ops_slots(slots: torch.Tensor, null_slot: int) -> torch.Tensor:
     """Engine slot ids -> qla_serve ids (padding = -1), on the device, no sync."""
     return torch.where(slots == null_slot, torch.full_like(slots, -1), slots).to(torch.int32)
@@ -370,7 +363,7 @@ def gdn_layer_forward(step: StepPlan, mixed_qkv: torch.Tensor, a: torch.Tensor, 
                            conv_bias, activation)
         q, k, v = _split_qkv(xp, num_k_heads, Hv)
         q, k, g, beta = qla_serve.gdn_prefill_inputs(q, k, an[Td:Td + Tp], bn[Td:Td + Tp], A_log, dt_bias,
-                                                     qk_dtype=prefill_qk_dtype(q))
+                                                     qk_dtype=qla_serve.prefill_qk_dtype(q))
         qla_serve.gdn_prefill(q, k, v, g, beta, ssm_state, _ops_slots(step.prefill_slots, null),
                               step.prefill_plan, has_initial_state=step.prefill_has_initial_state,
                               scale=scale, out=out_n[Td:Td + Tp])

@@ -45,7 +45,6 @@ from dataclasses import dataclass
 import torch
 
 import qla_serve
-from qla_serve.backends.gdn_layer import prefill_qk_dtype
 from qla_serve.plan import cp_from_env
 
 log = logging.getLogger("qla_serve.sglang")
@@ -256,8 +255,8 @@ class FlashQLAGDNKernel(LinearAttnKernelBase):
             o[0, n:].zero_()
         # SGLang's Triton path normalises q and k inside its kernel; gdn_prefill takes them
         # normalised: one launch (gdn_prefill_inputs without gates: SGLang brings g and beta),
-        # in fp16, which the Hopper prefill reads without its own conversion.
-        qn, kn, _, _ = qla_serve.gdn_prefill_inputs(q3[:n], k3[:n], qk_dtype=prefill_qk_dtype(q3))
+        # in fp16 where prefill runs the TileLang kernels (they read it without converting).
+        qn, kn, _, _ = qla_serve.gdn_prefill_inputs(q3[:n], k3[:n], qk_dtype=qla_serve.prefill_qk_dtype(q3))
         slots = _slots(cache_indices)
         if track_state is None:
             qla_serve.gdn_prefill(qn, kn, v3[:n], g2[:n].float(), beta2[:n].float(), ssm_states,
