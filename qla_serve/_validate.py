@@ -96,13 +96,24 @@ def check_qk(q, k) -> tuple[int, int]:
     return T, Hk
 
 
+# The one mixed q/k-vs-model dtype prefill takes: fp16 q/k beside bf16 v, what
+# gdn_prefill_inputs(..., qk_dtype=torch.float16) makes of a bf16 model's q/k.
+FP16_QK, BF16_MODEL = torch.float16, torch.bfloat16
+
+
+def check_qk_dtype(qk_dtype, q) -> None:
+    """gdn_prefill_inputs' qk_dtype: None, q's dtype, or fp16 for bf16 q."""
+    if qk_dtype not in (None, q.dtype) and (qk_dtype, q.dtype) != (FP16_QK, BF16_MODEL):
+        raise TypeError(f"qk_dtype: expected None, q's dtype ({q.dtype}) or torch.float16 for bf16 q, "
+                        f"got {qk_dtype}")
+
+
 def check_qkv(q, k, v, *, fp16_qk_ok: bool = False) -> tuple[int, int, int]:
     """q, k [T, Hk, 128], v [T, Hv, 128]; last dim contiguous (strided views allowed). v in q's
-    dtype; with fp16_qk_ok (prefill) also bf16 v beside fp16 q/k, what
-    gdn_prefill_inputs(..., qk_dtype=torch.float16) makes of a bf16 model's q/k."""
+    dtype; with fp16_qk_ok (prefill) also bf16 v beside fp16 q/k (FP16_QK, BF16_MODEL)."""
     T, Hk = check_qk(q, k)
     _check_heads_tensor("v", v)
-    if v.dtype != q.dtype and not (fp16_qk_ok and (q.dtype, v.dtype) == (torch.float16, torch.bfloat16)):
+    if v.dtype != q.dtype and not (fp16_qk_ok and (q.dtype, v.dtype) == (FP16_QK, BF16_MODEL)):
         also = " (or torch.bfloat16 beside float16 q/k)" if fp16_qk_ok else ""
         raise TypeError(f"v: expected q's dtype {q.dtype}{also}, got {v.dtype}")
     if v.shape[0] != T:

@@ -238,10 +238,11 @@ def gdn_prefill_inputs(q, k, a=None, b=None, A_log=None, dt_bias=None, *, qk_dty
             strided views of a fused projection are fine.
         a, b: [T, Hv] raw gating logits; A_log, dt_bias: [Hv] (each in its own dtype). All four
             None: q and k only (a caller that has g and beta).
-        qk_dtype: the normalised q/k's dtype: None (q's), or torch.float16 for bf16 q. fp16 from a bf16 q
-            is what gdn_prefill reads on Hopper without converting q/k itself (its stage 1
-            then writes no fp16 copies: benchmarks/prefill.md "fp16 q/k"); unit-norm rows lose
-            nothing to fp16's range, and its rounding is 8x finer than bf16's.
+        qk_dtype: the normalised q/k's dtype: None (q's), or torch.float16 for bf16 q
+            (:func:`prefill_qk_dtype` says which to ask for). fp16 from a bf16 q is what
+            gdn_prefill reads on Hopper without converting q/k itself (its stage 1 then writes
+            no fp16 copies: benchmarks/prefill.md "v24"); unit-norm rows lose nothing to fp16's
+            range, and its rounding is 8x finer than bf16's.
     Returns:
         (q, k, g, beta): q, k L2-normalised, [T, Hk, 128] in qk_dtype, contiguous (x / sqrt(
         sum x^2 + 1e-6), fp32 math); g = -exp(A_log) * softplus(a + dt_bias) and
@@ -251,9 +252,7 @@ def gdn_prefill_inputs(q, k, a=None, b=None, A_log=None, dt_bias=None, *, qk_dty
     key = _checked_key(("inputs", qk_dtype), (q, k, a, b, A_log, dt_bias), ())
     if _checks_due(key):
         T, Hk = V.check_qk(q, k)
-        if qk_dtype not in (None, q.dtype) and (qk_dtype, q.dtype) != (torch.float16, torch.bfloat16):
-            raise TypeError(f"qk_dtype: expected None, q's dtype ({q.dtype}) or torch.float16 for bf16 q, "
-                            f"got {qk_dtype}")
+        V.check_qk_dtype(qk_dtype, q)
         V.check_device(q.device, k=k)
         if gates:
             Hv = a.shape[-1] if isinstance(a, torch.Tensor) and a.dim() == 2 else 0
@@ -281,9 +280,9 @@ def prefill_qk_dtype(q):
     read fp16 q/k as they are (their stage 1 then writes no fp16 copies; unit-norm rows lose
     nothing to fp16's range); None (q's own dtype) elsewhere: the reference gains nothing, and
     FLA's fallback takes one dtype and would convert back. Resolved with the op's path (cached)."""
-    if q.dtype != torch.bfloat16:
+    if q.dtype != V.BF16_MODEL:
         return None
-    return torch.float16 if _path("prefill", q.device, q.dtype) == "tilelang" else None
+    return V.FP16_QK if _path("prefill", q.device, q.dtype) == "tilelang" else None
 
 
 def _same_dtype(x, y):

@@ -549,6 +549,26 @@ def _dtype_name(dt: torch.dtype, what: str, allowed: tuple[str, ...]) -> str:
     return name
 
 
+def gate_dtype_names(a, b, A_log, dt_bias) -> tuple[str, str, str]:
+    """The dtype names of raw gates (a/b, A_log, dt_bias: each in its own dtype, b in a's),
+    checked against what the kernels take; shared with prefill_inputs.py."""
+    ab = _dtype_name(a.dtype, "a", _GATE_DTYPES)
+    param = _dtype_name(A_log.dtype, "A_log", _GATE_DTYPES)
+    bias = _dtype_name(dt_bias.dtype, "dt_bias", _GATE_DTYPES)
+    if b.dtype != a.dtype:
+        raise TypeError(f"b: expected the dtype of a ({a.dtype}), got {b.dtype}")
+    return ab, param, bias
+
+
+def launch_function(variant: dict, device: torch.device, build_fn, name: str | None = None):
+    """Compile or load ``variant`` with ``build_fn`` (TileLang disk cache, the explicit target of
+    ``device``) under the build lock; its raw tvm-ffi launch function (raw_launch.py)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    with _BUILD_LOCK:
+        kernel = build_fn(variant, _device_target(idx))
+    return raw_function(kernel, name or variant["name"])
+
+
 def _launcher(op, q, pool, g, a, A_log, dt_bias, b, beta, l2, tile):
     """Slow path of the lookup: validate dtypes, name the variant, compile or load it (TileLang
     disk cache, explicit target of the device), and return the raw tvm-ffi function."""
@@ -560,16 +580,9 @@ def _launcher(op, q, pool, g, a, A_log, dt_bias, b, beta, l2, tile):
         gating, ab, param, bias = "gb", None, None, None
     else:
         gating = "ab"
-        ab = _dtype_name(a.dtype, "a", _GATE_DTYPES)
-        param = _dtype_name(A_log.dtype, "A_log", _GATE_DTYPES)
-        bias = _dtype_name(dt_bias.dtype, "dt_bias", _GATE_DTYPES)
-        if b.dtype != a.dtype:
-            raise TypeError(f"b: expected the dtype of a ({a.dtype}), got {b.dtype}")
-    idx = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        ab, param, bias = gate_dtype_names(a, b, A_log, dt_bias)
     variant = _variant(op, pool.shape[1], q.shape[1], io, pdt, gating, ab, param, l2, tile, bias=bias)
-    with _BUILD_LOCK:
-        kernel = build(variant, _device_target(idx))
-    return raw_function(kernel, variant["name"])
+    return launch_function(variant, q.device, build)
 
 
 def check_pool_alignment(pool) -> None:
@@ -674,15 +687,12 @@ def commit_verified(pool, slot_ids, intermediate, intermediate_ids, num_accepted
         acc = _TORCH_INT.get(num_accepted.dtype)
         if acc is None:
             raise TypeError(f"num_accepted: expected int32 or int64, got {num_accepted.dtype}")
-        idx = pool.device.index if pool.device.index is not None else torch.cuda.current_device()
-        with _BUILD_LOCK:
-            kernel = build(_commit_variant(pool.shape[1], pdt, acc), _device_target(idx))
-        fn = _FAST[key] = raw_function(kernel, "commit_verified")
+        fn = _FAST[key] = launch_function(_commit_variant(pool.shape[1], pdt, acc), pool.device, build,
+                                          "commit_verified")
     if intermediate.dtype != pool.dtype:
         raise TypeError(f"intermediate: expected the pool dtype {pool.dtype}, got {intermediate.dtype}")
-    vec = 4 if pool.dtype == torch.float32 else 8
-    if pool.stride(0) % vec or pool.data_ptr() % 16:
-        raise ValueError(f"pool: slot stride must be a multiple of {vec} elements, data 16-byte aligned")
+    check_pool_alignment(pool)
+    vec = 4 if pool.dtype == torch.float32 else 8  # the intermediate states' vectors, as the pool's
     if intermediate.stride(0) % vec or intermediate.stride(1) % vec or intermediate.data_ptr() % 16:
         raise ValueError(f"intermediate: strides (0, 1) must be multiples of {vec} elements, data "
                          f"16-byte aligned")

@@ -27,11 +27,8 @@ host checks that q/k strides are multiples of 4 elements).
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
-import torch
-
-from .decode import (_BUILD_LOCK, _GATE_DTYPES, _IO_DTYPES, _PASS_CONFIGS, _TARGETS, _check_heads,
-                     _device_target, _dtype_name)
-from .raw_launch import raw_function
+from .decode import (_GATE_DTYPES, _IO_DTYPES, _PASS_CONFIGS, _TARGETS, _check_heads, _dtype_name,
+                     gate_dtype_names, launch_function)
 
 HEAD_DIM = 128
 TOKENS_PER_CTA = 16
@@ -193,16 +190,10 @@ def prefill_inputs(q, k, a, b, A_log, dt_bias, *, q_out, k_out, g_out, beta_out)
     key = (q.device, q.dtype, q_out.dtype) + ((a.dtype, A_log.dtype, dt_bias.dtype) if gates else ()) + (hv, q.shape[1])
     fn = _FAST.get(key)
     if fn is None:
-        given = ((q, "q", _IO_DTYPES),) + (((a, "a", _GATE_DTYPES), (A_log, "A_log", _GATE_DTYPES),
-                                            (dt_bias, "dt_bias", _GATE_DTYPES)) if gates else ())
-        names = [_dtype_name(x.dtype, what, allowed) for x, what, allowed in given]
-        if gates and b.dtype != a.dtype:
-            raise TypeError(f"b: expected the dtype of a ({a.dtype}), got {b.dtype}")
-        v = variant(hv, q.shape[1], *names, out=_dtype_name(q_out.dtype, "q_out", _IO_DTYPES))
-        idx = q.device.index if q.device.index is not None else torch.cuda.current_device()
-        with _BUILD_LOCK:
-            kernel = build(v, _device_target(idx))
-        fn = _FAST[key] = raw_function(kernel, v["name"])
+        io = _dtype_name(q.dtype, "q", _IO_DTYPES)
+        gate_names = gate_dtype_names(a, b, A_log, dt_bias) if gates else ()
+        v = variant(hv, q.shape[1], io, *gate_names, out=_dtype_name(q_out.dtype, "q_out", _IO_DTYPES))
+        fn = _FAST[key] = launch_function(v, q.device, build)
     if gates:
         fn(q, k, a, b, A_log, dt_bias, q_out, k_out, g_out, beta_out)
     else:
