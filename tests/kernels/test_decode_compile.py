@@ -78,3 +78,31 @@ def test_unsupported_dtypes_raise_before_any_launch():
                    torch.zeros(2, dtype=torch.int32), g=torch.zeros(2, HV), beta=torch.zeros(2, HV),
                    a=None, b=None, A_log=None, dt_bias=None, use_qk_l2norm=False, scale=None,
                    out=torch.zeros(2, HV, 128, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_alignment_checks_name_the_argument(dtype):
+    """The host-side vector-access rules (plain CPU tensors: metadata only): pool and
+    intermediate slot strides of whole 16-byte vectors, q/k strides of whole io vectors."""
+    vec = 16 // torch.tensor([], dtype=dtype).element_size()
+    pool = torch.zeros(3, 2, 128, 128, dtype=dtype)
+    inter = torch.zeros(2, 3, 2, 128, 128, dtype=dtype)
+    q = torch.zeros(4, 2, 128, dtype=torch.bfloat16)
+    dec._check_alignment(8, pool, q, q, inter)  # engine layouts pass
+    # a slot stride one element past a vector: pool (through both checks), then intermediate
+    step = 2 * 128 * 128  # one slot's elements
+    bad_pool = torch.zeros(3 * (step + 1), dtype=dtype).as_strided(pool.shape, (step + 1,) + pool.stride()[1:])
+    with pytest.raises(ValueError, match="pool: .*stride"):
+        dec.check_pool_alignment(bad_pool)
+    with pytest.raises(ValueError, match="pool: .*stride"):
+        dec._check_alignment(8, bad_pool, q, q, inter)
+    bad_inter = torch.zeros(2 * 3 * step + vec, dtype=dtype).as_strided(
+        inter.shape, (3 * step, step + 1) + inter.stride()[2:])
+    with pytest.raises(ValueError, match=rf"intermediate: strides \(0, 1\) must be multiples of {vec} elements"):
+        dec.check_intermediate_alignment(bad_inter)
+    with pytest.raises(ValueError, match="intermediate: strides"):
+        dec._check_alignment(8, pool, q, q, bad_inter)
+    # q/k: a token stride off the io vector names the tensor
+    bad_k = torch.zeros(4 * 2 * 128 + 4, dtype=torch.bfloat16).as_strided(q.shape, (2 * 128 + 1, 128, 1))
+    with pytest.raises(ValueError, match="k: the decode kernels need token/head strides"):
+        dec._check_alignment(8, pool, q, bad_k, inter)

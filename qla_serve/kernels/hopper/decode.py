@@ -34,10 +34,10 @@ Shapes are those of the kernel-module contract (qla_serve/kernels/__init__.py):
 batch ``B``, tokens ``T``, sequences ``N``, slots ``S``, intermediate slots ``S'`` and the
 draft depth ``D`` are dynamic (one compile serves every batch); head counts and dtypes are
 static and name a *variant*. Alignment assumptions (checked on the host by
-:func:`_check_alignment`): pool / intermediate slot strides and q/k token and head strides
-are multiples of the 16-byte vector (4 fp32 / 8 bf16 state values, ``VEC`` io elements),
-and their data pointers are 16-byte aligned -- true for every engine pool and for q/k views
-of a fused projection.
+:func:`_check_alignment` and :func:`check_intermediate_alignment`): pool / intermediate slot
+strides and q/k token and head strides are multiples of the 16-byte vector (4 fp32 / 8 bf16
+state values, ``VEC`` io elements), and their data pointers are 16-byte aligned -- true for
+every engine pool and for q/k views of a fused projection.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations,
@@ -595,20 +595,26 @@ def check_pool_alignment(pool) -> None:
                          f"multiple of {vec} elements, got stride(0) {pool.stride(0)}")
 
 
+def check_intermediate_alignment(inter) -> None:
+    """verify writes and commit_verified reads the intermediate states [S', D, Hv, 128, 128] in
+    16-byte vectors, as the pool's: slot and draft-token strides (0, 1) of whole vectors and a
+    16-byte aligned base. Host metadata only."""
+    vec = 16 // inter.element_size()
+    if inter.stride(0) % vec or inter.stride(1) % vec or inter.data_ptr() % 16:
+        raise ValueError(f"intermediate: strides (0, 1) must be multiples of {vec} elements, data "
+                         f"16-byte aligned, got strides {tuple(inter.stride()[:2])}")
+
+
 def _check_alignment(vec: int, pool, q, k, inter=None) -> None:
     """Vector-access preconditions (see module docstring); host metadata only."""
     check_pool_alignment(pool)
-    bad = None
-    if q.stride(0) % vec or q.stride(1) % vec or q.data_ptr() % (2 * vec):
-        bad = "q"
-    elif k.stride(0) % vec or k.stride(1) % vec or k.data_ptr() % (2 * vec):
-        bad = "k"
-    elif inter is not None and (inter.stride(0) % vec or inter.stride(1) % vec or inter.data_ptr() % 16):
-        bad = "intermediate"
-    if bad is not None:
-        raise ValueError(f"{bad}: the decode kernels need token/slot strides that are multiples "
-                         f"of {vec} elements and a {2 * vec if bad in 'qk' else 16}-byte aligned "
-                         f"data pointer (16-byte vector access)")
+    for name, x in (("q", q), ("k", k)):
+        if x.stride(0) % vec or x.stride(1) % vec or x.data_ptr() % (2 * vec):
+            raise ValueError(f"{name}: the decode kernels need token/head strides that are multiples "
+                             f"of {vec} elements and a {2 * vec}-byte aligned data pointer (16-byte "
+                             f"vector access)")
+    if inter is not None:
+        check_intermediate_alignment(inter)
 
 
 def _lookup(op, q, pool, g, beta, a, b, A_log, dt_bias, l2):
@@ -692,8 +698,5 @@ def commit_verified(pool, slot_ids, intermediate, intermediate_ids, num_accepted
     if intermediate.dtype != pool.dtype:
         raise TypeError(f"intermediate: expected the pool dtype {pool.dtype}, got {intermediate.dtype}")
     check_pool_alignment(pool)
-    vec = 4 if pool.dtype == torch.float32 else 8  # the intermediate states' vectors, as the pool's
-    if intermediate.stride(0) % vec or intermediate.stride(1) % vec or intermediate.data_ptr() % 16:
-        raise ValueError(f"intermediate: strides (0, 1) must be multiples of {vec} elements, data "
-                         f"16-byte aligned")
+    check_intermediate_alignment(intermediate)
     fn(pool, slot_ids, intermediate, intermediate_ids, num_accepted)

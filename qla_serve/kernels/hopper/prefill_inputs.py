@@ -21,9 +21,9 @@ is 5 xor-shuffles over the warp. Then each thread computes one (token, v-head) g
 step. Dtypes: q/k bf16 or fp16, the outputs in q's dtype or fp16 (``out``: fp16 from bf16 is
 what the Hopper prefill reads without its own fp16 copy, prefill_prep.py); a/b, A_log and
 dt_bias each in its own dtype (SGLang keeps A_log in fp32 beside a bf16 dt_bias), as in
-decode.py; head counts are static, the token count
-and every input stride dynamic (q/k and a/b may be strided views of a fused projection; the
-host checks that q/k strides are multiples of 4 elements).
+decode.py; head counts are static, the token count and every input stride dynamic (q/k and
+a/b may be strided views of a fused projection; the host checks that q/k strides are multiples
+of 4 elements).
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
