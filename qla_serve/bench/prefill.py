@@ -77,7 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also record each impl's GPU idle us per call in eager calls and in graph replays "
                              "(<impl>_eager_idle_us, _graph_idle_us; their difference <impl>_host_idle_us: the "
                              "host's share, free of GPU-time drift), from the profiler")
-    parser.add_argument("--check", action="store_true", help="also report qla_serve vs FLA rel. L2 difference")
+    parser.add_argument("--check", action="store_true",
+                        help="also report each qla_serve form's rel. L2 difference from each baseline (o and final "
+                             "state), all run once more from the row's initial states")
     parser.add_argument("--json", default=None)
     parser.add_argument("--md", default=None)
     parser.add_argument("--png", default=None)
@@ -377,6 +379,28 @@ def _fla_fn(lens, data, which):
     return fn, res
 
 
+def rel_l2(x, ref) -> float:
+    """||x - ref|| / ||ref|| in fp32 (the figure every qla_serve check reports)."""
+    x, ref = x.float(), ref.float()
+    return float((x - ref).norm() / ref.norm())
+
+
+def _check_against(base, base_fn, res, qla_runs, h0) -> dict:
+    """--check: each qla_serve form's o and final state against baseline ``base``, every one run
+    once more from the row's initial states h0 (the timed calls leave qla_serve's pool at a later
+    state, and the baselines start every call from h0). The baseline's state is K-first, the
+    pool V-first. Keys "<qla impl>_vs_<base>_o_rel" and "..._state_rel"."""
+    base_fn()
+    o_ref, s_ref = res["o"][0], res["ht"].transpose(-1, -2)
+    rec = {}
+    for impl, (fn, out, pool) in qla_runs.items():
+        pool.copy_(h0)
+        fn()
+        rec[f"{impl}_vs_{base}_o_rel"] = round(rel_l2(out, o_ref), 6)
+        rec[f"{impl}_vs_{base}_state_rel"] = round(rel_l2(pool, s_ref), 6)
+    return rec
+
+
 def _cumsum(xs):
     acc = 0
     for x in xs:
@@ -405,16 +429,16 @@ def run(args) -> int:
             lens = ROWS[row]
             data = _inputs(lens, hk, hv)
             rec = {"heads": f"{hk}/{hv}", "row": row, "tokens": sum(lens), "seqs": len(lens)}
-            qla_out = None
+            qla_runs = {}  # impl -> (fn, out, pool): rerun from the row's initial states by --check
             for impl in impls:
                 try:
                     if impl in QLA_IMPLS:
                         qdata = _qla_data(impl, data)
-                        fn, out, _, plan = _qla_fn(lens, hk, hv, qdata, args.v_split,
-                                                   segment_chunks=args.segment_chunks, cp=args.cp,
-                                                   maps_v_split=args.maps_v_split)
+                        fn, out, pool, plan = _qla_fn(lens, hk, hv, qdata, args.v_split,
+                                                      segment_chunks=args.segment_chunks, cp=args.cp,
+                                                      maps_v_split=args.maps_v_split)
+                        qla_runs[impl] = (fn, out, pool)
                         if impl == "qla":
-                            qla_out = out
                             rec["qla_plan"] = plan_label(plan)
                             rec["qla_maps_v_split"] = plan.maps_v_split
                             rec["qla_cp"] = _cp_label(plan)
@@ -443,10 +467,8 @@ def run(args) -> int:
                         if graph_idle is not None:
                             rec[f"{impl}_graph_idle_us"] = round(graph_idle, 1)
                             rec[f"{impl}_host_idle_us"] = round(eager_idle - graph_idle, 1)
-                    if args.check and impl == "fla" and qla_out is not None:
-                        fn()
-                        o = res["o"][0]
-                        rec["qla_vs_fla_o_rel"] = float((qla_out.float() - o.float()).norm() / o.float().norm())
+                    if args.check and impl not in QLA_IMPLS:
+                        rec.update(_check_against(impl, fn, res, qla_runs, data[-1]))
                 except Exception as e:  # noqa: BLE001 - a baseline failing must not hide the others
                     rec[f"{impl}_error"] = f"{type(e).__name__}: {e}"[:300]
             for impl in QLA_IMPLS:
