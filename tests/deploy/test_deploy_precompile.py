@@ -51,14 +51,16 @@ def test_config_enumeration_matches_its_heads_dtypes_and_targets(modules):
     # no duplicates; per target the same set of variants, except the prefill stage 2 at v_split
     # 1/2 (V-first, wgmma-only, on sm_90a; v8 on sm_100a) and the prep form V-first reads ("_m",
     # sm_90a only: v8 reads form "uw", which both targets build), each for bf16 q/k and for the
-    # fp16 q/k the engine layers hand over beside bf16 v ("_qkfloat16")
+    # fp16 q/k the engine layers hand over beside bf16 v ("_qkfloat16"), and each with 1, 2 and
+    # 4 v-heads per CTA ("_heads2", "_heads4": Hv / Hk = 4 at TP8)
     assert len({j.key for j in jobs}) == len(jobs)
     names = {t: sorted(j.name for j in jobs if j.target == t) for t in TARGETS}
     vfirst = [n for n in names["sm_90a"] if n.endswith("_vfirst")]
     assert vfirst and all(("_vs1" in n or "_vs2" in n) for n in vfirst)
-    form_m = re.compile(r"gdn_prefill_prep_.*_m(_qk\w+)?$")
+    form_m = re.compile(r"gdn_prefill_prep_.*_m(_qkfloat16)?(_heads[24])?$")
     prep_m = [n for n in names["sm_90a"] if form_m.match(n)]
-    assert prep_m == ["gdn_prefill_prep_hv8_hk2_bfloat16_m", "gdn_prefill_prep_hv8_hk2_bfloat16_m_qkfloat16"]
+    assert prep_m == sorted(f"gdn_prefill_prep_hv8_hk2_bfloat16_m{qk}{heads}" for qk in ("", "_qkfloat16")
+                            for heads in ("", "_heads2", "_heads4"))
     assert "gdn_prefill_prep_hv8_hk2_bfloat16_qkfloat16" in names["sm_100a"]
     assert "gdn_prefill_inputs_hk2_bfloat16_to-float16_qk-only" in names["sm_100a"]
     assert not any(n.endswith("_vfirst") or form_m.match(n) for n in names["sm_100a"])

@@ -127,6 +127,36 @@ def test_prep_fits_its_ctas_per_sm(tmp_path, form):
     assert usage["spill_store_bytes"] <= PREP_SPILL_BYTES[form], usage
 
 
+@pytest.mark.parametrize("heads", [2, 4])
+def test_prep_heads_per_cta(tmp_path, heads):
+    """Stage 1 with several v-heads per CTA (form "m"): Q K^T once per CTA, each head's P and M
+    stored (one TMA store per head and tile), four CTAs per SM (registers and shared memory:
+    each head's tiles are allocated per head, so their lifetimes do not stack), named apart,
+    listed where Hv / Hk allows them and refused where not."""
+    variant = P.prep_variant(8, 2, "bfloat16", "m", "float16", heads)
+    assert variant["name"].endswith(f"_qkfloat16_heads{heads}")
+    assert variant in P.kernel_variants(8, 2)
+    assert P.prep_variant(64, 16, "bfloat16", "m", "float16", heads) in P.kernel_variants(64, 16)
+    kern = P.build(variant, "sm_90a")
+    src = kern.get_kernel_source()
+    assert src.count("tma_store(pbuf_desc") == heads and src.count("tma_store(mbuf_desc") == heads
+    assert "__launch_bounds__(128, 4)" in src
+    smem = kernel_report.launch_dynamic_smem(kern.get_host_source(), threads=128)
+    assert smem is not None and 4 * (smem + 1024) <= 228 * 1024, smem
+    usage, _ = kernel_report.ptxas(src, "sm_90a", tmp_path)
+    assert usage["registers"] * 128 * 4 <= 65536, usage
+    assert usage["spill_store_bytes"] <= PREP_HEADS_SPILL_BYTES[heads], usage
+    assert not any("heads_per_cta" in v for v in P.kernel_variants(24, 8))  # Hv / Hk = 3
+    with pytest.raises(ValueError, match="heads_per_cta"):
+        P.prep_variant(24, 8, "bfloat16", "m", None, 2)
+    with pytest.raises(ValueError, match="heads_per_cta"):
+        P.prep_variant(8, 2, "bfloat16", "uw", None, 2)
+
+
+# ptxas spill stores of the grouped prep at four CTAs per SM (<= 128 registers).
+PREP_HEADS_SPILL_BYTES = {2: 0, 4: 48}
+
+
 def test_compiles_cp_scan_sm90a():
     """The CP scan: fp32 FMAs on the CUDA cores (no tensor-core rounding), one launch."""
     src = P.build(P.scan_variant(8), "sm_90a").get_kernel_source()

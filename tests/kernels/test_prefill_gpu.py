@@ -40,10 +40,12 @@ def _mod():
 @pytest.fixture(autouse=True)
 def _kernel_switches(monkeypatch):
     """The package defaults, whatever the environment says: gate warmup on (plans with
-    cp="auto" take it, cp="exact" plans never do) and the V-first stage 2 at v_split 1 and 2
-    (v_split 4 runs v8). test_v8_main and the sanitizer case switch to v8 themselves."""
+    cp="auto" take it, cp="exact" plans never do), the V-first stage 2 at v_split 1 and 2
+    (v_split 4 runs v8) and stage 1's heads per CTA by its rule. test_v8_main and the sanitizer
+    case switch to v8 themselves, test_prep_heads_per_cta forces the heads."""
     monkeypatch.setattr(_mod(), "GATE_WARMUP", True)
     monkeypatch.setattr(_mod(), "MAIN_IMPL", "vfirst")
+    monkeypatch.setattr(_mod(), "PREP_HEADS", 0)
 
 
 def make_case(lens, Hk, Hv, *, io=torch.bfloat16, qk=None, gen, dev="cuda"):
@@ -204,6 +206,27 @@ def test_fp16_qk_beside_bf16_v(Hk, Hv, v_split):
         e = run_case(lens, Hk, Hv, v_split=v_split, qk=torch.float16, seed=910 + v_split + Hv, pad_frac=0.2,
                      segment_chunks=3, cp=cp)
         print(f"fp16 q/k, bf16 v, {Hk}/{Hv} v_split {v_split} cp {cp}: o {e[0]:.2e} state {e[1]:.2e}")
+
+
+@pytest.mark.parametrize("Hk,Hv,heads", [(2, 8, 2), (2, 8, 4), (16, 32, 2), (16, 64, 4)])
+def test_prep_heads_per_cta(Hk, Hv, heads, monkeypatch):
+    """Stage 1 with several v-heads per CTA (prefill_api.PREP_HEADS forced; the rule picks it
+    only for large enough calls): edge lengths with padding and both pools, fp16 q/k beside
+    bf16 v under CP with gate warmup, against the float64 recurrence; and the same errors, to
+    the last bit, as one head per CTA on the same inputs (each head's operations are the same;
+    on the H200 the outputs were bit-equal in 120 of 120 bench calls, benchmarks/prefill.md v27)."""
+    cases = [dict(lens=EDGE_LENS, pool_dtype=torch.float32, pad_frac=0.2),
+             dict(lens=EDGE_LENS, pool_dtype=torch.bfloat16, pad_frac=0.2),
+             dict(lens=[64 * 29 + 17, 0, 64 * 3, 1, 64 * 7, 200], qk=torch.float16, v_split=1, pad_frac=0.2,
+                  segment_chunks=3, cp="auto")]
+    for i, case in enumerate(cases):
+        lens = case.pop("lens")
+        errors = {}
+        for n in (heads, 1):
+            monkeypatch.setattr(_mod(), "PREP_HEADS", n)
+            errors[n] = run_case(lens, Hk, Hv, seed=1200 + i + Hv, **case)[:2]
+        print(f"{Hk}/{Hv} heads per CTA {heads}, case {i}: o {errors[heads][0]:.2e} state {errors[heads][1]:.2e}")
+        assert errors[heads] == errors[1]
 
 
 def test_many_sequences():

@@ -2,7 +2,8 @@
 
 Two TileLang kernels per call, four or five with CP (prefill_prep.py, prefill_main.py,
 prefill_warmup.py, prefill_scan.py):
-  1. prep  grid (chunks, Hv):      everything state-free, fully parallel: gate factors, the
+  1. prep  grid (chunks, Hv / h):  everything state-free, fully parallel (h v-heads of one qk-head
+                                   per CTA, prep_heads_per_cta): gate factors, the
                                    intra-chunk attention P, the gated inverse M (form "m", for
                                    V-first) or U0 = M V and Wk = M diag(exp(gc)) K (form "uw",
                                    for v8: PREP_FORM), and fp16 copies of bf16 q/k (once per
@@ -54,6 +55,7 @@ few attribute reads. Nothing here synchronises with the GPU.
 
 import collections
 import functools
+import math
 import os
 import threading
 
@@ -108,6 +110,29 @@ def _main_impl_from_env() -> str:
 
 MAIN_IMPL = _main_impl_from_env()
 
+# Stage 1's v-heads per CTA (prefill_prep.prep_func's heads_per_cta, form "m" only): Q K^T and
+# the q/k tiles are the qk-head's, shared by its Hv / Hk v-heads, so a CTA of several heads loads
+# and multiplies them once. 0: the rule in prep_heads_per_cta; 1, 2 or 4: that many where it
+# divides Hv / Hk (else the largest that does). Read once at import from QLA_SERVE_PREP_HEADS;
+# the GPU tests and benchmarks set it instead.
+PREP_HEADS_CHOICES = (1, 2, 4)
+# The rule's figures, measured on the H200 (benchmarks/prefill.md "v27"): CTAs per SM (five with
+# one head: 96 registers, 34 KB; four with two or four: 113 / 128 registers, 43 / 45 KB) and a
+# CTA's time relative to a one-head CTA's (2/8 and 16/64 at 4096 and 32768 chunk-heads: 1.53-1.57
+# for two heads, 3.0-3.2 for four).
+_PREP_CTAS_PER_SM = {1: 5, 2: 4, 4: 4}
+_PREP_CTA_COST = {1: 1.0, 2: 1.55, 4: 3.05}
+
+
+def _prep_heads_from_env() -> int:
+    flag = os.environ.get("QLA_SERVE_PREP_HEADS", "0").strip()
+    if flag not in ("0",) + tuple(str(n) for n in PREP_HEADS_CHOICES):
+        raise ValueError(f"QLA_SERVE_PREP_HEADS: expected 0 (auto) or one of {PREP_HEADS_CHOICES}, got {flag!r}")
+    return int(flag)
+
+
+PREP_HEADS = _prep_heads_from_env()
+
 _TORCH_TO_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 _kernels: dict = {}
 _lock = threading.Lock()
@@ -119,7 +144,8 @@ def _variant_name(v: dict) -> str:
     if v["op"] == "prefill_prep":
         return (f"gdn_prefill_prep_hv{v['num_v_heads']}_hk{v['num_k_heads']}_{v['io_dtype']}"
                 + ("_m" if v.get("form", "uw") == "m" else "")
-                + (f"_qk{v['qk_dtype']}" if "qk_dtype" in v else ""))
+                + (f"_qk{v['qk_dtype']}" if "qk_dtype" in v else "")
+                + (f"_heads{v['heads_per_cta']}" if "heads_per_cta" in v else ""))
     return (
         f"gdn_prefill_main_hv{v['num_v_heads']}_hk{v['num_k_heads']}_{v['io_dtype']}"
         f"_pool{v['pool_dtype']}_vs{v['v_split']}" + ("_maps" if v["mode"] == "maps" else "")
@@ -128,9 +154,10 @@ def _variant_name(v: dict) -> str:
 
 
 def prep_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw",
-                 qk_dtype: str | None = None) -> dict:
+                 qk_dtype: str | None = None, heads_per_cta: int = 1) -> dict:
     """Stage 1; form "uw" (U0 and -Wk, for the v8 stage 2) or "m" (M, for V-first): the form
-    a stage-2 kernel reads is PREP_FORM[impl]. io_dtype is v's; qk_dtype q/k's (None: v's)."""
+    a stage-2 kernel reads is PREP_FORM[impl]. io_dtype is v's; qk_dtype q/k's (None: v's);
+    heads_per_cta the v-heads of one CTA (form "m": a divisor of Hv / Hk)."""
     if form not in prefill_prep.FORMS:
         raise ValueError(f"form: expected one of {prefill_prep.FORMS}, got {form!r}")
     qk_dtype = qk_dtype or io_dtype
@@ -141,8 +168,34 @@ def prep_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = 
         v["form"] = form
     if qk_dtype != io_dtype:  # one-dtype variants keep their names (and compile caches)
         v["qk_dtype"] = qk_dtype
+    if heads_per_cta != 1:
+        group = num_v_heads // max(num_k_heads, 1)
+        if form != "m" or heads_per_cta not in PREP_HEADS_CHOICES or group % heads_per_cta:
+            raise ValueError(f"heads_per_cta: {heads_per_cta} v-heads per CTA needs form 'm' and must be one of "
+                             f"{PREP_HEADS_CHOICES} dividing Hv / Hk = {group} (form {form!r})")
+        v["heads_per_cta"] = heads_per_cta
     v["name"] = _variant_name(v)
     return v
+
+
+def prep_heads_per_cta(num_v_heads: int, num_k_heads: int, num_chunks: int, form: str, sm_count: int) -> int:
+    """Stage 1's v-heads per CTA for a call of num_chunks chunks (form "m"; "uw" always 1):
+    PREP_HEADS where set (the largest choice dividing Hv / Hk that is not above it), else the
+    choice of least expected time, waves x a CTA's relative time. Waves are whole below three
+    (a second, nearly empty wave costs a whole CTA time: 2/8 mixed8192 at two heads, 1.09 waves,
+    was 9% slower), fractional above. Ties go to more heads."""
+    group = num_v_heads // num_k_heads
+    choices = [n for n in PREP_HEADS_CHOICES if group % n == 0]
+    if form != "m":
+        return 1
+    if PREP_HEADS:
+        return max(n for n in choices if n <= PREP_HEADS)
+
+    def cost(n):
+        waves = num_chunks * num_v_heads / n / (_PREP_CTAS_PER_SM[n] * sm_count)
+        return _PREP_CTA_COST[n] * (waves if waves >= 3 else math.ceil(waves))
+
+    return min(reversed(choices), key=cost)
 
 
 def main_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str, v_split: int,
@@ -206,7 +259,9 @@ def kernel_variants(num_v_heads: int, num_k_heads: int, target: str = ARCH) -> l
     if num_k_heads <= 0 or num_v_heads % num_k_heads:
         raise ValueError(f"num_v_heads ({num_v_heads}) must be a positive multiple of num_k_heads ({num_k_heads})")
     forms = sorted({PREP_FORM[main_impl_for(vs, target)] for vs in V_SPLITS}, reverse=True)
-    out = [prep_variant(num_v_heads, num_k_heads, io, form, qk) for qk, io in QK_V_DTYPES for form in forms]
+    group = num_v_heads // num_k_heads
+    out = [prep_variant(num_v_heads, num_k_heads, io, form, qk, n) for qk, io in QK_V_DTYPES for form in forms
+           for n in PREP_HEADS_CHOICES if n == 1 or (form == "m" and group % n == 0)]
     out += [scan_variant(num_v_heads), warmup_variant(num_v_heads)]
     for io in IO_DTYPES:
         for pool in POOL_DTYPES:
@@ -236,7 +291,8 @@ def build(variant: dict, target: str = ARCH):
             elif variant["op"] == "prefill_cp_warmup":
                 func, cfg = prefill_warmup.warmup_func(hv), prefill_warmup.PASS_CONFIGS
             elif variant["op"] == "prefill_prep":
-                func = prefill_prep.prep_func(hv, hk, io, variant.get("form", "uw"), variant.get("qk_dtype"))
+                func = prefill_prep.prep_func(hv, hk, io, variant.get("form", "uw"), variant.get("qk_dtype"),
+                                              variant.get("heads_per_cta", 1))
                 cfg = prefill_prep.PASS_CONFIGS
             elif variant["op"] == "prefill_main":
                 kmod = prefill_main_vfirst if variant.get("impl", "v8") == "vfirst" else prefill_main
@@ -421,7 +477,7 @@ def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale,
     plan.scratch): every GDN layer of a step then only binds its own tensors.
     """
     key = ("hopper_prefill_launches", q.shape[0], k.shape[1], v.shape[1], q.dtype, v.dtype, pool.dtype,
-           has_initial_state is None, q.device, _stages, _target, GATE_WARMUP, MAIN_IMPL)
+           has_initial_state is None, q.device, _stages, _target, GATE_WARMUP, MAIN_IMPL, PREP_HEADS)
     launches = plan.kernel_cache.get(key)
     if launches is None:
         launches = plan.kernel_cache[key] = _Launches(plan, q, k, v, pool, has_initial_state is None, _stages,
@@ -431,7 +487,7 @@ def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale,
 
 class _Launches:
     """One prefill call's launches for a plan and call shape (token count, heads, dtypes, device,
-    the module switches GATE_WARMUP and MAIN_IMPL): the kernels' raw launch functions, stage 1's
+    the module switches GATE_WARMUP, MAIN_IMPL and PREP_HEADS): the kernels' raw launch functions, stage 1's
     buffers, the CP tables and workspaces, resolved once (FlashInfer's plan/run split). A call
     binds q, k, v, g, beta, the pool, the slots, the flags, the scale and out, and launches:
 
@@ -460,7 +516,8 @@ class _Launches:
         nchunks, self.stage1 = _plan_scratch(plan, hv, form, dev)
         # Stage 2's tensor-core operands are fp16: bf16 q/k are converted once, by stage 1.
         self.half_qk = _half_qk(plan, max(self.ntok, 1), hk, dev) if qk == "bfloat16" else None
-        kp = _kernel(prep_variant(hv, hk, io, form, qk), (hv, hk, io, form, qk, target))
+        hpc = prep_heads_per_cta(hv, hk, nchunks, form, _sm_count(dev) if dev.type == "cuda" else 132)
+        kp = _kernel(prep_variant(hv, hk, io, form, qk, hpc), (hv, hk, io, form, qk, hpc, target))
         self.prep = kp if nchunks > 0 and "prep" in stages else None  # stages: benchmarks time them apart
         self.output = None
         if "main" not in stages:

@@ -2,9 +2,12 @@
 algorithm that does not need the state, so stage 2's sequential chain is two GEMMs per chunk
 (form "uw") or three (form "m", which writes a quarter of the bytes).
 
-Grid: one CTA of 128 threads per (v-head h, chunk c), v-head fastest; chunks are numbered through the plan's
-``chunk_offsets`` (chunk c belongs to the sequence s with chunk_offsets[s] <= c < chunk_offsets[s+1],
-found by a binary search in the kernel, so no per-chunk index tensor is needed).
+Grid: one CTA of 128 threads per (group of heads_per_cta v-heads, chunk c), v-heads fastest;
+chunks are numbered through the plan's ``chunk_offsets`` (chunk c belongs to the sequence s with
+chunk_offsets[s] <= c < chunk_offsets[s+1], found by a binary search in the kernel, so no
+per-chunk index tensor is needed). A CTA's heads share one qk-head: it loads q/k and computes
+Q K^T once, then runs each head's gates, P, solve and M in turn (v27; K K^T is computed again per
+head, which keeps it out of the registers that the solve needs).
 
 For a chunk of n <= 64 tokens t0..t0+n-1 of head h (qk-head h // (Hv // Hk)):
   gc[i]   = sum_{j<=i} g[t0+j, h]                           (chunk-local cumsum, fp32)
@@ -53,7 +56,11 @@ tiles to global memory in 16-byte stores.
 
 Occupancy (v11): 49 KB of shared memory and <= 128 registers, so 4 CTAs (16 warps) per SM
 share the latency of each CTA's serial phases (v10: 65 KB, 3 CTAs); form "m" takes 34 KB and
-<= 102 registers, 5 CTAs (v15).
+<= 102 registers, 5 CTAs (v15); with two or four heads per CTA 43-45 KB and 113-128 registers, 4
+CTAs. Which heads per CTA a call takes (prefill_api.prep_heads_per_cta) is a matter of waves:
+each such CTA takes ~1.55x (two heads) or ~3.05x (four) a one-head CTA's time on the H200, so
+the larger CTAs win where they fill the SMs in fewer or fuller waves (prep -2 to -16%, calls up
+to -7.5%: benchmarks/prefill.md "v27").
 Instruction count (v17): prep issues ~2 instructions per cycle per SM with 20 warps, so fewer
 instructions is time saved. Every masked elementwise product is computed for all elements and
 masked afterwards (a conditional product compiled to a branch per element), each gate factor is
@@ -79,7 +86,7 @@ FORMS = ("uw", "m")
 
 
 def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw",
-              qk_dtype: str | None = None):
+              qk_dtype: str | None = None, heads_per_cta: int = 1):
     """Build the stage-1 PrimFunc for (Hv, Hk, io dtype, form, q/k dtype); T (tokens), N
     (sequences) and the number of chunks are symbolic, so one compile serves every batch.
 
@@ -91,13 +98,21 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
     form "uw" (for prefill_main.py, v8) writes U0 and -Wk; form "m" (for prefill_main_vfirst.py)
     writes M itself, and the stage-2 kernel forms V' = M (V - diag(exp(gc)) K S) on its chain.
     Both take the same arguments; the outputs a form does not write (mbuf for "uw", ubuf and
-    wbuf for "m") have their own symbolic row counts, so the host passes 1-row stand-ins."""
+    wbuf for "m") have their own symbolic row counts, so the host passes 1-row stand-ins.
+
+    heads_per_cta (form "m" only; a divisor of Hv / Hk): the v-heads one CTA computes, all of
+    one qk-head. The q/k tiles and Q K^T depend on the qk-head alone, so the CTA loads q/k and
+    computes Q K^T once for its heads, then each head's gates, P, L, inverse and M (grid
+    Hv / heads_per_cta x chunks)."""
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
     uw_form = form == "uw"
     qk_dtype = qk_dtype or io_dtype
     Hv, Hk = num_v_heads, num_k_heads
     group = Hv // Hk
+    hpc = heads_per_cta
+    if hpc < 1 or group % hpc or (hpc > 1 and uw_form):
+        raise ValueError(f"heads_per_cta must divide Hv / Hk = {group} (and be 1 for form 'uw'), got {hpc}")
     ntok = T.dynamic("ntok")
     nseq = T.dynamic("nseq")
     nchunk = T.dynamic("nchunk")
@@ -141,18 +156,18 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
         T.gemm(lo_s, b_s, x_f)
 
     @T.macro
-    def _gated_m(t_f, g2_s, mcol_s):
-        """A in t_f -> M = (Gamma o A) diag(beta), lower triangle incl. the diagonal, zero above
-        it: M[i, j] = A[i, j] exp2(g2_i - (g2_j - log2 beta_j)), one exponential and one product
-        per element (g2 = gc log2(e); beta_j = 0 gives +inf in mcol_s and so 0; the exponent is
-        <= log2 beta_j on and below the diagonal: no overflow; beta >= 0 by the contract, (0, 1),
-        since a negative one has no log2). Computed for every element, then
-        masked: a conditional product compiles to a branch per element (above the diagonal the
-        factor may be inf, and the select drops it)."""
-        for i, j in T.Parallel(C, C):
-            t_f[i, j] = t_f[i, j] * T.exp2(g2_s[i] - mcol_s[j])
-        for i, j in T.Parallel(C, C):
-            t_f[i, j] = T.if_then_else(i >= j, t_f[i, j], 0.0)
+    def _gated_m(t_f, g2_s, mcol_s, j):
+        """A in t_f -> M = (Gamma o A) diag(beta) of the CTA's head j (row j of the gate arrays),
+        lower triangle incl. the diagonal, zero above it: M[i, c] = A[i, c] exp2(g2_i - (g2_c -
+        log2 beta_c)), one exponential and one product per element (g2 = gc log2(e); beta_c = 0
+        gives +inf in mcol_s and so 0; the exponent is <= log2 beta_c on and below the diagonal:
+        no overflow; beta >= 0 by the contract, (0, 1), since a negative one has no log2).
+        Computed for every element, then masked: a conditional product compiles to a branch per
+        element (above the diagonal the factor may be inf, and the select drops it)."""
+        for i, c in T.Parallel(C, C):
+            t_f[i, c] = t_f[i, c] * T.exp2(g2_s[j, i] - mcol_s[j, c])
+        for i, c in T.Parallel(C, C):
+            t_f[i, c] = T.if_then_else(i >= c, t_f[i, c], 0.0)
 
     @T.macro
     def _write_u0_wk(v, ubuf, wbuf, t0, h, cid, k_s, g2_s, mcol_s, eg_s, t_f):
@@ -170,7 +185,7 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
         # M, and -Mg = -M diag(exp(gc)) = -diag(exp(gc)) A diag(beta) (negated so the GEMM below
         # yields -Wk directly; exp(gc) <= 1: no overflow). U0 = M V, then -Wk = (-Mg) K, all 64
         # rows (rows >= n are finite, never weighted).
-        _gated_m(t_f, g2_s, mcol_s)
+        _gated_m(t_f, g2_s, mcol_s, 0)
         _store_split(t_f, m_s, ml_s, io_dtype)
         T.barrier_arrive(v_bar)
         T.barrier_wait(v_bar, 0)
@@ -180,7 +195,7 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
         # -Mg from M's stored parts (M = hi + lo to ~2^-16): holding it in registers
         # beside U0's accumulator would take prep past 128 registers (4 CTAs per SM).
         for i, j in T.Parallel(C, C):
-            t_f[i, j] = -(T.cast(m_s[i, j], acc) + T.cast(ml_s[i, j], acc)) * eg_s[j]
+            t_f[i, j] = -(T.cast(m_s[i, j], acc) + T.cast(ml_s[i, j], acc)) * eg_s[0, j]
         if qk_dtype == io_dtype:
             _store_split(t_f, m_s, ml_s, io_dtype)
             _split_times(m_s, ml_s, k_s, x_f)
@@ -193,6 +208,116 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
             _split_times(mk_s, mkl_s, k_s, x_f)
         T.copy(x_f, x_s)
         T.copy(x_s, wbuf[cid, h, :, :])
+
+    def _staging_tile():
+        """A [64, 64] fp16 tile in shared memory, swizzled: stmatrix from a fragment into a plain
+        row-major tile puts the 8 rows of each 8x8 matrix in the same banks (8-way conflicts;
+        ncu on v11: 31% of prep's shared-memory wavefronts, with L1 82% busy). Swizzled, a TMA
+        store from it goes through a tensor map in 64-column boxes."""
+        tile = T.alloc_shared((C, C), mm_dtype)
+        T.annotate_layout({tile: tilelang.layout.make_swizzled_layout(tile)})
+        return tile
+
+    def _for_each_head(macro, *args):
+        """macro(j, *args) for each of the CTA's heads j (unrolled as the kernel is traced)."""
+        for j in range(hpc):
+            macro(j, *args)
+
+    def _scratch(product_f, spare_f):
+        """Where a head's P is built from Q K^T: in the product's own registers with one head per
+        CTA, else in a spare fragment (the product serves the next head too)."""
+        return product_f if hpc == 1 else spare_f
+
+    @T.macro
+    def _p_tile(j, qk_f, spare_f, prow_s, g2_s, pbuf, cid, h0):
+        """Head h0 + j's P = scale * Lower(Gamma) o (Q K^T) from Q K^T in qk_f, to pbuf:
+        P[i, c] = (Q K^T)[i, c] exp2(g2_i + log2(scale) - g2_c) for i >= c (every element, then
+        masked: see _gated_m)."""
+        p_s = _staging_tile()
+        p_f = _scratch(qk_f, spare_f)
+        for i, c in T.Parallel(C, C):
+            p_f[i, c] = qk_f[i, c] * T.exp2(prow_s[j, i] - g2_s[j, c])
+        for i, c in T.Parallel(C, C):
+            p_f[i, c] = T.if_then_else(i >= c, p_f[i, c], 0.0)
+        T.copy(p_f, p_s)
+        T.copy(p_s, pbuf[cid, h0 + j, :, :])
+
+    @T.macro
+    def _solve(j, k_s, kk_f, n_f, t_f, b_s):
+        """Head j's A = (I + L)^-1 into t_f, L = StrictLower(diag(beta) K K^T). K K^T is computed
+        again for each of the CTA's heads: kept for the next head it would take ~30 more
+        registers per thread, and ptxas spilled 184 bytes at four CTAs per SM (tried). The
+        shared-memory tiles are allocated here, per head, so that one head's lifetimes end
+        before the next head's begin and the allocator can overlap them (tiles allocated once
+        for the CTA stay live from the first head's use to the last's: 75 KB at two heads)."""
+        ld_s = T.alloc_shared((4, 16, 16), acc)  # the diagonal 16x16 blocks of L
+        xd_s = T.alloc_shared((C, 16), acc)
+        dinv_s = _staging_tile()
+        loff_s = _staging_tile()
+        n_s = T.alloc_shared((C, C), mm_dtype)
+        n2_s = T.alloc_shared((C, C), mm_dtype)
+        y_s = _staging_tile()
+        T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
+        # L's diagonal 16x16 blocks in fp32 for the substitution, the blocks below them in fp16
+        # for the tensor-core products. L is built in a fragment and the off-diagonal part
+        # leaves by stmatrix into the swizzled loff_s (v16 wrote it element by element: ~400
+        # instructions per thread, the most expensive phase in v15's ncu). The diagonal blocks
+        # go to ld_s unmasked: the substitution reads only their strict lower triangle (m < r),
+        # and the mask below zeroes them in L_off (v24: one select per element less than
+        # masking i > c first).
+        for i, c in T.Parallel(C, C):
+            kk_f[i, c] = kk_f[i, c] * b_s[j, i]
+        for i, c in T.Parallel(C, C):
+            if i // 16 == c // 16:
+                ld_s[i // 16, i % 16, c % 16] = kk_f[i, c]
+        for i, c in T.Parallel(C, C):
+            kk_f[i, c] = T.if_then_else(i // 16 > c // 16, kk_f[i, c], 0.0)
+        T.copy(kk_f, loff_s)
+
+        # Diagonal 16x16 blocks of (I + L): forward substitution in registers, one thread
+        # per (block b, column c) holding column c of Dinv_b, rows r = 0..15:
+        #   Dinv_b[r, c] = [c == r] - sum_{m<r} L_b[r, m] Dinv_b[m, c]
+        # (L_b's row r is a broadcast read), written to xd_s[b*16 + r, c]. Threads 0-63 (warps
+        # 0-1) do it; warps 2-3 skip to the barrier after it (v24: until v22 they repeated
+        # the same ~250 instructions, 8% of the CTA's, for nothing). (v11 kept the column in
+        # shared memory: a barrier and a dependent load per row.)
+        tx = T.get_thread_binding()
+        blk = (tx % 64) // 16
+        col = tx % 16
+        dcol = T.alloc_local((16,), acc)
+        if tx < 64:
+            for r in T.unroll(16):
+                dcol[r] = T.if_then_else(col == r, 1.0, 0.0)
+                for m in T.unroll(r):
+                    dcol[r] = dcol[r] - ld_s[blk, r, m] * dcol[m]
+            for r in T.unroll(16):
+                xd_s[blk * 16 + r, col] = dcol[r]
+
+        for i, c in T.Parallel(C, C):
+            n_f[i, c] = T.if_then_else(i // 16 == c // 16, xd_s[i, c % 16], 0.0)
+        T.copy(n_f, dinv_s)
+        # N = Dinv L_off ; N2 = N N ; N3 = N N2 ; Y = I - N + N2 - N3 ; A = Y Dinv
+        T.gemm(dinv_s, loff_s, n_f, clear_accum=True)
+        T.copy(n_f, n_s)
+        T.gemm(n_s, n_s, t_f, clear_accum=True)
+        T.copy(t_f, n2_s)
+        for i, c in T.Parallel(C, C):
+            n_f[i, c] = t_f[i, c] - n_f[i, c]
+        T.gemm(n_s, n2_s, t_f, clear_accum=True)
+        for i, c in T.Parallel(C, C):
+            n_f[i, c] = T.if_then_else(i == c, 1.0, 0.0) + n_f[i, c] - t_f[i, c]
+        T.copy(n_f, y_s)
+        T.gemm(y_s, dinv_s, t_f, clear_accum=True)
+
+    @T.macro
+    def _m_tile(j, k_s, kk_f, n_f, t_f, b_s, g2_s, mcol_s, mbuf, cid, h0):
+        """Form "m": head h0 + j's M in fp16 (stage 2 meets it with fp16 operands; v10 stored
+        U0 = fp16(M) fp16(V) within the budget), to mbuf."""
+        mo_s = _staging_tile()
+        _solve(j, k_s, kk_f, n_f, t_f, b_s)
+        _gated_m(t_f, g2_s, mcol_s, j)
+        T.copy(t_f, mo_s)
+        T.copy(mo_s, mbuf[cid, h0 + j, :, :])
 
     @T.prim_func
     def gdn_prefill_prep(
@@ -214,48 +339,35 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
     ):
         # v-head fastest: the Hv / Hk v-heads that share a chunk's q/k tiles run back to back
         # (L2 hits), and consecutive CTAs write adjacent workspace rows.
-        with T.Kernel(Hv, nchunk, threads=128) as (h, cid):
+        with T.Kernel(Hv // hpc, nchunk, threads=128) as (hb, cid):
             # Four CTAs per SM for "uw" (<= 128 registers, <= 56 KB smem), five for "m" (<= 102
             # registers: ptxas spills 16 bytes; 33 KB): the phases of one CTA are latency-bound
-            # (loads, the 16-step substitution), so other CTAs fill the gaps.
-            T.annotate_min_blocks_per_sm(4 if uw_form else 5)
-            hk = h // group
+            # (loads, the 16-step substitution), so other CTAs fill the gaps. Several heads per
+            # CTA: 113-128 registers and 43-45 KB, four.
+            T.annotate_min_blocks_per_sm(5 if form == "m" and hpc == 1 else 4)
+            h0 = hb * hpc  # the CTA's first v-head; its heads h0 .. h0 + hpc - 1 share qk-head hk
+            hk = h0 // group
             # q, k, v stay in their dtypes: Q K^T and K K^T take them as they are (exact
             # products, fp32 sums), and M meets V and K as two GEMMs each, hi + lo (below).
             k_s = T.alloc_shared((C, DK), qk_dtype)
             q_s = T.alloc_shared((C, DK), qk_dtype)
-            p_s = T.alloc_shared((C, C), mm_dtype)
             # TMA tile loads (one elected thread issues them; every thread waits on the barrier):
             # a plain T.copy of these bounds-checked strided tiles lowers to per-element loads.
             qk_bar = T.alloc_barrier(128)
             p_f = T.alloc_fragment((C, C), acc)
-            g_s = T.alloc_shared((C,), acc)
-            b_s = T.alloc_shared((C,), acc)
-            eg_s = T.alloc_shared((C,), acc)
-            # The gate factors' exponents in base 2, so that each factor is one ex2 (no multiply
-            # by log2(e) per element): g2 = gc log2(e), P's row term g2 + log2(scale) and M's
-            # column term g2 - log2(beta).
-            g2_s = T.alloc_shared((C,), acc)
-            prow_s = T.alloc_shared((C,), acc)
-            mcol_s = T.alloc_shared((C,), acc)
-            ld_s = T.alloc_shared((4, 16, 16), acc)  # the diagonal 16x16 blocks of L
-            dinv_s = T.alloc_shared((C, C), mm_dtype)
-            loff_s = T.alloc_shared((C, C), mm_dtype)
-            n_s = T.alloc_shared((C, C), mm_dtype)
-            n2_s = T.alloc_shared((C, C), mm_dtype)
-            y_s = T.alloc_shared((C, C), mm_dtype)
-            xd_s = T.alloc_shared((C, 16), acc)
+            # Per head (row j: head h0 + j): g (then gc), beta, exp(gc), and the gate factors'
+            # exponents in base 2, so that each factor is one ex2 (no multiply by log2(e) per
+            # element): g2 = gc log2(e), P's row term g2 + log2(scale) and M's column term
+            # g2 - log2(beta).
+            g_s = T.alloc_shared((hpc, C), acc)
+            b_s = T.alloc_shared((hpc, C), acc)
+            eg_s = T.alloc_shared((hpc, C), acc)
+            g2_s = T.alloc_shared((hpc, C), acc)
+            prow_s = T.alloc_shared((hpc, C), acc)
+            mcol_s = T.alloc_shared((hpc, C), acc)
             kk_f = T.alloc_fragment((C, C), acc)
             t_f = T.alloc_fragment((C, C), acc)
             n_f = T.alloc_fragment((C, C), acc)
-            # The staging tiles of the TMA stores swizzled: stmatrix into a plain row-major
-            # tile puts the 8 rows of each 8x8 matrix in the same banks (8-way conflicts; ncu on
-            # v11: 31% of prep's shared-memory wavefronts, with L1 82% busy). Swizzled, the store
-            # goes through a tensor map in 64-column boxes.
-            T.annotate_layout({p_s: tilelang.layout.make_swizzled_layout(p_s),
-                               loff_s: tilelang.layout.make_swizzled_layout(loff_s),
-                               dinv_s: tilelang.layout.make_swizzled_layout(dinv_s),
-                               y_s: tilelang.layout.make_swizzled_layout(y_s)})
 
             # Which sequence owns chunk cid: largest s with chunk_offsets[s] <= cid.
             lo = T.alloc_var("int32")
@@ -279,9 +391,9 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
             T.tma_copy(k[t0:t0 + C, hk, 0:DK], k_s, barrier=qk_bar)
             T.tma_copy(q[t0:t0 + C, hk, 0:DK], q_s, barrier=qk_bar)
             T.barrier_arrive(qk_bar)
-            for i in T.Parallel(C):
-                g_s[i] = T.if_then_else(i < n, g[t0 + i, h], 0.0)
-                b_s[i] = T.if_then_else(i < n, beta[t0 + i, h], 0.0)
+            for j, i in T.Parallel(hpc, C):
+                g_s[j, i] = T.if_then_else(i < n, g[t0 + i, h0 + j], 0.0)
+                b_s[j, i] = T.if_then_else(i < n, beta[t0 + i, h0 + j], 0.0)
             T.barrier_wait(qk_bar, 0)
             if copy_qk:
                 # Stage 2 reads fp16 q/k: one converted copy per qk-head, written by its first
@@ -289,94 +401,32 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
                 # sequence's CTA writes with the same values; tokens past the last sequence get
                 # finite values, never NaN, since stage 2 loads them beside real rows), in
                 # 16-byte stores straight from shared memory.
-                if h % group == 0:
+                if h0 % group == 0:
                     for i, d in T.Parallel(C, DK):
                         if t0 + i < ntok:
                             qh[t0 + i, hk, d] = T.cast(q_s[i, d], mm_dtype)
                             kh[t0 + i, hk, d] = T.cast(k_s[i, d], mm_dtype)
             # Rows >= n have g = 0, so they repeat gc[n-1]: gc[63] is the chunk's total.
-            T.cumsum(src=g_s, dim=0)
-            for i in T.Parallel(C):
-                g2 = g_s[i] * _LOG2E
-                g2_s[i] = g2
-                prow_s[i] = g2 + T.log2(scale)
-                mcol_s[i] = g2 - T.log2(b_s[i])  # +inf for beta = 0 (rows >= n among them)
-                eg_s[i] = T.exp2(g2)
-                fbuf[cid, h, 0, i] = eg_s[i]
-                fbuf[cid, h, 1, i] = T.if_then_else(i < n, T.exp2(g_s[C - 1] * _LOG2E - g2), 0.0)
+            T.cumsum(src=g_s, dim=1)
+            for j, i in T.Parallel(hpc, C):
+                g2 = g_s[j, i] * _LOG2E
+                g2_s[j, i] = g2
+                prow_s[j, i] = g2 + T.log2(scale)
+                mcol_s[j, i] = g2 - T.log2(b_s[j, i])  # +inf for beta = 0 (rows >= n among them)
+                eg_s[j, i] = T.exp2(g2)
+                fbuf[cid, h0 + j, 0, i] = eg_s[j, i]
+                fbuf[cid, h0 + j, 1, i] = T.if_then_else(i < n, T.exp2(g_s[j, C - 1] * _LOG2E - g2), 0.0)
 
             # P = scale * Lower(Gamma) o Q K^T (state-free, so off stage 2's sequential chain):
-            # P[i, j] = (Q K^T)[i, j] exp2(g2_i + log2(scale) - g2_j) for i >= j.
+            # Q K^T once, then each head's gates.
             T.gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)
-            # (every element, then masked: see _gated_m)
-            for i, j in T.Parallel(C, C):
-                p_f[i, j] = p_f[i, j] * T.exp2(prow_s[i] - g2_s[j])
-            for i, j in T.Parallel(C, C):
-                p_f[i, j] = T.if_then_else(i >= j, p_f[i, j], 0.0)
-            T.copy(p_f, p_s)
-            T.copy(p_s, pbuf[cid, h, :, :])
+            _for_each_head(_p_tile, p_f, t_f, prow_s, g2_s, pbuf, cid, h0)
 
-            # L = StrictLower(diag(beta) K K^T): its diagonal 16x16 blocks in fp32 for the
-            # substitution, the blocks below them in fp16 for the tensor-core products.
-            # L is built in the fragment and the off-diagonal part leaves by stmatrix into the
-            # swizzled loff_s (v16 wrote it element by element: ~400 instructions per thread,
-            # the most expensive phase in v15's ncu).
-            # The diagonal blocks go to ld_s unmasked: the substitution reads only their strict
-            # lower triangle (m < r), and the mask below zeroes them in L_off (v24: one select per
-            # element less than masking i > j first).
-            T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
-            for i, j in T.Parallel(C, C):
-                kk_f[i, j] = kk_f[i, j] * b_s[i]
-            for i, j in T.Parallel(C, C):
-                if i // 16 == j // 16:
-                    ld_s[i // 16, i % 16, j % 16] = kk_f[i, j]
-            for i, j in T.Parallel(C, C):
-                kk_f[i, j] = T.if_then_else(i // 16 > j // 16, kk_f[i, j], 0.0)
-            T.copy(kk_f, loff_s)
-
-            # Diagonal 16x16 blocks of (I + L): forward substitution in registers, one thread
-            # per (block b, column c) holding column c of Dinv_b, rows r = 0..15:
-            #   Dinv_b[r, c] = [c == r] - sum_{m<r} L_b[r, m] Dinv_b[m, c]
-            # (L_b's row r is a broadcast read), written to xd_s[b*16 + r, c]. Threads 0-63 (warps
-            # 0-1) do it; warps 2-3 skip to the barrier after it (v24: until v22 they repeated
-            # the same ~250 instructions, 8% of the CTA's, for nothing). (v11 kept the column in
-            # shared memory: a barrier and a dependent load per row.)
-            tx = T.get_thread_binding()
-            blk = (tx % 64) // 16
-            col = tx % 16
-            dcol = T.alloc_local((16,), acc)
-            if tx < 64:
-                for r in T.unroll(16):
-                    dcol[r] = T.if_then_else(col == r, 1.0, 0.0)
-                    for m in T.unroll(r):
-                        dcol[r] = dcol[r] - ld_s[blk, r, m] * dcol[m]
-                for r in T.unroll(16):
-                    xd_s[blk * 16 + r, col] = dcol[r]
-
-            for i, j in T.Parallel(C, C):
-                n_f[i, j] = T.if_then_else(i // 16 == j // 16, xd_s[i, j % 16], 0.0)
-            T.copy(n_f, dinv_s)
-            # N = Dinv L_off ; N2 = N N ; N3 = N N2 ; Y = I - N + N2 - N3 ; A = Y Dinv
-            T.gemm(dinv_s, loff_s, n_f, clear_accum=True)
-            T.copy(n_f, n_s)
-            T.gemm(n_s, n_s, t_f, clear_accum=True)
-            T.copy(t_f, n2_s)
-            for i, j in T.Parallel(C, C):
-                n_f[i, j] = t_f[i, j] - n_f[i, j]
-            T.gemm(n_s, n2_s, t_f, clear_accum=True)
-            for i, j in T.Parallel(C, C):
-                n_f[i, j] = T.if_then_else(i == j, 1.0, 0.0) + n_f[i, j] - t_f[i, j]
-            T.copy(n_f, y_s)
-            T.gemm(y_s, dinv_s, t_f, clear_accum=True)
+            # Each head's L = StrictLower(diag(beta) K K^T), inverse and M.
             if uw_form:
-                _write_u0_wk(v, ubuf, wbuf, t0, h, cid, k_s, g2_s, mcol_s, eg_s, t_f)
+                _solve(0, k_s, kk_f, n_f, t_f, b_s)
+                _write_u0_wk(v, ubuf, wbuf, t0, h0, cid, k_s, g2_s, mcol_s, eg_s, t_f)
             else:
-                # M in fp16 (stage 2 meets it with fp16 operands; v10 stored U0 = fp16(M) fp16(V)
-                # within the budget).
-                mo_s = T.alloc_shared((C, C), mm_dtype)
-                T.annotate_layout({mo_s: tilelang.layout.make_swizzled_layout(mo_s)})
-                _gated_m(t_f, g2_s, mcol_s)
-                T.copy(t_f, mo_s)
-                T.copy(mo_s, mbuf[cid, h, :, :])
+                _for_each_head(_m_tile, k_s, kk_f, n_f, t_f, b_s, g2_s, mcol_s, mbuf, cid, h0)
 
     return gdn_prefill_prep
