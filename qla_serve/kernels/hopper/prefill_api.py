@@ -184,10 +184,10 @@ def prep_heads_per_cta(num_v_heads: int, num_k_heads: int, num_chunks: int, form
     choice of least expected time, waves x a CTA's relative time. Waves are whole below three
     (a second, nearly empty wave costs a whole CTA time: 2/8 mixed8192 at two heads, 1.09 waves,
     was 9% slower), fractional above. Ties go to more heads."""
-    group = num_v_heads // num_k_heads
-    choices = [n for n in PREP_HEADS_CHOICES if group % n == 0]
     if form != "m":
         return 1
+    group = num_v_heads // num_k_heads
+    choices = [n for n in PREP_HEADS_CHOICES if group % n == 0]
     if PREP_HEADS:
         return max(n for n in choices if n <= PREP_HEADS)
 
@@ -516,7 +516,7 @@ class _Launches:
         nchunks, self.stage1 = _plan_scratch(plan, hv, form, dev)
         # Stage 2's tensor-core operands are fp16: bf16 q/k are converted once, by stage 1.
         self.half_qk = _half_qk(plan, max(self.ntok, 1), hk, dev) if qk == "bfloat16" else None
-        hpc = prep_heads_per_cta(hv, hk, nchunks, form, _sm_count(dev) if dev.type == "cuda" else 132)
+        hpc = prep_heads_per_cta(hv, hk, nchunks, form, plan.sm_count)  # the planner's (the GPU's) SMs
         kp = _kernel(prep_variant(hv, hk, io, form, qk, hpc), (hv, hk, io, form, qk, hpc, target))
         self.prep = kp if nchunks > 0 and "prep" in stages else None  # stages: benchmarks time them apart
         self.output = None
