@@ -17,10 +17,6 @@ from qla_serve.kernels import reference
 TOL = {torch.float32: 2e-3, torch.bfloat16: 1e-2}
 
 
-def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((x.double() - ref).norm() / ref.norm().clamp_min(1e-30))
-
-
 def _random_inputs(T, Hk, Hv, dtype, device, gen):
     def rnd(*shape):
         return torch.randn(*shape, generator=gen, dtype=torch.float64).to(device)
@@ -56,7 +52,8 @@ def run_demo(device=None, heads=(2, 8), seqlens=(300, 1, 0, 129), decode_steps=4
     t_prefill = time.perf_counter() - t0
     o_ref, s_ref = reference.recurrent_gdn(q.double(), k.double(), v.double(), g.double(),
                                            beta.double(), plan.cu_seqlens_cpu, start)
-    errs = {"prefill o": _rel(o, o_ref), "prefill state": _rel(pool[slot_ids.long()], s_ref)}
+    errs = {"prefill o": reference.rel_l2(o, o_ref),
+            "prefill state": reference.rel_l2(pool[slot_ids.long()], s_ref)}
 
     state = s_ref
     for step in range(decode_steps):
@@ -64,8 +61,8 @@ def run_demo(device=None, heads=(2, 8), seqlens=(300, 1, 0, 129), decode_steps=4
         od = qla_serve.gdn_decode(qd, kd, vd, pool, slot_ids.to(device), g=gd, beta=bd)
         od_ref, state = reference.recurrent_gdn(qd.double(), kd.double(), vd.double(), gd.double(),
                                                 bd.double(), list(range(N + 1)), state)
-        errs[f"decode {step} o"] = _rel(od, od_ref)
-    errs["decode state"] = _rel(pool[slot_ids.long()], state)
+        errs[f"decode {step} o"] = reference.rel_l2(od, od_ref)
+    errs["decode state"] = reference.rel_l2(pool[slot_ids.long()], state)
 
     print(f"qla_serve demo on {device}: {N} sequences {list(seqlens)}, heads {Hk}/{Hv}, "
           f"q/k/v {str(io_dtype).replace('torch.', '')}, fp32 pool")

@@ -11,7 +11,8 @@ the real comparison runs on the H200 (benchmarks/prefill.md, sixteenth session).
 import pytest
 import torch
 
-from qla_serve.bench.prefill import _check_against, rel_l2
+from qla_serve.bench.prefill import _check_against
+from qla_serve.kernels.reference import rel_l2
 
 
 def _stand_in(h0, x):

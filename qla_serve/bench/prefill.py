@@ -379,17 +379,13 @@ def _fla_fn(lens, data, which):
     return fn, res
 
 
-def rel_l2(x, ref) -> float:
-    """||x - ref|| / ||ref|| in fp32 (the figure every qla_serve check reports)."""
-    x, ref = x.float(), ref.float()
-    return float((x - ref).norm() / ref.norm())
-
-
 def _check_against(base, base_fn, res, qla_runs, h0) -> dict:
     """--check: each qla_serve form's o and final state against baseline ``base``, every one run
     once more from the row's initial states h0 (the timed calls leave qla_serve's pool at a later
     state, and the baselines start every call from h0). The baseline's state is K-first, the
     pool V-first. Keys "<qla impl>_vs_<base>_o_rel" and "..._state_rel"."""
+    from qla_serve.kernels.reference import rel_l2
+
     base_fn()
     o_ref, s_ref = res["o"][0], res["ht"].transpose(-1, -2)
     rec = {}

@@ -32,6 +32,13 @@ import torch.nn.functional as F
 CHUNK = 64
 
 
+def rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """||x - ref|| / ||ref|| in float64: the relative L2 error every qla_serve check reports
+    (the demo against this module's recurrence, `bench prefill --check` against the baselines)."""
+    ref = ref.double()
+    return float((x.double() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
