@@ -116,11 +116,9 @@ MAIN_IMPL = _main_impl_from_env()
 # divides Hv / Hk (else the largest that does). Read once at import from QLA_SERVE_PREP_HEADS;
 # the GPU tests and benchmarks set it instead.
 PREP_HEADS_CHOICES = (1, 2, 4)
-# The rule's figures, measured on the H200 (benchmarks/prefill.md "v27"): CTAs per SM (five with
-# one head: 96 registers, 34 KB; four with two or four: 113 / 128 registers, 43 / 45 KB) and a
-# CTA's time relative to a one-head CTA's (2/8 and 16/64 at 4096 and 32768 chunk-heads: 1.53-1.57
-# for two heads, 3.0-3.2 for four).
-_PREP_CTAS_PER_SM = {1: 5, 2: 4, 4: 4}
+# The rule's figure, measured on the H200 (benchmarks/prefill.md "v27"): a CTA's time relative to
+# a one-head CTA's (2/8 and 16/64 at 4096 and 32768 chunk-heads: 1.53-1.57 for two heads,
+# 3.0-3.2 for four), each at the CTAs per SM of prefill_prep.ctas_per_sm.
 _PREP_CTA_COST = {1: 1.0, 2: 1.55, 4: 3.05}
 
 
@@ -192,7 +190,7 @@ def prep_heads_per_cta(num_v_heads: int, num_k_heads: int, num_chunks: int, form
         return max(n for n in choices if n <= PREP_HEADS)
 
     def cost(n):
-        waves = num_chunks * num_v_heads / n / (_PREP_CTAS_PER_SM[n] * sm_count)
+        waves = num_chunks * num_v_heads / n / (prefill_prep.ctas_per_sm(form, n) * sm_count)
         return _PREP_CTA_COST[n] * (waves if waves >= 3 else math.ceil(waves))
 
     return min(reversed(choices), key=cost)

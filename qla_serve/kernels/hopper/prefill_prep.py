@@ -85,6 +85,13 @@ _LOG2E = 1.4426950408889634
 FORMS = ("uw", "m")
 
 
+def ctas_per_sm(form: str, heads_per_cta: int = 1) -> int:
+    """The CTAs per SM prep's launch bounds claim: five for form "m" with one head per CTA
+    (<= 102 registers, 34 KB), else four (form "uw": <= 128 registers, 49 KB; several heads:
+    113-128 registers, 43-45 KB). prefill_api's choice of heads per CTA counts its waves by it."""
+    return 5 if form == "m" and heads_per_cta == 1 else 4
+
+
 def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw",
               qk_dtype: str | None = None, heads_per_cta: int = 1):
     """Build the stage-1 PrimFunc for (Hv, Hk, io dtype, form, q/k dtype); T (tokens), N
@@ -344,7 +351,7 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
             # registers: ptxas spills 16 bytes; 33 KB): the phases of one CTA are latency-bound
             # (loads, the 16-step substitution), so other CTAs fill the gaps. Several heads per
             # CTA: 113-128 registers and 43-45 KB, four.
-            T.annotate_min_blocks_per_sm(5 if form == "m" and hpc == 1 else 4)
+            T.annotate_min_blocks_per_sm(ctas_per_sm(form, hpc))
             h0 = hb * hpc  # the CTA's first v-head; its heads h0 .. h0 + hpc - 1 share qk-head hk
             hk = h0 // group
             # q, k, v stay in their dtypes: Q K^T and K K^T take them as they are (exact
