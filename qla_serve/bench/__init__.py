@@ -1,4 +1,5 @@
-"""Benchmarks (`qla-serve bench prefill|decode`): qla_serve beside FLA and FlashQLA, same inputs.
+"""Benchmarks (`qla-serve bench prefill|decode|layer`): qla_serve beside FLA, FlashQLA and FlashInfer,
+same inputs (`layer`: one whole GDN layer per engine step, conv and caches included).
 
 Each benchmark module exposes ``add_arguments(parser)`` and ``run(args) -> int``.
 Speed is measured here, never in tests.
@@ -8,7 +9,8 @@ from __future__ import annotations
 
 import importlib
 
-BENCHES = {"prefill": "qla_serve.bench.prefill", "decode": "qla_serve.bench.decode"}
+BENCHES = {"prefill": "qla_serve.bench.prefill", "decode": "qla_serve.bench.decode",
+           "layer": "qla_serve.bench.layer"}
 
 
 def add_cli_commands(subparsers) -> None:

@@ -1,0 +1,936 @@
+"""`qla-serve bench layer`: ONE GDN layer per engine step, as the engines run it.
+
+One call is an engine GDN layer's core for one step (the work behind vLLM's
+``qwen_gdn_attention_core``): causal conv1d (width 4, SiLU, bias) of ``mixed_qkv`` with the per-slot
+conv cache, gating from the raw ``a``/``b``, q/k L2 norm, the GDN recurrence on the paged SSM cache,
+outputs into ``out``; decodes first, then prefills in the token layout. Caches are vLLM-shaped
+(``--pool paged``, the default): one page per slot holding the conv state ([S, dim, W-1], a
+transposed strided view, bf16) and the SSM state ([S, Hv, 128, 128], fp32 or bf16, page stride >
+one slot); slot 0 is vLLM's null block and never used; the pool holds more slots than the batch and
+each sequence gets a random slot. Inputs are fresh random bf16 ``mixed_qkv``/``a``/``b`` (never
+zeros), fp32 ``A_log`` ~ U(-1, 0.5) and ``dt_bias`` = softplus^-1(U(0.001, 0.1)), so g =
+-exp(A_log) softplus(a + dt_bias) is negative and small, with a quarter of the heads at A_log = -12
+(g ~ 0); random initial conv and SSM states; prefills alternate resumed (has_initial_state) and new.
+
+Implementations, same inputs and caches:
+
+* ``qla``: qla_serve's adapter core. :func:`qla_serve.backends.gdn_layer.make_step_plan` once per
+  step (host code; its median host time is the "plan host us" column), then
+  :func:`~qla_serve.backends.gdn_layer.gdn_layer_forward`.
+* ``fla``: the same layer composed from flash-linear-attention 0.6's Triton ops (``FLA_FLASH_QLA=0``
+  is set, so FLA runs its own kernels, not FlashQLA's): ``fla.modules.convolution.causal_conv1d``
+  (varlen prefill, the conv cache as initial state, the final state written back) and
+  ``causal_conv1d_update`` (decode); gating in torch (g = -exp(A_log) softplus(a + dt_bias), beta =
+  sigmoid(b)) and ``chunk_gated_delta_rule`` for prefill (cu_seqlens, ``use_qk_l2norm_in_kernel``,
+  V-first states gathered from the pool, final states scattered back);
+  ``fused_recurrent_gated_delta_rule`` for decode (FLA 0.6's fused form: gating, beta sigmoid and
+  l2norm in the kernel, V-first state gathered and scattered). FLA has no slot indirection and keeps
+  W conv inputs per sequence where vLLM keeps W-1, so the gathers, scatters and column shifts are part
+  of the call, as in any engine composing these ops. Its per-step host work (cu_seqlens and FLA's
+  chunk indices, uploaded) is its "plan host us".
+* ``flashinfer`` (only when ``flashinfer.gdn_prefill`` imports; else "not installed"): FLA's conv as
+  above, FlashInfer 0.7's GDN ops on the pool in place: ``gdn_prefill.chunk_gated_delta_rule(q, k, v,
+  g=exp(g), beta, initial_state=pool, output_state=pool, state_indices=ids, cu_seqlens, l2norm in
+  kernel)`` after zeroing the slots of new prefills (FlashInfer has no has_initial_state), and
+  ``gdn_decode.gated_delta_rule_decode_pretranspose(q, k, v, None, A_log, a, dt_bias, b,
+  initial_state=pool, initial_state_indices=ids)``.
+
+Timing (GPU, the same helpers as ``bench prefill`` / ``bench decode``):
+
+* decode-only rows: CUDA-graph replay. One graph holds one layer call per disjoint slot set of the
+  pool (enough sets that the states come from HBM, not L2; each set has its own step plan), replayed
+  ``--reps`` times; the median per call (``bench.decode._graph_time_us``). An impl whose call cannot
+  be captured gets "n/a" with the reason (and, for information, the profiler's kernel sum over eager
+  calls in the JSON as ``profiler_us``).
+* rows with prefills: ``bench.prefill._gpu_time_ms``: CUDA-graph replay of ``--graph-calls`` calls
+  (median of ``--reps`` replays), or where capture fails the profiler's kernel sum over eager calls
+  ("profiler" in the timing column).
+* host: ``host wall us`` = perf_counter around one eager call with a sync after it (nothing
+  subtracted), ``host issue us`` = the same call's CPU time to issue it, without the sync; medians of
+  ``--host-reps`` calls, each started on an idle GPU.
+
+``--check`` (before timing): every impl runs once from the same initial caches (restored byte for
+byte); outputs, final SSM states and conv states are compared with qla's in float64: the max over the
+batch's sequences of ||x - x_qla|| / ||x_qla||.
+
+CPU testing (tests/test_bench_layer.py): the composed layers take their ops as a
+:class:`ComposedOps`, so the test runs them on CPU tensors with torch stand-ins for FLA's and
+FlashInfer's kernels (written from those libraries' documented contracts) and checks them against
+qla_serve's CPU path through ``gdn_layer_forward``. The real Triton/CUDA ops run only on the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import itertools
+import json
+import math
+import os
+import statistics
+import subprocess
+import time
+from typing import Callable
+
+HD = 128
+CONV_WIDTH = 4
+NULL_SLOT = 0
+CHUNK = 64                      # FLA's chunk size (its conv and GDN chunk indices)
+IMPLS = ("qla", "fla", "flashinfer")
+STATE_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+PREFILL_HEADS = [(2, 8), (4, 16), (16, 64)]
+PREFILL_ROWS = ["1x32768", "1x8192", "16x512", "4x8192", "mixed"]
+DECODE_ROWS = {(2, 8): ["d1", "d32", "d256"], (16, 32): ["d64", "d256"]}
+NAMED_ROWS = {"mixed": (2048, 1024, 4096, 512, 512)}   # a chunked-prefill step of mixed lengths
+MAX_SLOT_SETS = 256             # decode graphs: at most this many calls (disjoint slot sets)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows and arguments
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One engine step: ``decodes`` one-token sequences first, then prefills of ``prefill_lens``."""
+
+    name: str
+    decodes: int
+    prefill_lens: tuple[int, ...]
+
+    @property
+    def tokens(self) -> int:
+        return self.decodes + sum(self.prefill_lens)
+
+    @property
+    def seqs(self) -> int:
+        return self.decodes + len(self.prefill_lens)
+
+    @property
+    def decode_only(self) -> bool:
+        return not self.prefill_lens
+
+
+def parse_row(text: str) -> Row:
+    """A row from its text: items joined by '+', each ``dB`` (B decodes, at most one such item),
+    ``NxL`` (N prefills of L tokens) or ``L`` (one prefill); or a name in NAMED_ROWS.
+    E.g. ``1x32768``, ``mixed``, ``2048+1024+512``, ``d32``, ``d32+4x512``."""
+    text = text.strip()
+    if text in NAMED_ROWS:
+        return Row(text, 0, NAMED_ROWS[text])
+    decodes, lens = None, []
+    for item in text.split("+"):
+        try:
+            if item.startswith("d"):
+                if decodes is not None:
+                    raise ValueError("more than one decode item")
+                decodes = _positive(item[1:])
+            elif "x" in item:
+                n, length = item.split("x")
+                lens += [_positive(length)] * _positive(n)
+            else:
+                lens.append(_positive(item))
+        except ValueError as exc:
+            raise ValueError(f"row {text!r}: bad item {item!r} ({exc}); expected dB, NxL or L "
+                             f"joined by '+', or one of {sorted(NAMED_ROWS)}") from None
+    return Row(text, decodes or 0, tuple(lens))
+
+
+def _positive(s: str) -> int:
+    """int(s), which must be > 0 (ValueError otherwise)."""
+    n = int(s)
+    if n <= 0:
+        raise ValueError(f"{n} is not positive")
+    return n
+
+
+def parse_heads(text: str) -> list[tuple[int, int]]:
+    """``Hk/Hv`` pairs, comma-separated (TP-local heads; Hv a multiple of Hk)."""
+    pairs = []
+    for item in text.split(","):
+        try:
+            hk, hv = (_positive(x) for x in item.split("/"))
+        except ValueError:
+            raise ValueError(f"heads: expected Hk/Hv pairs like 2/8,16/64, got {item!r}") from None
+        if hv % hk:
+            raise ValueError(f"heads {item}: Hv ({hv}) must be a multiple of Hk ({hk})")
+        pairs.append((hk, hv))
+    return pairs
+
+
+def _list_of(choices, what):
+    """An argparse type: a comma-separated subset of ``choices``."""
+    def parse(text):
+        items = [x for x in text.split(",") if x]
+        bad = [x for x in items if x not in choices]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"{what}: expected a comma-separated subset of "
+                                             f"{','.join(choices)}, got {text!r}")
+        return items
+    return parse
+
+
+def _argtype(fn):
+    """An argparse type from a parser raising ValueError (its message becomes argparse's)."""
+    def parse(text):
+        try:
+            return fn(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    parse.__name__ = fn.__name__
+    return parse
+
+
+def _rows_arg(text: str) -> list[Row]:
+    """Rows separated by ',' (``mixed``'s lengths are joined by '+' inside a row)."""
+    rows = [parse_row(r) for r in text.split(",") if r.strip()]
+    if not rows:
+        raise ValueError("rows: expected at least one row")
+    return rows
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The bench's options; every value is validated by its argparse type (usage error, exit 2)."""
+    dflt = ", ".join(f"{hk}/{hv}: {' '.join(r)}" for (hk, hv), r in DECODE_ROWS.items())
+    p.add_argument("--heads", type=_argtype(parse_heads), default=None,
+                   help="Hk/Hv pairs, e.g. 2/8,16/64 (default: prefill rows at "
+                        f"{','.join(f'{a}/{b}' for a, b in PREFILL_HEADS)}, decode rows at "
+                        f"{','.join(f'{a}/{b}' for a, b in DECODE_ROWS)})")
+    p.add_argument("--rows", type=_argtype(_rows_arg), default=None,
+                   help="rows, comma-separated: NxL, L+L+..., dB (B decodes), combined with '+' "
+                        f"(d32+4x512), or 'mixed' = {'+'.join(map(str, NAMED_ROWS['mixed']))}. Default: "
+                        f"{','.join(PREFILL_ROWS)} at the prefill heads; decode {dflt}")
+    p.add_argument("--impls", type=_list_of(IMPLS, "impls"), default=list(IMPLS),
+                   help="subset of qla,fla,flashinfer (default: all; an impl whose library is "
+                        "missing reports 'not installed')")
+    p.add_argument("--states", type=_list_of(tuple(STATE_DTYPES), "states"), default=["fp32", "bf16"],
+                   help="SSM state dtypes of decode-only rows (default fp32,bf16)")
+    p.add_argument("--prefill-states", type=_list_of(tuple(STATE_DTYPES), "prefill-states"),
+                   default=["fp32"], help="SSM state dtypes of rows with prefills (default fp32)")
+    p.add_argument("--pool", choices=("paged", "compact"), default="paged",
+                   help="cache layout: paged (vLLM: conv and SSM state in one page per slot, page "
+                        "stride > slot) or compact (separate contiguous tensors)")
+    p.add_argument("--cp", choices=("auto", "exact", "off"), default="auto",
+                   help="qla_serve's planner cp mode (make_step_plan's cp)")
+    p.add_argument("--reps", type=_argtype(_positive), default=20, help="graph replays (median taken)")
+    p.add_argument("--graph-calls", type=_argtype(_positive), default=5,
+                   help="layer calls per graph on rows with prefills")
+    p.add_argument("--host-reps", type=_argtype(_positive), default=20, help="eager calls for host time")
+    p.add_argument("--plan-reps", type=_argtype(_positive), default=50, help="step plans for plan host time")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--check", action="store_true",
+                   help="before timing, run every impl once from the same caches and report the max "
+                        "relative L2 difference (float64) of outputs, SSM and conv states from qla's")
+    p.add_argument("--json", metavar="PATH", default=None, help="write every figure as JSON")
+    p.add_argument("--plot", metavar="PATH", default=None, help="write a PNG of GPU us per row (matplotlib)")
+
+
+def schedule(heads, rows, states, prefill_states) -> list[tuple[int, int, Row, str]]:
+    """(Hk, Hv, row, state dtype) points to time. ``heads``/``rows`` None: the defaults (prefill
+    rows at PREFILL_HEADS, DECODE_ROWS at their heads; given heads alone take their default rows,
+    given rows alone run at every default head pair). Decode-only rows run once per ``states``,
+    rows with prefills once per ``prefill_states``."""
+    if heads is None:
+        heads = PREFILL_HEADS + [h for h in DECODE_ROWS if h not in PREFILL_HEADS]
+    out = []
+    for hk, hv in heads:
+        if rows is not None:
+            hrows = rows
+        else:
+            names = (PREFILL_ROWS if (hk, hv) in PREFILL_HEADS else []) + DECODE_ROWS.get((hk, hv), [])
+            hrows = [parse_row(n) for n in (names or PREFILL_ROWS + ["d1", "d32", "d256"])]
+        for row in hrows:
+            for st in (states if row.decode_only else prefill_states):
+                out.append((hk, hv, row, st))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs and caches
+# ---------------------------------------------------------------------------------------------
+
+def slot_sets_for(row: Row, hv: int, state_dtype, l2_bytes: int) -> int:
+    """How many disjoint slot sets a row's timing cycles through: decode-only rows enough that their
+    SSM states (read and written once per call) exceed ``l2_bytes`` between reuses (at most
+    MAX_SLOT_SETS); rows with prefills one (their activations dwarf the states)."""
+    if not row.decode_only:
+        return 1
+    set_bytes = row.seqs * hv * HD * HD * state_dtype.itemsize
+    return max(2, min(MAX_SLOT_SETS, math.ceil(l2_bytes / set_bytes)))
+
+
+def make_caches(num_slots, dim, hv, state_dtype, conv_dtype, device, layout="paged"):
+    """(conv_state [S, dim, W-1], ssm_state [S, Hv, 128, 128], backing buffers). ``paged``: vLLM's
+    layout, one uint8 page per slot holding the conv state (stored [W-1, dim], seen transposed) and,
+    256-byte aligned after it, the SSM state; the page stride exceeds both. ``compact``: a
+    transposed contiguous conv tensor and a contiguous SSM tensor."""
+    import torch
+
+    h = CONV_WIDTH - 1
+    if layout == "compact":
+        conv_raw = torch.zeros(num_slots, h, dim, dtype=conv_dtype, device=device)
+        ssm = torch.zeros(num_slots, hv, HD, HD, dtype=state_dtype, device=device)
+        return conv_raw.transpose(1, 2), ssm, [conv_raw, ssm]
+    conv_bytes = dim * h * conv_dtype.itemsize
+    ssm_bytes = hv * HD * HD * state_dtype.itemsize
+    off = -(-conv_bytes // 256) * 256
+    raw = torch.zeros(num_slots, off + ssm_bytes + 256, dtype=torch.uint8, device=device)
+    conv = raw[:, :conv_bytes].view(conv_dtype).view(num_slots, h, dim).transpose(1, 2)
+    ssm = raw[:, off:off + ssm_bytes].view(state_dtype).view(num_slots, hv, HD, HD)
+    return conv, ssm, [raw]
+
+
+class LayerCase:
+    """One row's inputs, weights and caches on ``device``, with ``nsets`` disjoint random slot sets.
+
+    Attributes: hk, hv, row, dim, mixed_qkv [T, dim], a, b [T, Hv] (io_dtype), conv_weight [dim, W],
+    conv_bias [dim] (io_dtype), A_log, dt_bias [Hv] fp32, conv_state, ssm_state (see make_caches),
+    out [T, Hv, 128], has_initial_state (host list, one per prefill), slot_sets (host lists of slot
+    ids: decodes first, then prefills).
+    """
+
+    def __init__(self, hk, hv, row: Row, state_dtype, device, *, nsets=1, seed=0, io_dtype=None,
+                 layout="paged"):
+        import torch
+
+        self.hk, self.hv, self.row, self.device = hk, hv, row, torch.device(device)
+        io = io_dtype or torch.bfloat16
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        self.dim = (2 * hk + hv) * HD
+        T, N = row.tokens, row.seqs
+
+        def rnd(*shape, scale=1.0):
+            return torch.randn(*shape, generator=gen, device=self.device) * scale
+
+        def uni(n, lo, hi):
+            return torch.rand(n, generator=gen, device=self.device) * (hi - lo) + lo
+
+        self.mixed_qkv, self.a, self.b = rnd(T, self.dim).to(io), rnd(T, hv).to(io), rnd(T, hv).to(io)
+        self.conv_weight = rnd(self.dim, CONV_WIDTH, scale=0.5).to(io)
+        self.conv_bias = rnd(self.dim, scale=0.1).to(io)
+        self.A_log = uni(hv, -1.0, 0.5)
+        self.A_log[: max(1, hv // 4)] = -12.0                     # g ~ 0: heads that barely decay
+        self.dt_bias = torch.log(torch.expm1(uni(hv, 0.001, 0.1)))
+        num_slots = 1 + nsets * N + max(2, N // 4)                # null slot 0, spare slots
+        self.conv_state, self.ssm_state, self.buffers = make_caches(
+            num_slots, self.dim, hv, state_dtype, io, self.device, layout)
+        self.conv_state.copy_(rnd(*self.conv_state.shape).to(io))
+        self.ssm_state.copy_(rnd(*self.ssm_state.shape, scale=0.1).to(state_dtype))
+        self.out = torch.zeros(T, hv, HD, dtype=io, device=self.device)
+        perm = (torch.randperm(num_slots - 1, generator=gen, device=self.device) + 1).tolist()
+        self.slot_sets = [perm[i * N:(i + 1) * N] for i in range(nsets)]
+        self.has_initial_state = [i % 2 == 0 for i in range(len(row.prefill_lens))]
+
+    def slots(self, i: int):
+        """(decode slots, prefill slots) of set i as device int32 tensors (None where empty)."""
+        import torch
+
+        ids, D = self.slot_sets[i], self.row.decodes
+        up = lambda xs: torch.tensor(xs, dtype=torch.int32).to(self.device) if xs else None  # noqa: E731
+        return up(ids[:D]), up(ids[D:])
+
+    def snapshot(self):
+        """Copies of the caches' backing buffers (every byte, padding included)."""
+        return [b.clone() for b in self.buffers]
+
+    def restore(self, snap) -> None:
+        """Put a :meth:`snapshot` back, in place (the cache views stay valid)."""
+        for b, s in zip(self.buffers, snap):
+            b.copy_(s)
+
+    def layer_kwargs(self) -> dict:
+        """The keyword arguments every impl's layer function takes."""
+        return dict(conv_weight=self.conv_weight, conv_bias=self.conv_bias, conv_state=self.conv_state,
+                    ssm_state=self.ssm_state, A_log=self.A_log, dt_bias=self.dt_bias,
+                    num_k_heads=self.hk, out=self.out)
+
+
+# ---------------------------------------------------------------------------------------------
+# qla: the adapters' layer function
+# ---------------------------------------------------------------------------------------------
+
+def qla_step(case: LayerCase, i: int, cp: str = "auto"):
+    """The step plan of slot set i, as an adapter builds it once per step."""
+    import torch
+
+    from qla_serve.backends import gdn_layer
+
+    ds, ps = case.slots(i)
+    has = (torch.tensor(case.has_initial_state).to(case.device) if ps is not None else None)
+    return gdn_layer.make_step_plan(
+        num_actual_tokens=case.row.tokens, num_v_heads=case.hv, num_k_heads=case.hk,
+        conv_width=CONV_WIDTH, device=case.device, decode_slots=ds,
+        prefill_lens=list(case.row.prefill_lens), prefill_slots=ps,
+        prefill_has_initial_state=has, null_slot=NULL_SLOT, cp=cp)
+
+
+def qla_call(case: LayerCase, step) -> Callable[[], None]:
+    """One layer call of qla_serve's adapter core on the case's tensors, for ``step``."""
+    from qla_serve.backends import gdn_layer
+
+    kw = case.layer_kwargs()
+    return lambda: gdn_layer.gdn_layer_forward(step, case.mixed_qkv, case.a, case.b, activation="silu",
+                                               scale=None, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# fla / flashinfer: the layer composed from library ops
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ComposedOps:
+    """The library ops a composed layer calls (FLA's, FlashInfer's, or torch stand-ins on CPU).
+
+    causal_conv1d, causal_conv1d_update: FLA's conv (conv state [N, dim, W], column c the input at
+    relative time c - W). chunk_gated_delta_rule, fused_recurrent_gated_delta_rule: FLA's GDN.
+    fi_chunk_gated_delta_rule, fi_decode: FlashInfer's gdn_prefill.chunk_gated_delta_rule and
+    gdn_decode.gated_delta_rule_decode_pretranspose (None for the fla composition).
+    """
+
+    causal_conv1d: Callable
+    causal_conv1d_update: Callable
+    chunk_gated_delta_rule: Callable | None = None
+    fused_recurrent_gated_delta_rule: Callable | None = None
+    fi_chunk_gated_delta_rule: Callable | None = None
+    fi_decode: Callable | None = None
+
+
+def fla_ops() -> ComposedOps:
+    """FLA 0.6's ops (set FLA_FLASH_QLA=0 before the first import of fla)."""
+    from fla.modules.convolution import causal_conv1d, causal_conv1d_update
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+    return ComposedOps(causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule,
+                       fused_recurrent_gated_delta_rule)
+
+
+def flashinfer_ops() -> ComposedOps:
+    """FLA's conv with FlashInfer's GDN prefill and decode."""
+    from flashinfer.gdn_decode import gated_delta_rule_decode_pretranspose
+    from flashinfer.gdn_prefill import chunk_gated_delta_rule
+
+    base = fla_ops()
+    return ComposedOps(base.causal_conv1d, base.causal_conv1d_update,
+                       fi_chunk_gated_delta_rule=chunk_gated_delta_rule,
+                       fi_decode=gated_delta_rule_decode_pretranspose)
+
+
+@dataclasses.dataclass(eq=False)
+class ComposedStep:
+    """What the composed layers share per step, built on the host from CPU lengths as an engine's
+    metadata builder would. Device tensors: decode_ids [D] / prefill_ids [Np] (long; ``*_ids32``
+    int32), has_init [Np, 1, 1] bool, cu_seqlens [Np+1] long (``cu_seqlens_cpu`` beside it),
+    chunk_indices [chunks, 2] long ((sequence, chunk) per 64-token chunk: FLA's layout), fresh_ids
+    (slots of prefills without an initial state, for FlashInfer to zero; None if none)."""
+
+    num_decodes: int
+    num_prefill_tokens: int
+    decode_ids: object = None
+    decode_ids32: object = None
+    prefill_ids: object = None
+    prefill_ids32: object = None
+    has_init: object = None
+    cu_seqlens: object = None
+    cu_seqlens_cpu: object = None
+    chunk_indices: object = None
+    fresh_ids: object = None
+
+
+def composed_step(case: LayerCase, i: int) -> ComposedStep:
+    """The composed layers' step for slot set i (host lists in, one upload per tensor)."""
+    import torch
+
+    dev, D = case.device, case.row.decodes
+    lens, has = case.row.prefill_lens, case.has_initial_state
+    ids = case.slot_sets[i]
+    up = lambda xs, dt=torch.long: torch.tensor(xs, dtype=dt).to(dev, non_blocking=True)  # noqa: E731
+    step = ComposedStep(num_decodes=D, num_prefill_tokens=sum(lens))
+    if D:
+        step.decode_ids, step.decode_ids32 = up(ids[:D]), up(ids[:D], torch.int32)
+    if lens:
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        step.prefill_ids, step.prefill_ids32 = up(ids[D:]), up(ids[D:], torch.int32)
+        step.has_init = up(has, torch.bool).view(-1, 1, 1)
+        step.cu_seqlens_cpu = torch.tensor(cu, dtype=torch.long)
+        step.cu_seqlens = step.cu_seqlens_cpu.to(dev, non_blocking=True)
+        step.chunk_indices = up(chunk_indices(lens)).view(-1, 2)
+        fresh = [s for s, h in zip(ids[D:], has) if not h]
+        step.fresh_ids = up(fresh) if fresh else None
+    return step
+
+
+def chunk_indices(lens, chunk=CHUNK) -> list[int]:
+    """FLA's chunk indices, flattened: (sequence i, chunk j of it) for every ``chunk``-token chunk."""
+    return [x for i, n in enumerate(lens) for j in range(-(-n // chunk)) for x in (i, j)]
+
+
+def _split(y, hk, hv, lead=()):
+    """q, k [*, Hk, 128], v [*, Hv, 128] views of the conv output y [*, dim] (``lead``: extra dims)."""
+    kd = hk * HD
+    shape = tuple(y.shape[:-1]) + tuple(lead)
+    return (y[..., :kd].reshape(*shape, hk, HD), y[..., kd:2 * kd].reshape(*shape, hk, HD),
+            y[..., 2 * kd:].reshape(*shape, hv, HD))
+
+
+def _conv_decode(ops, ids, x, conv_state, weight, bias):
+    """FLA's decode conv on the engine's cache: gather the W-1 history columns of each slot, prepend
+    the column FLA keeps (unused by a width-W conv), update, write the last W-1 columns back."""
+    import torch.nn.functional as F
+
+    cache = F.pad(conv_state[ids], (1, 0))                       # [B, dim, W], contiguous
+    y, cache = ops.causal_conv1d_update(x=x, cache=cache, weight=weight, bias=bias, activation="silu")
+    conv_state[ids] = cache[..., 1:].to(conv_state.dtype)
+    return y
+
+
+def _conv_prefill(ops, step, x, conv_state, weight, bias):
+    """FLA's varlen conv with each sequence's history (zero for new sequences) as initial state;
+    the final states' last W-1 columns go back to the cache."""
+    import torch
+    import torch.nn.functional as F
+
+    ids = step.prefill_ids
+    hist = torch.where(step.has_init, conv_state[ids], _zero(conv_state))
+    y, final = ops.causal_conv1d(x=x[None], weight=weight, bias=bias, initial_state=F.pad(hist, (1, 0)),
+                                 output_final_state=True, activation="silu", cu_seqlens=step.cu_seqlens,
+                                 chunk_indices=step.chunk_indices)
+    conv_state[ids] = final[..., 1:].to(conv_state.dtype)
+    return y[0]
+
+
+def _zero(like):
+    """A 0-dim zero of ``like``'s dtype and device (torch.where's other operand)."""
+    import torch
+
+    return torch.zeros((), dtype=like.dtype, device=like.device)
+
+
+def _torch_gating(a, b, A_log, dt_bias):
+    """fp32 g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b), in torch."""
+    import torch
+    import torch.nn.functional as F
+
+    g = -torch.exp(A_log.float()) * F.softplus(a.float() + dt_bias.float())
+    return g, torch.sigmoid(b.float())
+
+
+def fla_layer_forward(step: ComposedStep, mixed_qkv, a, b, *, ops: ComposedOps, conv_weight, conv_bias,
+                      conv_state, ssm_state, A_log, dt_bias, num_k_heads, out, scale=None) -> None:
+    """The GDN layer from FLA's ops: decodes ``[0, D)``, then prefills; caches updated in place."""
+    D, Tp = step.num_decodes, step.num_prefill_tokens
+    conv = (conv_state, conv_weight, conv_bias)
+    if D:
+        _fla_decode(ops, step, mixed_qkv[:D], a[:D], b[:D], conv, ssm_state, A_log, dt_bias,
+                    num_k_heads, out[:D], scale)
+    if Tp:
+        sl = slice(D, D + Tp)
+        _fla_prefill(ops, step, mixed_qkv[sl], a[sl], b[sl], conv, ssm_state, A_log, dt_bias,
+                     num_k_heads, out[sl], scale)
+
+
+def _fla_decode(ops, step, x, a, b, conv, ssm_state, A_log, dt_bias, hk, out, scale):
+    """FLA decode: conv update, then fused_recurrent_gated_delta_rule with the gating, beta sigmoid
+    and l2norm in the kernel on the gathered V-first states; final states scattered back."""
+    ids = step.decode_ids
+    y = _conv_decode(ops, ids, x, *conv)
+    q, k, v = _split(y, hk, ssm_state.shape[1], lead=(1,))          # [B, 1, H, 128]
+    o, ht = ops.fused_recurrent_gated_delta_rule(
+        q, k, v, g=a[:, None], beta=b[:, None], scale=scale, initial_state=ssm_state[ids],
+        output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+        A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True, state_v_first=True)
+    ssm_state[ids] = ht.to(ssm_state.dtype)
+    out.copy_(o[:, 0])
+
+
+def _fla_prefill(ops, step, x, a, b, conv, ssm_state, A_log, dt_bias, hk, out, scale):
+    """FLA prefill: varlen conv, torch gating, chunk_gated_delta_rule from the gathered V-first
+    states (zero for new sequences); final states scattered back."""
+    import torch
+
+    ids = step.prefill_ids
+    y = _conv_prefill(ops, step, x, *conv)
+    q, k, v = _split(y, hk, ssm_state.shape[1])
+    g, beta = _torch_gating(a, b, A_log, dt_bias)
+    h0 = torch.where(step.has_init[..., None], ssm_state[ids], _zero(ssm_state))
+    o, ht = ops.chunk_gated_delta_rule(
+        q[None], k[None], v[None], g[None], beta[None], scale=scale, initial_state=h0,
+        output_final_state=True, use_qk_l2norm_in_kernel=True, state_v_first=True,
+        cu_seqlens=step.cu_seqlens, cu_seqlens_cpu=step.cu_seqlens_cpu, chunk_indices=step.chunk_indices)
+    ssm_state[ids] = ht.to(ssm_state.dtype)
+    out.copy_(o[0])
+
+
+def flashinfer_layer_forward(step: ComposedStep, mixed_qkv, a, b, *, ops: ComposedOps, conv_weight,
+                             conv_bias, conv_state, ssm_state, A_log, dt_bias, num_k_heads, out,
+                             scale=None) -> None:
+    """The GDN layer from FLA's conv and FlashInfer's GDN ops (states read and written in the pool
+    through slot indices, in place)."""
+    import torch
+
+    D, Tp = step.num_decodes, step.num_prefill_tokens
+    hk, hv = num_k_heads, ssm_state.shape[1]
+    if D:
+        y = _conv_decode(ops, step.decode_ids, mixed_qkv[:D], conv_state, conv_weight, conv_bias)
+        q, k, v = (t.contiguous() for t in _split(y, hk, hv, lead=(1,)))
+        ops.fi_decode(q, k, v, None, A_log, a[:D, None], dt_bias, b[:D, None], scale=scale,
+                      output=out[:D].view(D, 1, hv, HD), use_qk_l2norm=True, initial_state=ssm_state,
+                      initial_state_indices=step.decode_ids32)
+    if Tp:
+        sl = slice(D, D + Tp)
+        y = _conv_prefill(ops, step, mixed_qkv[sl], conv_state, conv_weight, conv_bias)
+        q, k, v = (t.contiguous() for t in _split(y, hk, hv))
+        g, beta = _torch_gating(a[sl], b[sl], A_log, dt_bias)
+        if step.fresh_ids is not None:                             # it has no has_initial_state
+            ssm_state.index_fill_(0, step.fresh_ids, 0)
+        ops.fi_chunk_gated_delta_rule(
+            q, k, v, g=torch.exp(g), beta=beta, scale=scale, initial_state=ssm_state,
+            output_final_state=True, cu_seqlens=step.cu_seqlens, use_qk_l2norm_in_kernel=True,
+            output=out[sl], output_state=ssm_state, state_indices=step.prefill_ids32)
+
+
+COMPOSED = {"fla": fla_layer_forward, "flashinfer": flashinfer_layer_forward}
+
+
+def composed_call(impl: str, case: LayerCase, step: ComposedStep, ops: ComposedOps) -> Callable[[], None]:
+    """One layer call of the ``impl`` composition ("fla" / "flashinfer") on the case's tensors."""
+    fwd, kw = COMPOSED[impl], case.layer_kwargs()
+    return lambda: fwd(step, case.mixed_qkv, case.a, case.b, ops=ops, scale=None, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# --check
+# ---------------------------------------------------------------------------------------------
+
+def seq_bounds(row: Row) -> list[tuple[int, int]]:
+    """(first, end) token of each sequence of the row's step: decodes, then prefills."""
+    lens = [1] * row.decodes + list(row.prefill_lens)
+    return [(e - n, e) for n, e in zip(lens, itertools.accumulate(lens))]
+
+
+def run_check(case: LayerCase, calls: dict) -> dict:
+    """Every call once from the same caches (slot set 0); for each impl other than "qla", the max
+    over the batch's sequences of the relative L2 difference (float64) from qla's output, final
+    SSM state and conv state: ``{impl: {"o_rel", "ssm_rel", "conv_rel"}}`` (or ``{"error"}``).
+    The caches are restored afterwards."""
+    import torch
+
+    snap = case.snapshot()
+    ids = torch.tensor(case.slot_sets[0], dtype=torch.long, device=case.device)
+    bounds = seq_bounds(case.row)
+    res, errors = {}, {}
+    for impl, fn in calls.items():
+        case.restore(snap)
+        case.out.fill_(float("nan"))
+        try:
+            fn()
+            res[impl] = (case.out.clone(), case.ssm_state[ids].clone(), case.conv_state[ids].clone())
+        except Exception as exc:  # noqa: BLE001 - one impl failing must not hide the others
+            errors[impl] = f"{type(exc).__name__}: {exc}"[:300]
+    case.restore(snap)
+    rec = {}
+    for impl in calls:
+        if impl != "qla":
+            err = errors.get(impl) or ("qla: " + errors.get("qla", "did not run") if "qla" not in res else None)
+            rec[impl] = {"error": err} if err else _differences(res[impl], res["qla"], bounds)
+    return rec
+
+
+def _differences(got, want, bounds) -> dict:
+    """Max over sequences of rel_l2 of (out rows, SSM state, conv state) from ``want``'s."""
+    from qla_serve.kernels.reference import rel_l2
+
+    (o, s, c), (o0, s0, c0) = got, want
+    seqs = range(len(bounds))
+    return {"o_rel": max(rel_l2(o[lo:hi], o0[lo:hi]) for lo, hi in bounds),
+            "ssm_rel": max(rel_l2(s[j], s0[j]) for j in seqs),
+            "conv_rel": max(rel_l2(c[j], c0[j]) for j in seqs)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------------------------
+
+def host_us(fn, reps: int) -> tuple[float, float]:
+    """(median wall us of one eager call: perf_counter around the call and a sync after it;
+    median us to issue it: the same call without the sync). Each call starts on an idle GPU."""
+    import torch
+
+    walls, issues = [], []
+    torch.cuda.synchronize()
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        issues.append(t1 - t0)
+        walls.append(t2 - t0)
+    return statistics.median(walls) * 1e6, statistics.median(issues) * 1e6
+
+
+def median_us(fn, reps: int) -> float:
+    """Median host us of fn() (host code: no sync)."""
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def _steps_and_calls(impl, case, args, ops):
+    """(per-step plan function of set i, the layer call of a step) for impl."""
+    if impl == "qla":
+        return (lambda i: qla_step(case, i, args.cp)), (lambda st: qla_call(case, st))
+    return (lambda i: composed_step(case, i)), (lambda st: composed_call(impl, case, st, ops))
+
+
+def _graph_us(fns, reps) -> dict:
+    """GPU us per call from one CUDA graph holding every call of ``fns`` (bench decode's helper);
+    where capture fails, "n/a" with the reason and the profiler's kernel sum of eager calls."""
+    import torch
+
+    from qla_serve.bench import decode as bdec
+    from qla_serve.bench import prefill as bpre
+
+    try:
+        return {"gpu_us": round(bdec._graph_time_us(torch, fns, reps), 3), "timing": "graph"}
+    except Exception as exc:  # noqa: BLE001 - n/a with the reason
+        torch.cuda.synchronize()
+        rec = {"gpu_us": None, "timing": "n/a", "gpu_na": f"not capturable: {type(exc).__name__}: {exc}"[:300]}
+    try:
+        rec["profiler_us"] = round(bpre._kernel_sum_ms(fns[0], reps) * 1e3, 3)
+    except Exception:  # noqa: BLE001 - informational only
+        pass
+    return rec
+
+
+def time_impl(impl, case: LayerCase, nsets: int, args, ops) -> dict:
+    """GPU, host and plan figures of one impl on one row (see the module docstring)."""
+    import torch
+
+    from qla_serve.bench import prefill as bpre
+
+    plan, call = _steps_and_calls(impl, case, args, ops)
+    rec = {"plan_host_us": round(median_us(lambda: plan(0), args.plan_reps), 2)}
+    fns = [call(plan(i)) for i in range(nsets)]
+    fns[0]()
+    torch.cuda.synchronize()
+    if case.row.decode_only:
+        rec.update(_graph_us(fns, args.reps))
+    else:
+        ms, how, eager = bpre._gpu_time_ms(fns[0], args.reps, args.graph_calls)
+        rec["gpu_us"], rec["timing"] = round(ms * 1e3, 3), how
+        if eager is not None:
+            rec["eager_events_us"] = round(eager * 1e3, 3)
+    wall, issue = host_us(fns[0], args.host_reps)
+    rec["host_wall_us"], rec["host_issue_us"] = round(wall, 2), round(issue, 2)
+    rec["slot_sets"] = nsets
+    return rec
+
+
+def load_ops(impls) -> tuple[dict, dict]:
+    """({impl: ComposedOps}, {impl: why not}) for the composed impls asked for."""
+    loaders = {"fla": fla_ops, "flashinfer": flashinfer_ops}
+    ops, missing = {}, {}
+    for impl in impls:
+        if impl in loaders:
+            try:
+                ops[impl] = loaders[impl]()
+            except Exception as exc:  # noqa: BLE001 - ImportError, or a library failing to load
+                missing[impl] = f"not installed ({type(exc).__name__}: {exc})"[:300]
+    return ops, missing
+
+
+def _first_calls(case, args, ops) -> dict:
+    """{impl: the layer call on slot set 0} of every impl asked for that can run."""
+    calls = {}
+    for impl in args.impls:
+        if impl == "qla":
+            calls[impl] = qla_call(case, qla_step(case, 0, args.cp))
+        elif impl in ops:
+            calls[impl] = composed_call(impl, case, composed_step(case, 0), ops[impl])
+    return calls
+
+
+def run_point(hk, hv, row, state, args, ops, missing, device="cuda") -> dict:
+    """Every impl on one (heads, row, state dtype) point: the JSON record of the point."""
+    import torch
+
+    from qla_serve.bench import decode as bdec
+
+    sdt = getattr(torch, STATE_DTYPES[state])
+    nsets = slot_sets_for(row, hv, sdt, bdec.L2_FLUSH_BYTES)
+    case = LayerCase(hk, hv, row, sdt, device, nsets=nsets, seed=args.seed, layout=args.pool)
+    rec = {"heads": f"{hk}/{hv}", "row": row.name, "state": state, "tokens": row.tokens,
+           "decodes": row.decodes, "prefills": len(row.prefill_lens), "impls": {}}
+    if args.check:
+        rec["check"] = run_check(case, _first_calls(case, args, ops))
+    for impl in args.impls:
+        if impl in missing:
+            rec["impls"][impl] = {"error": missing[impl]}
+            continue
+        try:
+            rec["impls"][impl] = time_impl(impl, case, nsets, args, ops.get(impl))
+        except Exception as exc:  # noqa: BLE001 - recorded, not hidden
+            torch.cuda.synchronize()
+            rec["impls"][impl] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    q = rec["impls"].get("qla", {}).get("gpu_us")
+    for impl in ("fla", "flashinfer"):
+        other = rec["impls"].get(impl, {}).get("gpu_us")
+        if q and other:
+            rec[f"qla_over_{impl}"] = round(q / other, 3)
+    del case
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return rec
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+# ---------------------------------------------------------------------------------------------
+
+def _cell(x, fmt="{:.1f}"):
+    """A table cell: x formatted, or "-" when absent."""
+    return "-" if x is None else fmt.format(x)
+
+
+def format_table(results) -> str:
+    """Markdown table: one line per (point, impl)."""
+    head = ["heads", "row", "state", "impl", "GPU us", "timing", "host wall us", "host issue us",
+            "plan host us", "qla/impl"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        for impl, x in r["impls"].items():
+            if "error" in x:
+                cells = [x["error"][:80], "", "", "", "", ""]
+            else:
+                gpu = _cell(x.get("gpu_us")) if x.get("gpu_us") is not None else "n/a"
+                cells = [gpu, x.get("timing", ""), _cell(x.get("host_wall_us")),
+                         _cell(x.get("host_issue_us")), _cell(x.get("plan_host_us")),
+                         _cell(r.get(f"qla_over_{impl}"), "{:.3f}")]
+            lines.append("| " + " | ".join([r["heads"], r["row"], r["state"], impl] + cells) + " |")
+    notes = [f"- {r['heads']} {r['row']} {r['state']} {i}: {x['gpu_na']}"
+             for r in results for i, x in r["impls"].items() if x.get("gpu_na")]
+    return "\n".join(lines + (["", "n/a:"] + notes if notes else [])) + "\n"
+
+
+def format_check(results) -> str:
+    """Markdown table of --check: max relative L2 difference from qla per sequence."""
+    lines = ["| heads | row | state | impl | o rel | ssm rel | conv rel |", "|---|---|---|---|---|---|---|"]
+    for r in results:
+        for impl, c in r.get("check", {}).items():
+            cells = ([c["error"][:80], "", ""] if "error" in c else
+                     [f"{c['o_rel']:.2e}", f"{c['ssm_rel']:.2e}", f"{c['conv_rel']:.2e}"])
+            lines.append("| " + " | ".join([r["heads"], r["row"], r["state"], impl] + cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _commit() -> str | None:
+    """git rev-parse HEAD of the checkout this module lives in ("+dirty" if it has changes)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
+                             timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return sha + ("+dirty" if dirty else "")
+    except Exception:  # noqa: BLE001 - not a checkout, or no git
+        return None
+
+
+def _versions(missing) -> dict:
+    """Library versions (or why not loaded)."""
+    import importlib
+
+    out = {}
+    for name in ("torch", "fla", "flashinfer", "triton"):
+        try:
+            out[name] = getattr(importlib.import_module(name), "__version__", "?")
+        except Exception as exc:  # noqa: BLE001
+            out[name] = f"not installed ({type(exc).__name__})"
+    out.update({f"{k}_status": v for k, v in missing.items()})
+    return out
+
+
+def plot(results, impls, path) -> None:
+    """Bars of GPU us per point and impl (log scale), if matplotlib imports."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"bench layer: matplotlib not installed, no plot written ({path})")
+        return
+    labels = [f"{r['heads']} {r['row']} {r['state']}" for r in results]
+    fig, ax = plt.subplots(figsize=(max(8, len(results) * 0.6), 4.5))
+    w = 0.8 / max(1, len(impls))
+    for j, impl in enumerate(impls):
+        ys = [r["impls"].get(impl, {}).get("gpu_us") or math.nan for r in results]
+        ax.bar([i + j * w for i in range(len(results))], ys, w, label=impl)
+    ax.set_xticks([i + 0.4 - w / 2 for i in range(len(results))], labels, rotation=90, fontsize=7)
+    ax.set_ylabel("GPU us per layer call")
+    ax.set_yscale("log")
+    ax.set_title("one GDN layer per step (conv + gating + recurrence + cache updates)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"bench layer: plot {path}")
+
+
+def run(args) -> int:
+    """Time every point of the schedule; 2 without a CUDA GPU."""
+    os.environ["FLA_FLASH_QLA"] = "0"           # FLA's own Triton kernels, before fla is imported
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench layer: needs a CUDA GPU")
+        return 2
+    import qla_serve
+
+    points = schedule(args.heads, args.rows, args.states, args.prefill_states)
+    ops, missing = load_ops(args.impls)
+    for impl, why in missing.items():
+        print(f"bench layer: {impl}: {why}")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    meta = {"commit": _commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "gpu": torch.cuda.get_device_name(), "versions": _versions(missing),
+            "FLA_FLASH_QLA": os.environ["FLA_FLASH_QLA"],
+            "qla_paths": {op: list(qla_serve.explain_path(op, dev)) for op in ("prefill", "decode")},
+            "args": {k: v for k, v in vars(args).items() if k not in ("fn", "heads", "rows")},
+            "points": [f"{hk}/{hv} {row.name} {st}" for hk, hv, row, st in points]}
+    print(f"bench layer: {meta['gpu']}, commit {meta['commit']}, {len(points)} points")
+    results = []
+    for hk, hv, row, st in points:
+        rec = run_point(hk, hv, row, st, args, ops, missing)
+        print(json.dumps(rec), flush=True)
+        results.append(rec)
+    report(results, meta, args)
+    return 0
+
+
+def report(results, meta, args) -> None:
+    """The tables on stdout, then --json and --plot."""
+    print(format_table(results))
+    if args.check:
+        print(format_check(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**meta, "results": results}, f, indent=1)
+        print(f"bench layer: JSON {args.json}")
+    if args.plot:
+        plot(results, args.impls, args.plot)
+
+
+def main(argv=None) -> int:
+    """``python -m qla_serve.bench.layer``: the same as ``qla-serve bench layer``."""
+    p = argparse.ArgumentParser(prog="qla-serve bench layer", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,486 @@
+"""`qla-serve bench layer` (qla_serve/bench/layer.py) on the CPU: arguments, rows, the schedule,
+the caches, the tables, and the composed baselines' math against qla_serve's own layer.
+
+The composed "fla" and "flashinfer" layers call FLA's Triton ops and FlashInfer's CUDA ops, which do
+not run on a CPU. Here they get torch stand-ins (:func:`standin_ops`) written from those libraries'
+documented contracts, read in flash-linear-attention's source (fla/modules/conv/triton/{ops,kernels}.py:
+conv state [N, D, W] whose column c holds the input at relative time c - W, the update shifting it
+by one; fla/ops/gated_delta_rule/{chunk,fused_recurrent}.py: [B, T, H, D] inputs, log-space g,
+V-first states under state_v_first, in-kernel gating/sigmoid/l2norm; fla/ops/utils/index.py:
+chunk indices) and FlashInfer's (flashinfer/gdn_prefill.py, gdn_decode.py: linear-space alpha, the
+pool read and written in place through state indices). The stand-ins check the arguments they rely
+on, so a composition that passes a K-first state or wrong chunk indices fails here. The recurrence in
+them is a plain float64 per-token loop, independent of qla_serve's reference.
+
+What this does NOT test: the real FLA/FlashInfer ops (their signatures in the installed versions, their
+numerics, CUDA-graph capture), the GPU timing and host-time code, and the qla_serve TileLang path; those
+run only on the GPU (`qla-serve bench layer --check` reports the same comparison there).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qla_serve.bench import layer as L
+from qla_serve.cli import main
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows, heads, arguments, schedule
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text,decodes,lens", [
+    ("1x32768", 0, (32768,)),
+    ("16x512", 0, (512,) * 16),
+    ("mixed", 0, (2048, 1024, 4096, 512, 512)),
+    ("2048+1024+512", 0, (2048, 1024, 512)),
+    ("d32", 32, ()),
+    ("d32+4x512+7", 32, (512,) * 4 + (7,)),
+    ("3+d2", 2, (3,)),
+])
+def test_parse_row(text, decodes, lens):
+    row = L.parse_row(text)
+    assert (row.name, row.decodes, row.prefill_lens) == (text, decodes, lens)
+    assert row.tokens == decodes + sum(lens) and row.seqs == decodes + len(lens)
+    assert row.decode_only == (not lens)
+
+
+@pytest.mark.parametrize("text", ["", "d0", "0x5", "x5", "3x", "d3+d4", "abc", "1x-2", "4+"])
+def test_parse_row_rejects(text):
+    with pytest.raises(ValueError, match="row"):
+        L.parse_row(text)
+
+
+def test_parse_heads():
+    assert L.parse_heads("2/8,16/64") == [(2, 8), (16, 64)]
+    for bad, msg in (("3/8", "multiple"), ("2-8", "Hk/Hv"), ("0/8", "Hk/Hv"), ("2/8/1", "Hk/Hv")):
+        with pytest.raises(ValueError, match=msg):
+            L.parse_heads(bad)
+
+
+def _parser():
+    p = argparse.ArgumentParser(prog="bench layer")
+    L.add_arguments(p)
+    return p
+
+
+def test_arguments_defaults_and_values():
+    a = _parser().parse_args([])
+    assert (a.heads, a.rows, a.impls, a.states, a.prefill_states) == (
+        None, None, ["qla", "fla", "flashinfer"], ["fp32", "bf16"], ["fp32"])
+    assert (a.pool, a.cp, a.check, a.json, a.plot) == ("paged", "auto", False, None, None)
+    a = _parser().parse_args(["--heads", "4/16", "--rows", "mixed,d8+100", "--impls", "qla,fla",
+                              "--states", "bf16", "--reps", "3", "--check", "--json", "x.json"])
+    assert a.heads == [(4, 16)] and [r.name for r in a.rows] == ["mixed", "d8+100"]
+    assert a.impls == ["qla", "fla"] and a.states == ["bf16"] and a.reps == 3 and a.check
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--heads", "3/8"], "multiple"), (["--heads", "x"], "Hk/Hv"), (["--rows", "d0"], "row"),
+    (["--rows", ","], "at least one row"), (["--impls", "qla,triton"], "impls"),
+    (["--states", "fp16"], "states"), (["--prefill-states", ""], "prefill-states"),
+    (["--reps", "0"], "not positive"), (["--graph-calls", "-1"], "not positive"),
+    (["--pool", "flat"], "invalid choice"), (["--cp", "maybe"], "invalid choice"),
+])
+def test_argument_errors(argv, needle, capsys):
+    with pytest.raises(SystemExit) as e:
+        _parser().parse_args(argv)
+    assert e.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_registered_in_the_cli(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "layer", "--help"])
+    assert e.value.code == 0 and "--prefill-states" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "layer", "--rows", "d3+d4"])
+    assert e.value.code == 2 and "more than one decode item" in capsys.readouterr().err
+
+
+def test_schedule():
+    pts = L.schedule(None, None, ["fp32", "bf16"], ["fp32"])
+    pre = [(hk, hv, r.name) for hk, hv, r, st in pts if not r.decode_only]
+    dec = [(hk, hv, r.name, st) for hk, hv, r, st in pts if r.decode_only]
+    assert len(pre) == 3 * 5 and {(hk, hv) for hk, hv, _ in pre} == {(2, 8), (4, 16), (16, 64)}
+    assert [(hk, hv, n) for hk, hv, n, st in dec if st == "fp32"] == [
+        (2, 8, "d1"), (2, 8, "d32"), (2, 8, "d256"), (16, 32, "d64"), (16, 32, "d256")]
+    assert len(dec) == 10
+    only = L.schedule([(16, 32)], None, ["bf16"], ["fp32"])
+    assert [(r.name, st) for _, _, r, st in only] == [("d64", "bf16"), ("d256", "bf16")]
+    other = L.schedule([(8, 24)], None, ["fp32"], ["fp32"])
+    assert [r.name for _, _, r, _ in other] == L.PREFILL_ROWS + ["d1", "d32", "d256"]
+    rows = [L.parse_row("d4"), L.parse_row("100")]
+    given = L.schedule(None, rows, ["fp32", "bf16"], ["bf16"])
+    assert len(given) == 4 * 3 and {st for _, _, r, st in given if not r.decode_only} == {"bf16"}
+
+
+def test_slot_sets_and_chunk_indices():
+    f32 = torch.float32
+    assert L.slot_sets_for(L.parse_row("1x8192"), 8, f32, 256 << 20) == 1
+    assert L.slot_sets_for(L.parse_row("d1"), 8, f32, 256 << 20) == L.MAX_SLOT_SETS
+    assert L.slot_sets_for(L.parse_row("d256"), 32, f32, 256 << 20) == 2
+    assert L.slot_sets_for(L.parse_row("d32"), 8, torch.bfloat16, 256 << 20) == 32
+    assert L.chunk_indices([70, 7, 1, 64]) == [0, 0, 0, 1, 1, 0, 2, 0, 3, 0]
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_paged_caches_alias_one_page_per_slot(state_dtype):
+    S, dim, hv = 5, 3 * 128, 2
+    conv, ssm, (raw,) = L.make_caches(S, dim, hv, state_dtype, torch.bfloat16, "cpu")
+    assert conv.shape == (S, dim, L.CONV_WIDTH - 1) and conv.stride(1) == 1   # transposed view
+    assert ssm.shape == (S, hv, 128, 128) and ssm.stride(0) > hv * 128 * 128
+    assert (ssm.stride(0) * ssm.element_size()) % 16 == 0 and ssm.storage_offset() * ssm.element_size() % 256 == 0
+    ssm[3].fill_(1.0)
+    conv[3].fill_(2.0)
+    assert raw[3].any() and not raw[2].any() and not raw[4].any()
+    conv2, ssm2, bufs = L.make_caches(S, dim, hv, state_dtype, torch.bfloat16, "cpu", "compact")
+    assert ssm2.is_contiguous() and conv2.shape == conv.shape and len(bufs) == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Torch stand-ins for FLA's and FlashInfer's ops (CPU), from their documented contracts
+# ---------------------------------------------------------------------------------------------
+
+def _l2(x):
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)      # FLA's l2norm (eps 1e-6)
+
+
+def _recurrence(q, k, v, g, beta, h0, scale):
+    """One sequence, float64: q, k [L, H, K]; v [L, HV, V]; log decay g, beta [L, HV]; h0 [HV, V, K]
+    (V-first). S <- e^g S; S += beta (v - S k) k^T; o = scale S q. Returns (o [L, HV, V], S)."""
+    S = h0.double().clone()
+    rep = v.shape[1] // q.shape[1]
+    q, k = (t.double().repeat_interleave(rep, dim=1) for t in (q, k))
+    o = torch.zeros(v.shape, dtype=torch.float64)
+    for t in range(v.shape[0]):
+        S = S * torch.exp(g[t].double())[:, None, None]
+        err = v[t].double() - torch.einsum("hvk,hk->hv", S, k[t])
+        S = S + torch.einsum("hv,hk->hvk", beta[t].double()[:, None] * err, k[t])
+        o[t] = scale * torch.einsum("hvk,hk->hv", S, q[t])
+    return o, S
+
+
+def _fla_chunk_indices(cu):
+    """FLA's prepare_chunk_indices (fla/ops/utils/index.py), re-derived: (sequence, chunk) pairs."""
+    counts = (cu[1:] - cu[:-1] + 63) // 64
+    seg = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    start = torch.cumsum(counts, 0) - counts
+    return torch.stack([seg, torch.arange(len(seg)) - start[seg]], 1)
+
+
+def _bounds(cu):
+    cu = cu.tolist()
+    return list(zip(cu[:-1], cu[1:]))
+
+
+def _act(y, activation):
+    assert activation in ("silu", "swish")
+    return F.silu(y)
+
+
+def fla_causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None,
+                      output_final_state=False, activation=None, backend="triton", cu_seqlens=None,
+                      cu_seqlens_cpu=None, chunk_indices=None):
+    """x [1, T, D] varlen by cu_seqlens; initial_state [N, D, W] (column c: input at time c - W)."""
+    assert x.dim() == 3 and x.shape[0] == 1 and residual is None
+    if chunk_indices is not None:
+        assert torch.equal(chunk_indices.cpu(), _fla_chunk_indices(cu_seqlens.cpu())), "chunk_indices"
+    D, W = weight.shape
+    y, finals = torch.empty_like(x), []
+    for i, (bos, eos) in enumerate(_bounds(cu_seqlens)):
+        hist = initial_state[i].double() if initial_state is not None else torch.zeros(D, W, dtype=torch.float64)
+        assert hist.shape == (D, W)
+        full = torch.cat([hist, x[0, bos:eos].double().t()], 1)       # input at time tau: column tau + W
+        for t in range(eos - bos):
+            acc = (full[:, t + 1:t + 1 + W] * weight.double()).sum(-1) + bias.double()
+            y[0, bos + t] = _act(acc, activation).to(x.dtype)
+        finals.append(full[:, -W:].to(x.dtype))
+    return y, (torch.stack(finals) if output_final_state else None)
+
+
+def fla_causal_conv1d_update(x, cache, residual=None, weight=None, bias=None, activation=None):
+    """x [N, D]; cache [N, D, W] shifted left by one with x last, in place; y from the new cache."""
+    assert x.dim() == 2 and cache.shape == (x.shape[0], x.shape[1], weight.shape[1]) and residual is None
+    new = torch.cat([cache[..., 1:].double(), x.double()[..., None]], -1)
+    y = _act((new * weight.double()).sum(-1) + bias.double(), activation).to(x.dtype)
+    cache.copy_(new.to(cache.dtype))
+    return y, cache
+
+
+def fla_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                               use_qk_l2norm_in_kernel=False, state_v_first=False, cu_seqlens=None,
+                               cu_seqlens_cpu=None, chunk_indices=None):
+    """[1, T, H, D] inputs, log-space g, V-first [N, HV, V, K] states under state_v_first."""
+    assert q.shape[0] == 1 and state_v_first and use_qk_l2norm_in_kernel and g.dtype == torch.float32
+    assert torch.equal(cu_seqlens.cpu(), cu_seqlens_cpu)
+    assert torch.equal(chunk_indices.cpu(), _fla_chunk_indices(cu_seqlens_cpu)), "chunk_indices"
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    o, finals = torch.empty_like(v), []
+    for i, (bos, eos) in enumerate(_bounds(cu_seqlens)):
+        s = slice(bos, eos)
+        oi, S = _recurrence(_l2(q[0, s].double()), _l2(k[0, s].double()), v[0, s], g[0, s], beta[0, s],
+                            initial_state[i], scale)
+        o[0, s] = oi.to(o.dtype)
+        finals.append(S.float())
+    return o, (torch.stack(finals) if output_final_state else None)
+
+
+def fla_fused_recurrent_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state=None,
+                                         output_final_state=False, use_qk_l2norm_in_kernel=False,
+                                         use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                                         use_beta_sigmoid_in_kernel=False, state_v_first=False):
+    """[B, T, H, D] inputs, one sequence per batch row; raw a/b with the gating in the kernel."""
+    assert state_v_first and use_gate_in_kernel and use_beta_sigmoid_in_kernel and use_qk_l2norm_in_kernel
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    gl = -torch.exp(A_log.double()) * F.softplus(g.double() + dt_bias.double())
+    bt = torch.sigmoid(beta.double())
+    o, finals = torch.empty_like(v), []
+    for i in range(q.shape[0]):
+        oi, S = _recurrence(_l2(q[i].double()), _l2(k[i].double()), v[i], gl[i], bt[i], initial_state[i], scale)
+        o[i] = oi.to(o.dtype)
+        finals.append(S.float())
+    return o, torch.stack(finals)
+
+
+def fi_chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state=None,
+                              output_final_state=False, cu_seqlens=None, use_qk_l2norm_in_kernel=False,
+                              output=None, output_state=None, state_indices=None):
+    """[T, H, D] inputs, linear-space alpha, pool [S, HV, V, K] read and written at state_indices."""
+    assert g.dtype == beta.dtype == torch.float32 and use_qk_l2norm_in_kernel and output_state is initial_state
+    assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    for i, (bos, eos) in enumerate(_bounds(cu_seqlens)):
+        s, slot = slice(bos, eos), int(state_indices[i])
+        oi, S = _recurrence(_l2(q[s].double()), _l2(k[s].double()), v[s], torch.log(g[s].double()),
+                            beta[s], initial_state[slot], scale)
+        output[s] = oi.to(output.dtype)
+        output_state[slot] = S.to(output_state.dtype)
+    return output, output_state
+
+
+def fi_decode(q, k, v, state, A_log, a, dt_bias, b, scale=None, output=None, use_qk_l2norm=True,
+              initial_state=None, initial_state_indices=None):
+    """q, k [B, 1, H, K]; raw a, b [B, 1, HV]; pool [S, HV, V, K] updated in place at the indices."""
+    assert state is None and use_qk_l2norm and q.is_contiguous() and output.shape == v.shape
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    gl = -torch.exp(A_log.double()) * F.softplus(a.double() + dt_bias.double())
+    for i in range(q.shape[0]):
+        slot = int(initial_state_indices[i])
+        oi, S = _recurrence(_l2(q[i].double()), _l2(k[i].double()), v[i], gl[i], torch.sigmoid(b[i].double()),
+                            initial_state[slot], scale)
+        output[i] = oi.to(output.dtype)
+        initial_state[slot] = S.to(initial_state.dtype)
+    return output, initial_state
+
+
+def standin_ops(impl):
+    conv = (fla_causal_conv1d, fla_causal_conv1d_update)
+    if impl == "fla":
+        return L.ComposedOps(*conv, fla_chunk_gated_delta_rule, fla_fused_recurrent_gated_delta_rule)
+    return L.ComposedOps(*conv, fi_chunk_gated_delta_rule=fi_chunk_gated_delta_rule, fi_decode=fi_decode)
+
+
+# ---------------------------------------------------------------------------------------------
+# The composed layers against qla_serve's CPU path (gdn_layer_forward)
+# ---------------------------------------------------------------------------------------------
+
+def _case(state_dtype=torch.float32, io_dtype=torch.float32, row="d3+70+9+1+2", layout="paged", nsets=2):
+    return L.LayerCase(2, 4, L.parse_row(row), state_dtype, "cpu", nsets=nsets, seed=1, io_dtype=io_dtype,
+                       layout=layout)
+
+
+def _calls(case, impls=("qla", "fla", "flashinfer"), ops=None):
+    calls = {}
+    for impl in impls:
+        if impl == "qla":
+            calls[impl] = L.qla_call(case, L.qla_step(case, 0))
+        else:
+            calls[impl] = L.composed_call(impl, case, L.composed_step(case, 0), (ops or standin_ops)(impl))
+    return calls
+
+
+def test_case_inputs_are_realistic():
+    case = _case()
+    g = -torch.exp(case.A_log) * F.softplus(case.a.float() + case.dt_bias)
+    assert (g <= 0).all() and g.min() > -3 and (g[:, 0].abs() < 1e-4).all() and (g[:, 1:].abs() > 1e-6).all()
+    assert (case.mixed_qkv != 0).all() and case.mixed_qkv.float().std() > 0.5
+    assert (case.ssm_state[1:] != 0).all() and (case.conv_state[1:] != 0).all()
+    flat = [s for ids in case.slot_sets for s in ids]
+    assert len(set(flat)) == len(flat) and L.NULL_SLOT not in flat
+    assert case.ssm_state.shape[0] > len(flat)
+    assert case.has_initial_state == [True, False, True, False]
+
+
+@pytest.mark.parametrize("layout", ["paged", "compact"])
+def test_composed_layers_match_qla_fp32(layout):
+    """fp32 everywhere: qla_serve's CPU path (chunked reference) and the composed layers on the
+    stand-ins (float64 recurrence) agree to fp32 rounding: outputs, SSM states and conv states of
+    every sequence (3 decodes, a resumed 70-token prefill over two FLA chunks, a new 9-token one, a
+    resumed 1-token one, a new 2-token one)."""
+    case = _case(layout=layout)
+    snap = case.snapshot()
+    rec = L.run_check(case, _calls(case))
+    assert all(torch.equal(b, s) for b, s in zip(case.buffers, snap)), "run_check must restore the caches"
+    for impl in ("fla", "flashinfer"):
+        assert set(rec[impl]) == {"o_rel", "ssm_rel", "conv_rel"}, rec[impl]
+        assert rec[impl]["o_rel"] < 2e-5 and rec[impl]["ssm_rel"] < 2e-5, rec[impl]
+        assert rec[impl]["conv_rel"] < 1e-6, rec[impl]
+
+
+def test_composed_layers_match_qla_bf16():
+    """bf16 inputs, conv cache and SSM pool (the GPU rows' dtypes): the same within bf16 rounding."""
+    rec = L.run_check(*(lambda c: (c, _calls(c)))(_case(torch.bfloat16, torch.bfloat16)))
+    for impl in ("fla", "flashinfer"):
+        assert max(rec[impl].values()) < 2e-2, rec[impl]
+
+
+def test_composed_layers_update_only_their_slots():
+    """The composed layers write the step's slots and nothing else (other slot sets, spare slots,
+    the null slot), like qla_serve's layer."""
+    for impl in ("fla", "flashinfer"):
+        case = _case(nsets=2)
+        ssm0, conv0 = case.ssm_state.clone(), case.conv_state.clone()
+        _calls(case, (impl,))[impl]()
+        live = set(case.slot_sets[0])
+        for s in range(case.ssm_state.shape[0]):
+            same = torch.equal(case.ssm_state[s], ssm0[s]) and torch.equal(case.conv_state[s], conv0[s])
+            assert same == (s not in live), (impl, s)
+        assert torch.isfinite(case.out).all()
+
+
+def test_check_sees_a_wrong_composition():
+    """A composition error (the state handed over K-first instead of V-first) is a large difference."""
+    def transposed(impl):
+        ops = standin_ops(impl)
+
+        def chunk(q, k, v, g, beta, initial_state=None, **kw):
+            o, ht = fla_chunk_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state.transpose(-1, -2),
+                                               **kw)
+            return o, ht.transpose(-1, -2)
+        return L.ComposedOps(ops.causal_conv1d, ops.causal_conv1d_update, chunk,
+                             ops.fused_recurrent_gated_delta_rule)
+
+    case = _case(row="40+8")                                    # a resumed and a new prefill
+    rec = L.run_check(case, _calls(case, ("qla", "fla"), transposed))
+    assert rec["fla"]["ssm_rel"] > 0.1 and rec["fla"]["o_rel"] > 1e-2
+
+
+def test_check_reports_errors_per_impl():
+    case = _case(row="d2")
+
+    def broken():
+        raise RuntimeError("boom")
+
+    rec = L.run_check(case, {"qla": _calls(case, ("qla",))["qla"], "fla": broken})
+    assert rec == {"fla": {"error": "RuntimeError: boom"}}
+
+
+# ---------------------------------------------------------------------------------------------
+# Tables
+# ---------------------------------------------------------------------------------------------
+
+def test_tables():
+    results = [{
+        "heads": "2/8", "row": "d32", "state": "fp32", "qla_over_fla": 0.5,
+        "impls": {"qla": {"gpu_us": 10.0, "timing": "graph", "host_wall_us": 80.0, "host_issue_us": 60.0,
+                          "plan_host_us": 20.0},
+                  "fla": {"gpu_us": 20.0, "timing": "graph", "host_wall_us": 90.0, "host_issue_us": 70.0,
+                          "plan_host_us": 15.0},
+                  "flashinfer": {"gpu_us": None, "timing": "n/a", "gpu_na": "not capturable: X",
+                                 "host_wall_us": 50.0, "host_issue_us": 40.0, "plan_host_us": 15.0}},
+        "check": {"fla": {"o_rel": 1e-3, "ssm_rel": 2e-3, "conv_rel": 0.0},
+                  "flashinfer": {"error": "ValueError: no"}},
+    }, {"heads": "4/16", "row": "1x8192", "state": "fp32",
+        "impls": {"flashinfer": {"error": "not installed (ModuleNotFoundError: flashinfer)"}}}]
+    t = L.format_table(results)
+    assert "| 2/8 | d32 | fp32 | fla | 20.0 | graph | 90.0 | 70.0 | 15.0 | 0.500 |" in t
+    assert "| flashinfer | n/a | n/a |" in t and "not capturable: X" in t and "not installed" in t
+    c = L.format_check(results)
+    assert "| 2/8 | d32 | fp32 | fla | 1.00e-03 | 2.00e-03 | 0.00e+00 |" in c and "ValueError: no" in c
+
+
+# ---------------------------------------------------------------------------------------------
+# The per-point plumbing with the GPU timing helpers stubbed (the figures themselves need a GPU)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def stub_gpu(monkeypatch):
+    """torch.cuda.synchronize as a no-op and the timing helpers as stubs that run the calls once;
+    the third graph (flashinfer, after qla and fla) fails to capture."""
+    from qla_serve.bench import decode as bdec
+    from qla_serve.bench import prefill as bpre
+
+    graphs = []
+
+    def graph_time_us(torch_, fns, reps):
+        graphs.append(len(fns))
+        if len(graphs) == 3:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        for f in fns:
+            f()
+        return 7.0 * len(graphs)
+
+    def gpu_time_ms(fn, reps, graph_calls):
+        fn()
+        return 0.5, "graph", None
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(bdec, "L2_FLUSH_BYTES", 1 << 20)
+    monkeypatch.setattr(bdec, "_graph_time_us", graph_time_us)
+    monkeypatch.setattr(bpre, "_gpu_time_ms", gpu_time_ms)
+    monkeypatch.setattr(bpre, "_kernel_sum_ms", lambda fn, reps: 0.012)
+    return graphs
+
+
+def _args(*extra):
+    return _parser().parse_args(["--host-reps", "2", "--plan-reps", "2", "--reps", "2", *extra])
+
+
+def test_run_point_decode(stub_gpu):
+    ops = {i: standin_ops(i) for i in ("fla", "flashinfer")}
+    rec = L.run_point(2, 4, L.parse_row("d3"), "fp32", _args("--check"), ops, {}, device="cpu")
+    assert (rec["heads"], rec["row"], rec["state"], rec["tokens"], rec["decodes"]) == ("2/4", "d3", "fp32", 3, 3)
+    assert stub_gpu == [2, 2, 2]                       # one graph of 2 slot sets per impl
+    q, f, fi = (rec["impls"][i] for i in ("qla", "fla", "flashinfer"))
+    assert (q["gpu_us"], q["timing"], f["gpu_us"], q["slot_sets"]) == (7.0, "graph", 14.0, 2)
+    assert rec["qla_over_fla"] == 0.5 and "qla_over_flashinfer" not in rec
+    assert fi["gpu_us"] is None and fi["timing"] == "n/a" and "stream is capturing" in fi["gpu_na"]
+    assert fi["profiler_us"] == 12.0
+    for x in (q, f, fi):
+        assert x["host_wall_us"] >= x["host_issue_us"] > 0 and x["plan_host_us"] > 0
+    assert max(v for c in rec["check"].values() for v in c.values()) < 2e-5
+
+
+def test_run_point_prefill_and_missing_impl(stub_gpu):
+    ops = {"fla": standin_ops("fla")}
+    missing = {"flashinfer": "not installed (ModuleNotFoundError: No module named 'flashinfer')"}
+    rec = L.run_point(2, 4, L.parse_row("d1+20+5"), "bf16", _args("--check"), ops, missing, device="cpu")
+    assert stub_gpu == []
+    assert rec["impls"]["qla"]["gpu_us"] == rec["impls"]["fla"]["gpu_us"] == 500.0
+    assert rec["impls"]["qla"]["slot_sets"] == 1 and rec["qla_over_fla"] == 1.0
+    assert rec["impls"]["flashinfer"] == {"error": missing["flashinfer"]}
+    assert set(rec["check"]) == {"fla"} and rec["check"]["fla"]["o_rel"] < 2e-2
+
+
+def test_report_writes_json_and_says_why_no_plot(tmp_path, capsys, stub_gpu):
+    import json
+
+    rec = L.run_point(2, 4, L.parse_row("9"), "fp32", _args(), {"fla": standin_ops("fla")}, {}, device="cpu")
+    args = _args("--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png"), "--impls", "qla,fla")
+    meta = {"commit": L._commit(), "date": "now", "gpu": "cpu"}
+    L.report([rec], meta, args)
+    out = capsys.readouterr().out
+    d = json.loads((tmp_path / "r.json").read_text())
+    assert d["gpu"] == "cpu" and d["results"][0]["impls"]["fla"]["gpu_us"] == 500.0
+    assert d["commit"] is None or len(d["commit"].split("+")[0]) == 40
+    assert "| 2/4 | 9 | fp32 | qla |" in out
+    try:
+        import matplotlib  # noqa: F401
+        assert (tmp_path / "r.png").exists()
+    except ImportError:
+        assert "matplotlib not installed" in out
