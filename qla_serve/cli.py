@@ -12,6 +12,15 @@ import os
 import sys
 import time
 
+# The argparse types live below this module and deploy/cli.py (which uses parse_heads too);
+# parse_heads stays importable from here.
+from qla_serve._cli_args import (join_negative_values, non_negative_int, parse_device, parse_heads,  # noqa: F401
+                                 parse_seqlens, parse_strategies, positive_int)
+
+# Options whose values may start with "-" (a negative length is reported by the option's type,
+# not taken for an unknown option: `--seqlens -5,100`).
+_VALUE_OPTIONS = ("--seqlens", "--heads")
+
 
 def _cmd_info(args) -> int:
     import torch
@@ -48,34 +57,12 @@ def _version_of(module: str) -> str:
     return str(getattr(mod, "__version__", "installed"))
 
 
-def parse_heads(text: str) -> tuple[int, int]:
-    """``"Hk/Hv"`` (TP-local q/k heads / v heads, e.g. 2/8) -> (Hk, Hv); an argparse type."""
-    try:
-        hk, hv = (int(x) for x in text.split("/"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected TP-local QK/V head counts like 2/8, got {text!r}")
-    if hk <= 0 or hv <= 0 or hv % hk:
-        raise argparse.ArgumentTypeError(f"expected positive counts with V a multiple of QK, got {text!r}")
-    return hk, hv
-
-
-def _parse_seqlens(text: str) -> list[int]:
-    try:
-        lens = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}")
-    if not lens or any(n < 0 for n in lens):
-        raise argparse.ArgumentTypeError(f"expected one or more lengths >= 0, got {text!r}")
-    return lens
-
-
 def _cmd_plan(args) -> int:
     from qla_serve.plan import plan_prefill
 
     hk, hv = args.heads
     plan = plan_prefill(args.seqlens, hv, hk, device="cpu", cp=args.cp, sm_count=args.sm_count,
-                        arch=args.arch, supported_strategies=None if args.strategies is None
-                        else set(args.strategies.split(",")))
+                        arch=args.arch, supported_strategies=args.strategies)
     d = plan.describe()
     if args.json:
         print(json.dumps(d))
@@ -107,21 +94,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plan", help="print the prefill plan for a batch")
     pl.add_argument("--heads", type=parse_heads, required=True, help="TP-local QK/V heads, e.g. 2/8")
-    pl.add_argument("--seqlens", type=_parse_seqlens, required=True, help="e.g. 32768,8192")
+    pl.add_argument("--seqlens", type=parse_seqlens, required=True, help="e.g. 32768,8192")
     pl.add_argument("--cp", choices=("auto", "off", "exact"), default="auto")
     pl.add_argument("--arch", choices=("sm90", "sm100"), default="sm90")
-    pl.add_argument("--sm-count", type=int, default=None, help="default: the cost model's")
-    pl.add_argument("--strategies", default=None,
+    pl.add_argument("--sm-count", type=positive_int, default=None, help="default: the cost model's")
+    pl.add_argument("--strategies", type=parse_strategies, default=None,
                     help="comma list the kernels support (default: all: plain,vsplit,cp)")
     pl.add_argument("--json", action="store_true")
-    pl.add_argument("--max-rows", type=int, default=32)
+    pl.add_argument("--max-rows", type=non_negative_int, default=32)
     pl.set_defaults(fn=_cmd_plan)
 
     de = sub.add_parser("demo", help="varlen prefill + decode on the best path, checked against float64")
-    de.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    de.add_argument("--device", type=parse_device, default=None, help="cuda or cpu (default: cuda if available)")
     de.add_argument("--heads", type=parse_heads, default=(2, 8))
-    de.add_argument("--seqlens", type=_parse_seqlens, default=[300, 1, 0, 129])
-    de.add_argument("--decode-steps", type=int, default=4)
+    de.add_argument("--seqlens", type=parse_seqlens, default=[300, 1, 0, 129])
+    de.add_argument("--decode-steps", type=non_negative_int, default=4)
     de.add_argument("--seed", type=int, default=0)
     de.set_defaults(fn=_cmd_demo)
 
@@ -139,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(join_negative_values(sys.argv[1:] if argv is None else list(argv), _VALUE_OPTIONS))
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     t0 = time.perf_counter()

@@ -10,13 +10,11 @@ Paths, picked per op and device (logged once per op and path):
   (the TileLang kernels take bf16/fp16).
 
 ``QLA_SERVE_OP_PATH=tilelang|fla|reference`` forces a path; a forced path that cannot run
-raises instead of falling back. Validation never reads GPU memory (see _validate.py).
+raises instead of falling back (paths.py). Validation never reads GPU memory (see _validate.py).
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
 import logging
 import os
 
@@ -24,80 +22,17 @@ import torch
 
 from qla_serve import _validate as V
 from qla_serve.kernels import reference
+# Path selection lives below ops and the planner (paths.py); its names stay importable from here.
+from qla_serve.paths import (FLA_OPS, PATHS, _arch_of, _fla_error, explain_path, kernel_module,  # noqa: F401
+                             supported_prefill_strategies)
+from qla_serve.plan import PrefillPlan
 
 log = logging.getLogger("qla_serve")
 
-PATHS = ("tilelang", "fla", "reference")
-FLA_OPS = ("prefill", "decode")
-
 
 # ---------------------------------------------------------------------------------------
-# Path selection
+# Path selection (paths.py decides; resolved once per op, device and dtype here)
 # ---------------------------------------------------------------------------------------
-
-@functools.lru_cache(maxsize=None)
-def _arch_of(index: int) -> str:
-    major, minor = torch.cuda.get_device_capability(index)
-    return f"sm{major}{minor}"
-
-
-@functools.lru_cache(maxsize=None)
-def kernel_module(arch: str):
-    """The TileLang kernel module for ``arch`` ("sm90" / "sm100"), or an import error string."""
-    name = {"sm90": "qla_serve.kernels.hopper", "sm100": "qla_serve.kernels.blackwell"}.get(arch)
-    if name is None:
-        return f"no qla_serve TileLang kernels for {arch}"
-    try:
-        return importlib.import_module(name)
-    except Exception as exc:  # ImportError, or TileLang failing to load its native library
-        return f"{name} failed to import: {type(exc).__name__}: {exc}"
-
-
-@functools.lru_cache(maxsize=None)
-def _fla_error() -> str | None:
-    try:
-        importlib.import_module("fla.ops.gated_delta_rule")
-        return None
-    except Exception as exc:
-        return f"flash-linear-attention unavailable: {type(exc).__name__}: {exc}"
-
-
-def explain_path(op: str, device, io_dtype=torch.bfloat16) -> tuple[str, str]:
-    """(path, reason) that ``op`` ("prefill" | "prefill_inputs" | "decode" | "verify" |
-    "commit_verified") takes on ``device`` for q/k/v of ``io_dtype``."""
-    device = torch.device(device)
-    forced = os.environ.get("QLA_SERVE_OP_PATH", "auto")
-    if forced not in PATHS + ("auto",):
-        raise ValueError(f"QLA_SERVE_OP_PATH: expected one of {PATHS + ('auto',)}, got {forced!r}")
-    candidates = []
-    if device.type == "cuda":
-        mod = kernel_module(_arch_of(device.index if device.index is not None else torch.cuda.current_device()))
-        if isinstance(mod, str):
-            candidates.append(("tilelang", None, mod))
-        elif not hasattr(mod, op):
-            candidates.append(("tilelang", None, f"{mod.__name__} has no {op} kernel yet"))
-        elif io_dtype == torch.float32:  # None: an op without q/k/v (commit_verified)
-            candidates.append(("tilelang", None, "TileLang kernels take bf16/fp16 q/k/v, got float32"))
-        else:
-            candidates.append(("tilelang", "ok", f"{mod.__name__}.{op}"))
-        if op in FLA_OPS:
-            fla_err = _fla_error()
-            candidates.append(("fla", None if fla_err else "ok", fla_err or "FLA Triton fallback"))
-        else:
-            candidates.append(("fla", None, f"FLA has no {op} that writes per-token states"))
-    candidates.append(("reference", "ok", "torch reference" + (" (CPU tensors)" if device.type == "cpu" else "")))
-    if forced != "auto":
-        for path, ok, why in candidates:
-            if path == forced:
-                if ok:
-                    return path, why
-                raise RuntimeError(f"QLA_SERVE_OP_PATH={forced}: cannot run {op} on {device}: {why}")
-        raise RuntimeError(f"QLA_SERVE_OP_PATH={forced}: not available for {op} on {device}")
-    for path, ok, why in candidates:
-        if ok:
-            return path, why
-    raise AssertionError("unreachable: the reference path always runs")
-
 
 _resolved: dict = {}
 
@@ -115,20 +50,8 @@ def _path(op: str, device: torch.device, io_dtype) -> str:
     return path
 
 
-def supported_prefill_strategies(device) -> frozenset[str]:
-    """Strategies the prefill path on ``device`` implements (the planner picks among these)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return frozenset({"plain", "vsplit", "cp"})  # the reference ignores the strategy
-    path, _ = explain_path("prefill", device)
-    if path == "tilelang":
-        mod = kernel_module(_arch_of(device.index if device.index is not None else torch.cuda.current_device()))
-        return frozenset(getattr(mod, "SUPPORTED_STRATEGIES", {"plain"}))
-    return frozenset({"plain"})
-
-
-def _run(op: str, device: torch.device, io_dtype, *args, **kwargs) -> None:
-    """Call ``op`` of the module that implements this call's path."""
+def _run(op: str, device: torch.device, io_dtype, *args, **kwargs) -> str:
+    """Call ``op`` of the module that implements this call's path; returns the path."""
     path = _path(op, device, io_dtype)
     if path == "tilelang":
         mod = kernel_module(_arch_of(device.index))
@@ -137,6 +60,7 @@ def _run(op: str, device: torch.device, io_dtype, *args, **kwargs) -> None:
     else:
         mod = reference
     getattr(mod, op)(*args, **kwargs)
+    return path
 
 
 # ---------------------------------------------------------------------------------------
@@ -144,7 +68,7 @@ def _run(op: str, device: torch.device, io_dtype, *args, **kwargs) -> None:
 # ---------------------------------------------------------------------------------------
 
 def _scale(scale) -> float:
-    return V.HEAD_DIM ** -0.5 if scale is None else float(scale)
+    return V.check_scale(scale)
 
 
 def gdn_prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state=None,
@@ -164,7 +88,9 @@ def gdn_prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state=Non
         scale: defaults to 128 ** -0.5.
         out: optional [T, Hv, 128] output buffer of v's dtype.
     Returns:
-        o [T, Hv, 128] in v's dtype; every live slot holds its sequence's final state.
+        o [T, Hv, 128] in v's dtype; every live slot holds its sequence's final state. A padding
+        sequence's rows are zeros (as in decode/verify) on the reference and FLA paths; on the
+        TileLang path they hold that sequence's outputs from a zero state (_zero_padding_rows).
     """
     args = (q, k, v, g, beta, pool, slot_ids, has_initial_state, out)
     seen = None
@@ -176,15 +102,39 @@ def gdn_prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state=Non
             plan.kernel_cache[seen] = True
     if out is None:
         out = torch.empty((q.shape[0], v.shape[1], V.HEAD_DIM), dtype=v.dtype, device=q.device)
-    slot_ids = slot_ids.to(q.device, torch.int32, non_blocking=True)
-    _run("prefill", q.device, v.dtype, q, k, v, g, beta, pool, slot_ids, plan,
-         has_initial_state=has_initial_state, scale=_scale(scale), out=out)
+    ids = V.int32_index(slot_ids, q.device)
+    path = _run("prefill", q.device, v.dtype, q, k, v, g, beta, pool, ids, plan,
+                has_initial_state=has_initial_state, scale=_scale(scale), out=out)
+    _zero_padding_rows(out, slot_ids, plan, path)
     return out
 
 
+def _zero_padding_rows(out, slot_ids, plan, path) -> None:
+    """Zero the rows of padding sequences (slot < 0), as decode and verify write them, on the
+    reference and FLA paths: from the slot ids' values on the CPU, else by a device mask (both
+    paths sync per call anyway). Not on the TileLang path: its kernels compute a padding
+    sequence's rows from a zero state, and the slot ids live on the GPU there, so zeroing them
+    here would cost a masked launch over ``out`` on every call, padding or not (the kernels
+    could skip those items instead, which would also save their time)."""
+    if path not in ("reference", "fla") or not out.shape[0]:
+        return
+    if slot_ids.device.type == "cpu":
+        pads = [i for i, s in enumerate(slot_ids.tolist()) if s < 0]
+        if pads:
+            cu = plan.cu_seqlens_cpu
+            for i in pads:
+                out[cu[i]:cu[i + 1]].zero_()
+    else:
+        lens = plan.scratch(("ops_seq_lens", out.device), lambda: plan.cu_seqlens.diff().long())
+        pad = torch.repeat_interleave(slot_ids < 0, lens, output_size=out.shape[0])
+        out.masked_fill_(pad[:, None, None], 0)
+
+
 def _check_prefill(plan, q, k, v, g, beta, pool, slot_ids, has_initial_state, out) -> None:
+    if not isinstance(plan, PrefillPlan):
+        raise TypeError(f"plan: expected a PrefillPlan from qla_serve.plan_prefill, got {type(plan).__name__}")
     T, Hk, Hv = V.check_qkv(q, k, v, fp16_qk_ok=True)
-    V.check_gates(T, Hv, g, beta, None, None, None, None, allow_raw=False)
+    V.check_gates(T, Hv, g, beta, None, None, None, None, allow_raw=False, contiguous_gb=True)
     V.check_pool(pool, Hv)
     if (plan.num_v_heads, plan.num_k_heads) != (Hv, Hk):
         raise ValueError(f"plan: expected a plan for {Hk}/{Hv} qk/v heads, got "
@@ -194,10 +144,10 @@ def _check_prefill(plan, q, k, v, g, beta, pool, slot_ids, has_initial_state, ou
     if plan.device != q.device:
         raise ValueError(f"plan: expected index tensors on {q.device}, got {plan.device}")
     N = plan.num_seqs
-    V.check_index("slot_ids", slot_ids, N, pool.shape[0], unique_live=True)
+    V.check_index("slot_ids", slot_ids, N, pool.shape[0], "pool.shape[0], the pool's slot count",
+                  unique_live=True)
     if has_initial_state is not None:
-        V.check_dtype("has_initial_state", has_initial_state, (torch.bool,))
-        V.check_shape("has_initial_state", has_initial_state, (N,))
+        V.index_vector("has_initial_state", has_initial_state, N, (torch.bool,))
     V.check_device(q.device, k=k, v=v, g=g, beta=beta, pool=pool, slot_ids=slot_ids,
                    has_initial_state=has_initial_state)
     if out is not None:  # (gdn_prefill allocates a missing one)
@@ -249,14 +199,18 @@ def gdn_prefill_inputs(q, k, a=None, b=None, A_log=None, dt_bias=None, *, qk_dty
         beta = sigmoid(b), [T, Hv] float32 (None without the raw gates).
     """
     gates = any(x is not None for x in (a, b, A_log, dt_bias))
+    if qk_dtype is not None and not isinstance(qk_dtype, torch.dtype):
+        raise TypeError(f"qk_dtype: expected None or a torch.dtype, got {type(qk_dtype).__name__}")
     key = _checked_key(("inputs", qk_dtype), (q, k, a, b, A_log, dt_bias), ())
     if _checks_due(key):
         T, Hk = V.check_qk(q, k)
         V.check_qk_dtype(qk_dtype, q)
         V.check_device(q.device, k=k)
         if gates:
-            Hv = a.shape[-1] if isinstance(a, torch.Tensor) and a.dim() == 2 else 0
+            Hv = a.shape[-1] if isinstance(a, torch.Tensor) and a.dim() == 2 else -1
             V.check_gates(T, Hv, None, None, a, b, A_log, dt_bias, allow_raw=True)
+            if Hv == 0:
+                raise ValueError(f"a: expected at least one value head, got shape {list(a.shape)}")
             if Hv % Hk:
                 raise ValueError(f"a: expected a value-head count that is a multiple of q's {Hk} heads, got {Hv}")
             V.check_device(q.device, a=a, b=b, A_log=A_log, dt_bias=dt_bias)
@@ -320,6 +274,10 @@ def _passed(key) -> None:
         _checked_steps[key] = True
 
 
+_SLOTS = "pool.shape[0], the pool's slot count"
+_INTER_SLOTS = "intermediate.shape[0], its slot count"
+
+
 def gdn_decode(q, k, v, pool, slot_ids, *, g=None, beta=None, a=None, b=None, A_log=None,
                dt_bias=None, use_qk_l2norm=False, scale=None, out=None):
     """One token per sequence, states updated in place. CUDA-graph capturable (pass ``out``).
@@ -336,16 +294,18 @@ def gdn_decode(q, k, v, pool, slot_ids, *, g=None, beta=None, a=None, b=None, A_
     key = _checked_key("decode", (q, k, v, pool, slot_ids, g, beta, a, b, A_log, dt_bias, out), (slot_ids,))
     if _checks_due(key):
         B, Hk, Hv = _check_step_inputs(q, k, v, pool, g, beta, a, b, A_log, dt_bias)
-        V.check_index("slot_ids", slot_ids, B, pool.shape[0], unique_live=True)
+        V.check_index("slot_ids", slot_ids, B, pool.shape[0], _SLOTS, unique_live=True)
         V.check_device(q.device, slot_ids=slot_ids)
         if out is not None:
             V.output(out, (B, v.shape[1], V.HEAD_DIM), q.dtype, q.device)
         _passed(key)
+    l2 = V.check_flag("use_qk_l2norm", use_qk_l2norm)
+    s = _scale(scale)
     a, b = _same_dtype(a, b)
     if out is None:
         out = torch.empty((q.shape[0], v.shape[1], V.HEAD_DIM), dtype=q.dtype, device=q.device)
-    _run("decode", q.device, q.dtype, q, k, v, pool, slot_ids, g=g, beta=beta, a=a, b=b,
-         A_log=A_log, dt_bias=dt_bias, use_qk_l2norm=bool(use_qk_l2norm), scale=_scale(scale), out=out)
+    _run("decode", q.device, q.dtype, q, k, v, pool, V.int32_index(slot_ids, q.device), g=g, beta=beta, a=a,
+         b=b, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm=l2, scale=s, out=out)
     return out
 
 
@@ -370,27 +330,30 @@ def gdn_verify(q, k, v, pool, slot_ids, cu_seqlens, intermediate, intermediate_i
         _check_verify(q, k, v, pool, slot_ids, cu_seqlens, intermediate, intermediate_ids,
                       g, beta, a, b, A_log, dt_bias, out)
         _passed(key)
+    l2 = V.check_flag("use_qk_l2norm", use_qk_l2norm)
+    s = _scale(scale)
     a, b = _same_dtype(a, b)
     if out is None:
         out = torch.empty((q.shape[0], v.shape[1], V.HEAD_DIM), dtype=q.dtype, device=q.device)
-    _run("verify", q.device, q.dtype, q, k, v, pool, slot_ids, cu_seqlens, intermediate,
-         intermediate_ids, g=g, beta=beta, a=a, b=b, A_log=A_log, dt_bias=dt_bias,
-         use_qk_l2norm=bool(use_qk_l2norm), scale=_scale(scale), out=out)
+    dev = q.device
+    _run("verify", dev, q.dtype, q, k, v, pool, V.int32_index(slot_ids, dev), cu_seqlens.to(torch.int32),
+         intermediate, V.int32_index(intermediate_ids, dev), g=g, beta=beta, a=a, b=b, A_log=A_log,
+         dt_bias=dt_bias, use_qk_l2norm=l2, scale=s, out=out)
     return out
 
 
 def _check_verify(q, k, v, pool, slot_ids, cu_seqlens, intermediate, intermediate_ids,
                   g, beta, a, b, A_log, dt_bias, out) -> None:
     T, Hk, Hv = _check_step_inputs(q, k, v, pool, g, beta, a, b, A_log, dt_bias)
-    V.check_dtype("intermediate", intermediate, (pool.dtype,))
-    V.check_shape("intermediate", intermediate, (None, None, Hv, V.HEAD_DIM, V.HEAD_DIM))
+    V.check_intermediate(intermediate, pool)
     cu = V.check_cu_seqlens("cu_seqlens", cu_seqlens, T)
     N = cu_seqlens.shape[0] - 1
     if cu is not None and max((b - a for a, b in zip(cu, cu[1:])), default=0) > intermediate.shape[1]:
         raise ValueError(f"cu_seqlens: expected at most intermediate.shape[1]={intermediate.shape[1]} "
                          "tokens per sequence")
-    V.check_index("slot_ids", slot_ids, N, pool.shape[0], unique_live=True)
-    V.check_index("intermediate_ids", intermediate_ids, N, intermediate.shape[0], unique_live=True)
+    V.check_index("slot_ids", slot_ids, N, pool.shape[0], _SLOTS, unique_live=True)
+    V.check_index("intermediate_ids", intermediate_ids, N, intermediate.shape[0], _INTER_SLOTS,
+                  unique_live=True)
     V.check_device(q.device, slot_ids=slot_ids, cu_seqlens=cu_seqlens, intermediate=intermediate,
                    intermediate_ids=intermediate_ids)
     if out is not None:
@@ -400,12 +363,31 @@ def _check_verify(q, k, v, pool, slot_ids, cu_seqlens, intermediate, intermediat
 def commit_verified(pool, slot_ids, intermediate, intermediate_ids, num_accepted):
     """Copy the state after the last accepted token into each main slot, in place.
 
-    ``num_accepted`` [N] ints: the state ``intermediate[intermediate_ids[i], num_accepted[i]-1]``
-    replaces ``pool[slot_ids[i]]``; 0 accepted tokens or a padding id leaves the slot as is.
+    ``num_accepted`` [N] ints in [0, D]: the state ``intermediate[intermediate_ids[i],
+    num_accepted[i]-1]`` replaces ``pool[slot_ids[i]]``; 0 accepted tokens or a padding id
+    leaves the slot as is. ``intermediate`` [S', D, Hv, 128, 128] must match the pool's dtype
+    and head count. Values are checked where they are on the CPU (or QLA_SERVE_DEBUG=1), as in
+    the other ops; argument metadata once per shape (the checks a step's later layers skip).
     """
-    N = slot_ids.shape[0]
-    V.check_dtype("intermediate", intermediate, (pool.dtype,))
-    V.check_index("slot_ids", slot_ids, N, pool.shape[0], unique_live=True)
-    V.check_index("intermediate_ids", intermediate_ids, N, intermediate.shape[0], unique_live=True)
-    V.check_index("num_accepted", num_accepted, N, intermediate.shape[1] + 1, unique_live=False)
-    _run("commit_verified", pool.device, None, pool, slot_ids, intermediate, intermediate_ids, num_accepted)
+    key = _checked_key("commit", (pool, slot_ids, intermediate, intermediate_ids, num_accepted),
+                       (slot_ids, intermediate_ids, num_accepted))
+    if _checks_due(key):
+        _check_commit(pool, slot_ids, intermediate, intermediate_ids, num_accepted)
+        _passed(key)
+    dev = pool.device
+    _run("commit_verified", dev, None, pool, V.int32_index(slot_ids, dev), intermediate,
+         V.int32_index(intermediate_ids, dev), num_accepted)
+
+
+def _check_commit(pool, slot_ids, intermediate, intermediate_ids, num_accepted) -> None:
+    V.check_pool(pool, None)
+    V.check_intermediate(intermediate, pool)
+    N = V.index_vector("slot_ids", slot_ids)
+    V.check_index("slot_ids", slot_ids, N, pool.shape[0], _SLOTS, unique_live=True)
+    V.check_index("intermediate_ids", intermediate_ids, N, intermediate.shape[0], _INTER_SLOTS,
+                  unique_live=True)
+    V.check_index("num_accepted", num_accepted, N, intermediate.shape[1] + 1,
+                  "accepted tokens, at most intermediate.shape[1], the draft depth", unique_live=False,
+                  padding=False)
+    V.check_device(pool.device, slot_ids=slot_ids, intermediate=intermediate,
+                   intermediate_ids=intermediate_ids, num_accepted=num_accepted)

@@ -39,13 +39,15 @@ from typing import Iterable, Sequence
 
 import torch
 
+from qla_serve._validate import ALL_STRATEGIES, CP_MODES, check_device_arg, check_plan_args, check_strategies
 from qla_serve.costmodel import CostModel, load_cost_model
+from qla_serve.paths import supported_prefill_strategies
 
 CHUNK = 64
-CP_MODES = ("auto", "off", "exact")
 ENV_CP = "QLA_SERVE_CP"
 V_SPLITS = (1, 2, 4)
-ALL_STRATEGIES = frozenset({"plain", "vsplit", "cp"})
+__all__ = ["ALL_STRATEGIES", "CHUNK", "CP_MODES", "ENV_CP", "PrefillPlan", "V_SPLITS", "cp_from_env", "force_plan",
+           "plan_prefill"]
 
 # Segment table columns.
 SEG_SEQ, SEG_FIRST_CHUNK, SEG_NUM_CHUNKS, SEG_CARRIED = range(4)
@@ -261,6 +263,11 @@ def _upload(lens: list[int], chunks: list[int], rows: Iterable[int], device: tor
     if device.type == "cuda":
         host = torch.empty(len(flat), dtype=torch.int32, pin_memory=True).copy_(host)
         buf = host.to(device, non_blocking=True)
+    elif device.type != "cpu":  # the plan's tensors live on its device, whatever that is
+        try:
+            buf = host.to(device)
+        except (RuntimeError, AssertionError) as exc:
+            raise ValueError(f"device: cannot put the plan's index tensors on {device}: {exc}") from None
     n1 = len(lens) + 1
     return host, buf[:n1], buf[n1:2 * n1], buf[2 * n1:].view(-1, 4)
 
@@ -281,30 +288,32 @@ def plan_prefill(seq_lens: Sequence[int], num_v_heads: int, num_k_heads: int, *,
     """Plan one prefill batch.
 
     Args:
-        seq_lens: CPU ints (list/tuple, or a CPU tensor), one per sequence; 0 is allowed.
+        seq_lens: CPU ints (list/tuple, or a 1-D integer CPU tensor), one per sequence; 0 is
+            allowed; at most 2**31 - 1 tokens in all (the index tensors are int32). Floats are
+            refused, never truncated.
         num_v_heads, num_k_heads: TP-local head counts (Hv % Hk == 0).
-        device: where the index tensors go (default: the current CUDA device, else CPU).
+        device: where the index tensors go, and the device the plan serves (gdn_prefill refuses
+            tensors elsewhere); default the current CUDA device, else CPU. A device this process
+            cannot use (e.g. "cuda" without CUDA) is refused by name.
         cp: "auto" | "off" | "exact" (see the module docstring).
         sm_count: SMs to plan for; default read once from the device, else the cost model's.
         arch: "sm90" | "sm100" cost model; default from the device, else sm90.
         supported_strategies: strategies the kernels implement; default asks the dispatcher.
+    Bad arguments raise TypeError / ValueError naming the argument, before anything is allocated.
     """
-    from qla_serve._validate import check_plan_args  # local: keeps plan import light
-
     lens = check_plan_args(seq_lens, num_v_heads, num_k_heads, cp, sm_count)
+    num_v_heads, num_k_heads = int(num_v_heads), int(num_k_heads)
     if device is None:
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:  # tensors report cuda:N; compare equal
-        device = torch.device("cuda", torch.cuda.current_device())
-    arch, sm_count = _resolve_arch(device, arch, sm_count)
+    device = check_device_arg(device)   # cuda -> cuda:N (tensors report it; compare equal)
+    arch, sm_count = _resolve_arch(device, arch, None if sm_count is None else int(sm_count))
     model = load_cost_model(arch)
     sm = sm_count or model.sm_count
     if supported_strategies is None:
-        from qla_serve.ops import supported_prefill_strategies
         supported_strategies = supported_prefill_strategies(device)
+    supported_strategies = check_strategies(supported_strategies)
     chunks = [(n + CHUNK - 1) // CHUNK for n in lens]
-    choice = _choose(model, chunks, num_v_heads, sm, cp, frozenset(supported_strategies))
+    choice = _choose(model, chunks, num_v_heads, sm, cp, supported_strategies)
     rows = _segment_rows(chunks, choice.segment_chunks)
     maps_vs = _maps_v_split(model, chunks, num_v_heads, sm, cp, choice.v_split, choice.segment_chunks)
     host, cu_t, off_t, seg_t = _upload(lens, chunks, rows, device)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from qla_serve._validate import HEAD_DIM, check_pool
+from qla_serve._validate import HEAD_DIM, as_index, check_device_arg, check_dtype, check_int, check_pool
 
 
 class PoolView:
@@ -21,7 +21,7 @@ class PoolView:
     """
 
     def __init__(self, pool: torch.Tensor, num_v_heads: int):
-        check_pool(pool, num_v_heads)
+        check_pool(pool, check_int("num_v_heads", num_v_heads, minimum=1, what="a positive int"))
         self.tensor = pool
 
     @property
@@ -38,6 +38,9 @@ class PoolView:
 
         The slot is the first Hv*128*128 elements of each block; the page stride stays.
         """
+        num_v_heads = check_int("num_v_heads", num_v_heads, minimum=1, what="a positive int")
+        if not isinstance(cache, torch.Tensor):
+            raise TypeError(f"cache: expected a torch.Tensor, got {type(cache).__name__}")
         slot = num_v_heads * HEAD_DIM * HEAD_DIM
         if cache.dim() < 1 or cache[0].numel() < slot:
             raise ValueError(f"cache: expected blocks of at least {slot} elements, got shape {list(cache.shape)}")
@@ -62,12 +65,11 @@ class StatePool:
     """
 
     def __init__(self, num_slots: int, num_v_heads: int, *, dtype=torch.float32, device="cpu"):
-        if not isinstance(num_slots, int) or num_slots <= 0:
-            raise ValueError(f"num_slots: expected a positive int, got {num_slots!r}")
-        if not isinstance(num_v_heads, int) or num_v_heads <= 0:
-            raise ValueError(f"num_v_heads: expected a positive int, got {num_v_heads!r}")
+        num_slots = check_int("num_slots", num_slots, minimum=1, what="a positive int")
+        num_v_heads = check_int("num_v_heads", num_v_heads, minimum=1, what="a positive int")
         if dtype not in (torch.float32, torch.bfloat16):
             raise TypeError(f"dtype: expected torch.float32 or torch.bfloat16, got {dtype}")
+        device = check_device_arg(device)
         self.tensor = torch.zeros(num_slots, num_v_heads, HEAD_DIM, HEAD_DIM, dtype=dtype, device=device)
         self._free = list(range(num_slots - 1, -1, -1))   # pop() hands out low ids first
         self._used: set[int] = set()
@@ -82,8 +84,7 @@ class StatePool:
 
     def allocate(self, n: int = 1) -> torch.Tensor:
         """Take ``n`` slots, zero their states, return their ids (int32, CPU)."""
-        if n < 0:
-            raise ValueError(f"n: expected >= 0, got {n}")
+        n = check_int("n", n, minimum=0, what="an int >= 0")
         if n > len(self._free):
             raise StatePoolError(f"allocate: {n} slots requested, {len(self._free)} of {self.num_slots} free")
         ids = [self._free.pop() for _ in range(n)]
@@ -116,8 +117,24 @@ class StatePool:
 
     @staticmethod
     def _ids(ids) -> list[int]:
+        """Slot ids as ints: an integer CPU tensor or an iterable of ints (a float is refused,
+        never truncated to another slot)."""
         if torch.is_tensor(ids):
             if ids.device.type != "cpu":
                 raise ValueError("ids: expected CPU ids (the pool's bookkeeping is host-side)")
-            return [int(x) for x in ids.reshape(-1).tolist()]
-        return [int(x) for x in ids]
+            check_dtype("ids", ids, (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8))
+            return ids.reshape(-1).tolist()
+        if isinstance(ids, (str, bytes)):
+            raise TypeError(f"ids: expected slot ids (ints), got {type(ids).__name__}")
+        try:
+            vals = list(ids)
+        except TypeError:
+            raise TypeError(f"ids: expected slot ids (an int tensor or a list of ints), got "
+                            f"{type(ids).__name__}") from None
+        out = []
+        for x in vals:
+            n = as_index(x)
+            if n is None:
+                raise TypeError(f"ids: expected ints, got {x!r} ({type(x).__name__})")
+            out.append(n)
+        return out

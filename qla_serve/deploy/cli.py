@@ -6,8 +6,9 @@
     qla-serve precompile (--config FILE|DIR ... | --heads 2/8 ...) [--arch sm_90a,sm_100a]
                          [--match REGEX] [--list] [--json OUT] [--no-progress] [--jobs N]
 
-Every handler returns its exit code: 0 ok, 1 a check or a build failed, 2 bad input
-(unreadable YAML, a bad --heads / --arch value).
+Every handler returns its exit code: 0 ok, 1 a check or a build failed (a config with bad
+fields), 2 bad input (a file that is missing, not text or not YAML; a bad --heads / --arch
+value). `config check`, `config render` and `precompile --config` agree on these.
 """
 
 from __future__ import annotations
@@ -17,19 +18,12 @@ import os
 import sys
 from typing import Optional
 
-from qla_serve.cli import parse_heads
+from qla_serve._cli_args import parse_heads, positive_int
 
-from .config import TARGETS, ConfigError, DeploymentConfig, check_config, load_config, read_yaml, resolve_config
+from .config import TARGETS, ConfigError, DeploymentConfig, check_config, read_yaml, resolve_config
 
-
-def _positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return n
+# Exit codes (module docstring).
+CHECK_FAILED, BAD_INPUT = 1, 2
 
 
 def _parse_arch(text: str) -> tuple[str, ...]:
@@ -60,42 +54,45 @@ def _config_files(paths: list[str]) -> list[str]:
 # --------------------------------------------------------------------------- config check / render
 
 
-def _cmd_check(args) -> int:
-    worst = 0
-    for path in _config_files(args.files):
-        try:
-            raw = read_yaml(path)
-        except ConfigError as e:
-            print(f"{path}: {e.problems[0]}", file=sys.stderr)
-            worst = max(worst, 2)
-            continue
-        cfg, problems = check_config(raw, path)
-        if problems:
-            for p in problems:
-                print(f"{path}: {p}", file=sys.stderr)
-            print(f"{path}: {len(problems)} problem(s)", file=sys.stderr)
-            worst = max(worst, 1)
-        else:
-            print(f"OK {path}: {cfg.summary()}")
-    return worst
-
-
-def _load_or_report(path: str) -> Optional[DeploymentConfig]:
+def _load_or_report(path: str, *, summary: bool = False) -> tuple[Optional[DeploymentConfig], int]:
+    """(config, 0), or (None, exit code) after printing every problem, each prefixed with the
+    file: BAD_INPUT for a file that cannot be read as YAML (missing, not UTF-8 text, bad YAML),
+    CHECK_FAILED for a config with bad fields. One rule for check, render and precompile."""
     try:
-        return load_config(path)
+        raw = read_yaml(path)
     except ConfigError as e:
         for p in e.problems:
             print(f"{path}: {p}", file=sys.stderr)
-        return None
+        return None, BAD_INPUT
+    cfg, problems = check_config(raw, path)
+    if problems:
+        for p in problems:
+            print(f"{path}: {p}", file=sys.stderr)
+        if summary:
+            print(f"{path}: {len(problems)} problem(s)", file=sys.stderr)
+        return None, CHECK_FAILED
+    return cfg, 0
+
+
+def _cmd_check(args) -> int:
+    worst = 0
+    for path in _config_files(args.files):   # every file, whatever the ones before it held
+        cfg, code = _load_or_report(path, summary=True)
+        worst = max(worst, code)
+        if cfg is not None:
+            print(f"OK {path}: {cfg.summary()}")
+    return worst
 
 
 def _cmd_render(args) -> int:
     from .render import compose_for, render_command, render_json
 
     files = _config_files(args.files)
-    configs = [_load_or_report(f) for f in files]
-    if any(c is None for c in configs):
-        return 1
+    loaded = [_load_or_report(f) for f in files]
+    worst = max(code for _, code in loaded)
+    if worst:
+        return worst
+    configs = [cfg for cfg, _ in loaded]
     if args.format == "compose":
         print(compose_for(configs, files), end="")
         return 0
@@ -122,12 +119,11 @@ def _cmd_precompile(args) -> int:
 
     requests: list[pc.HeadRequest] = []
     if args.config:
-        configs = []
-        for path in _config_files(args.config):
-            cfg = _load_or_report(path)
-            if cfg is None:
-                return 1
-            configs.append(cfg)
+        loaded = [_load_or_report(path) for path in _config_files(args.config)]
+        worst = max(code for _, code in loaded)
+        if worst:
+            return worst
+        configs = [cfg for cfg, _ in loaded]
         requests += pc.requests_from_configs(configs, args.arch)
     for hk, hv in args.heads or []:
         requests.append(pc.HeadRequest(hk, hv, args.arch or TARGETS, source=f"--heads {hk}/{hv}"))
@@ -201,7 +197,7 @@ def add_cli_commands(subparsers) -> None:
     pc.add_argument("--list", action="store_true", help="list the variant builds, compile nothing")
     pc.add_argument("--json", default=None, metavar="OUT", help="also write the summary as JSON")
     pc.add_argument("--no-progress", action="store_true", help="no progress bar (logs, CI)")
-    pc.add_argument("--jobs", "-j", type=_positive_int, default=1, metavar="N",
+    pc.add_argument("--jobs", "-j", type=positive_int, default=1, metavar="N",
                     help="build N variants at once in separate processes (default 1)")
     pc.set_defaults(fn=_precompile_entry(pc))
 

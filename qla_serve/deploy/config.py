@@ -359,13 +359,22 @@ def resolve_config(name: str) -> str:
 
 
 def read_yaml(path: str | os.PathLike) -> Any:
-    """Parse a YAML file; a missing file or bad YAML is a ConfigError (one problem)."""
+    """Parse a YAML file; a file that cannot be read as YAML (missing, a directory, unreadable,
+    not UTF-8 text, bad YAML) is a ConfigError with one problem, never a bare OSError or
+    UnicodeDecodeError: the CLI prints it beside the file's name and goes on to the next file."""
     path = os.fspath(path)
     try:
         with open(path, encoding="utf-8") as f:
             return yaml.load(f, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
     except FileNotFoundError:
         raise ConfigError(path, [Problem("", "file not found")]) from None
+    except IsADirectoryError:
+        raise ConfigError(path, [Problem("", "a directory, not a YAML file")]) from None
+    except OSError as e:
+        raise ConfigError(path, [Problem("", f"cannot read the file: {e.strerror or e}")]) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(path, [Problem("", f"not a UTF-8 text file (byte 0x{e.object[e.start]:02x} at "
+                                             f"offset {e.start}): expected a YAML config")]) from None
     except yaml.YAMLError as e:
         raise ConfigError(path, [Problem("", f"not valid YAML: {e}")]) from None
 

@@ -20,9 +20,8 @@ refused: docs/vllm.md.
 
 from __future__ import annotations
 
-BACKENDS = ("vllm", "flashqla")
-DEFAULT_BACKEND = "vllm"
-CONFIG_KEY = "linear_attn_backend"
+# Defined in plugin.py (which imports nothing of this package back: no import circle).
+from qla_serve.backends.vllm.plugin import BACKENDS, CONFIG_KEY, DEFAULT_BACKEND
 
 _registered = False
 

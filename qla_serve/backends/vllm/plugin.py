@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import logging
 
-from qla_serve.backends.vllm import BACKENDS, CONFIG_KEY, DEFAULT_BACKEND
+BACKENDS = ("vllm", "flashqla")
+DEFAULT_BACKEND = "vllm"
+CONFIG_KEY = "linear_attn_backend"
 
 log = logging.getLogger("vllm.qla_serve")  # under vLLM's logger: its handlers and format
 INSTALL_ERROR: str | None = None  # why the layer hooks could not be installed, if they could not
