@@ -131,16 +131,17 @@ def _run_nonspec(device, io_dtype, pool_dtype, seed=0):
         _close(conv[slot, :, :W - 1].double().cpu(), full[:, -(W - 1):], **tol)
         t0 += L
     assert torch.isnan(out[T:].float()).all(), "rows past num_actual_tokens must stay untouched"
-    for s in range(S):  # untouched slots (and the null block's SSM state) bit-identical
+    for s in range(S):  # untouched slots (the null block's included) bit-identical
         if s not in touched:
             assert torch.equal(ssm[s], ssm0[s]), f"ssm slot {s} changed"
-            if s != NULL:
-                assert torch.equal(conv[s], conv0[s]), f"conv slot {s} changed"
+            assert torch.equal(conv[s], conv0[s]), f"conv slot {s} changed"
 
 
-def _run_spec(device, io_dtype, pool_dtype, with_prefill, seed=1):
+def _run_spec(device, io_dtype, pool_dtype, with_prefill, seed=1, padded=False):
     """Spec decodes (D = 3: 2 drafts) with ragged lengths, a padding row, and optionally prefills
-    interleaved through token index permutations."""
+    interleaved through token index permutations. ``padded``: vLLM's padded spec batch under a
+    captured graph (gpu_model_runner.py ~4047, gdn_attn.py ~649 in vLLM 0.33): a 0-length row at
+    the end too, and num_actual_tokens 4 past the spec cu_seqlens' end."""
     gen = torch.Generator().manual_seed(seed)
     S, D = 20, 3
     conv, ssm = _cache(S, pool_dtype, device, gen, spec_cols=D - 1)
@@ -148,9 +149,15 @@ def _run_spec(device, io_dtype, pool_dtype, with_prefill, seed=1):
     w, bias, A_log, dt_bias = _weights(gen, device)
     spec_slots = [[4, 5, 6], [10, 11, 12], [NULL, NULL, NULL], [15, 16, 17]]
     spec_lens, accepted = [3, 2, 0, 3], [2, 1, 1, 3]
+    extra = 0
+    if padded:
+        spec_slots.append([NULL, NULL, NULL])
+        spec_lens.append(0)
+        accepted.append(1)
+        extra = 4
     pre_lens, pre_slots, pre_init = ([9, 1], [2, 8], [True, False]) if with_prefill else ([], [], [])
     Ts, Tp = sum(spec_lens), sum(pre_lens)
-    T = Ts + Tp
+    T = Ts + Tp + extra
     # Token order of the batch: prefill tokens and spec tokens interleaved (vLLM orders requests,
     # and maps each group through its own token index).
     perm = torch.randperm(T, generator=gen) if with_prefill else torch.arange(T)
@@ -173,9 +180,12 @@ def _run_spec(device, io_dtype, pool_dtype, with_prefill, seed=1):
         spec_token_idx=spec_idx.to(device) if with_prefill else None,
         non_spec_token_idx=non_idx.to(device) if with_prefill else None)
     out = torch.zeros(T, HV, D_HEAD, dtype=io_dtype, device=device)
+    out[Ts:] = 7.0   # padding tokens' rows (when padded) keep what the adapter put there
     GL.gdn_layer_forward(step, x, a, b, conv_weight=w, conv_bias=bias, activation="silu",
                          conv_state=conv, ssm_state=ssm, A_log=A_log, dt_bias=dt_bias,
                          num_k_heads=HK, out=out)
+    if padded:
+        assert (out[Ts:] == 7.0).all()
     tol = _tol(io_dtype if io_dtype != torch.float32 else pool_dtype)
     written = set()
     xs, as_, bs, os_ = (t[spec_idx.to(device)] for t in (x, a, b, out))
@@ -208,10 +218,13 @@ def _run_spec(device, io_dtype, pool_dtype, with_prefill, seed=1):
             _close(ssm[slot].double().cpu(), final, **tol)
             written.add(slot)
             t0 += L
+    conv_written = {row[0] for row in spec_slots if row[0] != NULL} | set(pre_slots)
     for s in range(S):
-        if s not in written and s != NULL:
-            # Slots of unaccepted/unused draft positions and of other requests: untouched SSM.
+        if s not in written:
+            # Slots of unaccepted/unused draft positions, of other requests and the null block.
             assert torch.equal(ssm[s], ssm0[s]), f"ssm slot {s} changed"
+        if s not in conv_written:
+            assert torch.equal(conv[s], conv0[s]), f"conv slot {s} changed"
 
 
 @pytest.mark.parametrize("io_dtype,pool_dtype", [(torch.float32, torch.float32),
@@ -227,25 +240,22 @@ def test_spec_batch_cpu(with_prefill, io_dtype):
     _run_spec("cpu", io_dtype, torch.float32, with_prefill)
 
 
+def test_padded_spec_batch_cpu():
+    _run_spec("cpu", torch.float32, torch.float32, False, padded=True)
+
+
 def test_step_plan_reuses_host_parts():
-    """A step with the same prefill lengths takes the previous step's plan and conv indices."""
+    """A step with the same prefill lengths takes the previous step's plan; a 0-length row's
+    slot becomes padding (-1) whatever the engine put there."""
     kw = dict(num_actual_tokens=5, num_v_heads=HV, num_k_heads=HK, conv_width=W, device="cpu",
-              prefill_lens=[3, 2], prefill_slots=torch.tensor([1, 2], dtype=torch.int32),
-              prefill_has_initial_state=torch.tensor([True, False]))
+              prefill_lens=[3, 2, 0], prefill_slots=torch.tensor([1, 2, 7], dtype=torch.int32),
+              prefill_has_initial_state=torch.tensor([True, False, True]))
     first = GL.make_step_plan(**kw)
     again = GL.make_step_plan(**kw, reuse=first)
-    assert again.prefill_plan is first.prefill_plan and again.prefill_conv is first.prefill_conv
-    other = GL.make_step_plan(**{**kw, "prefill_lens": [4, 1]}, reuse=first)
-    assert other.prefill_plan is not first.prefill_plan and other.prefill_plan.seq_lens == (4, 1)
-
-
-def test_prefill_conv_index_layout():
-    idx = GL.prefill_conv_index([2, 0, 1], 4, "cpu")
-    # region 0: rows 0-2 history, 3-4 tokens; region 1: rows 5-7 history; region 2: 8-10, 11
-    assert idx.x_rows.tolist() == [3, 4, 11]
-    assert idx.final_rows.tolist() == [[2, 3, 4], [5, 6, 7], [9, 10, 11]]
-    assert idx.win_rows[:, 0].tolist() == [0, 1, 2, 3]
-    assert idx.num_rows == 12
+    assert again.prefill_plan is first.prefill_plan
+    assert first.ids("prefill").tolist() == [1, 2, -1]
+    other = GL.make_step_plan(**{**kw, "prefill_lens": [4, 1, 0]}, reuse=first)
+    assert other.prefill_plan is not first.prefill_plan and other.prefill_plan.seq_lens == (4, 1, 0)
 
 
 def test_prefill_lens_must_match_slots():
@@ -271,3 +281,56 @@ def test_nonspec_mixed_batch_gpu(io_dtype, pool_dtype):
 @pytest.mark.parametrize("with_prefill", [False, True])
 def test_spec_batch_gpu(with_prefill):
     _run_spec("cuda", torch.bfloat16, torch.float32, with_prefill)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_padded_spec_batch_gpu():
+    _run_spec("cuda", torch.bfloat16, torch.float32, False, padded=True)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_padded_spec_batch_in_a_cuda_graph():
+    """vLLM's FULL decode graph: captured for 4 spec rows, replayed with 3 live and a padded
+    4th (0-length) row; was an out-of-bounds index assert before the layer kernels."""
+    gen = torch.Generator().manual_seed(11)
+    S, D, Nmax = 16, 2, 4
+    conv, ssm = _cache(S, torch.float32, "cuda", gen, spec_cols=D - 1)
+    w, bias, A_log, dt_bias = _weights(gen, "cuda")
+    T = Nmax * D
+    x = torch.randn(T, DIM, generator=gen).to("cuda", torch.bfloat16)
+    a, b = (torch.randn(T, HV, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
+    slots = torch.arange(1, 1 + Nmax * D, dtype=torch.int32, device="cuda").view(Nmax, D)
+    cu = torch.arange(0, T + 1, D, dtype=torch.int32, device="cuda")
+    acc = torch.ones(Nmax, dtype=torch.int32, device="cuda")
+    def step():  # vLLM builds fresh metadata for the capture run (its warm-up runs had their own)
+        return GL.make_step_plan(num_actual_tokens=T, num_v_heads=HV, num_k_heads=HK, conv_width=W,
+                                 device="cuda", spec_slots=slots, spec_cu_seqlens=cu, num_accepted=acc,
+                                 num_spec_tokens=T)
+    out = torch.zeros(T, HV, D_HEAD, dtype=torch.bfloat16, device="cuda")
+    kw = dict(conv_weight=w, conv_bias=bias, activation="silu", conv_state=conv, ssm_state=ssm,
+              A_log=A_log, dt_bias=dt_bias, num_k_heads=HK, out=out)
+    GL.gdn_layer_forward(step(), x, a, b, **kw)            # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    captured = step()
+    with torch.cuda.graph(graph):
+        GL.gdn_layer_forward(captured, x, a, b, **kw)
+        GL.gdn_layer_forward(captured, x, a, b, **kw)      # a second layer of the same step
+    # replay: the last row padded (null slots, 0 tokens), so cu ends at 3 * D < T
+    # (the engine's persistent buffers, rewritten in place before the replay)
+    padded = slots[3].tolist() + [NULL]
+    slots[3].fill_(NULL)
+    cu[4] = 3 * D
+    ssm0, conv0 = ssm.clone(), conv.clone()
+    # what one layer computes eagerly from the same caches (twice: the graph holds two layers)
+    ssm_e, conv_e, out_e = ssm.clone(), conv.clone(), torch.full_like(out, 7.0)
+    for _ in range(2):
+        GL.gdn_layer_forward(step(), x, a, b, **{**kw, "ssm_state": ssm_e, "conv_state": conv_e, "out": out_e})
+    out.fill_(7.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert (out[3 * D:] == 7.0).all()
+    assert torch.equal(out, out_e) and torch.equal(ssm, ssm_e) and torch.equal(conv, conv_e)
+    for s in padded:
+        assert torch.equal(ssm[s], ssm0[s]) and torch.equal(conv[s], conv0[s])

@@ -3,9 +3,9 @@
 Prefill: qla_serve.kernels.hopper.prefill_* built with target "sm_100a" (TileLang lowers the
 same tile programs -- TMA loads, T.gemm -- for the target; no Hopper-only intrinsic is written by
 hand). They compile for sm_100a (tests/kernels/test_prefill_compile.py) but have NOT been run
-on Blackwell hardware; no tcgen05/TMEM-specific tuning has been done. Decode/verify and the
-prefill inputs come from qla_serve.kernels.hopper.decode / prefill_inputs, which pick the target
-from the device.
+on Blackwell hardware; no tcgen05/TMEM-specific tuning has been done. Decode/verify, the
+prefill inputs and the layer's conv come from qla_serve.kernels.hopper.decode / prefill_inputs /
+conv, which pick the target from the device.
 """
 
 import functools
@@ -19,6 +19,10 @@ prefill = functools.partial(_prefill.prefill, _target=ARCH)
 prefill_inputs = _hopper.prefill_inputs
 decode = _hopper.decode
 verify = _hopper.verify
+verify_slots = _hopper.verify_slots
+conv_prefill = _hopper.conv_prefill
+conv_decode = _hopper.conv_decode
+conv_spec = _hopper.conv_spec
 commit_verified = _hopper.commit_verified
 TARGETS = ("sm_100a",)
 

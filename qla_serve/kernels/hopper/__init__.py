@@ -4,32 +4,39 @@
   strategies it implements are in ``SUPPORTED_STRATEGIES`` (the planner picks only those).
 * prefill_inputs (prefill_inputs.py): a prefill step's L2-normalised q/k and gates from raw
   a, b in one launch (what the engines' layers hand over, made into what prefill takes).
-* decode / verify / commit_verified (decode.py): single-token and speculative-verify steps.
+* decode / verify / verify_slots / commit_verified (decode.py): single-token and
+  speculative-verify steps (verify_slots: states straight into per-token pool slots).
+* conv_prefill / conv_decode / conv_spec (conv.py): the GDN layer's causal conv over the
+  engine's conv state; conv_prefill also does what prefill_inputs does (split, L2 norm, gates).
 
 ``kernel_variants`` is the union of the modules' variants (what ``qla-serve precompile``
 compiles); ``build`` dispatches on the variant's ``op``.
 """
 
+from . import conv as _conv
 from . import decode as _decode
 from . import prefill_api as _prefill
 from . import prefill_inputs as _inputs
-from .decode import commit_verified, decode, verify
+from .conv import conv_decode, conv_prefill, conv_spec
+from .decode import commit_verified, decode, verify, verify_slots
 from .prefill_api import SUPPORTED_STRATEGIES, prefill
 from .prefill_inputs import prefill_inputs
 
 ARCH = "sm_90a"
 TARGETS = ("sm_90a",)  # sm_100a builds come from qla_serve.kernels.blackwell
 
-__all__ = ["ARCH", "SUPPORTED_STRATEGIES", "TARGETS", "build", "commit_verified", "decode",
-           "kernel_variants", "prefill", "prefill_inputs", "verify"]
+__all__ = ["ARCH", "SUPPORTED_STRATEGIES", "TARGETS", "build", "commit_verified", "conv_decode",
+           "conv_prefill", "conv_spec", "decode", "kernel_variants", "prefill", "prefill_inputs",
+           "verify", "verify_slots"]
 
 
 def kernel_variants(num_v_heads: int, num_k_heads: int, target: str = ARCH) -> list[dict]:
-    """Prefill variants (the stage-2 forms target runs), the prefill-input variants, then
-    decode/verify/commit variants for these TP-local heads."""
+    """Prefill variants (the stage-2 forms target runs), the prefill-input variants, the
+    decode/verify/commit variants, then the layer's conv variants for these TP-local heads."""
     return (_prefill.kernel_variants(num_v_heads, num_k_heads, target)
             + _inputs.kernel_variants(num_v_heads, num_k_heads)
-            + _decode.kernel_variants(num_v_heads, num_k_heads))
+            + _decode.kernel_variants(num_v_heads, num_k_heads)
+            + _conv.kernel_variants(num_v_heads, num_k_heads))
 
 
 def build(variant: dict, target: str = ARCH):
@@ -38,4 +45,6 @@ def build(variant: dict, target: str = ARCH):
         return _prefill.build(variant, target)
     if variant.get("op") == "inputs":
         return _inputs.build(variant, target)
+    if str(variant.get("op", "")).startswith("conv"):
+        return _conv.build(variant, target)
     return _decode.build(variant, target)

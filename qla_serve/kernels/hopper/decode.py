@@ -136,6 +136,11 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
                     for l2 in (False, True):
                         out.append(_variant(op, num_v_heads, num_k_heads, io, pool, gating, ab,
                                             param, l2, bias=bias))
+    for io in _IO_DTYPES:  # the engine layers' spec step: raw gates, in-kernel l2norm
+        for pool in _POOL_DTYPES:
+            for param in ("float32", io):
+                out.append(_variant("verify_slots", num_v_heads, num_k_heads, io, pool, "ab", io,
+                                    param, True))
     for pool in _POOL_DTYPES:
         for acc in _ACC_DTYPES:
             out.append(_commit_variant(num_v_heads, pool, acc))
@@ -156,8 +161,8 @@ def _check_heads(hv: int, hk: int) -> None:
 
 def _check_variant(v: dict) -> None:
     _check_heads(v["num_v_heads"], v["num_k_heads"])
-    if v["op"] not in ("decode", "verify"):
-        raise ValueError(f"variant op: expected 'decode' or 'verify', got {v['op']!r}")
+    if v["op"] not in ("decode", "verify", "verify_slots"):
+        raise ValueError(f"variant op: expected 'decode', 'verify' or 'verify_slots', got {v['op']!r}")
     if v["io_dtype"] not in _IO_DTYPES:
         raise ValueError(f"q/k/v dtype: decode kernels support {_IO_DTYPES}, got {v['io_dtype']}")
     if v["pool_dtype"] not in _POOL_DTYPES:
@@ -393,6 +398,71 @@ def _program(variant: dict):
     al_shape, al_str = ((Hv,), (sal,)) if fused else ((Tt, Hv), (sal0, sal))
     dt_shape, dt_str = ((Hv,), (sdt,)) if fused else ((Tt, Hv), (sdt0, sdt))
 
+    @T.macro
+    def zero_rows(Out, bos, n, h, row0, lk):
+        if lk == 0:
+            for j in T.serial(n):
+                for r in T.unroll(R):
+                    Out[bos + j, h, row0 + r * _ROWS_PER_WARP_STEP] = T.cast(0.0, io)
+
+    if op == "verify_slots":
+        sl0 = T.dynamic("sl0")
+
+        @T.prim_func
+        def gdn_verify_slots(
+            Q: T.StridedTensor((Tt, Hk, HEAD_DIM), (sqb, sqh, 1), io),
+            Kt: T.StridedTensor((Tt, Hk, HEAD_DIM), (skb, skh, 1), io),
+            Vt: T.StridedTensor((Tt, Hv, HEAD_DIM), (svb, svh, 1), io),
+            Ga: T.StridedTensor((Tt, Hv), (sg0, sg1), gdt),
+            Gb: T.StridedTensor((Tt, Hv), (sb0, sb1), gdt),
+            A_log: T.StridedTensor(al_shape, al_str, prm),
+            dt_bias: T.StridedTensor(dt_shape, dt_str, bias),
+            Pool: T.StridedTensor((S, Hv, HEAD_DIM, HEAD_DIM), (sp, HEAD_DIM * HEAD_DIM, HEAD_DIM, 1), pdt),
+            Slots: T.StridedTensor((N, D), (sl0, 1), "int32"),
+            Acc: T.Tensor((N,), "int32"),
+            Cu: T.Tensor((N + 1,), "int32"),
+            Out: T.StridedTensor((Tt, Hv, HEAD_DIM), (sob, soh, 1), io),
+            scale: T.float32,
+        ):
+            # Sequence i starts from pool[Slots[i, Acc[i] - 1]]; the state after its token j goes
+            # to pool[Slots[i, j]] (j < min(len, D); ids < 0 are not written). A block reads its
+            # rows of the source state before it writes any slot, and no other block touches
+            # them, so a source slot that is also a destination is safe.
+            with T.Kernel(NV, Hv, N, threads=W * 32) as (bv, h, i):
+                if MIN_BLOCKS:
+                    T.annotate_min_blocks_per_sm(MIN_BLOCKS)
+                T.assume(sp % VEC == 0)
+                T.assume(sqb % VEC == 0)
+                T.assume(sqh % VEC == 0)
+                T.assume(skb % VEC == 0)
+                T.assume(skh % VEC == 0)
+                tx = T.get_thread_binding()
+                lk = tx % _LANES
+                row0 = bv * BV + (tx // 32) * (_ROWS_PER_WARP_STEP * R) + (tx % 32) // _LANES
+                st = T.alloc_local((R, _COLS), f32)
+                qv = T.alloc_local((_COLS,), f32)
+                kv = T.alloc_local((_COLS,), f32)
+                Sq = T.alloc_shared((W, HEAD_DIM), f32)
+                Sk = T.alloc_shared((W, HEAD_DIM), f32)
+                gb = T.alloc_local((2,), f32)
+                bos = Cu[i]
+                n = T.min(Cu[i + 1] - bos, D)
+                col = Acc[i] - 1
+                src = T.alloc_var("int32")
+                src = -1
+                if Slots[i, 0] >= 0 and col >= 0 and col < D:
+                    src = Slots[i, col]
+                if src >= 0:
+                    load_state(Pool, src, h, st, row0, lk)
+                    for j in T.serial(n):
+                        token(Q, Kt, Vt, Ga, Gb, A_log, dt_bias, Out, bos + j, h, tx, row0, lk, st, qv, kv, Sq, Sk, gb, scale)
+                        if Slots[i, j] >= 0:
+                            store_state(Pool, Slots[i, j], h, st, row0, lk)
+                else:
+                    zero_rows(Out, bos, n, h, row0, lk)
+
+        return gdn_verify_slots
+
     @T.prim_func
     def gdn_verify(
         Q: T.StridedTensor((Tt, Hk, HEAD_DIM), (sqb, sqh, 1), io),
@@ -443,10 +513,7 @@ def _program(variant: dict):
                     if j < D:
                         store_inter(Inter, iid, j, h, st, row0, lk)
             else:
-                if lk == 0:
-                    for j in T.serial(n):
-                        for r in T.unroll(R):
-                            Out[bos + j, h, row0 + r * _ROWS_PER_WARP_STEP] = T.cast(0.0, io)
+                zero_rows(Out, bos, n, h, row0, lk)
 
     return gdn_verify
 
@@ -672,6 +739,25 @@ def verify(q, k, v, pool, slot_ids, cu_seqlens, intermediate, intermediate_ids, 
         fn(q, k, v, a, b, A_log, dt_bias, pool, slot_ids, cu_seqlens, intermediate, intermediate_ids, out, s)
     else:
         fn(q, k, v, g, beta, g, beta, pool, slot_ids, cu_seqlens, intermediate, intermediate_ids, out, s)
+
+
+def verify_slots(q, k, v, pool, spec_slot_ids, num_accepted, cu_seqlens, *, a, b, A_log, dt_bias,
+                 use_qk_l2norm, scale, out):
+    """Speculative verify straight into per-token pool slots (vLLM's layout): sequence i starts
+    from ``pool[spec_slot_ids[i, num_accepted[i] - 1]]`` and the state after its token j goes to
+    ``pool[spec_slot_ids[i, j]]``; no intermediate buffer, no commit.
+
+    q, k [T, Hk, 128], v [T, Hv, 128]; a, b [T, Hv] + A_log, dt_bias [Hv]; spec_slot_ids
+    [N, D] int32 (unit column stride; < 0: not written; a row whose first id or source id is
+    < 0 is padding: zero outputs); num_accepted [N] int32; cu_seqlens [N+1] int32 (lengths
+    <= D); out [T, Hv, 128], rows past cu_seqlens[N] untouched.
+    """
+    if spec_slot_ids.shape[0] == 0:
+        return
+    fn = _lookup("verify_slots", q, pool, None, None, a, b, A_log, dt_bias, use_qk_l2norm)
+    _check_alignment(4 if pool.dtype == torch.float32 else 8, pool, q, k)
+    fn(q, k, v, a, b, A_log, dt_bias, pool, spec_slot_ids, num_accepted, cu_seqlens, out,
+       HEAD_DIM ** -0.5 if scale is None else float(scale))
 
 
 def commit_verified(pool, slot_ids, intermediate, intermediate_ids, num_accepted):

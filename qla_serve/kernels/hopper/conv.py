@@ -1,0 +1,502 @@
+"""TileLang kernels for the GDN layer's causal conv1d over the engine's conv state, in place.
+
+What an engine's GDN layer does between its input projection and the recurrence, for
+``x = mixed_qkv`` [T, dim] with ``dim = (2 Hk + Hv) 128`` (q | k | v channels), a depthwise
+causal conv of width W over each sequence, the sequence's history (the W-1 inputs before it)
+coming from and going back to the engine's conv state ``conv_state[slot, c, col]``::
+
+    e_s[p] = x[cu[s] + p]                       p >= 0 (the sequence's own inputs)
+    e_s[p] = conv_state[slot_s, c, W - 1 + p]   -(W-1) <= p < 0, when the slot has history,
+             0                                  otherwise (new sequence: a recycled slot may
+                                                hold inf/nan and is never read then)
+    y[t, c] = act(bias[c] + sum_i weight[c, i] * e_s[p - (W - 1) + i])     act: SiLU or none
+    afterwards conv_state[slot_s, c, i] = e_s[len_s - (W - 1) + i]        i < W - 1
+
+Four programs, one per engine call site (reference: kernels/reference_conv.py, the same
+formulas in torch; float64 truth in the layer tests):
+
+* ``conv_prefill``: the varlen prefill's conv *and* what gdn_prefill reads, in one pass: the
+  q | k | v split, q and k L2-normalised (fp32 math, stored in the variant's q/k dtype: fp16
+  where the Hopper prefill takes it), and g, beta from the raw a, b (as prefill_inputs.py).
+  Grid (token tiles of 32, 2 Hk + Hv channel blocks of 128): a thread owns one channel, loads
+  its tile's 32 + W - 1 inputs at once (independent loads), and takes history taps from the
+  conv state only at a sequence's first W - 1 tokens. A token's sequence is a binary search
+  in cu_seqlens (no per-token index tensors). q/k rows are normalised from shared memory, a
+  warp per token (lane: 4 channels, 5 xor-shuffles).
+* ``conv_prefill_state``: the prefill's conv-state write-back, a second launch: a sequence
+  spans several token tiles, and the tile that would write its new window cannot know that
+  the tile reading its old history has read it. Grid (sequences, channel blocks).
+* ``conv_decode``: one token per sequence: y and the shifted window (state <- [state[1:], x])
+  in one pass; the output [B, dim] feeds the decode kernel (which L2-normalises q/k and
+  applies the raw gates itself). A thread owns (sequence, channel), so its reads of the old
+  window precede its writes.
+* ``conv_spec``: vLLM's speculative sliding window: the state before the step starts at
+  column ``num_accepted - 1`` (clamped to [0, state_len - (W - 1)]); afterwards columns
+  [0, W - 2 + len) hold the last W - 2 history inputs and the step's tokens (columns past
+  that keep their values), so that the next step resumes from any accepted token. D (the
+  draft depth, spec slots' second dim) is static: a thread keeps W - 1 + D inputs in
+  registers.
+
+Padding: slot < 0 is never read or written (its sequence's conv runs from a zero history;
+decode and spec rows of padding sequences get zero outputs). Shapes are dynamic (token and
+sequence counts, slot count, state length and every stride: either conv-state layout works);
+heads, W, dtypes, activation and bias are static and name a variant.
+"""
+
+# No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
+from .decode import (_GATE_DTYPES, _IO_DTYPES, _PASS_CONFIGS, _TARGETS, _check_heads, _dtype_name,
+                     gate_dtype_names, launch_function)
+
+HEAD_DIM = 128
+TOKENS_PER_CTA = 32
+CONV_STATE_DTYPES = ("bfloat16", "float16", "float32")
+WIDTHS = (2, 3, 4, 5, 6, 7, 8)
+ACTIVATIONS = ("silu", "none")
+MAX_SEQS = 1 << 20            # the binary search runs 20 steps
+_SEARCH_STEPS = 20
+OPS = ("conv_prefill", "conv_prefill_state", "conv_decode", "conv_spec")
+
+
+def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weight: str | None = None,
+            activation: str = "silu", bias: bool = True, qk_out: str | None = None,
+            ab: str | None = None, param: str | None = None, gbias: str | None = None,
+            draft: int = 0) -> dict:
+    """A JSON-serialisable variant description; ``name`` identifies it.
+
+    io: x's dtype (and the outputs' but q/k's); state: the conv state's; weight: the conv
+    weight's and bias's (default io); qk_out: conv_prefill's q/k dtype (default io); ab,
+    param, gbias: conv_prefill's a/b, A_log, dt_bias dtypes; draft: conv_spec's D."""
+    weight = weight or io
+    if op not in OPS:
+        raise ValueError(f"variant op: expected one of {OPS}, got {op!r}")
+    _check_heads(hv, hk)
+    if width not in WIDTHS:
+        raise ValueError(f"conv width: expected one of {WIDTHS}, got {width}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+    for what, dtype, allowed in (("x", io, _IO_DTYPES), ("conv_state", state, CONV_STATE_DTYPES),
+                                 ("conv weight", weight, CONV_STATE_DTYPES)):
+        if dtype not in allowed:
+            raise ValueError(f"{what} dtype: expected one of {allowed}, got {dtype}")
+    v = {"op": op, "num_v_heads": hv, "num_k_heads": hk, "width": width, "io_dtype": io,
+         "state_dtype": state, "weight_dtype": weight, "activation": activation, "bias": bool(bias)}
+    name = f"gdn_{op}_hv{hv}_hk{hk}_w{width}_{io}_state-{state}_wt-{weight}_{activation}_b{int(bias)}"
+    if op == "conv_prefill":
+        qk_out = qk_out or io
+        for what, dtype, allowed in (("q_out", qk_out, _IO_DTYPES), ("a", ab, _GATE_DTYPES),
+                                     ("A_log", param, _GATE_DTYPES), ("dt_bias", gbias, _GATE_DTYPES)):
+            if dtype not in allowed:
+                raise ValueError(f"{what} dtype: expected one of {allowed}, got {dtype}")
+        v.update(qk_dtype=qk_out, ab_dtype=ab, param_dtype=param, bias_dtype=gbias)
+        name += f"_qk-{qk_out}_ab-{ab}-{param}-{gbias}"
+    if op == "conv_spec":
+        if not (isinstance(draft, int) and 1 <= draft <= 16):
+            raise ValueError(f"draft depth: expected 1..16 tokens per sequence, got {draft}")
+        v["draft"] = draft
+        name += f"_d{draft}"
+    v["name"] = name
+    return v
+
+
+def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
+    """What the engine layers hit with Qwen3-Next / Qwen3.5 (width 4, SiLU, bias or not, the
+    conv state in the model dtype, weights in the model dtype): per model dtype, the prefill
+    conv (q/k fp16 from bf16 as the layers ask; gates as a/b in the model dtype with fp32
+    A_log/dt_bias, vLLM's parameters), its state write-back, decode, and spec at D = 2..4
+    (MTP k = 1..3). Others compile on first use (same cache)."""
+    out = []
+    for io in _IO_DTYPES:
+        for has_bias in (False, True):
+            common = dict(bias=has_bias)
+            out.append(variant("conv_prefill", num_v_heads, num_k_heads, 4, io, io, qk_out="float16",
+                               ab=io, param="float32", gbias="float32", **common))
+            out.append(variant("conv_prefill_state", num_v_heads, num_k_heads, 4, io, io, **common))
+            out.append(variant("conv_decode", num_v_heads, num_k_heads, 4, io, io, **common))
+            for d in (2, 3, 4):
+                out.append(variant("conv_spec", num_v_heads, num_k_heads, 4, io, io, draft=d, **common))
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# TileLang programs
+# ----------------------------------------------------------------------------------------
+
+def _program(v: dict):
+    import tilelang.language as T
+
+    op, Hv, Hk, W = v["op"], v["num_v_heads"], v["num_k_heads"], v["width"]
+    io, sdt, wdt = v["io_dtype"], v["state_dtype"], v["weight_dtype"]
+    silu, has_bias = v["activation"] == "silu", v["bias"]
+    f32, i32 = "float32", "int32"
+    NH = 2 * Hk + Hv                  # channel blocks of 128
+    DIM = NH * HEAD_DIM
+    H = W - 1                         # history length
+    S, L, N = T.dynamic("S L N")
+    sx0, sc0, sc1, sc2, sw0, sw1 = T.dynamic("sx0 sc0 sc1 sc2 sw0 sw1")
+
+    def conv_state_t():
+        return T.StridedTensor((S, DIM, L), (sc0, sc1, sc2), sdt)
+
+    def weight_t():
+        return T.StridedTensor((DIM, W), (sw0, sw1), wdt)
+
+    @T.macro
+    def load_weights(Wt, Bias, c, w, bias_v):
+        for i in T.unroll(W):
+            w[i] = T.cast(Wt[c, i], f32)
+        if has_bias:
+            bias_v[0] = T.cast(Bias[c], f32)
+        else:
+            bias_v[0] = 0.0
+
+    def act(y):
+        return y / (1.0 + T.exp(-y)) if silu else y
+
+    if op == "conv_prefill":
+        return _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, load_weights, act)
+
+    if op == "conv_prefill_state":
+        ntok = T.dynamic("ntok")
+
+        @T.prim_func
+        def gdn_conv_prefill_state(
+            X: T.StridedTensor((ntok, DIM), (sx0, 1), io),
+            CS: conv_state_t(),
+            Slots: T.Tensor((N,), i32),
+            HasInit: T.Tensor((N,), "int8"),
+            Cu: T.Tensor((N + 1,), i32),
+        ):
+            with T.Kernel(N, NH, threads=HEAD_DIM) as (s, hb):
+                c = hb * HEAD_DIM + T.get_thread_binding()
+                slot = Slots[s]
+                win = T.alloc_local((H,), f32)
+                if slot >= 0:
+                    bos = Cu[s]
+                    n = Cu[s + 1] - bos
+                    hist = HasInit[s] != 0
+                    for i in T.unroll(H):
+                        p = n - H + i                      # e_s[p], p >= -(W-1)
+                        win[i] = 0.0
+                        if p >= 0:
+                            win[i] = T.cast(X[bos + p, c], f32)
+                        else:
+                            if hist:
+                                win[i] = T.cast(CS[slot, c, H + p], f32)
+                    for i in T.unroll(H):
+                        CS[slot, c, i] = T.cast(win[i], sdt)
+
+        return gdn_conv_prefill_state
+
+    if op == "conv_decode":
+        B = T.dynamic("B")
+        sy0 = T.dynamic("sy0")
+
+        @T.prim_func
+        def gdn_conv_decode(
+            X: T.StridedTensor((B, DIM), (sx0, 1), io),
+            CS: conv_state_t(),
+            Wt: weight_t(),
+            Bias: T.Tensor((DIM,), wdt),
+            Slots: T.Tensor((B,), i32),
+            Y: T.StridedTensor((B, DIM), (sy0, 1), io),
+        ):
+            with T.Kernel(B, NH, threads=HEAD_DIM) as (i, hb):
+                c = hb * HEAD_DIM + T.get_thread_binding()
+                slot = Slots[i]
+                w = T.alloc_local((W,), f32)
+                bias_v = T.alloc_local((1,), f32)
+                win = T.alloc_local((W,), f32)
+                if slot >= 0:
+                    load_weights(Wt, Bias, c, w, bias_v)
+                    for j in T.unroll(H):
+                        win[j] = T.cast(CS[slot, c, j], f32)
+                    win[H] = T.cast(X[i, c], f32)
+                    y = T.alloc_var(f32)
+                    y = bias_v[0]
+                    for j in T.unroll(W):
+                        y += w[j] * win[j]
+                    for j in T.unroll(H):
+                        CS[slot, c, j] = T.cast(win[j + 1], sdt)
+                    Y[i, c] = T.cast(act(y), io)
+                else:
+                    Y[i, c] = T.cast(0.0, io)
+
+        return gdn_conv_decode
+
+    # conv_spec
+    D = v["draft"]
+    Ts = T.dynamic("Ts")
+    sy0 = T.dynamic("sy0")
+
+    @T.prim_func
+    def gdn_conv_spec(
+        X: T.StridedTensor((Ts, DIM), (sx0, 1), io),
+        CS: conv_state_t(),
+        Wt: weight_t(),
+        Bias: T.Tensor((DIM,), wdt),
+        Slots: T.Tensor((N,), i32),
+        Acc: T.Tensor((N,), i32),
+        Cu: T.Tensor((N + 1,), i32),
+        Y: T.StridedTensor((Ts, DIM), (sy0, 1), io),
+    ):
+        with T.Kernel(N, NH, threads=HEAD_DIM) as (s, hb):
+            c = hb * HEAD_DIM + T.get_thread_binding()
+            slot = Slots[s]
+            bos = Cu[s]
+            n = T.min(Cu[s + 1] - bos, D)    # ops' contract: len <= D; never past the window
+            w = T.alloc_local((W,), f32)
+            bias_v = T.alloc_local((1,), f32)
+            win = T.alloc_local((H + D,), f32)
+            if slot >= 0:
+                load_weights(Wt, Bias, c, w, bias_v)
+                off = T.max(T.min(Acc[s] - 1, L - H), 0)
+                for j in T.unroll(H):
+                    win[j] = T.cast(CS[slot, c, off + j], f32)
+                for j in T.unroll(D):
+                    win[H + j] = 0.0
+                    if j < n:
+                        win[H + j] = T.cast(X[bos + j, c], f32)
+                for j in T.unroll(D):
+                    if j < n:
+                        y = T.alloc_var(f32)
+                        y = bias_v[0]
+                        for i in T.unroll(W):
+                            y += w[i] * win[j + i]
+                        Y[bos + j, c] = T.cast(act(y), io)
+                for col in T.unroll(H - 1 + D):
+                    if col < H - 1 + n:
+                        CS[slot, c, col] = T.cast(win[col + 1], sdt)
+            else:
+                for j in T.unroll(D):
+                    if j < n:
+                        Y[bos + j, c] = T.cast(0.0, io)
+
+    return gdn_conv_spec
+
+
+def _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, load_weights, act):
+    """conv_prefill: conv + split + q/k L2 norm + gates for a varlen batch (module docstring)."""
+    Hv, Hk, W = v["num_v_heads"], v["num_k_heads"], v["width"]
+    io, qk = v["io_dtype"], v["qk_dtype"]
+    ab, prm, gb = v["ab_dtype"], v["param_dtype"], v["bias_dtype"]
+    f32, i32 = "float32", "int32"
+    TPB = TOKENS_PER_CTA
+    ROWS = TPB + H                       # inputs a tile's tokens read
+    ntok, S, L, N = T.dynamic("ntok S L N")
+    sx0, sa0, sa1, sb0, sb1, sal, sdt = T.dynamic("sx0 sa0 sa1 sb0 sb1 sal sdt")
+
+    @T.macro
+    def find_sequences(Cu, Slots, HasInit, t0, tx, bos_s, hist_s):
+        # Token t0 + tx's sequence: the last s with cu[s] <= t (binary search; N < 2^20).
+        if tx < TPB:
+            t = t0 + tx
+            lo = T.alloc_var(i32)
+            hi = T.alloc_var(i32)
+            lo = 0
+            hi = N
+            for _ in T.serial(_SEARCH_STEPS):
+                if hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    if Cu[mid] <= t:
+                        lo = mid
+                    else:
+                        hi = mid
+            bos_s[tx] = Cu[lo]
+            # the slot to read history from, or -1: padding, or a new sequence
+            hist_s[tx] = T.if_then_else(HasInit[lo] != 0, Slots[lo], -1)
+        T.sync_threads()
+
+    @T.macro
+    def conv_tile(X, CS, t0, c, tx, w, bias_v, xr, bos_s, hist_s, Ys):
+        # xr[r] = x[t0 - H + r, c]: all of the tile's inputs in flight at once; Ys[j, tx] = y.
+        for r in T.unroll(ROWS):
+            xr[r] = 0.0
+            if t0 - H + r >= 0 and t0 - H + r < ntok:
+                xr[r] = T.cast(X[t0 - H + r, c], f32)
+        for j in T.unroll(TPB):
+            if t0 + j < ntok:
+                p = t0 + j - bos_s[j]            # position in its sequence
+                y = T.alloc_var(f32)
+                y = bias_v[0]
+                for i in T.unroll(W):
+                    if p - H + i >= 0:
+                        y += w[i] * xr[j + i]
+                    else:
+                        if hist_s[j] >= 0:       # a tap before the sequence: its history
+                            y += w[i] * T.cast(CS[hist_s[j], c, p + i], f32)
+                Ys[j, tx] = act(y)
+
+    @T.prim_func
+    def gdn_conv_prefill(
+        X: T.StridedTensor((ntok, DIM), (sx0, 1), io),
+        CS: conv_state_t(),
+        Wt: weight_t(),
+        Bias: T.Tensor((DIM,), v["weight_dtype"]),
+        Slots: T.Tensor((N,), i32),
+        HasInit: T.Tensor((N,), "int8"),
+        Cu: T.Tensor((N + 1,), i32),
+        A: T.StridedTensor((ntok, Hv), (sa0, sa1), ab),
+        Bt: T.StridedTensor((ntok, Hv), (sb0, sb1), ab),
+        A_log: T.StridedTensor((Hv,), (sal,), prm),
+        dt_bias: T.StridedTensor((Hv,), (sdt,), gb),
+        Qo: T.Tensor((ntok, Hk, HEAD_DIM), qk),
+        Ko: T.Tensor((ntok, Hk, HEAD_DIM), qk),
+        Vo: T.Tensor((ntok, Hv, HEAD_DIM), io),
+        Go: T.Tensor((ntok, Hv), f32),
+        Bo: T.Tensor((ntok, Hv), f32),
+    ):
+        with T.Kernel(T.ceildiv(ntok, TPB), NH, threads=HEAD_DIM) as (bx, hb):
+            tx = T.get_thread_binding()
+            t0 = bx * TPB
+            c = hb * HEAD_DIM + tx
+            bos_s = T.alloc_shared((TPB,), i32)
+            hist_s = T.alloc_shared((TPB,), i32)
+            Ys = T.alloc_shared((TPB, HEAD_DIM), f32)
+            w = T.alloc_local((W,), f32)
+            bias_v = T.alloc_local((1,), f32)
+            xr = T.alloc_local((ROWS,), f32)
+            x4 = T.alloc_local((4,), f32)
+            find_sequences(Cu, Slots, HasInit, t0, tx, bos_s, hist_s)
+            load_weights(Wt, Bias, c, w, bias_v)
+            conv_tile(X, CS, t0, c, tx, w, bias_v, xr, bos_s, hist_s, Ys)
+            if hb >= 2 * Hk:                     # v channels: straight out (own rows of Ys)
+                for j in T.unroll(TPB):
+                    if t0 + j < ntok:
+                        Vo[t0 + j, hb - 2 * Hk, tx] = T.cast(Ys[j, tx], io)
+            else:                                # q/k channels: normalised per token row
+                T.sync_threads()
+                warp = tx // 32
+                lane = tx % 32
+                for step in T.serial(TPB // 4):
+                    j = step * 4 + warp
+                    if t0 + j < ntok:
+                        for e in T.vectorized(4):
+                            x4[e] = Ys[j, lane * 4 + e]
+                        s = T.alloc_var(f32)
+                        s = x4[0] * x4[0] + x4[1] * x4[1] + x4[2] * x4[2] + x4[3] * x4[3]
+                        for m in T.unroll(5):
+                            s += T.shfl_xor(s, 1 << m)
+                        r = T.rsqrt(s + 1e-6)
+                        if hb < Hk:
+                            for e in T.vectorized(4):
+                                Qo[t0 + j, hb, lane * 4 + e] = T.cast(x4[e] * r, qk)
+                        else:
+                            for e in T.vectorized(4):
+                                Ko[t0 + j, hb - Hk, lane * 4 + e] = T.cast(x4[e] * r, qk)
+            if hb < Hv and tx < TPB:             # gates of v-head hb for the tile's tokens
+                t = t0 + tx
+                if t < ntok:
+                    xg = T.cast(A[t, hb], f32) + T.cast(dt_bias[hb], f32)
+                    Go[t, hb] = -T.exp(T.cast(A_log[hb], f32)) * T.if_then_else(xg > 20.0, xg, T.log1p(T.exp(xg)))
+                    Bo[t, hb] = 1.0 / (1.0 + T.exp(-T.cast(Bt[t, hb], f32)))
+
+    return gdn_conv_prefill
+
+
+def build(v: dict, target: str):
+    """Compile variant ``v`` for ``target`` ("sm_90a" or "sm_100a") through TileLang's cache."""
+    import tilelang
+
+    if target not in _TARGETS:
+        raise ValueError(f"target: expected one of {_TARGETS}, got {target!r}")
+    return tilelang.compile(_program(v), target={"kind": "cuda", "arch": target},
+                            execution_backend="tvm_ffi", pass_configs=dict(_PASS_CONFIGS))
+
+
+# ----------------------------------------------------------------------------------------
+# Launchers (ops validated the arguments; these only name the variant and launch)
+# ----------------------------------------------------------------------------------------
+
+# (op, device, dtypes..., heads, width, activation, bias?, extra) -> the raw launch function
+_FAST: dict[tuple, object] = {}
+_ZEROS: dict[tuple, object] = {}
+
+
+def _launch_fn(key: tuple, make_variant, device):
+    fn = _FAST.get(key)
+    if fn is None:
+        fn = _FAST[key] = launch_function(make_variant(), device, build)
+    return fn
+
+
+def _bias_arg(bias, weight):
+    """The bias, or (bias None) a cached zero vector the no-bias variant never reads."""
+    if bias is not None:
+        return bias
+    key = (weight.device, weight.dtype, weight.shape[0])
+    z = _ZEROS.get(key)
+    if z is None:
+        import torch
+        z = _ZEROS[key] = torch.zeros(weight.shape[0], dtype=weight.dtype, device=weight.device)
+    return z
+
+
+def _names(x, conv_state, weight):
+    return (_dtype_name(x.dtype, "mixed_qkv", _IO_DTYPES),
+            _dtype_name(conv_state.dtype, "conv_state", CONV_STATE_DTYPES),
+            _dtype_name(weight.dtype, "conv_weight", CONV_STATE_DTYPES))
+
+
+def conv_prefill(x, conv_state, weight, bias, slot_ids, has_initial_state, cu_seqlens, a, b, A_log,
+                 dt_bias, *, activation, q_out, k_out, v_out, g_out, beta_out) -> None:
+    """x [T, dim] (unit channel stride), conv_state [S, dim, L], weight [dim, W], bias [dim] or
+    None, slot_ids [N] int32, has_initial_state [N] int8 (a bool tensor's view), cu_seqlens
+    [N+1] int32, a, b [T, Hv], A_log, dt_bias [Hv] -> q_out, k_out [T, Hk, 128], v_out
+    [T, Hv, 128], g_out, beta_out [T, Hv] fp32 (contiguous); then the conv-state write-back."""
+    T_, N = x.shape[0], slot_ids.shape[0]
+    hv, hk, width = v_out.shape[1], q_out.shape[1], weight.shape[1]
+    if T_:
+        key = ("conv_prefill", x.device, x.dtype, conv_state.dtype, weight.dtype, q_out.dtype, a.dtype,
+               A_log.dtype, dt_bias.dtype, hv, hk, width, activation, bias is not None)
+
+        def make():
+            io, sdt, wdt = _names(x, conv_state, weight)
+            ab, prm, gb = gate_dtype_names(a, b, A_log, dt_bias)
+            return variant("conv_prefill", hv, hk, width, io, sdt, weight=wdt, activation=activation,
+                           bias=bias is not None, qk_out=_dtype_name(q_out.dtype, "q_out", _IO_DTYPES),
+                           ab=ab, param=prm, gbias=gb)
+        _launch_fn(key, make, x.device)(x, conv_state, weight, _bias_arg(bias, weight), slot_ids,
+                                        has_initial_state, cu_seqlens, a, b, A_log, dt_bias,
+                                        q_out, k_out, v_out, g_out, beta_out)
+    if N:
+        key = ("conv_prefill_state", x.device, x.dtype, conv_state.dtype, hv, hk, width)
+
+        def make_state():
+            io, sdt, wdt = _names(x, conv_state, weight)
+            return variant("conv_prefill_state", hv, hk, width, io, sdt, weight=wdt)
+        _launch_fn(key, make_state, x.device)(x, conv_state, slot_ids, has_initial_state, cu_seqlens)
+
+
+def conv_decode(x, conv_state, weight, bias, slot_ids, *, num_v_heads, activation, out) -> None:
+    """x [B, dim], conv_state [S, dim, L >= W-1], slot_ids [B] int32 -> out [B, dim] (x's dtype);
+    the window shifts by one in place."""
+    if x.shape[0] == 0:
+        return
+    hk = (x.shape[1] // HEAD_DIM - num_v_heads) // 2
+    key = ("conv_decode", x.device, x.dtype, conv_state.dtype, weight.dtype, num_v_heads, hk,
+           weight.shape[1], activation, bias is not None)
+
+    def make():
+        io, sdt, wdt = _names(x, conv_state, weight)
+        return variant("conv_decode", num_v_heads, hk, weight.shape[1], io, sdt, weight=wdt,
+                       activation=activation, bias=bias is not None)
+    _launch_fn(key, make, x.device)(x, conv_state, weight, _bias_arg(bias, weight), slot_ids, out)
+
+
+def conv_spec(x, conv_state, weight, bias, slot_ids, num_accepted, cu_seqlens, *, num_v_heads,
+              draft, activation, out) -> None:
+    """x [Ts, dim] packed by cu_seqlens [N+1] int32 (lengths <= draft), slot_ids [N] int32
+    (each sequence's conv slot), num_accepted [N] int32 -> out [Ts, dim] on the sequences'
+    rows (rows past cu_seqlens[N] untouched); vLLM's sliding window updated in place."""
+    if slot_ids.shape[0] == 0:
+        return
+    hk = (x.shape[1] // HEAD_DIM - num_v_heads) // 2
+    key = ("conv_spec", x.device, x.dtype, conv_state.dtype, weight.dtype, num_v_heads, hk,
+           weight.shape[1], activation, bias is not None, draft)
+
+    def make():
+        io, sdt, wdt = _names(x, conv_state, weight)
+        return variant("conv_spec", num_v_heads, hk, weight.shape[1], io, sdt, weight=wdt,
+                       activation=activation, bias=bias is not None, draft=draft)
+    _launch_fn(key, make, x.device)(x, conv_state, weight, _bias_arg(bias, weight), slot_ids,
+                                    num_accepted, cu_seqlens, out)

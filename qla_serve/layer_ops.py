@@ -1,0 +1,277 @@
+"""The GDN layer's ops around the core: the causal conv over an engine's conv state, fused with
+what the core reads, and speculative verify straight into per-token state slots.
+
+An engine's GDN layer hands over ``mixed_qkv`` [T, (2 Hk + Hv) 128] (q | k | v before the
+conv), raw gate logits a, b [T, Hv], and its caches: a conv state [S, dim, L] and the SSM state
+pool [S, Hv, 128, 128]. These ops turn that into the core's inputs in one or two launches on
+the TileLang path (kernels/hopper/conv.py; math in its docstring), instead of the ~30 torch
+launches and a float32 copy of the whole conv input a torch layer spends:
+
+    q, k, v, g, beta = gdn_layer_prefill_inputs(...)   conv + split + L2 norm + gates, then the
+                                                       conv-state write-back (2 launches)
+    y = causal_conv_decode(...)                        one token per sequence (1 launch), for
+                                                       gdn_decode(..., use_qk_l2norm=True)
+    y = causal_conv_spec(...)                          vLLM's speculative window (1 launch)
+    o = gdn_verify_slots(...)                          verify, each draft token's state into
+                                                       its own pool slot (1 launch, no scratch)
+
+Paths as in ops.py: ``tilelang`` (Hopper/Blackwell), else the torch reference
+(kernels/reference_conv.py; CPU tensors, and any GPU without qla_serve kernels, where it syncs
+once per call). Slot ids < 0 are padding: never read or written. Arguments are checked from
+host metadata once per metadata set (as ops.py's decode/verify; prefill per plan), never by
+reading the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qla_serve import _validate as V
+from qla_serve.kernels import reference_conv
+from qla_serve.ops import _checked_key, _checks_due, _passed, _path, kernel_module, prefill_qk_dtype
+
+ACTIVATIONS = ("silu", None)
+CONV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _run(op: str, device: torch.device, io_dtype, *args, **kwargs) -> None:
+    if _path(op, device, io_dtype) == "tilelang":
+        from qla_serve.ops import _arch_of
+        mod = kernel_module(_arch_of(device.index if device.index is not None else torch.cuda.current_device()))
+    else:
+        mod = reference_conv
+    getattr(mod, op)(*args, **kwargs)
+
+
+def _activation(activation) -> str:
+    if activation in ("silu", "swish", True):
+        return "silu"
+    if activation in (None, False, "none", "identity"):
+        return "none"
+    raise ValueError(f"activation: expected 'silu' or None, got {activation!r}")
+
+
+def _check_conv(x, conv_state, conv_weight, conv_bias, dim: int, min_cols: int) -> int:
+    """x [T, dim] (unit channel stride), conv_state [S, dim, L >= min_cols], conv_weight
+    [dim, W], conv_bias [dim] or None. Returns W."""
+    V.check_dtype("mixed_qkv", x, (torch.bfloat16, torch.float16, torch.float32))
+    V.check_shape("mixed_qkv", x, (None, dim))
+    if x.shape[0] and x.stride(1) != 1:
+        raise ValueError(f"mixed_qkv: expected unit stride along the channels, got strides {tuple(x.stride())}")
+    V.check_dtype("conv_weight", conv_weight, CONV_DTYPES)
+    if conv_weight.dim() != 2 or conv_weight.shape[0] != dim or not 2 <= conv_weight.shape[1] <= 8:
+        raise ValueError(f"conv_weight: expected [{dim}, W] with width W in 2..8, got {list(conv_weight.shape)}")
+    W = conv_weight.shape[1]
+    if conv_bias is not None:
+        V.check_dtype("conv_bias", conv_bias, (conv_weight.dtype,))
+        V.check_shape("conv_bias", conv_bias, (dim,))
+        if not conv_bias.is_contiguous():
+            raise ValueError("conv_bias: expected a contiguous vector")
+    V.check_dtype("conv_state", conv_state, CONV_DTYPES)
+    V.check_shape("conv_state", conv_state, (None, dim, None))
+    if conv_state.shape[2] < min_cols:
+        raise ValueError(f"conv_state: expected at least {min_cols} columns (conv width {W}), "
+                         f"got {conv_state.shape[2]}")
+    V.check_device(x.device, conv_state=conv_state, conv_weight=conv_weight, conv_bias=conv_bias)
+    return W
+
+
+def _int32(x: torch.Tensor, device) -> torch.Tensor:
+    return x.to(device, torch.int32, non_blocking=True)
+
+
+def gdn_layer_prefill_inputs(mixed_qkv, a, b, conv_state, slot_ids, plan, *, conv_weight,
+                             conv_bias=None, activation="silu", has_initial_state=None, A_log,
+                             dt_bias, num_k_heads: int, qk_dtype=None):
+    """A varlen prefill's conv over the conv state, and what :func:`qla_serve.gdn_prefill` reads.
+
+    Args:
+        mixed_qkv: [T, (2 Hk + Hv) 128] bf16/fp16 (fp32: reference path), unit channel stride
+            (a row-strided view of a fused projection is fine); T == plan.total_tokens.
+        a, b: [T, Hv] raw gate logits; A_log, dt_bias: [Hv] (each in its own dtype).
+        conv_state: [S, dim, L] (either memory layout), L >= W - 1, updated in place: each
+            live slot's first W - 1 columns end holding its sequence's last W - 1 inputs.
+        slot_ids: [N] (one per plan sequence; < 0 padding: zero history, nothing written).
+        plan: :func:`qla_serve.plan_prefill` for the batch (its device cu_seqlens are used).
+        conv_weight: [dim, W]; conv_bias: [dim] or None; activation: "silu" or None.
+        has_initial_state: [N] bool or None (all True): False reads no history (zeros).
+        num_k_heads: Hk (Hv comes from the plan).
+        qk_dtype: q/k's dtype; None: what gdn_prefill reads best here (:func:`prefill_qk_dtype`).
+    Returns:
+        (q, k, v, g, beta): q, k [T, Hk, 128] L2-normalised (from the fp32 conv output);
+        v [T, Hv, 128] in mixed_qkv's dtype; g, beta [T, Hv] fp32 (contiguous).
+    """
+    act = _activation(activation)
+    Hv, Hk = plan.num_v_heads, num_k_heads
+    dim = (2 * Hk + Hv) * V.HEAD_DIM
+    if qk_dtype is None:
+        qk_dtype = prefill_qk_dtype(mixed_qkv) or mixed_qkv.dtype
+    args = (mixed_qkv, a, b, conv_state, slot_ids, conv_weight, conv_bias, has_initial_state, A_log, dt_bias)
+    seen = _checked_key(("layer_prefill", act, qk_dtype, Hk), args, (slot_ids,))
+    if seen is None or seen not in plan.kernel_cache:
+        if Hk != plan.num_k_heads:
+            raise ValueError(f"num_k_heads: expected the plan's {plan.num_k_heads}, got {Hk}")
+        T = plan.total_tokens
+        _check_conv(mixed_qkv, conv_state, conv_weight, conv_bias, dim, conv_weight.shape[-1] - 1)
+        if mixed_qkv.shape[0] != T:
+            raise ValueError(f"mixed_qkv: expected the plan's {T} tokens, got {mixed_qkv.shape[0]}")
+        V.check_gates(T, Hv, None, None, a, b, A_log, dt_bias, allow_raw=True)
+        V.check_qk_dtype(qk_dtype if qk_dtype != mixed_qkv.dtype else None, mixed_qkv)
+        V.check_index("slot_ids", slot_ids, plan.num_seqs, conv_state.shape[0], "conv_state's slot count",
+                      unique_live=True)
+        if has_initial_state is not None:
+            V.check_dtype("has_initial_state", has_initial_state, (torch.bool,))
+            V.check_shape("has_initial_state", has_initial_state, (plan.num_seqs,))
+        if plan.device != mixed_qkv.device:
+            raise ValueError(f"plan: expected index tensors on {mixed_qkv.device}, got {plan.device}")
+        V.check_device(mixed_qkv.device, a=a, b=b, A_log=A_log, dt_bias=dt_bias, slot_ids=slot_ids,
+                       has_initial_state=has_initial_state)
+        if seen is not None:
+            plan.kernel_cache[seen] = True
+    dev, T = mixed_qkv.device, mixed_qkv.shape[0]
+    if has_initial_state is None:
+        has_init = plan.scratch(("ones_int8", dev), lambda: torch.ones(plan.num_seqs, dtype=torch.int8, device=dev))
+    else:
+        has_init = has_initial_state.view(torch.int8)
+    a, b = (a.float(), b.float()) if a.dtype != b.dtype else (a, b)
+    q = torch.empty((T, Hk, V.HEAD_DIM), dtype=qk_dtype, device=dev)
+    k = torch.empty_like(q)
+    v = torch.empty((T, Hv, V.HEAD_DIM), dtype=mixed_qkv.dtype, device=dev)
+    g = torch.empty((T, Hv), dtype=torch.float32, device=dev)
+    beta = torch.empty_like(g)
+    _run("conv_prefill", dev, mixed_qkv.dtype, mixed_qkv, conv_state, conv_weight, conv_bias,
+         _int32(slot_ids, dev), has_init, plan.cu_seqlens, a, b, A_log, dt_bias, activation=act,
+         q_out=q, k_out=k, v_out=v, g_out=g, beta_out=beta)
+    return q, k, v, g, beta
+
+
+def causal_conv_decode(x, conv_state, slot_ids, *, conv_weight, conv_bias=None, activation="silu",
+                       num_v_heads: int, out=None):
+    """One token per sequence through the causal conv; the window shifts by one in place.
+
+    Args:
+        x: [B, dim] (dim = (2 Hk + Hv) 128; unit channel stride); conv_state: [S, dim, L],
+            L >= W - 1 (columns 0..W-2 are the window, oldest first); slot_ids: [B] (< 0:
+            padding, zero output row, nothing read or written).
+        out: optional [B, dim] in x's dtype (unit channel stride). CUDA-graph capturable.
+    Returns:
+        y [B, dim] = act(conv) in x's dtype: q | k | v for :func:`qla_serve.gdn_decode` with
+        ``use_qk_l2norm=True``.
+    """
+    act = _activation(activation)
+    key = _checked_key(("conv_decode", act, num_v_heads), (x, conv_state, slot_ids, conv_weight, conv_bias, out),
+                       (slot_ids,))
+    if _checks_due(key):
+        dim = x.shape[-1] if isinstance(x, torch.Tensor) else 0
+        if not (isinstance(num_v_heads, int) and num_v_heads > 0 and dim % V.HEAD_DIM == 0
+                and (dim // V.HEAD_DIM - num_v_heads) > 0 and (dim // V.HEAD_DIM - num_v_heads) % 2 == 0):
+            raise ValueError(f"num_v_heads: expected a positive count that leaves x's {dim} channels "
+                             f"two equal q/k parts of 128-channel heads, got {num_v_heads}")
+        _check_conv(x, conv_state, conv_weight, conv_bias, dim, conv_weight.shape[-1] - 1)
+        V.check_index("slot_ids", slot_ids, x.shape[0], conv_state.shape[0], "conv_state's slot count",
+                      unique_live=True)
+        V.check_device(x.device, slot_ids=slot_ids)
+        if out is not None:
+            V.output(out, tuple(x.shape), x.dtype, x.device)
+            if out.shape[0] and out.stride(1) != 1:
+                raise ValueError(f"out: expected unit stride along the channels, got {tuple(out.stride())}")
+        _passed(key)
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _run("conv_decode", x.device, x.dtype, x, conv_state, conv_weight, conv_bias, _int32(slot_ids, x.device),
+         num_v_heads=num_v_heads, activation=act, out=out)
+    return out
+
+
+def causal_conv_spec(x, conv_state, slot_ids, num_accepted, cu_seqlens, *, conv_weight, conv_bias=None,
+                     activation="silu", num_v_heads: int, draft: int, out=None):
+    """A speculative step's conv over vLLM's sliding-window conv state (hopper/conv.py).
+
+    Args:
+        x: [Ts, dim], sequences packed by cu_seqlens [N+1] (lengths <= draft; rows past
+            cu_seqlens[N] are padding: not read, and not written in ``out``).
+        conv_state: [S, dim, L], L >= W - 2 + draft; slot_ids: [N] (< 0: padding);
+        num_accepted: [N] int: the window before the step starts at column num_accepted - 1.
+        draft: D, the most tokens a sequence has this step (vLLM: 1 + num_speculative_tokens).
+    Returns:
+        y [Ts, dim] in x's dtype (rows of padding sequences zero; rows past cu_seqlens[N] as
+        ``out`` held them, uninitialised when allocated here).
+    """
+    act = _activation(activation)
+    key = _checked_key(("conv_spec", act, num_v_heads, draft),
+                       (x, conv_state, slot_ids, num_accepted, cu_seqlens, conv_weight, conv_bias, out),
+                       (slot_ids, num_accepted, cu_seqlens))
+    if _checks_due(key):
+        if not (isinstance(draft, int) and 1 <= draft <= 16):
+            raise ValueError(f"draft: expected 1..16 tokens per sequence, got {draft!r}")
+        W = conv_weight.shape[-1] if isinstance(conv_weight, torch.Tensor) else 2
+        _check_conv(x, conv_state, conv_weight, conv_bias, x.shape[-1], W - 2 + draft)
+        N = slot_ids.shape[0]
+        V.check_index("slot_ids", slot_ids, N, conv_state.shape[0], "conv_state's slot count", unique_live=True)
+        V.check_dtype("num_accepted", num_accepted, (torch.int32, torch.int64))
+        V.check_shape("num_accepted", num_accepted, (N,))
+        V.check_dtype("cu_seqlens", cu_seqlens, (torch.int32, torch.int64))
+        V.check_shape("cu_seqlens", cu_seqlens, (N + 1,))
+        V.check_device(x.device, slot_ids=slot_ids, num_accepted=num_accepted, cu_seqlens=cu_seqlens)
+        if out is not None:
+            V.output(out, tuple(x.shape), x.dtype, x.device)
+        _passed(key)
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _run("conv_spec", x.device, x.dtype, x, conv_state, conv_weight, conv_bias, _int32(slot_ids, x.device),
+         _int32(num_accepted, x.device), _int32(cu_seqlens, x.device), num_v_heads=num_v_heads, draft=draft,
+         activation=act, out=out)
+    return out
+
+
+def gdn_verify_slots(q, k, v, pool, spec_slot_ids, num_accepted, cu_seqlens, *, a, b, A_log, dt_bias,
+                     use_qk_l2norm=True, scale=None, out=None):
+    """Speculative verify into per-token slots (vLLM's layout), no scratch and no commit.
+
+    Sequence i starts from ``pool[spec_slot_ids[i, num_accepted[i] - 1]]``; the state after its
+    token j is written to ``pool[spec_slot_ids[i, j]]``. A row whose first id, or whose source
+    id, is < 0 is padding (zero outputs, nothing written); other ids < 0 are not written.
+
+    Args:
+        q, k: [T, Hk, 128]; v: [T, Hv, 128], packed by cu_seqlens [N+1] (lengths <= D; rows
+            past cu_seqlens[N] are not read and not written in ``out``).
+        pool: [S, Hv, 128, 128] fp32/bf16; spec_slot_ids: [N, D] int32 (unit column stride);
+        num_accepted: [N] int32 in 1..D for live rows.
+        a, b: [T, Hv] raw gate logits; A_log, dt_bias: [Hv] (fused gating, as gdn_decode).
+    Returns:
+        o [T, Hv, 128] in q's dtype.
+    """
+    key = _checked_key("verify_slots", (q, k, v, pool, spec_slot_ids, num_accepted, cu_seqlens, a, b,
+                                        A_log, dt_bias, out), (spec_slot_ids, num_accepted, cu_seqlens))
+    if _checks_due(key):
+        T, Hk, Hv = V.check_qkv(q, k, v)
+        V.check_gates(T, Hv, None, None, a, b, A_log, dt_bias, allow_raw=True)
+        V.check_pool(pool, Hv)
+        V.check_dtype("spec_slot_ids", spec_slot_ids, (torch.int32,))
+        if spec_slot_ids.dim() != 2 or (spec_slot_ids.numel() and spec_slot_ids.stride(1) != 1):
+            raise ValueError(f"spec_slot_ids: expected [N, D] int32 with unit column stride, got shape "
+                             f"{list(spec_slot_ids.shape)} strides {tuple(spec_slot_ids.stride())}")
+        N = spec_slot_ids.shape[0]
+        V.check_dtype("num_accepted", num_accepted, (torch.int32,))
+        V.check_shape("num_accepted", num_accepted, (N,))
+        V.check_dtype("cu_seqlens", cu_seqlens, (torch.int32,))
+        V.check_shape("cu_seqlens", cu_seqlens, (N + 1,))
+        if spec_slot_ids.device.type == "cpu" and spec_slot_ids.numel():
+            ids = spec_slot_ids[spec_slot_ids >= 0]
+            if ids.numel() and int(ids.max()) >= pool.shape[0]:
+                raise ValueError(f"spec_slot_ids: expected ids < the pool's {pool.shape[0]} slots, "
+                                 f"got {int(ids.max())}")
+            if ids.numel() != ids.unique().numel():
+                raise ValueError("spec_slot_ids: expected each live slot id once")
+        V.check_device(q.device, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, pool=pool,
+                       spec_slot_ids=spec_slot_ids, num_accepted=num_accepted, cu_seqlens=cu_seqlens)
+        if out is not None:
+            V.output(out, (T, Hv, V.HEAD_DIM), q.dtype, q.device)
+        _passed(key)
+    a, b = (a.float(), b.float()) if a.dtype != b.dtype else (a, b)
+    if out is None:
+        out = torch.empty((q.shape[0], v.shape[1], V.HEAD_DIM), dtype=q.dtype, device=q.device)
+    scale = V.HEAD_DIM ** -0.5 if scale is None else float(scale)
+    _run("verify_slots", q.device, q.dtype, q, k, v, pool, spec_slot_ids, num_accepted, cu_seqlens,
+         a=a, b=b, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm=bool(use_qk_l2norm), scale=scale, out=out)
+    return out

@@ -1,0 +1,54 @@
+"""Compile-only tests of the layer's conv kernels (kernels/hopper/conv.py) and verify_slots
+(decode.py), plus their variant bookkeeping (plain CPU). CI compiles the variants
+kernel_variants() lists for 2/8 heads in bf16, for sm_90a and sm_100a."""
+
+import importlib
+
+import pytest
+
+C = importlib.import_module("qla_serve.kernels.hopper.conv")
+D = importlib.import_module("qla_serve.kernels.hopper.decode")
+
+HV, HK = 8, 2
+BF16 = [v for v in C.kernel_variants(HV, HK) if v["io_dtype"] == "bfloat16" and v["bias"]]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("target", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("variant", BF16, ids=lambda v: v["name"])
+def test_conv_variant_compiles(variant, target):
+    src = C.build(variant, target).get_kernel_source()
+    assert ("expf" in src) == (variant["op"] != "conv_prefill_state")   # SiLU where it convolves
+    assert "int sc0, int sc1, int sc2" in src        # any conv-state strides: either layout
+    if variant["op"] == "conv_prefill":
+        assert "__shfl_xor_sync" in src and "half_t* __restrict__ Qo" in src   # q/k L2 norm, fp16 out
+        assert "Cu[((int64_t)mid)]" in src            # sequences found from cu_seqlens, no index tensors
+        assert "int ntok" in src
+    if variant["op"] == "conv_spec":
+        assert f"float win[{3 + variant['draft']}];" in src   # history + D draft inputs in registers
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("target", ["sm_90a", "sm_100a"])
+def test_verify_slots_compiles(target):
+    v = next(v for v in D.kernel_variants(HV, HK) if v["op"] == "verify_slots")
+    src = D.build(v, target).get_kernel_source()
+    assert "Slots" in src and "Acc" in src and "Inter" not in src   # no intermediate buffer
+
+
+def test_conv_variants_are_unique_and_checked():
+    vs = C.kernel_variants(32, 16)
+    names = [v["name"] for v in vs]
+    assert len(names) == len(set(names)) == 2 * 2 * 6
+    from qla_serve.kernels import hopper
+    listed = hopper.kernel_variants(32, 16)
+    assert all(v in listed for v in vs)
+    assert sum(v["op"] == "verify_slots" for v in listed) == 8
+    with pytest.raises(ValueError, match="conv width"):
+        C.variant("conv_decode", HV, HK, 9, "bfloat16", "bfloat16")
+    with pytest.raises(ValueError, match="conv_state dtype"):
+        C.variant("conv_decode", HV, HK, 4, "bfloat16", "int8")
+    with pytest.raises(ValueError, match="draft depth"):
+        C.variant("conv_spec", HV, HK, 4, "bfloat16", "bfloat16", draft=0)
+    with pytest.raises(ValueError, match="activation"):
+        C.variant("conv_decode", HV, HK, 4, "bfloat16", "bfloat16", activation="gelu")

@@ -1,0 +1,181 @@
+"""The layer ops' TileLang kernels (kernels/hopper/conv.py, decode.py's verify_slots) against the
+torch reference (kernels/reference_conv.py) on fresh random inputs, on the lent H200 (marker
+gpu). The reference's own truth is the float64 layer oracle (tests/backends/test_gdn_layer.py,
+tests/test_layer_ops.py on CPU). Every cache slot outside the batch is poisoned and must stay
+bit-identical; slots that start new sequences hold NaN, which must never be read.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qla_serve import layer_ops, plan_prefill
+from qla_serve.kernels import reference_conv
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+HEAD = 128
+
+
+def _conv_cache(S, dim, L, dtype, layout, gen):
+    raw = torch.randn(S, dim, L, generator=gen) if layout == "dim_first" else \
+        torch.randn(S, L, dim, generator=gen).transpose(1, 2)
+    return raw.to("cuda", dtype)
+
+
+def _rel(got, want):
+    return float((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
+
+
+def _weights(dim, W, dtype, gen, bias):
+    w = (torch.randn(dim, W, generator=gen) * 0.5).to("cuda", dtype)
+    return w, ((torch.randn(dim, generator=gen) * 0.1).to("cuda", dtype) if bias else None)
+
+
+@pytest.mark.parametrize("hk,hv", [(2, 8), (4, 16)])
+@pytest.mark.parametrize("layout", ["dim_first", "seq_first"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_conv_prefill_matches_reference(hk, hv, layout, bias):
+    gen = torch.Generator().manual_seed(hk * 100 + hv + bias)
+    dim, W, S = (2 * hk + hv) * HEAD, 4, 24
+    lens = [70, 0, 1, 2, 3, 333, 1, 64, 97]
+    slots = [3, -1, 5, 7, 9, 11, 13, 15, 17]
+    has = [True, False, False, True, True, False, True, True, True]
+    T = sum(lens)
+    x = torch.randn(T, dim + 64, generator=gen).to("cuda", torch.bfloat16)[:, 32:32 + dim]  # row-strided
+    a, b = (torch.randn(T, hv, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
+    A_log = (torch.rand(hv, generator=gen) - 1.0).cuda()
+    dt_bias = (torch.randn(hv, generator=gen) * 0.1).cuda()
+    w, bv = _weights(dim, W, torch.bfloat16, gen, bias)
+    cs = _conv_cache(S, dim, W - 1, torch.bfloat16, layout, gen)
+    for s, h in zip(slots, has):
+        if s >= 0 and not h:
+            cs[s].fill_(float("nan"))       # a recycled slot: never read
+    ref_cs = cs.clone()
+    plan = plan_prefill(lens, hv, hk, device="cuda")
+    ids = torch.tensor(slots, dtype=torch.int32, device="cuda")
+    hi = torch.tensor(has, device="cuda")
+    got = layer_ops.gdn_layer_prefill_inputs(x, a, b, cs, ids, plan, conv_weight=w, conv_bias=bv,
+                                             has_initial_state=hi, A_log=A_log, dt_bias=dt_bias,
+                                             num_k_heads=hk, qk_dtype=torch.float16)
+    want = [torch.empty_like(t) for t in got]
+    reference_conv.conv_prefill(x, ref_cs, w, bv, ids, hi.view(torch.int8), plan.cu_seqlens, a, b, A_log,
+                                dt_bias, activation="silu", q_out=want[0], k_out=want[1], v_out=want[2],
+                                g_out=want[3], beta_out=want[4])
+    for name, g_, w_ in zip("q k v g beta".split(), got, want):
+        assert torch.isfinite(g_).all(), name
+        assert _rel(g_, w_) < 4e-3, f"{name}: rel {_rel(g_, w_):.2e}"
+    live = [s for s in slots if s >= 0]
+    for s in range(S):
+        if s in live:
+            assert _rel(cs[s], ref_cs[s]) < 4e-3, f"conv slot {s}"
+        else:
+            assert torch.equal(cs[s].nan_to_num(7.0), ref_cs[s].nan_to_num(7.0)), f"conv slot {s} touched"
+
+
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32])
+def test_conv_decode_matches_reference(state_dtype):
+    gen = torch.Generator().manual_seed(7)
+    hk, hv, W, S, B = 2, 8, 4, 300, 256
+    dim = (2 * hk + hv) * HEAD
+    x = torch.randn(B, dim, generator=gen).to("cuda", torch.bfloat16)
+    w, bv = _weights(dim, W, torch.bfloat16, gen, True)
+    cs = _conv_cache(S, dim, W - 1, state_dtype, "seq_first", gen)
+    ref_cs = cs.clone()
+    ids = torch.randperm(S - 1, generator=gen)[:B].to(torch.int32) + 1
+    ids[::17] = -1
+    ids = ids.cuda()
+    y = layer_ops.causal_conv_decode(x, cs, ids, conv_weight=w, conv_bias=bv, num_v_heads=hv)
+    want = torch.empty_like(y)
+    reference_conv.conv_decode(x, ref_cs, w, bv, ids, num_v_heads=hv, activation="silu", out=want)
+    assert _rel(y, want) < 4e-3
+    assert (y[ids.cpu() < 0] == 0).all()
+    assert _rel(cs, ref_cs) < 4e-3
+    untouched = torch.ones(S, dtype=torch.bool)
+    untouched[ids[ids >= 0].long().cpu()] = False
+    assert torch.equal(cs[untouched.cuda()], ref_cs[untouched.cuda()])
+
+
+def _spec_batch(gen, N, D, pad_rows, Ts_extra):
+    lens = [int(torch.randint(1, D + 1, (1,), generator=gen)) for _ in range(N)]
+    for r in pad_rows:
+        lens[r] = 0
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    acc = [int(torch.randint(1, D + 1, (1,), generator=gen)) for _ in range(N)]
+    return lens, cu, acc, cu[-1] + Ts_extra
+
+
+@pytest.mark.parametrize("D", [2, 4])
+def test_conv_spec_and_verify_slots_match_reference(D):
+    """Padded rows in the middle and at the end, and tokens past cu_seqlens[-1] (vLLM's padded
+    spec batch under a captured graph): those rows of y / o keep their poison."""
+    gen = torch.Generator().manual_seed(D)
+    hk, hv, W, N = 2, 8, 4, 12
+    dim = (2 * hk + hv) * HEAD
+    lens, cu, acc, Ts = _spec_batch(gen, N, D, pad_rows=[4, N - 1], Ts_extra=5)
+    S = 1 + N * D + 8
+    slot_rows = torch.arange(1, 1 + N * D, dtype=torch.int32).view(N, D)
+    slot_rows[4] = -1
+    slot_rows[N - 1] = -1
+    slot_rows[2, D - 1] = -1          # an unused draft position: not written
+    x = torch.randn(Ts, dim, generator=gen).to("cuda", torch.bfloat16)
+    w, bv = _weights(dim, W, torch.bfloat16, gen, True)
+    cs = _conv_cache(S, dim, W - 2 + D, torch.bfloat16, "seq_first", gen)
+    ref_cs = cs.clone()
+    ids0 = slot_rows[:, 0].contiguous().cuda()
+    acc_t = torch.tensor(acc, dtype=torch.int32, device="cuda")
+    cu_t = torch.tensor(cu, dtype=torch.int32, device="cuda")
+    y = torch.full((Ts, dim), 3.0, dtype=torch.bfloat16, device="cuda")
+    layer_ops.causal_conv_spec(x, cs, ids0, acc_t, cu_t, conv_weight=w, conv_bias=bv, num_v_heads=hv,
+                               draft=D, out=y)
+    want = y.clone().fill_(3.0)
+    reference_conv.conv_spec(x, ref_cs, w, bv, ids0, acc_t, cu_t, num_v_heads=hv, draft=D,
+                             activation="silu", out=want)
+    assert _rel(y, want) < 4e-3 and (y[cu[-1]:] == 3.0).all()
+    assert _rel(cs, ref_cs) < 4e-3
+    # verify into the slots, from the conv's q | k | v
+    pool = (torch.randn(S, hv, HEAD, HEAD, generator=gen) * 0.1).cuda()
+    ref_pool = pool.clone()
+    a, b = (torch.randn(Ts, hv, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
+    A_log = (torch.rand(hv, generator=gen) - 1.0).cuda()
+    dt_bias = (torch.randn(hv, generator=gen) * 0.1).cuda()
+    kd = hk * HEAD
+    q, k, v = y[:, :kd].view(Ts, hk, HEAD), y[:, kd:2 * kd].view(Ts, hk, HEAD), y[:, 2 * kd:].view(Ts, hv, HEAD)
+    ids2 = slot_rows.cuda()
+    o = torch.full((Ts, hv, HEAD), 5.0, dtype=torch.bfloat16, device="cuda")
+    layer_ops.gdn_verify_slots(q, k, v, pool, ids2, acc_t, cu_t, a=a, b=b, A_log=A_log, dt_bias=dt_bias, out=o)
+    o_ref = o.clone().fill_(5.0)
+    reference_conv.verify_slots(q, k, v, ref_pool, ids2, acc_t, cu_t, a=a, b=b, A_log=A_log,
+                                dt_bias=dt_bias, use_qk_l2norm=True, scale=HEAD ** -0.5, out=o_ref)
+    assert _rel(o, o_ref) < 4e-3 and (o[cu[-1]:] == 5.0).all()
+    assert _rel(pool, ref_pool) < 1e-4
+    written = {int(s) for i in range(N) for j, s in enumerate(slot_rows[i].tolist()) if j < lens[i] and s >= 0
+               and slot_rows[i, 0] >= 0}
+    for s in range(S):
+        if s not in written:
+            assert torch.equal(pool[s], ref_pool[s]), f"pool slot {s} touched"
+
+
+def test_conv_decode_captures_in_a_graph():
+    gen = torch.Generator().manual_seed(3)
+    hk, hv, W, S, B = 2, 8, 4, 64, 32
+    dim = (2 * hk + hv) * HEAD
+    x = torch.randn(B, dim, generator=gen).to("cuda", torch.bfloat16)
+    w, bv = _weights(dim, W, torch.bfloat16, gen, True)
+    cs = _conv_cache(S, dim, W - 1, torch.bfloat16, "dim_first", gen)
+    ids = (torch.randperm(S, generator=gen)[:B]).to(torch.int32).cuda()
+    y = torch.empty_like(x)
+    layer_ops.causal_conv_decode(x, cs, ids, conv_weight=w, conv_bias=bv, num_v_heads=hv, out=y)  # compile
+    ref_cs = cs.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        layer_ops.causal_conv_decode(x, cs, ids, conv_weight=w, conv_bias=bv, num_v_heads=hv, out=y)
+    x.copy_(torch.randn(B, dim, generator=gen).to("cuda", torch.bfloat16))
+    graph.replay()
+    want = torch.empty_like(y)
+    reference_conv.conv_decode(x, ref_cs, w, bv, ids, num_v_heads=hv, activation="silu", out=want)
+    assert _rel(y, want) < 4e-3 and _rel(cs, ref_cs) < 4e-3
