@@ -401,8 +401,8 @@ def int32_index(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     no id the host could not see becomes another slot (-2**32 would otherwise wrap to slot 0):
     a negative stays padding, a too-large one stays out of range. One device op more for int64
     ids only; no host sync."""
-    if x.dtype == torch.int32:
-        return x.to(device, non_blocking=True)
+    if x.dtype is torch.int32:   # (dtypes are singletons: `is` is the cheap test, per call)
+        return x if x.device == device else x.to(device, non_blocking=True)
     return x.clamp(-1, INT32_MAX).to(device, torch.int32, non_blocking=True)
 
 

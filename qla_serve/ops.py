@@ -336,7 +336,8 @@ def gdn_verify(q, k, v, pool, slot_ids, cu_seqlens, intermediate, intermediate_i
     if out is None:
         out = torch.empty((q.shape[0], v.shape[1], V.HEAD_DIM), dtype=q.dtype, device=q.device)
     dev = q.device
-    _run("verify", dev, q.dtype, q, k, v, pool, V.int32_index(slot_ids, dev), cu_seqlens.to(torch.int32),
+    cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
+    _run("verify", dev, q.dtype, q, k, v, pool, V.int32_index(slot_ids, dev), cu,
          intermediate, V.int32_index(intermediate_ids, dev), g=g, beta=beta, a=a, b=b, A_log=A_log,
          dt_bias=dt_bias, use_qk_l2norm=l2, scale=s, out=out)
     return out

@@ -36,7 +36,7 @@ def _parse_arch(text: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(archs))
 
 
-def _config_files(paths: list[str]) -> list[str]:
+def _config_files(paths: list[str], what: str = "FILE") -> list[str]:
     """Files as given; a directory stands for its *.yaml files (sorted); a bare name that is
     not a file is a shipped config (``qwen3.5-397b-a17b-tp8``)."""
     out = []
@@ -44,7 +44,7 @@ def _config_files(paths: list[str]) -> list[str]:
         if os.path.isdir(p):
             found = sorted(os.path.join(p, f) for f in os.listdir(p) if f.endswith((".yaml", ".yml")))
             if not found:
-                raise ValueError(f"--config: directory {p} has no *.yaml files")
+                raise ValueError(f"{what}: directory {p} has no *.yaml files")
             out += found
         else:
             out.append(p)
@@ -119,7 +119,7 @@ def _cmd_precompile(args) -> int:
 
     requests: list[pc.HeadRequest] = []
     if args.config:
-        loaded = [_load_or_report(path) for path in _config_files(args.config)]
+        loaded = [_load_or_report(path) for path in _config_files(args.config, "--config")]
         worst = max(code for _, code in loaded)
         if worst:
             return worst
