@@ -39,7 +39,8 @@ from typing import Iterable, Sequence
 
 import torch
 
-from qla_serve._validate import ALL_STRATEGIES, CP_MODES, check_device_arg, check_plan_args, check_strategies
+from qla_serve._validate import (ALL_STRATEGIES, CP_MODES, check_device_arg, check_int, check_plan_args,
+                                 check_strategies)
 from qla_serve.costmodel import CostModel, load_cost_model
 from qla_serve.paths import supported_prefill_strategies
 
@@ -332,8 +333,14 @@ def force_plan(plan: PrefillPlan, strategy: str, v_split: int, segment_chunks: i
     ``cp``: the mode the kernels see (default the plan's; "auto" lets a cut use gate warmup,
     "exact" never truncates). A cut forced on an "off" plan gets "exact": "off" cannot cut.
     ``maps_v_split``: the CP maps pass's split (default the planner's rule, _maps_v_split)."""
+    if not isinstance(plan, PrefillPlan):
+        raise TypeError(f"plan: expected a PrefillPlan, got {type(plan).__name__}")
     if strategy not in ALL_STRATEGIES:
         raise ValueError(f"strategy: expected one of {sorted(ALL_STRATEGIES)}, got {strategy!r}")
+    v_split = check_int("v_split", v_split)
+    segment_chunks = check_int("segment_chunks", segment_chunks)
+    if maps_v_split is not None:
+        maps_v_split = check_int("maps_v_split", maps_v_split)
     if v_split not in V_SPLITS or (strategy != "cp" and (strategy == "plain") != (v_split == 1)):
         raise ValueError(f"v_split: expected 1 for plain, 2 or 4 for vsplit, one of {V_SPLITS} for cp; "
                          f"got {v_split} for {strategy!r}")

@@ -215,6 +215,21 @@ def test_plan_prefill_arguments(kw, exc, name):
         qla_serve.plan_prefill(**args)
 
 
+@pytest.mark.parametrize("args,exc,name", [
+    ((None, "plain", 1), TypeError, "plan"), (("cp", 1, 2.5), TypeError, "segment_chunks"),
+    (("cp", True, 2), TypeError, "v_split"), (("vsplit", 3), ValueError, "v_split"),
+    (("fast", 1), ValueError, "strategy"),
+])
+def test_force_plan_arguments(args, exc, name):
+    from qla_serve.plan import force_plan
+
+    plan = qla_serve.plan_prefill([5000], 8, 2, device="cpu")
+    if args[0] is not None:
+        args = (plan, *args)
+    with pytest.raises(exc, match=f"^{name}: "):
+        force_plan(*args)
+
+
 @pytest.mark.skipif(not NO_CUDA, reason="needs a machine without CUDA")
 def test_plan_on_cuda_without_cuda_is_refused_by_name():
     with pytest.raises(ValueError, match="^device: .*CUDA is not available"):
