@@ -5,8 +5,8 @@
 * :mod:`.precompile` kernel variants a deployment needs -> TileLang's cache, without a GPU
 * :mod:`.cli`        ``qla-serve config check|render`` and ``qla-serve precompile``
 
-Importing this package imports neither torch nor tilelang; precompile imports the kernel
-modules only when it runs.
+Importing this package does not import tilelang (torch comes with the qla_serve package
+itself); precompile imports the kernel modules only when it runs.
 """
 
 from .cli import add_cli_commands
