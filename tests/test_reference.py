@@ -141,6 +141,9 @@ def test_prefill_pool_semantics(pool_dtype):
     init = before[:, 0].double()[[5, 2, 0, 7, 0]]
     init[[1, 2, 4]] = 0                                            # no initial state / padding
     o_ref, s_ref = R.recurrent_gdn(q, k, v, g, beta, plan.cu_seqlens_cpu, init)
+    cu = plan.cu_seqlens_cpu
+    assert torch.count_nonzero(o[cu[2]:cu[3]]) == 0                 # the padding sequence's rows: zeros
+    o_ref[cu[2]:cu[3]] = 0
     tol = 2e-3 if pool_dtype == torch.float32 else 1e-2
     assert rel_err(o, o_ref) < tol
     live = [0, 1, 3, 4]
