@@ -30,3 +30,8 @@ step "cold start with the precompiled TP8 cache" 90 env TILELANG_CACHE_DIR=/tmp/
 step "host time: ops vs kernel modules" 60 python benchmarks/ops_host.py 2>&1 | tee "$out/ops_host.log"
 step "host time: prefill launch by launch (raw vs adapter)" 120 python benchmarks/launch_host.py 2>&1 | tee "$out/launch_host.log"
 step "host time: planner" 40 python benchmarks/plan_host.py --iters 2000 2>&1 | tee "$out/plan_host.log"
+step "host time: step plan" 40 python benchmarks/step_plan_host.py --device cuda 2>&1 | tee "$out/step_plan_host.log"
+# One GDN layer per engine step beside FLA's (and FlashInfer's, when installed) composition;
+# FLA's Triton autotuning on every new shape can make this long: split --heads across calls.
+step "bench layer" 590 python -m qla_serve.cli bench layer --check --json "$out/layer.json" \
+  --plot "$out/layer.png" 2>&1 | tee "$out/layer.log"

@@ -200,6 +200,14 @@ class QlaQwenGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         if reason is not None:
             raise RuntimeError(f"linear_attn_backend=flashqla cannot run layer {self.prefix}: {reason}")
         self._forward_method = self.forward_qla
+        # vLLM 0.33 with align-mode prefix caching (its default for hybrid models) and the FlashInfer
+        # prefill backend (its SM90 default) has the stock layer emit mid-prefill state checkpoints
+        # (qwen_gdn_linear_attn.py ~689-760). flashqla writes none yet, so it declares none: the
+        # scheduler then splits prefills at block boundaries instead, its path for any Mamba layer
+        # that cannot checkpoint (model_executor/layers/mamba/abstract.py ~98-113). 0.32 has no
+        # such attribute.
+        if hasattr(self, "_checkpoint_alignment"):
+            self._checkpoint_alignment = None
         if not _logged:
             _logged.append(True)
             dev = "cpu" if current_platform.is_cpu() else torch.device("cuda", torch.cuda.current_device())

@@ -79,8 +79,8 @@ def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weigh
         if dtype not in allowed:
             raise ValueError(f"{what} dtype: expected one of {allowed}, got {dtype}")
     v = {"op": op, "num_v_heads": hv, "num_k_heads": hk, "width": width, "io_dtype": io,
-         "state_dtype": state, "weight_dtype": weight, "activation": activation, "bias": bool(bias)}
-    name = f"gdn_{op}_hv{hv}_hk{hk}_w{width}_{io}_state-{state}_wt-{weight}_{activation}_b{int(bias)}"
+         "conv_state_dtype": state, "weight_dtype": weight, "activation": activation, "bias": bool(bias)}
+    name = f"gdn_{op}_hv{hv}_hk{hk}_w{width}_{io}_cstate-{state}_wt-{weight}_{activation}_b{int(bias)}"
     if op == "conv_prefill":
         qk_out = qk_out or io
         for what, dtype, allowed in (("q_out", qk_out, _IO_DTYPES), ("a", ab, _GATE_DTYPES),
@@ -125,7 +125,7 @@ def _program(v: dict):
     import tilelang.language as T
 
     op, Hv, Hk, W = v["op"], v["num_v_heads"], v["num_k_heads"], v["width"]
-    io, sdt, wdt = v["io_dtype"], v["state_dtype"], v["weight_dtype"]
+    io, sdt, wdt = v["io_dtype"], v["conv_state_dtype"], v["weight_dtype"]
     silu, has_bias = v["activation"] == "silu", v["bias"]
     f32, i32 = "float32", "int32"
     NH = 2 * Hk + Hv                  # channel blocks of 128
