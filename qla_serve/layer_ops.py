@@ -76,6 +76,15 @@ def _check_conv(x, conv_state, conv_weight, conv_bias, dim: int, min_cols: int) 
     return W
 
 
+def _check_conv_out(out, x) -> None:
+    """A conv output buffer: x's dtype, shape and device, unit stride along the channels."""
+    V.check_dtype("out", out, (x.dtype,))
+    V.check_shape("out", out, tuple(x.shape))
+    V.check_device(x.device, out=out)
+    if out.shape[0] and out.stride(1) != 1:
+        raise ValueError(f"out: expected unit stride along the channels, got strides {tuple(out.stride())}")
+
+
 def _int32(x: torch.Tensor, device) -> torch.Tensor:
     return x.to(device, torch.int32, non_blocking=True)
 
@@ -115,6 +124,10 @@ def gdn_layer_prefill_inputs(mixed_qkv, a, b, conv_state, slot_ids, plan, *, con
         _check_conv(mixed_qkv, conv_state, conv_weight, conv_bias, dim, conv_weight.shape[-1] - 1)
         if mixed_qkv.shape[0] != T:
             raise ValueError(f"mixed_qkv: expected the plan's {T} tokens, got {mixed_qkv.shape[0]}")
+        if T and (mixed_qkv.stride(0) * mixed_qkv.element_size() % 16 or mixed_qkv.data_ptr() % 16):
+            raise ValueError(f"mixed_qkv: the prefill conv kernel reads rows in 16-byte vectors: expected a row "
+                             f"stride of whole 16 bytes and a 16-byte aligned base, got stride(0) "
+                             f"{mixed_qkv.stride(0)}")
         V.check_gates(T, Hv, None, None, a, b, A_log, dt_bias, allow_raw=True)
         V.check_qk_dtype(qk_dtype if qk_dtype != mixed_qkv.dtype else None, mixed_qkv)
         V.check_index("slot_ids", slot_ids, plan.num_seqs, conv_state.shape[0], "conv_state's slot count",
@@ -172,9 +185,7 @@ def causal_conv_decode(x, conv_state, slot_ids, *, conv_weight, conv_bias=None, 
                       unique_live=True)
         V.check_device(x.device, slot_ids=slot_ids)
         if out is not None:
-            V.output(out, tuple(x.shape), x.dtype, x.device)
-            if out.shape[0] and out.stride(1) != 1:
-                raise ValueError(f"out: expected unit stride along the channels, got {tuple(out.stride())}")
+            _check_conv_out(out, x)
         _passed(key)
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -214,7 +225,7 @@ def causal_conv_spec(x, conv_state, slot_ids, num_accepted, cu_seqlens, *, conv_
         V.check_shape("cu_seqlens", cu_seqlens, (N + 1,))
         V.check_device(x.device, slot_ids=slot_ids, num_accepted=num_accepted, cu_seqlens=cu_seqlens)
         if out is not None:
-            V.output(out, tuple(x.shape), x.dtype, x.device)
+            _check_conv_out(out, x)
         _passed(key)
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)

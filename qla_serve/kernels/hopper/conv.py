@@ -18,11 +18,13 @@ formulas in torch; float64 truth in the layer tests):
 * ``conv_prefill``: the varlen prefill's conv *and* what gdn_prefill reads, in one pass: the
   q | k | v split, q and k L2-normalised (fp32 math, stored in the variant's q/k dtype: fp16
   where the Hopper prefill takes it), and g, beta from the raw a, b (as prefill_inputs.py).
-  Grid (token tiles of 32, 2 Hk + Hv channel blocks of 128): a thread owns one channel, loads
-  its tile's 32 + W - 1 inputs at once (independent loads), and takes history taps from the
-  conv state only at a sequence's first W - 1 tokens. A token's sequence is a binary search
-  in cu_seqlens (no per-token index tensors). q/k rows are normalised from shared memory, a
-  warp per token (lane: 4 channels, 5 xor-shuffles).
+  Grid (token tiles of 32, 2 Hk + Hv channel blocks of 128): the tile's 32 + W - 1 input rows
+  of the block go to shared memory in 16-byte vectors (x's row stride must be a multiple of 8
+  elements, its base 16-byte aligned); a thread then computes 8 channels of every 8th token
+  from there, taking history taps from the conv state only at a sequence's first W - 1
+  tokens, and stores v in 16-byte vectors. A token's sequence is a binary search in
+  cu_seqlens (no per-token index tensors). q/k rows are normalised from shared memory, a warp
+  per token (lane: 4 channels, 5 xor-shuffles).
 * ``conv_prefill_state``: the prefill's conv-state write-back, a second launch: a sequence
   spans several token tiles, and the tile that would write its new window cannot know that
   the tile reading its old history has read it. Grid (sequences, channel blocks).
@@ -44,11 +46,14 @@ heads, W, dtypes, activation and bias are static and name a variant.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
+import os
+
 from .decode import (_GATE_DTYPES, _IO_DTYPES, _PASS_CONFIGS, _TARGETS, _check_heads, _dtype_name,
                      gate_dtype_names, launch_function)
 
 HEAD_DIM = 128
-TOKENS_PER_CTA = 32
+TOKENS_PER_CTA = 32          # conv_prefill's token tile (QLA_SERVE_CONV_TILE overrides: 16, 32, 64)
+PREFILL_TILE = int(os.environ.get("QLA_SERVE_CONV_TILE", TOKENS_PER_CTA))
 CONV_STATE_DTYPES = ("bfloat16", "float16", "float32")
 WIDTHS = (2, 3, 4, 5, 6, 7, 8)
 ACTIVATIONS = ("silu", "none")
@@ -60,12 +65,13 @@ OPS = ("conv_prefill", "conv_prefill_state", "conv_decode", "conv_spec")
 def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weight: str | None = None,
             activation: str = "silu", bias: bool = True, qk_out: str | None = None,
             ab: str | None = None, param: str | None = None, gbias: str | None = None,
-            draft: int = 0) -> dict:
+            draft: int = 0, tile: int = TOKENS_PER_CTA) -> dict:
     """A JSON-serialisable variant description; ``name`` identifies it.
 
     io: x's dtype (and the outputs' but q/k's); state: the conv state's; weight: the conv
     weight's and bias's (default io); qk_out: conv_prefill's q/k dtype (default io); ab,
-    param, gbias: conv_prefill's a/b, A_log, dt_bias dtypes; draft: conv_spec's D."""
+    param, gbias: conv_prefill's a/b, A_log, dt_bias dtypes; draft: conv_spec's D; tile:
+    conv_prefill's tokens per CTA."""
     weight = weight or io
     if op not in OPS:
         raise ValueError(f"variant op: expected one of {OPS}, got {op!r}")
@@ -87,8 +93,10 @@ def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weigh
                                      ("A_log", param, _GATE_DTYPES), ("dt_bias", gbias, _GATE_DTYPES)):
             if dtype not in allowed:
                 raise ValueError(f"{what} dtype: expected one of {allowed}, got {dtype}")
-        v.update(qk_dtype=qk_out, ab_dtype=ab, param_dtype=param, bias_dtype=gbias)
-        name += f"_qk-{qk_out}_ab-{ab}-{param}-{gbias}"
+        if tile not in (16, 32, 64):
+            raise ValueError(f"conv_prefill tile: expected 16, 32 or 64 tokens, got {tile}")
+        v.update(qk_dtype=qk_out, ab_dtype=ab, param_dtype=param, bias_dtype=gbias, tile=tile)
+        name += f"_qk-{qk_out}_ab-{ab}-{param}-{gbias}" + ("" if tile == TOKENS_PER_CTA else f"_t{tile}")
     if op == "conv_spec":
         if not (isinstance(draft, int) and 1 <= draft <= 16):
             raise ValueError(f"draft depth: expected 1..16 tokens per sequence, got {draft}")
@@ -275,13 +283,21 @@ def _program(v: dict):
 
 
 def _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, load_weights, act):
-    """conv_prefill: conv + split + q/k L2 norm + gates for a varlen batch (module docstring)."""
+    """conv_prefill: conv + split + q/k L2 norm + gates for a varlen batch (module docstring).
+
+    A CTA: TPB tokens x one 128-channel block. Its TPB + W - 1 input rows go to shared memory in
+    16-byte vectors (8 channels); then thread (g, r) computes channels 8g..8g+7 of tokens r,
+    r + 8, ...: taps from shared memory, or from the conv state at a sequence's first W - 1
+    tokens, and stores v rows in 16-byte vectors (q/k rows go through shared memory to a warp
+    per row for the L2 norm)."""
     Hv, Hk, W = v["num_v_heads"], v["num_k_heads"], v["width"]
     io, qk = v["io_dtype"], v["qk_dtype"]
     ab, prm, gb = v["ab_dtype"], v["param_dtype"], v["bias_dtype"]
     f32, i32 = "float32", "int32"
-    TPB = TOKENS_PER_CTA
-    ROWS = TPB + H                       # inputs a tile's tokens read
+    TPB = v["tile"]
+    ROWS = TPB + H                       # input rows a tile's tokens read
+    VEC, GROUPS = 8, HEAD_DIM // 8       # 16-byte vectors of io, 16 per 128 channels
+    ROW_STEP = 128 // GROUPS             # token rows per pass of the 128 threads
     ntok, S, L, N = T.dynamic("ntok S L N")
     sx0, sa0, sa1, sb0, sb1, sal, sdt = T.dynamic("sx0 sa0 sa1 sb0 sb1 sal sdt")
 
@@ -304,27 +320,44 @@ def _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, load_weights, act
             bos_s[tx] = Cu[lo]
             # the slot to read history from, or -1: padding, or a new sequence
             hist_s[tx] = T.if_then_else(HasInit[lo] != 0, Slots[lo], -1)
-        T.sync_threads()
 
     @T.macro
-    def conv_tile(X, CS, t0, c, tx, w, bias_v, xr, bos_s, hist_s, Ys):
-        # xr[r] = x[t0 - H + r, c]: all of the tile's inputs in flight at once; Ys[j, tx] = y.
-        for r in T.unroll(ROWS):
-            xr[r] = 0.0
-            if t0 - H + r >= 0 and t0 - H + r < ntok:
-                xr[r] = T.cast(X[t0 - H + r, c], f32)
-        for j in T.unroll(TPB):
+    def load_tile(X, Xs, t0, c0, tx):
+        T.assume(sx0 % VEC == 0)
+        for it in T.unroll(T.ceildiv(ROWS * GROUPS, 128)):
+            idx = it * 128 + tx
+            r = idx // GROUPS
+            g = idx % GROUPS
+            if idx < ROWS * GROUPS and t0 - H + r >= 0 and t0 - H + r < ntok:
+                for e in T.vectorized(VEC):
+                    Xs[r, g * VEC + e] = X[t0 - H + r, c0 + g * VEC + e]
+
+    @T.macro
+    def conv_rows(CS, Xs, Vo, Ys, to_v, t0, c0, hb, g, jr, w, bias8, acc, xv, bos_s, hist_s):
+        for p in T.unroll(TPB // ROW_STEP):
+            j = p * ROW_STEP + jr
             if t0 + j < ntok:
-                p = t0 + j - bos_s[j]            # position in its sequence
-                y = T.alloc_var(f32)
-                y = bias_v[0]
+                pos = t0 + j - bos_s[j]          # position in its sequence
+                for e in T.unroll(VEC):
+                    acc[e] = bias8[e]
                 for i in T.unroll(W):
-                    if p - H + i >= 0:
-                        y += w[i] * xr[j + i]
+                    if pos - H + i >= 0:
+                        for e in T.vectorized(VEC):
+                            xv[e] = Xs[j + i, g * VEC + e]
+                        for e in T.unroll(VEC):
+                            acc[e] += w[i, e] * T.cast(xv[e], f32)
                     else:
                         if hist_s[j] >= 0:       # a tap before the sequence: its history
-                            y += w[i] * T.cast(CS[hist_s[j], c, p + i], f32)
-                Ys[j, tx] = act(y)
+                            for e in T.unroll(VEC):
+                                acc[e] += w[i, e] * T.cast(CS[hist_s[j], c0 + g * VEC + e, pos + i], f32)
+                for e in T.unroll(VEC):
+                    acc[e] = act(acc[e])
+                if to_v:                         # (a Python constant: one branch is emitted)
+                    for e in T.vectorized(VEC):
+                        Vo[t0 + j, hb - 2 * Hk, g * VEC + e] = T.cast(acc[e], io)
+                else:
+                    for e in T.vectorized(VEC):
+                        Ys[j, g * VEC + e] = acc[e]
 
     @T.prim_func
     def gdn_conv_prefill(
@@ -345,25 +378,33 @@ def _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, load_weights, act
         Go: T.Tensor((ntok, Hv), f32),
         Bo: T.Tensor((ntok, Hv), f32),
     ):
-        with T.Kernel(T.ceildiv(ntok, TPB), NH, threads=HEAD_DIM) as (bx, hb):
+        with T.Kernel(T.ceildiv(ntok, TPB), NH, threads=128) as (bx, hb):
             tx = T.get_thread_binding()
             t0 = bx * TPB
-            c = hb * HEAD_DIM + tx
+            c0 = hb * HEAD_DIM
+            g = tx % GROUPS
+            jr = tx // GROUPS
             bos_s = T.alloc_shared((TPB,), i32)
             hist_s = T.alloc_shared((TPB,), i32)
+            Xs = T.alloc_shared((ROWS, HEAD_DIM), io)
             Ys = T.alloc_shared((TPB, HEAD_DIM), f32)
-            w = T.alloc_local((W,), f32)
-            bias_v = T.alloc_local((1,), f32)
-            xr = T.alloc_local((ROWS,), f32)
+            w = T.alloc_local((W, VEC), f32)
+            bias8 = T.alloc_local((VEC,), f32)
+            acc = T.alloc_local((VEC,), f32)
+            xv = T.alloc_local((VEC,), io)
             x4 = T.alloc_local((4,), f32)
+            load_tile(X, Xs, t0, c0, tx)
             find_sequences(Cu, Slots, HasInit, t0, tx, bos_s, hist_s)
-            load_weights(Wt, Bias, c, w, bias_v)
-            conv_tile(X, CS, t0, c, tx, w, bias_v, xr, bos_s, hist_s, Ys)
-            if hb >= 2 * Hk:                     # v channels: straight out (own rows of Ys)
-                for j in T.unroll(TPB):
-                    if t0 + j < ntok:
-                        Vo[t0 + j, hb - 2 * Hk, tx] = T.cast(Ys[j, tx], io)
+            for i in T.unroll(W):
+                for e in T.unroll(VEC):
+                    w[i, e] = T.cast(Wt[c0 + g * VEC + e, i], f32)
+            for e in T.unroll(VEC):
+                bias8[e] = T.cast(Bias[c0 + g * VEC + e], f32) if v["bias"] else 0.0
+            T.sync_threads()
+            if hb >= 2 * Hk:                     # v channels: straight out, 16-byte stores
+                conv_rows(CS, Xs, Vo, Ys, True, t0, c0, hb, g, jr, w, bias8, acc, xv, bos_s, hist_s)
             else:                                # q/k channels: normalised per token row
+                conv_rows(CS, Xs, Vo, Ys, False, t0, c0, hb, g, jr, w, bias8, acc, xv, bos_s, hist_s)
                 T.sync_threads()
                 warp = tx // 32
                 lane = tx % 32
@@ -372,11 +413,11 @@ def _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, load_weights, act
                     if t0 + j < ntok:
                         for e in T.vectorized(4):
                             x4[e] = Ys[j, lane * 4 + e]
-                        s = T.alloc_var(f32)
-                        s = x4[0] * x4[0] + x4[1] * x4[1] + x4[2] * x4[2] + x4[3] * x4[3]
+                        ss = T.alloc_var(f32)
+                        ss = x4[0] * x4[0] + x4[1] * x4[1] + x4[2] * x4[2] + x4[3] * x4[3]
                         for m in T.unroll(5):
-                            s += T.shfl_xor(s, 1 << m)
-                        r = T.rsqrt(s + 1e-6)
+                            ss += T.shfl_xor(ss, 1 << m)
+                        r = T.rsqrt(ss + 1e-6)
                         if hb < Hk:
                             for e in T.vectorized(4):
                                 Qo[t0 + j, hb, lane * 4 + e] = T.cast(x4[e] * r, qk)
@@ -454,7 +495,7 @@ def conv_prefill(x, conv_state, weight, bias, slot_ids, has_initial_state, cu_se
             ab, prm, gb = gate_dtype_names(a, b, A_log, dt_bias)
             return variant("conv_prefill", hv, hk, width, io, sdt, weight=wdt, activation=activation,
                            bias=bias is not None, qk_out=_dtype_name(q_out.dtype, "q_out", _IO_DTYPES),
-                           ab=ab, param=prm, gbias=gb)
+                           ab=ab, param=prm, gbias=gb, tile=PREFILL_TILE)
         _launch_fn(key, make, x.device)(x, conv_state, weight, _bias_arg(bias, weight), slot_ids,
                                         has_initial_state, cu_seqlens, a, b, A_log, dt_bias,
                                         q_out, k_out, v_out, g_out, beta_out)
