@@ -166,21 +166,47 @@ def _score(model: CostModel, chunks: list[int], hv: int, sm: int, v_split: int, 
     split), a scan (segments - 2 steps: cp_level_us each), then the output pass over all
     segments at once (kernels/hopper/prefill_api).
     """
-    chunk_heads = sum(chunks) * hv
-    if L == 0:
-        chain, total = max(chunks), chunk_heads * v_split
-        return model.estimate_us(v_split, chain, total, sm, cut=False, chunk_heads=chunk_heads,
-                                 blocks=(len(chunks) - chunks.count(0)) * hv * v_split,
-                                 chain_blocks=chunks.count(chain) * hv * v_split)
-    segs = [-(-c // L) for c in chunks]
-    if max(segs) < 2:
-        return _score(model, chunks, hv, sm, v_split, 0)
+    return _score_from(model, _Batch(chunks, hv), sm, v_split, L)
+
+
+class _Batch:
+    """A batch's chunk counts and their aggregates, per segment length computed once: the
+    planner scores every (split, L) pair, and only the arithmetic depends on the split."""
+
+    __slots__ = ("chunks", "hv", "chunk_heads", "longest", "num_live", "num_longest", "_cuts")
+
+    def __init__(self, chunks: list[int], hv: int):
+        self.chunks, self.hv = chunks, hv
+        self.chunk_heads = sum(chunks) * hv
+        self.longest = max(chunks, default=0)
+        self.num_live = len(chunks) - chunks.count(0)
+        self.num_longest = chunks.count(self.longest)
+        self._cuts: dict[int, tuple[int, int, int, int]] = {}
+
+    def cut(self, L: int) -> tuple[int, int, int, int]:
+        """(most segments of a sequence, all segments, all full segments, maps block-chunks per
+        head and split) when sequences are cut into segments of L chunks."""
+        hit = self._cuts.get(L)
+        if hit is None:
+            segs = [-(-c // L) for c in self.chunks]
+            hit = self._cuts[L] = (max(segs, default=0), sum(segs), sum(c // L for c in self.chunks),
+                                   sum(L * (2 * s - 3) for s in segs if s > 1))
+        return hit
+
+
+def _score_from(model: CostModel, batch: _Batch, sm: int, v_split: int, L: int) -> float:
+    hv, chunk_heads = batch.hv, batch.chunk_heads
+    if L:
+        most, segments, full, maps_chunks = batch.cut(L)
+    if L == 0 or most < 2:
+        return model.estimate_us(v_split, batch.longest, chunk_heads * v_split, sm, cut=False,
+                                 chunk_heads=chunk_heads, blocks=batch.num_live * hv * v_split,
+                                 chain_blocks=batch.num_longest * hv * v_split)
     out_us = model.estimate_us(v_split, L, chunk_heads * v_split, sm, cut=True, chunk_heads=chunk_heads,
-                               blocks=sum(segs) * hv * v_split,
-                               chain_blocks=sum(c // L for c in chunks) * hv * v_split)
-    maps_block_chunks = hv * v_split * sum(L * (2 * s - 3) for s in segs if s > 1)
+                               blocks=segments * hv * v_split, chain_blocks=full * hv * v_split)
+    maps_block_chunks = hv * v_split * maps_chunks
     maps_us = model.cp_maps_ratio * model.chunk_us[v_split] * max(L, -(-maps_block_chunks // sm))
-    return out_us + maps_us + model.cp_level_us * (max(segs) - 2)
+    return out_us + maps_us + model.cp_level_us * (most - 2)
 
 
 def _choose(model: CostModel, chunks: list[int], hv: int, sm: int, cp: str,
@@ -193,25 +219,25 @@ def _choose(model: CostModel, chunks: list[int], hv: int, sm: int, cp: str,
     if not num_live:
         return _Choice(*base, 0, model.launch_us)
     # Empty sequences change neither the max nor the sum that the score reads.
-    best = _Choice(*base, 0, _score(model, chunks, hv, sm, base[1], 0))
+    batch = _Batch([c for c in chunks if c > 0] if num_live < len(chunks) else chunks, hv)
+    best = _Choice(*base, 0, _score_from(model, batch, sm, base[1], 0))
     # Bit-stable mode, or the baseline is already throughput-bound (its waves of blocks take
     # longer than the longest sequence's chain): splitting only multiplies the waves (the fitted
     # models have chunk_us[v] * v > chunk_us[1]). A mixed batch with one long sequence is
     # chain-bound and goes on to the model.
-    if cp == "off" or max(chunks) * sm <= sum(chunks) * hv * base[1]:
+    if cp == "off" or batch.longest * sm <= batch.chunk_heads * base[1]:
         return best
-    live = [c for c in chunks if c > 0]
     if "vsplit" in supported:
         for s in splits:
-            t = _score(model, live, hv, sm, s, 0)
+            t = _score_from(model, batch, sm, s, 0)
             if t < best.estimated_us:
                 best = _Choice("vsplit", s, 0, t)
     if "cp" in supported:
         for s in [1] + (splits if "vsplit" in supported else []):
             for L in model.cp_segment_chunks:
-                if L >= max(live):
+                if L >= batch.longest:
                     break  # no sequence would be cut
-                t = _score(model, live, hv, sm, s, L)
+                t = _score_from(model, batch, sm, s, L)
                 if t < best.estimated_us:
                     best = _Choice("cp", s, L, t)
     return best
