@@ -334,3 +334,31 @@ def test_padded_spec_batch_in_a_cuda_graph():
     assert torch.equal(out, out_e) and torch.equal(ssm, ssm_e) and torch.equal(conv, conv_e)
     for s in padded:
         assert torch.equal(ssm[s], ssm0[s]) and torch.equal(conv[s], conv0[s])
+
+
+def test_padded_decode_batch_cpu():
+    """vLLM 0.33's FULL decode graph pads the decode rows with the null block
+    (v1/attention/backends/gdn_attn.py ~655-668: non_spec_state_indices_tensor[num_decodes:]
+    .fill_(NULL_BLOCK_ID)): those rows get zero outputs and no state, SSM or conv, changes."""
+    gen = torch.Generator().manual_seed(5)
+    conv, ssm = _cache(10, torch.float32, "cpu", gen)
+    conv0, ssm0 = conv.clone(), ssm.clone()
+    w, bias, A_log, dt_bias = _weights(gen, "cpu")
+    slots = [3, NULL, 7, NULL]
+    x = torch.randn(4, DIM, generator=gen)
+    a, b = torch.randn(4, HV, generator=gen), torch.randn(4, HV, generator=gen)
+    step = GL.make_step_plan(num_actual_tokens=4, num_v_heads=HV, num_k_heads=HK, conv_width=W, device="cpu",
+                             decode_slots=torch.tensor(slots, dtype=torch.int32))
+    out = torch.full((4, HV, D_HEAD), 7.0)
+    GL.gdn_layer_forward(step, x, a, b, conv_weight=w, conv_bias=bias, activation="silu", conv_state=conv,
+                         ssm_state=ssm, A_log=A_log, dt_bias=dt_bias, num_k_heads=HK, out=out)
+    for i, s in enumerate(slots):
+        if s == NULL:
+            assert (out[i] == 0).all()
+            continue
+        o, full, final, _ = _oracle_seq(x[i:i + 1], a[i:i + 1], b[i:i + 1], conv0[s, :, :W - 1], ssm0[s],
+                                        w, bias, A_log, dt_bias)
+        _close(out[i:i + 1].double(), o, atol=2e-4, rtol=2e-4)
+        _close(ssm[s].double(), final, atol=2e-4, rtol=2e-4)
+    for s in set(range(10)) - {3, 7}:
+        assert torch.equal(ssm[s], ssm0[s]) and torch.equal(conv[s], conv0[s])
