@@ -62,7 +62,7 @@ import threading
 import torch
 
 from . import prefill_main, prefill_main_vfirst, prefill_prep, prefill_scan, prefill_warmup
-from .decode import check_pool_alignment
+from .decode import _TORCH_TO_TL, check_pool_alignment
 from .raw_launch import raw_function
 
 ARCH = "sm_90a"
@@ -131,7 +131,6 @@ def _prep_heads_from_env() -> int:
 
 PREP_HEADS = _prep_heads_from_env()
 
-_TORCH_TO_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 _kernels: dict = {}
 _lock = threading.Lock()
 _fns: dict = {}  # short key -> the compiled kernel's raw launch function (raw_launch.py)
