@@ -45,11 +45,11 @@ def test_variant_compiles(variant, target):
 def test_kernel_variants_are_unique_and_json_serialisable():
     vs = dec.kernel_variants(32, 16)
     names = [v["name"] for v in vs]
-    assert len(names) == len(set(names)) == 68
+    assert len(names) == len(set(names)) == 76       # 64 decode/verify, 8 verify_slots, 4 commit
     assert json.loads(json.dumps(vs)) == vs
     assert {v["pool_dtype"] for v in vs} == {"float32", "bfloat16"}
     assert {v["io_dtype"] for v in vs if v["op"] != "commit"} == {"bfloat16", "float16"}
-    assert {v["op"] for v in vs} == {"decode", "verify", "commit"}
+    assert {v["op"] for v in vs} == {"decode", "verify", "verify_slots", "commit"}
     assert {v["tile"] for v in vs if v["op"] != "commit"} == set(dec.DEFAULT_TILES.values())
     # SGLang's layers: A_log fp32 beside a dt_bias in the activation dtype, its own variant
     assert {(v["param_dtype"], v["bias_dtype"]) for v in vs if v.get("gating") == "ab"} == {
