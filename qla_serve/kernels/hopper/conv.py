@@ -161,7 +161,7 @@ def _program(v: dict):
         return y / (1.0 + T.exp(-y)) if silu else y
 
     if op == "conv_prefill":
-        return _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, load_weights, act)
+        return _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, act)
 
     if op == "conv_prefill_state":
         ntok = T.dynamic("ntok")
@@ -282,7 +282,7 @@ def _program(v: dict):
     return gdn_conv_spec
 
 
-def _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, load_weights, act):
+def _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, act):
     """conv_prefill: conv + split + q/k L2 norm + gates for a varlen batch (module docstring).
 
     A CTA: TPB tokens x one 128-channel block. Its TPB + W - 1 input rows go to shared memory in
@@ -298,7 +298,7 @@ def _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, load_weights, act
     ROWS = TPB + H                       # input rows a tile's tokens read
     VEC, GROUPS = 8, HEAD_DIM // 8       # 16-byte vectors of io, 16 per 128 channels
     ROW_STEP = 128 // GROUPS             # token rows per pass of the 128 threads
-    ntok, S, L, N = T.dynamic("ntok S L N")
+    ntok, N = T.dynamic("ntok N")
     sx0, sa0, sa1, sb0, sb1, sal, sdt = T.dynamic("sx0 sa0 sa1 sb0 sb1 sal sdt")
 
     @T.macro
