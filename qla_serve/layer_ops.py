@@ -29,6 +29,7 @@ import torch
 from qla_serve import _validate as V
 from qla_serve.kernels import reference_conv
 from qla_serve.ops import _checked_key, _checks_due, _passed, _path, kernel_module, prefill_qk_dtype
+from qla_serve.plan import PrefillPlan
 
 ACTIVATIONS = ("silu", None)
 CONV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -86,6 +87,7 @@ def _check_conv_out(out, x) -> None:
 
 
 def _int32(x: torch.Tensor, device) -> torch.Tensor:
+    """Counts and offsets (num_accepted, cu_seqlens) as the kernels take them."""
     return x.to(device, torch.int32, non_blocking=True)
 
 
@@ -111,6 +113,8 @@ def gdn_layer_prefill_inputs(mixed_qkv, a, b, conv_state, slot_ids, plan, *, con
         v [T, Hv, 128] in mixed_qkv's dtype; g, beta [T, Hv] fp32 (contiguous).
     """
     act = _activation(activation)
+    if not isinstance(plan, PrefillPlan):
+        raise TypeError(f"plan: expected a PrefillPlan from qla_serve.plan_prefill, got {type(plan).__name__}")
     Hv, Hk = plan.num_v_heads, num_k_heads
     dim = (2 * Hk + Hv) * V.HEAD_DIM
     if qk_dtype is None:
@@ -153,7 +157,7 @@ def gdn_layer_prefill_inputs(mixed_qkv, a, b, conv_state, slot_ids, plan, *, con
     g = torch.empty((T, Hv), dtype=torch.float32, device=dev)
     beta = torch.empty_like(g)
     _run("conv_prefill", dev, mixed_qkv.dtype, mixed_qkv, conv_state, conv_weight, conv_bias,
-         _int32(slot_ids, dev), has_init, plan.cu_seqlens, a, b, A_log, dt_bias, activation=act,
+         V.int32_index(slot_ids, dev), has_init, plan.cu_seqlens, a, b, A_log, dt_bias, activation=act,
          q_out=q, k_out=k, v_out=v, g_out=g, beta_out=beta)
     return q, k, v, g, beta
 
@@ -189,7 +193,7 @@ def causal_conv_decode(x, conv_state, slot_ids, *, conv_weight, conv_bias=None, 
         _passed(key)
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _run("conv_decode", x.device, x.dtype, x, conv_state, conv_weight, conv_bias, _int32(slot_ids, x.device),
+    _run("conv_decode", x.device, x.dtype, x, conv_state, conv_weight, conv_bias, V.int32_index(slot_ids, x.device),
          num_v_heads=num_v_heads, activation=act, out=out)
     return out
 
@@ -229,7 +233,7 @@ def causal_conv_spec(x, conv_state, slot_ids, num_accepted, cu_seqlens, *, conv_
         _passed(key)
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _run("conv_spec", x.device, x.dtype, x, conv_state, conv_weight, conv_bias, _int32(slot_ids, x.device),
+    _run("conv_spec", x.device, x.dtype, x, conv_state, conv_weight, conv_bias, V.int32_index(slot_ids, x.device),
          _int32(num_accepted, x.device), _int32(cu_seqlens, x.device), num_v_heads=num_v_heads, draft=draft,
          activation=act, out=out)
     return out

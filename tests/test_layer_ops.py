@@ -168,3 +168,18 @@ def test_decode_spec_verify_bad_input():
     with pytest.raises(ValueError, match="spec_slot_ids: expected each live slot id once"):
         layer_ops.gdn_verify_slots(q, k, v, pool, torch.tensor([[1, 1]], dtype=torch.int32), acc, cu, **common)
     assert (pool == 0).all()
+
+
+def test_plan_and_int64_ids():
+    """plan must be a PrefillPlan; an int64 padding id below -2**31 stays padding (never wraps
+    around to a live slot when narrowed to int32)."""
+    kw = _prefill_kw()
+    with pytest.raises(TypeError, match="plan: expected a PrefillPlan"):
+        layer_ops.gdn_layer_prefill_inputs(kw.pop("mixed_qkv"), kw.pop("a"), kw.pop("b"), kw.pop("conv_state"),
+                                           kw.pop("slot_ids"), None, **{k: v for k, v in kw.items() if k != "plan"})
+    gen, cs, w, bias = _setup(seed=6)
+    cs0 = cs.clone()
+    with pytest.raises(ValueError, match="slot_ids"):
+        layer_ops.causal_conv_decode(torch.randn(2, DIM), cs, torch.tensor([1, -2**32]), conv_weight=w,
+                                     num_v_heads=HV)
+    assert torch.equal(cs, cs0)
