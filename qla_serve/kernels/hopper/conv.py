@@ -50,6 +50,7 @@ import os
 
 from .decode import (_GATE_DTYPES, _IO_DTYPES, _PASS_CONFIGS, _TARGETS, _check_heads, _dtype_name,
                      gate_dtype_names, launch_function)
+from .prefill_inputs import log_decay, sigmoid
 
 HEAD_DIM = 128
 TOKENS_PER_CTA = 32          # conv_prefill's token tile (QLA_SERVE_CONV_TILE overrides: 16, 32, 64)
@@ -429,9 +430,8 @@ def _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, act):
             if hb < Hv and tx < TPB:             # gates of v-head hb for the tile's tokens
                 t = t0 + tx
                 if t < ntok:
-                    xg = T.cast(A[t, hb], f32) + T.cast(dt_bias[hb], f32)
-                    Go[t, hb] = -T.exp(T.cast(A_log[hb], f32)) * T.if_then_else(xg > 20.0, xg, T.log1p(T.exp(xg)))
-                    Bo[t, hb] = 1.0 / (1.0 + T.exp(-T.cast(Bt[t, hb], f32)))
+                    Go[t, hb] = log_decay(T, A[t, hb], A_log[hb], dt_bias[hb])
+                    Bo[t, hb] = sigmoid(T, Bt[t, hb])
 
     return gdn_conv_prefill
 

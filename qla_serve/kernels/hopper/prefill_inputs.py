@@ -37,6 +37,18 @@ TOKENS_PER_CTA = 16
 _PARAM_PAIRS = (("float32", "float32"), (None, None), ("float32", None))
 
 
+def log_decay(T, a, A_log, dt_bias):
+    """g = -exp(A_log) * softplus(a + dt_bias) as a TIR expression in fp32 (torch's softplus:
+    x itself above 20); shared by this kernel and the layer's conv prefill (conv.py)."""
+    x = T.cast(a, "float32") + T.cast(dt_bias, "float32")
+    return -T.exp(T.cast(A_log, "float32")) * T.if_then_else(x > 20.0, x, T.log1p(T.exp(x)))
+
+
+def sigmoid(T, b):
+    """beta = sigmoid(b) as a TIR expression in fp32."""
+    return 1.0 / (1.0 + T.exp(-T.cast(b, "float32")))
+
+
 def variant(hv: int, hk: int, io: str, ab: str | None = None, param: str | None = None,
             bias: str | None = None, out: str | None = None) -> dict:
     """A JSON-serialisable variant description (op "inputs"); ``name`` identifies it. ``ab``
@@ -148,9 +160,8 @@ def _program(v: dict):
                 t = bx * TPB + idx // Hv
                 h = idx % Hv
                 if idx < TPB * Hv and t < ntok:
-                    x = T.cast(A[t, h], f32) + T.cast(dt_bias[h], f32)
-                    Go[t, h] = -T.exp(T.cast(A_log[h], f32)) * T.if_then_else(x > 20.0, x, T.log1p(T.exp(x)))
-                    Bo[t, h] = 1.0 / (1.0 + T.exp(-T.cast(B[t, h], f32)))
+                    Go[t, h] = log_decay(T, A[t, h], A_log[h], dt_bias[h])
+                    Bo[t, h] = sigmoid(T, B[t, h])
 
     return gdn_prefill_inputs
 
