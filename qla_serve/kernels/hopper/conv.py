@@ -49,8 +49,7 @@ heads, W, dtypes, activation and bias are static and name a variant.
 import os
 
 from .decode import (_GATE_DTYPES, _IO_DTYPES, _PASS_CONFIGS, _TARGETS, _check_heads, _dtype_name,
-                     gate_dtype_names, launch_function)
-from .prefill_inputs import log_decay, sigmoid
+                     gate_dtype_names, launch_function, log_decay, sigmoid)
 
 HEAD_DIM = 128
 TOKENS_PER_CTA = 32          # conv_prefill's token tile (QLA_SERVE_CONV_TILE overrides: 16, 32, 64)

@@ -153,6 +153,18 @@ def _commit_variant(hv: int, pool: str, acc: str) -> dict:
             "num_v_heads": hv, "pool_dtype": pool, "acc_dtype": acc}
 
 
+def log_decay(T, a, A_log, dt_bias):
+    """g = -exp(A_log) * softplus(a + dt_bias) as a TIR expression in fp32 (torch's softplus:
+    x itself above 20); shared by prefill_inputs.py and the layer's conv prefill (conv.py)."""
+    x = T.cast(a, "float32") + T.cast(dt_bias, "float32")
+    return -T.exp(T.cast(A_log, "float32")) * T.if_then_else(x > 20.0, x, T.log1p(T.exp(x)))
+
+
+def sigmoid(T, b):
+    """beta = sigmoid(b) as a TIR expression in fp32."""
+    return 1.0 / (1.0 + T.exp(-T.cast(b, "float32")))
+
+
 def _check_heads(hv: int, hk: int) -> None:
     if not (isinstance(hv, int) and isinstance(hk, int) and hk > 0 and hv > 0 and hv % hk == 0):
         raise ValueError(f"num_v_heads/num_k_heads: expected positive ints with num_v_heads % "
@@ -272,6 +284,8 @@ def _program(variant: dict):
     def gates(Ga, Gb, A_log, dt_bias, t, h, gb):
         # gb[0] = alpha = exp(g), gb[1] = beta
         if fused:
+            # (the same formulas as log_decay / sigmoid below, written with a let-bound x: the
+            # expression helpers inline it, which compiles to different, unvalidated code here)
             x = T.cast(Ga[t, h], f32) + T.cast(dt_bias[h], f32)
             sp_ = T.if_then_else(x > 20.0, x, T.log1p(T.exp(x)))
             gb[0] = T.exp(-T.exp(T.cast(A_log[h], f32)) * sp_)

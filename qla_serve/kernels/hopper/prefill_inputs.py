@@ -28,25 +28,13 @@ of 4 elements).
 
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
 from .decode import (_GATE_DTYPES, _IO_DTYPES, _PASS_CONFIGS, _TARGETS, _check_heads, _dtype_name,
-                     gate_dtype_names, launch_function)
+                     gate_dtype_names, launch_function, log_decay, sigmoid)
 
 HEAD_DIM = 128
 TOKENS_PER_CTA = 16
 # Gate dtype combinations kernel_variants lists (a/b in the io dtype, as the engines project
 # them; A_log, dt_bias): fp32 both, io both, fp32 A_log beside an io dt_bias (SGLang).
 _PARAM_PAIRS = (("float32", "float32"), (None, None), ("float32", None))
-
-
-def log_decay(T, a, A_log, dt_bias):
-    """g = -exp(A_log) * softplus(a + dt_bias) as a TIR expression in fp32 (torch's softplus:
-    x itself above 20); shared by this kernel and the layer's conv prefill (conv.py)."""
-    x = T.cast(a, "float32") + T.cast(dt_bias, "float32")
-    return -T.exp(T.cast(A_log, "float32")) * T.if_then_else(x > 20.0, x, T.log1p(T.exp(x)))
-
-
-def sigmoid(T, b):
-    """beta = sigmoid(b) as a TIR expression in fp32."""
-    return 1.0 / (1.0 + T.exp(-T.cast(b, "float32")))
 
 
 def variant(hv: int, hk: int, io: str, ab: str | None = None, param: str | None = None,
