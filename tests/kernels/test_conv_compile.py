@@ -39,11 +39,11 @@ def test_verify_slots_compiles(target):
 def test_conv_variants_are_unique_and_checked():
     vs = C.kernel_variants(32, 16)
     names = [v["name"] for v in vs]
-    assert len(names) == len(set(names)) == 2 * 2 * 6
+    assert len(names) == len(set(names)) == 2 * 2 * 8      # io x bias x (3 prefill, state, decode, 3 spec)
     from qla_serve.kernels import hopper
     listed = hopper.kernel_variants(32, 16)
     assert all(v in listed for v in vs)
-    assert sum(v["op"] == "verify_slots" for v in listed) == 8
+    assert sum(v["op"] == "verify_slots" for v in listed) == 12
     with pytest.raises(ValueError, match="conv width"):
         C.variant("conv_decode", HV, HK, 9, "bfloat16", "bfloat16")
     with pytest.raises(ValueError, match="conv_state dtype"):

@@ -45,7 +45,7 @@ def test_variant_compiles(variant, target):
 def test_kernel_variants_are_unique_and_json_serialisable():
     vs = dec.kernel_variants(32, 16)
     names = [v["name"] for v in vs]
-    assert len(names) == len(set(names)) == 76       # 64 decode/verify, 8 verify_slots, 4 commit
+    assert len(names) == len(set(names)) == 80       # 64 decode/verify, 12 verify_slots, 4 commit
     assert json.loads(json.dumps(vs)) == vs
     assert {v["pool_dtype"] for v in vs} == {"float32", "bfloat16"}
     assert {v["io_dtype"] for v in vs if v["op"] != "commit"} == {"bfloat16", "float16"}

@@ -106,18 +106,25 @@ def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weigh
     return v
 
 
+def _GATE_PARAMS(io: str) -> tuple[tuple[str, str], ...]:
+    """(A_log, dt_bias) dtypes the engines' layers hold: both fp32, both the model's, or vLLM's
+    fp32 A_log beside a dt_bias in the model dtype (created under the model's default dtype)."""
+    return (("float32", "float32"), (io, io), ("float32", io))
+
+
 def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
     """What the engine layers hit with Qwen3-Next / Qwen3.5 (width 4, SiLU, bias or not, the
     conv state in the model dtype, weights in the model dtype): per model dtype, the prefill
-    conv (q/k fp16 from bf16 as the layers ask; gates as a/b in the model dtype with fp32
-    A_log/dt_bias, vLLM's parameters), its state write-back, decode, and spec at D = 2..4
+    conv (q/k fp16 from bf16 as the layers ask; a/b in the model dtype, A_log/dt_bias as
+    _GATE_PARAMS), its state write-back, decode, and spec at D = 2..4
     (MTP k = 1..3). Others compile on first use (same cache)."""
     out = []
     for io in _IO_DTYPES:
         for has_bias in (False, True):
             common = dict(bias=has_bias)
-            out.append(variant("conv_prefill", num_v_heads, num_k_heads, 4, io, io, qk_out="float16",
-                               ab=io, param="float32", gbias="float32", **common))
+            for param, gbias in _GATE_PARAMS(io):
+                out.append(variant("conv_prefill", num_v_heads, num_k_heads, 4, io, io, qk_out="float16",
+                                   ab=io, param=param, gbias=gbias, **common))
             out.append(variant("conv_prefill_state", num_v_heads, num_k_heads, 4, io, io, **common))
             out.append(variant("conv_decode", num_v_heads, num_k_heads, 4, io, io, **common))
             for d in (2, 3, 4):

@@ -120,9 +120,10 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
 
     Matrix: op {decode, verify} x io dtype {bf16, fp16} x pool {fp32, bf16} x gating
     {g/beta fp32, raw a/b in the io dtype with A_log/dt_bias fp32, a/b and A_log/dt_bias in
-    the io dtype, a/b and dt_bias in the io dtype with A_log fp32 (SGLang's layers)} x l2norm
-    {off, on} = 64 variants, each with its pool dtype's default tile; plus 4 commit variants
-    (pool dtype x num_accepted int32/int64).
+    the io dtype, a/b and dt_bias in the io dtype with A_log fp32 (SGLang's and vLLM's layers)}
+    x l2norm {off, on} = 64 variants, each with its pool dtype's default tile; 12 verify_slots
+    variants (the vLLM layer's spec step: io x pool x the three raw-gate forms, l2norm on); plus
+    4 commit variants (pool dtype x num_accepted int32/int64).
     Other gate dtype combinations and tile overrides (TILE_OVERRIDE) compile on first use
     (JIT, same cache).
     """
@@ -138,9 +139,9 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
                                             param, l2, bias=bias))
     for io in _IO_DTYPES:  # the engine layers' spec step: raw gates, in-kernel l2norm
         for pool in _POOL_DTYPES:
-            for param in ("float32", io):
+            for param, bias in (("float32", None), (io, None), ("float32", io)):
                 out.append(_variant("verify_slots", num_v_heads, num_k_heads, io, pool, "ab", io,
-                                    param, True))
+                                    param, True, bias=bias))
     for pool in _POOL_DTYPES:
         for acc in _ACC_DTYPES:
             out.append(_commit_variant(num_v_heads, pool, acc))
