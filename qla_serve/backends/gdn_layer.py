@@ -32,8 +32,8 @@ device, once per step. Padded spec batches (vLLM pads a spec batch to a captured
 left as they are (the adapters hand a zeroed ``out``).
 
 Host work: :func:`make_step_plan` runs once per step with no per-token Python (the prefill plan
-from the CPU lengths, a few device-side id conversions); :func:`gdn_layer_forward` syncs nothing
-and, past the first layer of a step, re-checks no argument metadata.
+from the CPU lengths); :func:`gdn_layer_forward` syncs nothing and, past the first layer of a
+step, neither re-derives slot ids nor re-checks argument metadata.
 """
 
 from __future__ import annotations
