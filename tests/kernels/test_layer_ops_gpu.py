@@ -37,7 +37,8 @@ def _weights(dim, W, dtype, gen, bias):
 @pytest.mark.parametrize("hk,hv", [(2, 8), (4, 16)])
 @pytest.mark.parametrize("layout", ["dim_first", "seq_first"])
 @pytest.mark.parametrize("bias", [True, False])
-def test_conv_prefill_matches_reference(hk, hv, layout, bias):
+@pytest.mark.parametrize("dt_bias_dtype", [torch.float32, torch.bfloat16])   # bf16: vLLM's layer
+def test_conv_prefill_matches_reference(hk, hv, layout, bias, dt_bias_dtype):
     gen = torch.Generator().manual_seed(hk * 100 + hv + bias)
     dim, W, S = (2 * hk + hv) * HEAD, 4, 24
     lens = [70, 0, 1, 2, 3, 333, 1, 64, 97]
@@ -47,7 +48,7 @@ def test_conv_prefill_matches_reference(hk, hv, layout, bias):
     x = torch.randn(T, dim + 64, generator=gen).to("cuda", torch.bfloat16)[:, 32:32 + dim]  # row-strided
     a, b = (torch.randn(T, hv, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
     A_log = (torch.rand(hv, generator=gen) - 1.0).cuda()
-    dt_bias = (torch.randn(hv, generator=gen) * 0.1).cuda()
+    dt_bias = (torch.randn(hv, generator=gen) * 0.1).to("cuda", dt_bias_dtype)
     w, bv = _weights(dim, W, torch.bfloat16, gen, bias)
     cs = _conv_cache(S, dim, W - 1, torch.bfloat16, layout, gen)
     for s, h in zip(slots, has):
