@@ -27,8 +27,8 @@ of 4 elements).
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
-from .decode import (_GATE_DTYPES, _IO_DTYPES, _PASS_CONFIGS, _TARGETS, _check_heads, _dtype_name,
-                     gate_dtype_names, launch_function, log_decay, sigmoid)
+from .decode import (_GATE_DTYPES, _IO_DTYPES, _TARGETS, _check_heads, _dtype_name,
+                     compile_for, gate_dtype_names, launch_function, log_decay, sigmoid)
 
 HEAD_DIM = 128
 TOKENS_PER_CTA = 16
@@ -156,12 +156,9 @@ def _program(v: dict):
 
 def build(v: dict, target: str):
     """Compile variant ``v`` for ``target`` ("sm_90a" or "sm_100a") through TileLang's cache."""
-    import tilelang
-
     if target not in _TARGETS:
         raise ValueError(f"target: expected one of {_TARGETS}, got {target!r}")
-    return tilelang.compile(_program(v), target={"kind": "cuda", "arch": target},
-                            execution_backend="tvm_ffi", pass_configs=dict(_PASS_CONFIGS))
+    return compile_for(_program(v), target)
 
 
 # (device, q dtype, q_out dtype, a / A_log / dt_bias dtypes or None, Hv, Hk) -> the raw launch function
