@@ -829,7 +829,11 @@ def format_check(results) -> str:
 
 
 def _commit() -> str | None:
-    """git rev-parse HEAD of the checkout this module lives in ("+dirty" if it has changes)."""
+    """$QLA_SERVE_COMMIT if set, else git rev-parse HEAD of the checkout this module lives in
+    ("+dirty" if it has changes). The variable is for copies whose .git is not the code's (the
+    lent GPU machine receives the working tree with the .git of an older checkout)."""
+    if os.environ.get("QLA_SERVE_COMMIT"):
+        return os.environ["QLA_SERVE_COMMIT"]
     here = os.path.dirname(os.path.abspath(__file__))
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
