@@ -28,20 +28,16 @@ import torch
 
 from qla_serve import _validate as V
 from qla_serve.kernels import reference_conv
-from qla_serve.ops import _checked_key, _checks_due, _passed, _path, kernel_module, prefill_qk_dtype
+from qla_serve.ops import (_checked_key, _checks_due, _passed, _path, _same_dtype, _scale, path_module,
+                           prefill_qk_dtype)
 from qla_serve.plan import PrefillPlan
 
-ACTIVATIONS = ("silu", None)
 CONV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _run(op: str, device: torch.device, io_dtype, *args, **kwargs) -> None:
-    if _path(op, device, io_dtype) == "tilelang":
-        from qla_serve.ops import _arch_of
-        mod = kernel_module(_arch_of(device.index if device.index is not None else torch.cuda.current_device()))
-    else:
-        mod = reference_conv
-    getattr(mod, op)(*args, **kwargs)
+    """ops._run with the layer ops' reference module (FLA has none of these ops: paths.py)."""
+    getattr(path_module(_path(op, device, io_dtype), device, reference_conv), op)(*args, **kwargs)
 
 
 def _activation(activation) -> str:
@@ -52,9 +48,9 @@ def _activation(activation) -> str:
     raise ValueError(f"activation: expected 'silu' or None, got {activation!r}")
 
 
-def _check_conv(x, conv_state, conv_weight, conv_bias, dim: int, min_cols: int) -> int:
-    """x [T, dim] (unit channel stride), conv_state [S, dim, L >= min_cols], conv_weight
-    [dim, W], conv_bias [dim] or None. Returns W."""
+def _check_conv(x, conv_state, conv_weight, conv_bias, dim: int, extra_cols: int = 0) -> int:
+    """x [T, dim] (unit channel stride), conv_state [S, dim, L >= W - 1 + extra_cols],
+    conv_weight [dim, W], conv_bias [dim] or None. Returns W."""
     V.check_dtype("mixed_qkv", x, (torch.bfloat16, torch.float16, torch.float32))
     V.check_shape("mixed_qkv", x, (None, dim))
     if x.shape[0] and x.stride(1) != 1:
@@ -70,6 +66,7 @@ def _check_conv(x, conv_state, conv_weight, conv_bias, dim: int, min_cols: int) 
             raise ValueError("conv_bias: expected a contiguous vector")
     V.check_dtype("conv_state", conv_state, CONV_DTYPES)
     V.check_shape("conv_state", conv_state, (None, dim, None))
+    min_cols = W - 1 + extra_cols
     if conv_state.shape[2] < min_cols:
         raise ValueError(f"conv_state: expected at least {min_cols} columns (conv width {W}), "
                          f"got {conv_state.shape[2]}")
@@ -125,7 +122,7 @@ def gdn_layer_prefill_inputs(mixed_qkv, a, b, conv_state, slot_ids, plan, *, con
         if Hk != plan.num_k_heads:
             raise ValueError(f"num_k_heads: expected the plan's {plan.num_k_heads}, got {Hk}")
         T = plan.total_tokens
-        _check_conv(mixed_qkv, conv_state, conv_weight, conv_bias, dim, conv_weight.shape[-1] - 1)
+        _check_conv(mixed_qkv, conv_state, conv_weight, conv_bias, dim)
         if mixed_qkv.shape[0] != T:
             raise ValueError(f"mixed_qkv: expected the plan's {T} tokens, got {mixed_qkv.shape[0]}")
         if T and (mixed_qkv.stride(0) * mixed_qkv.element_size() % 16 or mixed_qkv.data_ptr() % 16):
@@ -150,7 +147,7 @@ def gdn_layer_prefill_inputs(mixed_qkv, a, b, conv_state, slot_ids, plan, *, con
         has_init = plan.scratch(("ones_int8", dev), lambda: torch.ones(plan.num_seqs, dtype=torch.int8, device=dev))
     else:
         has_init = has_initial_state.view(torch.int8)
-    a, b = (a.float(), b.float()) if a.dtype != b.dtype else (a, b)
+    a, b = _same_dtype(a, b)
     q = torch.empty((T, Hk, V.HEAD_DIM), dtype=qk_dtype, device=dev)
     k = torch.empty_like(q)
     v = torch.empty((T, Hv, V.HEAD_DIM), dtype=mixed_qkv.dtype, device=dev)
@@ -184,7 +181,7 @@ def causal_conv_decode(x, conv_state, slot_ids, *, conv_weight, conv_bias=None, 
                 and (dim // V.HEAD_DIM - num_v_heads) > 0 and (dim // V.HEAD_DIM - num_v_heads) % 2 == 0):
             raise ValueError(f"num_v_heads: expected a positive count that leaves x's {dim} channels "
                              f"two equal q/k parts of 128-channel heads, got {num_v_heads}")
-        _check_conv(x, conv_state, conv_weight, conv_bias, dim, conv_weight.shape[-1] - 1)
+        _check_conv(x, conv_state, conv_weight, conv_bias, dim)
         V.check_index("slot_ids", slot_ids, x.shape[0], conv_state.shape[0], "conv_state's slot count",
                       unique_live=True)
         V.check_device(x.device, slot_ids=slot_ids)
@@ -219,8 +216,7 @@ def causal_conv_spec(x, conv_state, slot_ids, num_accepted, cu_seqlens, *, conv_
     if _checks_due(key):
         if not (isinstance(draft, int) and 1 <= draft <= 16):
             raise ValueError(f"draft: expected 1..16 tokens per sequence, got {draft!r}")
-        W = conv_weight.shape[-1] if isinstance(conv_weight, torch.Tensor) else 2
-        _check_conv(x, conv_state, conv_weight, conv_bias, x.shape[-1], W - 2 + draft)
+        _check_conv(x, conv_state, conv_weight, conv_bias, x.shape[-1], extra_cols=draft - 1)
         N = slot_ids.shape[0]
         V.check_index("slot_ids", slot_ids, N, conv_state.shape[0], "conv_state's slot count", unique_live=True)
         V.check_dtype("num_accepted", num_accepted, (torch.int32, torch.int64))
@@ -283,10 +279,11 @@ def gdn_verify_slots(q, k, v, pool, spec_slot_ids, num_accepted, cu_seqlens, *, 
         if out is not None:
             V.output(out, (T, Hv, V.HEAD_DIM), q.dtype, q.device)
         _passed(key)
-    a, b = (a.float(), b.float()) if a.dtype != b.dtype else (a, b)
+    l2 = V.check_flag("use_qk_l2norm", use_qk_l2norm)
+    s = _scale(scale)
+    a, b = _same_dtype(a, b)
     if out is None:
         out = torch.empty((q.shape[0], v.shape[1], V.HEAD_DIM), dtype=q.dtype, device=q.device)
-    scale = V.HEAD_DIM ** -0.5 if scale is None else float(scale)
     _run("verify_slots", q.device, q.dtype, q, k, v, pool, spec_slot_ids, num_accepted, cu_seqlens,
-         a=a, b=b, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm=bool(use_qk_l2norm), scale=scale, out=out)
+         a=a, b=b, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm=l2, scale=s, out=out)
     return out

@@ -50,16 +50,21 @@ def _path(op: str, device: torch.device, io_dtype) -> str:
     return path
 
 
+def path_module(path: str, device: torch.device, reference_module=reference):
+    """The module that implements ``path`` on ``device``: the arch's TileLang kernels, FLA's
+    fallback, or ``reference_module`` (kernels/reference.py; layer_ops passes reference_conv)."""
+    if path == "tilelang":
+        return kernel_module(_arch_of(device.index if device.index is not None else torch.cuda.current_device()))
+    if path == "fla":
+        from qla_serve.kernels import fla_fallback
+        return fla_fallback
+    return reference_module
+
+
 def _run(op: str, device: torch.device, io_dtype, *args, **kwargs) -> str:
     """Call ``op`` of the module that implements this call's path; returns the path."""
     path = _path(op, device, io_dtype)
-    if path == "tilelang":
-        mod = kernel_module(_arch_of(device.index))
-    elif path == "fla":
-        from qla_serve.kernels import fla_fallback as mod
-    else:
-        mod = reference
-    getattr(mod, op)(*args, **kwargs)
+    getattr(path_module(path, device), op)(*args, **kwargs)
     return path
 
 

@@ -167,6 +167,11 @@ def test_decode_spec_verify_bad_input():
         layer_ops.gdn_verify_slots(q, k, v, pool, torch.tensor([[1, 5]], dtype=torch.int32), acc, cu, **common)
     with pytest.raises(ValueError, match="spec_slot_ids: expected each live slot id once"):
         layer_ops.gdn_verify_slots(q, k, v, pool, torch.tensor([[1, 1]], dtype=torch.int32), acc, cu, **common)
+    ok_ids = torch.tensor([[1, 2]], dtype=torch.int32)
+    with pytest.raises(TypeError, match="^scale: "):
+        layer_ops.gdn_verify_slots(q, k, v, pool, ok_ids, acc, cu, scale="0.1", **common)
+    with pytest.raises(TypeError, match="^use_qk_l2norm: "):
+        layer_ops.gdn_verify_slots(q, k, v, pool, ok_ids, acc, cu, use_qk_l2norm="yes", **common)
     assert (pool == 0).all()
 
 

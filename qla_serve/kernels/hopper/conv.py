@@ -490,6 +490,8 @@ def conv_prefill(x, conv_state, weight, bias, slot_ids, has_initial_state, cu_se
     [N+1] int32, a, b [T, Hv], A_log, dt_bias [Hv] -> q_out, k_out [T, Hk, 128], v_out
     [T, Hv, 128], g_out, beta_out [T, Hv] fp32 (contiguous); then the conv-state write-back."""
     T_, N = x.shape[0], slot_ids.shape[0]
+    if N > MAX_SEQS:  # the kernel's binary search over cu_seqlens takes _SEARCH_STEPS halvings
+        raise ValueError(f"slot_ids: the conv prefill kernel takes at most {MAX_SEQS} sequences, got {N}")
     hv, hk, width = v_out.shape[1], q_out.shape[1], weight.shape[1]
     if T_:
         key = ("conv_prefill", x.device, x.dtype, conv_state.dtype, weight.dtype, q_out.dtype, a.dtype,
