@@ -133,7 +133,7 @@ def _ops_ids(slots: torch.Tensor, null_slot: int, live: torch.Tensor | None = No
     pad = slots == null_slot
     if live is not None:
         pad = pad | ~live.view(-1, *([1] * (slots.dim() - 1)))
-    return torch.where(pad, torch.full_like(slots, -1), slots).to(torch.int32)
+    return torch.where(pad, -1, slots).to(torch.int32)   # (a scalar -1: no fill launch)
 
 
 def make_step_plan(*, num_actual_tokens: int, num_v_heads: int, num_k_heads: int, conv_width: int,
