@@ -16,7 +16,7 @@ stage1_us[v] by least squares on relative error (a weighted ratio), launch_us fr
 residual of the smallest rows. Prints the coefficients and the per-row error, and writes
 nothing: paste the numbers into the YAML with the data files they came from.
 
-    python benchmarks/fit_costmodel.py benchmarks/data/prefill_v22_sweep_vs*_h200.json
+    python benchmarks/fit_costmodel.py benchmarks/data/costmodel_sweep_vs*_h200.json
 
 Context parallelism (``--cp FILE.jsonl``, from scripts/gpu_prefill.sh with CP_SWEEP): with the
 packaged chunk_us, item_us and stage1_us fixed, a grid search for cp_maps_ratio, cp_fixed_us and
@@ -25,7 +25,7 @@ cost, the cost per scan step) for the smallest worst-case excess of the model's 
 measured best per (heads, row), then the smallest total excess, then the smallest relative
 error of the planner's own score (qla_serve.plan._score).
 
-    python benchmarks/fit_costmodel.py --cp benchmarks/data/prefill_v22_cp_sweep_h200.jsonl
+    python benchmarks/fit_costmodel.py --cp benchmarks/data/costmodel_cp_sweep_h200.jsonl
 """
 
 import json

@@ -142,16 +142,16 @@ def test_cost_models_load_and_reject_bad_fields():
 
 def _v22_measured() -> dict:
     """{(heads, row): {plan label: GPU ms}} of the v22 sweep the sm90 model is fitted on
-    (benchmarks/data/prefill_v22_sweep_vs{1,2,4}_h200.json: every bench row at forced v_split 1
-    and 2, some at 4; prefill_v22_cp_sweep_h200.jsonl: the long and mixed rows at forced
+    (benchmarks/data/costmodel_sweep_vs{1,2,4}_h200.json: every bench row at forced v_split 1
+    and 2, some at 4; costmodel_cp_sweep_h200.jsonl: the long and mixed rows at forced
     (v_split, segment length), and their uncut timings)."""
     import json
     from pathlib import Path
 
     data = Path(__file__).resolve().parent.parent / "benchmarks" / "data"
-    recs = [json.loads(line) for line in (data / "prefill_v22_cp_sweep_h200.jsonl").read_text().splitlines()]
+    recs = [json.loads(line) for line in (data / "costmodel_cp_sweep_h200.jsonl").read_text().splitlines()]
     for vs in (1, 2, 4):
-        recs += json.loads((data / f"prefill_v22_sweep_vs{vs}_h200.json").read_text())["results"]
+        recs += json.loads((data / f"costmodel_sweep_vs{vs}_h200.json").read_text())["results"]
     measured = {}
     for r in recs:
         measured.setdefault((r["heads"], r["row"]), {})[r["qla_plan"]] = r["qla_gpu_ms"]
@@ -196,7 +196,7 @@ def test_sm90_stage2_terms_match_the_sweep():
     stage2 = model.model_copy(update={"stage1_us": 0.0, "launch_us": 0.0})
     data = Path(__file__).resolve().parent.parent / "benchmarks" / "data"
     for vs in (1, 2):
-        for r in json.loads((data / f"prefill_v22_sweep_vs{vs}_h200.json").read_text())["results"]:
+        for r in json.loads((data / f"costmodel_sweep_vs{vs}_h200.json").read_text())["results"]:
             hv = int(r["heads"].split("/")[1])
             est = _score(stage2, [-(-n // CHUNK) for n in ROWS[r["row"]]], hv, 132, vs, 0)
             assert abs(est / (r["qla_main_gpu_ms"] * 1e3) - 1) <= 0.20, (r["heads"], r["row"], vs, est, r["qla_main_gpu_ms"])
@@ -309,7 +309,7 @@ def test_cp_maps_split_rule():
 
 
 def test_cp_maps_split_against_the_h200_runs():
-    """The maps-split rule against the H200 (benchmarks/data/prefill_v19_cp_rows_maps_vs{1,2}
+    """The maps-split rule against the H200 (benchmarks/data/costmodel_maps_vs{1,2}
     _h200.json: the bench's 15 CP-capable rows, 9 of them cut at v_split 1, with the maps pass
     at split 1, then 2; bench gates, a quarter of the heads with g = 0). Where the plan cuts at
     v_split 1, the split the rule picks is the faster one measured, or within 2% of it (2/8
@@ -324,7 +324,7 @@ def test_cp_maps_split_against_the_h200_runs():
     data = Path(__file__).resolve().parent.parent / "benchmarks" / "data"
     runs = {}
     for split in (1, 2):
-        for r in json.loads((data / f"prefill_v19_cp_rows_maps_vs{split}_h200.json").read_text())["results"]:
+        for r in json.loads((data / f"costmodel_maps_vs{split}_h200.json").read_text())["results"]:
             runs.setdefault((r["heads"], r["row"]), {})[split] = r
     checked = 0
     for (heads, row), by_split in runs.items():

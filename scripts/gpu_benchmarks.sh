@@ -1,0 +1,203 @@
+#!/usr/bin/env bash
+# Regenerates every file in benchmarks/data: each benchmark's current result (its JSON and, where
+# the bench draws one, its plot), the GPU-suite log and error log, the TP8 cold start, and the
+# inputs of benchmarks/fit_costmodel.py. Every file records the commit and the UTC date it ran
+# at: a JSON as top-level "commit" / "date", a JSON-lines file in every record, a text file in a
+# first "# commit ..., date ..." line. Copy what comes back into benchmarks/data and update the
+# table in benchmarks/README.md (and the write-ups' figures). For the lent H200, one part per
+# call (a call runs at most 10 minutes and brings back at most 8 files):
+#   run(command="QLA_SERVE_COMMIT=<sha> PART=<part> bash scripts/gpu_benchmarks.sh",
+#       carry=[".devbundle/site.tar.xz", ".devbundle/activate.sh", ".devbundle/stamp",
+#              ".gpucache/tlcache.tar.xz", ".gpucache/tl_tp8.tar.xz", ".gpucache/whl"])
+# (the files scripts/gpu_validate.sh carries; add .gpucache/flashqla_tlcache.tar.xz where
+# `SAVE_JIT=1 bash scripts/gpu_prefill.sh` made one: FlashQLA JIT-compiles ~2.5 min per head pair
+# without it). QLA_SERVE_COMMIT: the commit of the tree that runs (the device's .git is an older
+# checkout's); without it `git rev-parse` of that .git is recorded, marked "-unverified".
+#
+# PART (default: every part in turn, for a machine without the 10-minute limit) -> files in $OUT:
+#   tests      gpu_tests_h200.log (every `gpu` test), prefill_errors_h200.jsonl (the prefill tests'
+#              o / state errors against the float64 recurrence)
+#   coldstart  coldstart_tp8_h200.json (the TP8 deployment's first calls from its precompiled cache)
+#   prefill    prefill_h200.json, prefill_h200.png (bench prefill: qla, qla16, FlashQLA at all five
+#              head pairs, FLA at 2/8 and 16/64); supersedes prefill_2-8_h200.json: delete that one
+#   check      prefill_check_h200.json (bench prefill --check at 2/8 and 16/64: o and final states
+#              against FLA and FlashQLA)
+#   decode     decode_h200.json, decode_h200.png (bench decode with the tile sweep)
+#   layer      layer_h200.json, layer_h200.png (bench layer --check, every default row)
+#   inputs     prefill_inputs_h200.txt (benchmarks/prefill_inputs.py)
+#   sustained  sustained_h200.txt (benchmarks/sustained.py, the 16/64 and 2/8 rows of prefill.md)
+#   sweep      costmodel_sweep_vs{1,2,4}_h200.json (fit_costmodel.py: every row at forced v_split)
+#   cp-sweep   costmodel_cp_sweep_h200.jsonl (fit_costmodel.py --cp: forced v_split x segment length)
+#   maps       costmodel_maps_vs{1,2}_h200.json (tests/test_plan.py: the CP maps pass at split 1, 2)
+# Knobs: PREFILL_GROUPS (the prefill part's "heads:impls" groups, one bench process each; to split
+# them over calls, run a group per call and merge the earlier calls' JSONs, carried back, with
+# PREFILL_MERGE="path ..."), CP_GROUPS (the cp-sweep part's "heads|rows|v_split:L ..." groups),
+# TIMEOUT (seconds per step, default 560).
+set -uo pipefail
+out=${OUT:-/tmp/gpu_benchmarks}; mkdir -p "$out"
+part=${PART:-all}
+parts="tests coldstart prefill check decode layer inputs sustained sweep cp-sweep maps"
+if [[ $part != all && " $parts " != *" $part "* ]]; then echo "PART=$part: expected one of: $parts (or all)"; exit 2; fi
+want() { [[ $part == all || $part == "$1" ]]; }
+
+commit=${QLA_SERVE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)-unverified}
+export QLA_SERVE_COMMIT=$commit        # bench layer records it itself
+run_date=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+echo "gpu_benchmarks: PART=$part, commit $commit, $run_date"
+
+mkdir -p /tmp/tlall /tmp/tl_tp8
+tlcache=${TLCACHE:-.gpucache/tlcache.tar.xz}
+if [[ -n ${TLCACHE:-} && ! -f $tlcache ]]; then echo "TLCACHE=$tlcache: no such file (carry it)"; exit 2; fi
+[[ -f $tlcache ]] && tar -xJf "$tlcache" -C /tmp/tlall
+[[ -f .gpucache/flashqla_tlcache.tar.xz ]] && tar -xJf .gpucache/flashqla_tlcache.tar.xz -C /tmp/tlall
+[[ -f .gpucache/tl_tp8.tar.xz ]] && tar -xJf .gpucache/tl_tp8.tar.xz -C /tmp/tl_tp8
+export TILELANG_CACHE_DIR=/tmp/tlall
+source .devbundle/activate.sh
+for w in .gpucache/whl/*.whl; do [[ -f $w ]] && python -m zipfile -e "$w" /tmp/whlsite; done
+export PYTHONPATH=${PYTHONPATH:-}:/tmp/whlsite
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+T=${TIMEOUT:-560}
+step() { echo "== $1"; shift; timeout "$@"; echo "rc=$?"; }
+
+# stamp FILE...: the run's commit and date into each file (kept where the bench wrote its own).
+stamp() {
+  python - "$commit" "$run_date" "$@" <<'PY'
+import json, sys
+commit, date, *paths = sys.argv[1:]
+for p in paths:
+    try:
+        text = open(p).read()
+    except OSError:
+        print(f"stamp: {p} missing (its step failed)")
+        continue
+    if p.endswith(".json"):
+        d = json.loads(text)
+        d = {"commit": d.get("commit") or commit, "date": d.get("date") or date,
+             **{k: v for k, v in d.items() if k not in ("commit", "date")}}
+        text = json.dumps(d, indent=1) + "\n"
+    elif p.endswith(".jsonl"):
+        recs = [json.loads(line) for line in text.splitlines() if line.strip()]
+        text = "".join(json.dumps({"commit": commit, "date": date, **r}) + "\n" for r in recs)
+    else:
+        text = f"# commit {commit}, date {date}\n" + text
+    open(p, "w").write(text)
+PY
+}
+
+if want tests; then
+  rm -f "$out/prefill_errors_h200.jsonl"
+  QLA_ERRORS_JSONL="$out/prefill_errors_h200.jsonl" step "all gpu tests" $T python -m pytest -m gpu -q -rs tests \
+    -p no:cacheprovider --continue-on-collection-errors > "$out/gpu_tests_h200.log" 2>&1
+  tail -5 "$out/gpu_tests_h200.log"
+  stamp "$out/gpu_tests_h200.log" "$out/prefill_errors_h200.jsonl"
+fi
+
+if want coldstart; then
+  step "TP8 cold start from the precompiled cache" 120 env TILELANG_CACHE_DIR=/tmp/tl_tp8 \
+    python -m qla_serve.deploy.coldstart --config configs/deploy/qwen3.5-397b-a17b-tp8.yaml \
+    > "$out/coldstart_tp8_h200.json"
+  stamp "$out/coldstart_tp8_h200.json"
+fi
+
+if want prefill; then
+  files=()
+  i=0
+  for group in ${PREFILL_GROUPS:-"2/8,16/64:qla,qla16,flashqla,fla" "4/16,8/24,16/32:qla,qla16,flashqla"}; do
+    step "bench prefill ${group%%:*} (${group#*:})" $T python -m qla_serve.bench.prefill --heads "${group%%:*}" \
+      --impls "${group#*:}" --breakdown --json "/tmp/prefill_part$i.json" | grep -v '^{'
+    files+=("/tmp/prefill_part$i.json"); i=$((i + 1))
+  done
+  # One JSON and one plot: the groups' results in head-pair order, unchanged.
+  python - "$out/prefill_h200" ${PREFILL_MERGE:-} "${files[@]}" <<'PY'
+import json, os, sys
+from qla_serve.bench.prefill import HEAD_PAIRS, ROWS, _plot
+dest, *paths = sys.argv[1:]
+results, device = [], None
+for p in paths:
+    if not os.path.exists(p):
+        print(f"merge: {p} missing (its bench failed)")
+        continue
+    d = json.load(open(p))
+    device = device or d.get("device")
+    results += d["results"]
+order = {f"{hk}/{hv}": i for i, (hk, hv) in enumerate(HEAD_PAIRS)}
+rows = list(ROWS)
+results.sort(key=lambda r: (order.get(r["heads"], 99), rows.index(r["row"]) if r["row"] in rows else 99))
+impls = [i for i in ("qla", "qla16", "flashqla", "fla") if any(f"{i}_gpu_ms" in r for r in results)]
+json.dump({"device": device, "results": results}, open(dest + ".json", "w"), indent=1)
+_plot(results, impls, dest + ".png")
+print(f"merge: {len(results)} rows, impls {impls}")
+PY
+  stamp "$out/prefill_h200.json"
+fi
+
+if want check; then
+  step "bench prefill --check" $T python -m qla_serve.bench.prefill --impls qla,qla16,flashqla,fla --heads 2/8,16/64 \
+    --check --json "$out/prefill_check_h200.json" | grep -v '^{'
+  stamp "$out/prefill_check_h200.json"
+fi
+
+if want decode; then
+  step "bench decode" $T python -m qla_serve.cli bench decode --out /tmp/decode_out \
+    --tiles bv32,bv64,bv32s-mb8,bv64s-mb5,bv8w1,bv16w2,bv8w1s-mb32
+  cp /tmp/decode_out/results.json "$out/decode_h200.json"; cp /tmp/decode_out/decode.png "$out/decode_h200.png"
+  stamp "$out/decode_h200.json"
+fi
+
+if want layer; then
+  # FLA's Triton autotuning on every new shape makes this long: split --heads over calls if needed.
+  step "bench layer" $T python -m qla_serve.cli bench layer --check --json "$out/layer_h200.json" \
+    --plot "$out/layer_h200.png" | grep -v '^{'
+  stamp "$out/layer_h200.json"
+fi
+
+if want inputs; then
+  step "prefill inputs" $T python benchmarks/prefill_inputs.py > "$out/prefill_inputs_h200.txt" 2>&1
+  cat "$out/prefill_inputs_h200.txt"; stamp "$out/prefill_inputs_h200.txt"
+fi
+
+if want sustained; then
+  step "sustained load" $T python benchmarks/sustained.py \
+    --rows 16/64:64x512,16/64:4x8192,2/8:64x512,2/8:1x32768 > "$out/sustained_h200.txt" 2>&1
+  cat "$out/sustained_h200.txt"; stamp "$out/sustained_h200.txt"
+fi
+
+if want sweep; then
+  # Every row at forced v_split 1 and 2; v_split 4 where it can win (the small-sequence rows).
+  for vs in 1 2 4; do
+    if [[ $vs == 4 ]]; then heads=2/8,4/16 rows=2048x4,1024x8,mixed8192; else heads=all rows=all; fi
+    step "sweep v_split $vs" $T python -m qla_serve.bench.prefill --impls qla --heads $heads --rows $rows \
+      --v-split $vs --breakdown --reps 10 --json "$out/costmodel_sweep_vs${vs}_h200.json" | grep -v '^{'
+    stamp "$out/costmodel_sweep_vs${vs}_h200.json"
+  done
+fi
+
+if want cp-sweep; then
+  # The long and mixed rows uncut (L 0) and cut at each (v_split, L); longer segments and v_split 4
+  # on the heavy heads' 1x32768. One JSON-lines file of every timing.
+  rm -f "$out/costmodel_cp_sweep_h200.jsonl"
+  for group in ${CP_GROUPS:-"all|1x32768,1x8192,4x8192,mixed8192|1:0,2:0,1:8,1:16,1:32,1:64,2:16,2:32,2:64" \
+                            "8/24,16/32,16/64|1x32768|1:128,1:256,2:128,2:256,4:64,4:128"}; do
+    IFS='|' read -r heads rows pairs <<< "$group"
+    for pair in ${pairs//,/ }; do
+      step "cp sweep $heads $rows v_split:L $pair" $T python -m qla_serve.bench.prefill --impls qla --heads "$heads" \
+        --rows "$rows" --v-split ${pair%%:*} --segment-chunks ${pair##*:} --breakdown --reps 10 \
+        --json /tmp/cp_sweep_one.json | grep -v '^{'
+      python -c "import json; [print(json.dumps(r)) for r in json.load(open('/tmp/cp_sweep_one.json'))['results']]" \
+        >> "$out/costmodel_cp_sweep_h200.jsonl" && rm -f /tmp/cp_sweep_one.json
+    done
+  done
+  stamp "$out/costmodel_cp_sweep_h200.jsonl"
+fi
+
+if want maps; then
+  # The CP-capable rows with the maps pass forced to split 1, then 2 (FlashQLA beside them).
+  for split in 1 2; do
+    step "maps pass at v_split $split" $T python -m qla_serve.bench.prefill --impls qla,flashqla \
+      --rows 1x32768,1x8192,4x8192 --maps-v-split $split --kernels \
+      --json "$out/costmodel_maps_vs${split}_h200.json" | grep -v '^{'
+    stamp "$out/costmodel_maps_vs${split}_h200.json"
+  done
+fi
+ls -la "$out"
