@@ -220,14 +220,25 @@ def _program(variant: dict):
     sg0, sg1, sb0, sb1, sp, sal, sdt = T.dynamic("sg0 sg1 sb0 sb1 sp sal sdt")
     sal0, sdt0 = T.dynamic("sal0 sdt0")
     S = T.dynamic("S")
+    Tt, N, S2, D = T.dynamic("T N S2 D")       # verify: tokens, sequences, intermediate slots, depth
+    si0, si1 = T.dynamic("si0 si1")
+
+    # Where this thread's state values live (plain expressions, inlined where they are used):
+    # register row r is state row row0 + 4 r; chunk c, element e of a lane is K column
+    # c * CH + lk * VEC + e (the 8 lanes of a row cover CH contiguous columns per chunk).
+    def srow(row0, r):
+        return row0 + r * _ROWS_PER_WARP_STEP
+
+    def scol(c, lk, e):
+        return c * CH + lk * VEC + e
 
     @T.macro
     def load_qk_regs(Q, Kt, tq, hk, lk, qv, kv, scale):
         # q, k columns of this lane; l2norm over the 8 lanes of the row; scale folded into q.
         for c in T.unroll(NCH):
             for e in T.vectorized(VEC):
-                qv[c * VEC + e] = T.cast(Q[tq, hk, c * CH + lk * VEC + e], f32)
-                kv[c * VEC + e] = T.cast(Kt[tq, hk, c * CH + lk * VEC + e], f32)
+                qv[c * VEC + e] = T.cast(Q[tq, hk, scol(c, lk, e)], f32)
+                kv[c * VEC + e] = T.cast(Kt[tq, hk, scol(c, lk, e)], f32)
         if l2:
             sq = T.alloc_var(f32)
             sk = T.alloc_var(f32)
@@ -285,7 +296,7 @@ def _program(variant: dict):
     def gates(Ga, Gb, A_log, dt_bias, t, h, gb):
         # gb[0] = alpha = exp(g), gb[1] = beta
         if fused:
-            # (the same formulas as log_decay / sigmoid below, written with a let-bound x: the
+            # (the formulas of log_decay / sigmoid above, written with a let-bound x: the
             # expression helpers inline it, which compiles to different, unvalidated code here)
             x = T.cast(Ga[t, h], f32) + T.cast(dt_bias[h], f32)
             sp_ = T.if_then_else(x > 20.0, x, T.log1p(T.exp(x)))
@@ -298,58 +309,84 @@ def _program(variant: dict):
     @T.macro
     def step(st, qv, kv, Sq, Sk, Vt, Out, t, h, row0, lk, w, gb):
         # One token on this thread's R rows: decay, delta rule, output (lane 0 of each row).
+        # (q/k element e of this lane: qv[e] / kv[e] in registers, or column scol(e // VEC, lk,
+        # e % VEC) of the warp's staged copy.)
         for r in T.unroll(R):
             d = T.alloc_var(f32)
             d = 0.0
             for e in T.unroll(_COLS):
                 st[r, e] = st[r, e] * gb[0]
                 if QK_SMEM:
-                    d += st[r, e] * Sk[w, (e // VEC) * CH + lk * VEC + e % VEC]
+                    d += st[r, e] * Sk[w, scol(e // VEC, lk, e % VEC)]
                 else:
                     d += st[r, e] * kv[e]
             for m in T.unroll(3):
                 d += T.shfl_xor(d, 1 << m)
-            delta = gb[1] * (T.cast(Vt[t, h, row0 + r * _ROWS_PER_WARP_STEP], f32) - d)
+            delta = gb[1] * (T.cast(Vt[t, h, srow(row0, r)], f32) - d)
             o = T.alloc_var(f32)
             o = 0.0
             for e in T.unroll(_COLS):
                 if QK_SMEM:
-                    st[r, e] = st[r, e] + delta * Sk[w, (e // VEC) * CH + lk * VEC + e % VEC]
-                    o += st[r, e] * Sq[w, (e // VEC) * CH + lk * VEC + e % VEC]
+                    st[r, e] = st[r, e] + delta * Sk[w, scol(e // VEC, lk, e % VEC)]
+                    o += st[r, e] * Sq[w, scol(e // VEC, lk, e % VEC)]
                 else:
                     st[r, e] = st[r, e] + delta * kv[e]
                     o += st[r, e] * qv[e]
             for m in T.unroll(3):
                 o += T.shfl_xor(o, 1 << m)
             if lk == 0:
-                Out[t, h, row0 + r * _ROWS_PER_WARP_STEP] = T.cast(o, io)
+                Out[t, h, srow(row0, r)] = T.cast(o, io)
 
     @T.macro
-    def load_state(Pool, slot, h, st, row0, lk):
+    def prologue(bv, inter):
+        # Every kernel's start: occupancy hint, the vector-alignment facts the host checked
+        # (`inter`: the intermediate buffer's strides too), this thread's lane (lk) and first
+        # state row (row0), its state registers and q/k buffers. Returns the thread context
+        # that the macros below take.
+        if MIN_BLOCKS:
+            T.annotate_min_blocks_per_sm(MIN_BLOCKS)
+        T.assume(sp % VEC == 0)
+        if inter:
+            T.assume(si0 % VEC == 0)
+            T.assume(si1 % VEC == 0)
+        T.assume(sqb % VEC == 0)
+        T.assume(sqh % VEC == 0)
+        T.assume(skb % VEC == 0)
+        T.assume(skh % VEC == 0)
+        tx = T.get_thread_binding()
+        lk = tx % _LANES
+        row0 = bv * BV + (tx // 32) * (_ROWS_PER_WARP_STEP * R) + (tx % 32) // _LANES
+        st = T.alloc_local((R, _COLS), f32)
+        qv = T.alloc_local((_COLS,), f32)
+        kv = T.alloc_local((_COLS,), f32)
+        Sq = T.alloc_shared((W, HEAD_DIM), f32)
+        Sk = T.alloc_shared((W, HEAD_DIM), f32)
+        gb = T.alloc_local((2,), f32)
+        return tx, lk, row0, st, qv, kv, Sq, Sk, gb
+
+    @T.macro
+    def load_state(Pool, slot, h, ctx):
+        tx, lk, row0, st, qv, kv, Sq, Sk, gb = ctx
         for r in T.unroll(R):
             for c in T.unroll(NCH):
                 for e in T.vectorized(VEC):
-                    st[r, c * VEC + e] = T.cast(
-                        Pool[slot, h, row0 + r * _ROWS_PER_WARP_STEP, c * CH + lk * VEC + e], f32)
+                    st[r, c * VEC + e] = T.cast(Pool[slot, h, srow(row0, r), scol(c, lk, e)], f32)
 
     @T.macro
-    def store_state(Pool, slot, h, st, row0, lk):
+    def store_state(Dst, at, h, ctx):
+        # This thread's rows of the state into Dst[at + (h, ...)]: at = (slot,) of the pool or
+        # (intermediate id, token) of the intermediate buffer.
+        tx, lk, row0, st, qv, kv, Sq, Sk, gb = ctx
         for r in T.unroll(R):
             for c in T.unroll(NCH):
                 for e in T.vectorized(VEC):
-                    Pool[slot, h, row0 + r * _ROWS_PER_WARP_STEP, c * CH + lk * VEC + e] = T.cast(
-                        st[r, c * VEC + e], pdt)
+                    Dst[at + (h, srow(row0, r), scol(c, lk, e))] = T.cast(st[r, c * VEC + e], pdt)
 
     @T.macro
-    def store_inter(Inter, iid, j, h, st, row0, lk):
-        for r in T.unroll(R):
-            for c in T.unroll(NCH):
-                for e in T.vectorized(VEC):
-                    Inter[iid, j, h, row0 + r * _ROWS_PER_WARP_STEP, c * CH + lk * VEC + e] = T.cast(
-                        st[r, c * VEC + e], pdt)
-
-    @T.macro
-    def token(Q, Kt, Vt, Ga, Gb, A_log, dt_bias, Out, t, h, tx, row0, lk, st, qv, kv, Sq, Sk, gb, scale):
+    def token(args, ctx, t, h):
+        # One token t of v-head h: q/k (normalised, scaled), gates, the state update and output.
+        Q, Kt, Vt, Ga, Gb, A_log, dt_bias, Out, scale = args
+        tx, lk, row0, st, qv, kv, Sq, Sk, gb = ctx
         if QK_SMEM:
             load_qk_smem(Q, Kt, t, h // G, tx, Sq, Sk, scale)
         else:
@@ -357,109 +394,75 @@ def _program(variant: dict):
         gates(Ga, Gb, A_log, dt_bias, t, h, gb)
         step(st, qv, kv, Sq, Sk, Vt, Out, t, h, row0, lk, tx // 32, gb)
 
-    if op == "decode":
-        B = T.dynamic("B")
-        # g/beta variant: A_log/dt_bias are unused; the host passes g/beta again in their place
-        # (same [B, Hv] fp32 shape) so that no dummy tensor or view is needed per call.
-        al_shape, al_str = ((Hv,), (sal,)) if fused else ((B, Hv), (sal0, sal))
-        dt_shape, dt_str = ((Hv,), (sdt,)) if fused else ((B, Hv), (sdt0, sdt))
-
-        @T.prim_func
-        def gdn_decode(
-            Q: T.StridedTensor((B, Hk, HEAD_DIM), (sqb, sqh, 1), io),
-            Kt: T.StridedTensor((B, Hk, HEAD_DIM), (skb, skh, 1), io),
-            Vt: T.StridedTensor((B, Hv, HEAD_DIM), (svb, svh, 1), io),
-            Ga: T.StridedTensor((B, Hv), (sg0, sg1), gdt),
-            Gb: T.StridedTensor((B, Hv), (sb0, sb1), gdt),
-            A_log: T.StridedTensor(al_shape, al_str, prm),
-            dt_bias: T.StridedTensor(dt_shape, dt_str, bias),
-            Pool: T.StridedTensor((S, Hv, HEAD_DIM, HEAD_DIM), (sp, HEAD_DIM * HEAD_DIM, HEAD_DIM, 1), pdt),
-            Slots: T.Tensor((B,), "int32"),
-            Out: T.StridedTensor((B, Hv, HEAD_DIM), (sob, soh, 1), io),
-            scale: T.float32,
-        ):
-            with T.Kernel(NV, Hv, B, threads=W * 32) as (bv, h, i):
-                if MIN_BLOCKS:
-                    T.annotate_min_blocks_per_sm(MIN_BLOCKS)
-                T.assume(sp % VEC == 0)
-                T.assume(sqb % VEC == 0)
-                T.assume(sqh % VEC == 0)
-                T.assume(skb % VEC == 0)
-                T.assume(skh % VEC == 0)
-                tx = T.get_thread_binding()
-                lk = tx % _LANES
-                row0 = bv * BV + (tx // 32) * (_ROWS_PER_WARP_STEP * R) + (tx % 32) // _LANES
-                st = T.alloc_local((R, _COLS), f32)
-                qv = T.alloc_local((_COLS,), f32)
-                kv = T.alloc_local((_COLS,), f32)
-                Sq = T.alloc_shared((W, HEAD_DIM), f32)
-                Sk = T.alloc_shared((W, HEAD_DIM), f32)
-                gb = T.alloc_local((2,), f32)
-                slot = Slots[i]
-                if slot >= 0:
-                    # Issue the state loads first: they are the long pole.
-                    load_state(Pool, slot, h, st, row0, lk)
-                    token(Q, Kt, Vt, Ga, Gb, A_log, dt_bias, Out, i, h, tx, row0, lk, st, qv, kv, Sq, Sk, gb, scale)
-                    store_state(Pool, slot, h, st, row0, lk)
-                else:
-                    if lk == 0:
-                        for r in T.unroll(R):
-                            Out[i, h, row0 + r * _ROWS_PER_WARP_STEP] = T.cast(0.0, io)
-
-        return gdn_decode
-
-    Tt, N, S2, D = T.dynamic("T N S2 D")
-    si0, si1 = T.dynamic("si0 si1")
-    al_shape, al_str = ((Hv,), (sal,)) if fused else ((Tt, Hv), (sal0, sal))
-    dt_shape, dt_str = ((Hv,), (sdt,)) if fused else ((Tt, Hv), (sdt0, sdt))
+    @T.macro
+    def tokens(Pool, src, args, ctx, bos, n, h, Dst, keep, at):
+        # A sequence's tokens bos .. bos + n - 1 from the state in pool[src], the state after
+        # its token j stored to Dst[at(j) + (h, ...)] where keep(j) holds.
+        load_state(Pool, src, h, ctx)
+        for j in T.serial(n):
+            token(args, ctx, bos + j, h)
+            if keep(j):
+                store_state(Dst, at(j), h, ctx)
 
     @T.macro
-    def zero_rows(Out, bos, n, h, row0, lk):
+    def zero_rows(Out, bos, n, h, ctx):
+        # Padding: zero outputs for tokens bos .. bos + n - 1.
+        tx, lk, row0, st, qv, kv, Sq, Sk, gb = ctx
         if lk == 0:
             for j in T.serial(n):
                 for r in T.unroll(R):
-                    Out[bos + j, h, row0 + r * _ROWS_PER_WARP_STEP] = T.cast(0.0, io)
+                    Out[bos + j, h, srow(row0, r)] = T.cast(0.0, io)
+
+    # The arguments every kernel takes, in this order: q, k, v [rows, H, 128] (rows: the batch B
+    # for decode, the tokens T for verify), the gates [rows, Hv] (a/b, or g/beta fp32), A_log /
+    # dt_bias [Hv], the pool, then the op's own metadata; Out [rows, Hv, 128] and scale last.
+    # The g/beta variant's A_log/dt_bias are unused: the host passes g/beta again in their place
+    # (same [rows, Hv] fp32 shape) so that no dummy tensor or view is needed per call.
+    rows = T.dynamic("B") if op == "decode" else Tt
+    q_t = T.StridedTensor((rows, Hk, HEAD_DIM), (sqb, sqh, 1), io)
+    k_t = T.StridedTensor((rows, Hk, HEAD_DIM), (skb, skh, 1), io)
+    v_t = T.StridedTensor((rows, Hv, HEAD_DIM), (svb, svh, 1), io)
+    ga_t = T.StridedTensor((rows, Hv), (sg0, sg1), gdt)
+    gb_t = T.StridedTensor((rows, Hv), (sb0, sb1), gdt)
+    alog_t = T.StridedTensor((Hv,), (sal,), prm) if fused else T.StridedTensor((rows, Hv), (sal0, sal), prm)
+    dtb_t = T.StridedTensor((Hv,), (sdt,), bias) if fused else T.StridedTensor((rows, Hv), (sdt0, sdt), bias)
+    pool_t = T.StridedTensor((S, Hv, HEAD_DIM, HEAD_DIM), (sp, HEAD_DIM * HEAD_DIM, HEAD_DIM, 1), pdt)
+    out_t = T.StridedTensor((rows, Hv, HEAD_DIM), (sob, soh, 1), io)
+
+    if op == "decode":
+        B = rows
+
+        @T.prim_func
+        def gdn_decode(Q: q_t, Kt: k_t, Vt: v_t, Ga: ga_t, Gb: gb_t, A_log: alog_t, dt_bias: dtb_t,
+                       Pool: pool_t, Slots: T.Tensor((B,), "int32"), Out: out_t, scale: T.float32):
+            with T.Kernel(NV, Hv, B, threads=W * 32) as (bv, h, i):
+                ctx = prologue(bv, False)
+                slot = Slots[i]
+                if slot >= 0:
+                    # Issue the state loads first: they are the long pole. (Not `tokens` with
+                    # n = 1: its one-trip loop compiles to different code.)
+                    load_state(Pool, slot, h, ctx)
+                    token((Q, Kt, Vt, Ga, Gb, A_log, dt_bias, Out, scale), ctx, i, h)
+                    store_state(Pool, (slot,), h, ctx)
+                else:
+                    zero_rows(Out, i, 1, h, ctx)
+
+        return gdn_decode
 
     if op == "verify_slots":
         sl0 = T.dynamic("sl0")
 
         @T.prim_func
-        def gdn_verify_slots(
-            Q: T.StridedTensor((Tt, Hk, HEAD_DIM), (sqb, sqh, 1), io),
-            Kt: T.StridedTensor((Tt, Hk, HEAD_DIM), (skb, skh, 1), io),
-            Vt: T.StridedTensor((Tt, Hv, HEAD_DIM), (svb, svh, 1), io),
-            Ga: T.StridedTensor((Tt, Hv), (sg0, sg1), gdt),
-            Gb: T.StridedTensor((Tt, Hv), (sb0, sb1), gdt),
-            A_log: T.StridedTensor(al_shape, al_str, prm),
-            dt_bias: T.StridedTensor(dt_shape, dt_str, bias),
-            Pool: T.StridedTensor((S, Hv, HEAD_DIM, HEAD_DIM), (sp, HEAD_DIM * HEAD_DIM, HEAD_DIM, 1), pdt),
-            Slots: T.StridedTensor((N, D), (sl0, 1), "int32"),
-            Acc: T.Tensor((N,), "int32"),
-            Cu: T.Tensor((N + 1,), "int32"),
-            Out: T.StridedTensor((Tt, Hv, HEAD_DIM), (sob, soh, 1), io),
-            scale: T.float32,
-        ):
+        def gdn_verify_slots(Q: q_t, Kt: k_t, Vt: v_t, Ga: ga_t, Gb: gb_t, A_log: alog_t, dt_bias: dtb_t,
+                             Pool: pool_t, Slots: T.StridedTensor((N, D), (sl0, 1), "int32"),
+                             Acc: T.Tensor((N,), "int32"), Cu: T.Tensor((N + 1,), "int32"),
+                             Out: out_t, scale: T.float32):
             # Sequence i starts from pool[Slots[i, Acc[i] - 1]]; the state after its token j goes
             # to pool[Slots[i, j]] (j < min(len, D); ids < 0 are not written). A block reads its
             # rows of the source state before it writes any slot, and no other block touches
             # them, so a source slot that is also a destination is safe.
             with T.Kernel(NV, Hv, N, threads=W * 32) as (bv, h, i):
-                if MIN_BLOCKS:
-                    T.annotate_min_blocks_per_sm(MIN_BLOCKS)
-                T.assume(sp % VEC == 0)
-                T.assume(sqb % VEC == 0)
-                T.assume(sqh % VEC == 0)
-                T.assume(skb % VEC == 0)
-                T.assume(skh % VEC == 0)
-                tx = T.get_thread_binding()
-                lk = tx % _LANES
-                row0 = bv * BV + (tx // 32) * (_ROWS_PER_WARP_STEP * R) + (tx % 32) // _LANES
-                st = T.alloc_local((R, _COLS), f32)
-                qv = T.alloc_local((_COLS,), f32)
-                kv = T.alloc_local((_COLS,), f32)
-                Sq = T.alloc_shared((W, HEAD_DIM), f32)
-                Sk = T.alloc_shared((W, HEAD_DIM), f32)
-                gb = T.alloc_local((2,), f32)
+                ctx = prologue(bv, False)
                 bos = Cu[i]
                 n = T.min(Cu[i + 1] - bos, D)
                 col = Acc[i] - 1
@@ -468,67 +471,32 @@ def _program(variant: dict):
                 if Slots[i, 0] >= 0 and col >= 0 and col < D:
                     src = Slots[i, col]
                 if src >= 0:
-                    load_state(Pool, src, h, st, row0, lk)
-                    for j in T.serial(n):
-                        token(Q, Kt, Vt, Ga, Gb, A_log, dt_bias, Out, bos + j, h, tx, row0, lk, st, qv, kv, Sq, Sk, gb, scale)
-                        if Slots[i, j] >= 0:
-                            store_state(Pool, Slots[i, j], h, st, row0, lk)
+                    tokens(Pool, src, (Q, Kt, Vt, Ga, Gb, A_log, dt_bias, Out, scale), ctx, bos, n, h,
+                           Pool, lambda j: Slots[i, j] >= 0, lambda j: (Slots[i, j],))
                 else:
-                    zero_rows(Out, bos, n, h, row0, lk)
+                    zero_rows(Out, bos, n, h, ctx)
 
         return gdn_verify_slots
 
     @T.prim_func
-    def gdn_verify(
-        Q: T.StridedTensor((Tt, Hk, HEAD_DIM), (sqb, sqh, 1), io),
-        Kt: T.StridedTensor((Tt, Hk, HEAD_DIM), (skb, skh, 1), io),
-        Vt: T.StridedTensor((Tt, Hv, HEAD_DIM), (svb, svh, 1), io),
-        Ga: T.StridedTensor((Tt, Hv), (sg0, sg1), gdt),
-        Gb: T.StridedTensor((Tt, Hv), (sb0, sb1), gdt),
-        A_log: T.StridedTensor(al_shape, al_str, prm),
-        dt_bias: T.StridedTensor(dt_shape, dt_str, bias),
-        Pool: T.StridedTensor((S, Hv, HEAD_DIM, HEAD_DIM), (sp, HEAD_DIM * HEAD_DIM, HEAD_DIM, 1), pdt),
-        Slots: T.Tensor((N,), "int32"),
-        Cu: T.Tensor((N + 1,), "int32"),
-        Inter: T.StridedTensor((S2, D, Hv, HEAD_DIM, HEAD_DIM),
-                               (si0, si1, HEAD_DIM * HEAD_DIM, HEAD_DIM, 1), pdt),
-        InterIds: T.Tensor((N,), "int32"),
-        Out: T.StridedTensor((Tt, Hv, HEAD_DIM), (sob, soh, 1), io),
-        scale: T.float32,
-    ):
+    def gdn_verify(Q: q_t, Kt: k_t, Vt: v_t, Ga: ga_t, Gb: gb_t, A_log: alog_t, dt_bias: dtb_t,
+                   Pool: pool_t, Slots: T.Tensor((N,), "int32"), Cu: T.Tensor((N + 1,), "int32"),
+                   Inter: T.StridedTensor((S2, D, Hv, HEAD_DIM, HEAD_DIM),
+                                          (si0, si1, HEAD_DIM * HEAD_DIM, HEAD_DIM, 1), pdt),
+                   InterIds: T.Tensor((N,), "int32"), Out: out_t, scale: T.float32):
         with T.Kernel(NV, Hv, N, threads=W * 32) as (bv, h, i):
-            if MIN_BLOCKS:
-                T.annotate_min_blocks_per_sm(MIN_BLOCKS)
-            T.assume(sp % VEC == 0)
-            T.assume(si0 % VEC == 0)
-            T.assume(si1 % VEC == 0)
-            T.assume(sqb % VEC == 0)
-            T.assume(sqh % VEC == 0)
-            T.assume(skb % VEC == 0)
-            T.assume(skh % VEC == 0)
-            tx = T.get_thread_binding()
-            lk = tx % _LANES
-            row0 = bv * BV + (tx // 32) * (_ROWS_PER_WARP_STEP * R) + (tx % 32) // _LANES
-            st = T.alloc_local((R, _COLS), f32)
-            qv = T.alloc_local((_COLS,), f32)
-            kv = T.alloc_local((_COLS,), f32)
-            Sq = T.alloc_shared((W, HEAD_DIM), f32)
-            Sk = T.alloc_shared((W, HEAD_DIM), f32)
-            gb = T.alloc_local((2,), f32)
+            ctx = prologue(bv, True)
             slot = Slots[i]
             iid = InterIds[i]
             bos = Cu[i]
             n = Cu[i + 1] - bos
             if slot >= 0 and iid >= 0:
-                load_state(Pool, slot, h, st, row0, lk)
-                for j in T.serial(n):
-                    token(Q, Kt, Vt, Ga, Gb, A_log, dt_bias, Out, bos + j, h, tx, row0, lk, st, qv, kv, Sq, Sk, gb, scale)
-                    # Memory safety only: ops guarantees lengths <= D; a longer sequence still
-                    # gets its outputs but cannot write past the intermediate buffer.
-                    if j < D:
-                        store_inter(Inter, iid, j, h, st, row0, lk)
+                # j < D: memory safety only (ops guarantees lengths <= D); a longer sequence
+                # still gets its outputs but cannot write past the intermediate buffer.
+                tokens(Pool, slot, (Q, Kt, Vt, Ga, Gb, A_log, dt_bias, Out, scale), ctx, bos, n, h,
+                       Inter, lambda j: j < D, lambda j: (iid, j))
             else:
-                zero_rows(Out, bos, n, h, row0, lk)
+                zero_rows(Out, bos, n, h, ctx)
 
     return gdn_verify
 
