@@ -12,6 +12,7 @@ import torch
 
 from qla_serve import layer_ops, plan_prefill
 from qla_serve.kernels import reference_conv
+from qla_serve.kernels.hopper import conv as conv_kernels
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -38,7 +39,10 @@ def _weights(dim, W, dtype, gen, bias):
 @pytest.mark.parametrize("layout", ["dim_first", "seq_first"])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("dt_bias_dtype", [torch.float32, torch.bfloat16])   # bf16: vLLM's layer
-def test_conv_prefill_matches_reference(hk, hv, layout, bias, dt_bias_dtype):
+@pytest.mark.parametrize("tiles", [None, 3])     # 3 token tiles per CTA: sequences cross them
+def test_conv_prefill_matches_reference(hk, hv, layout, bias, dt_bias_dtype, tiles, monkeypatch):
+    if tiles is not None:   # the host's choice is 1 at this size; force a CTA's tile loop
+        monkeypatch.setattr(conv_kernels, "tiles_per_cta", lambda *_: tiles)
     gen = torch.Generator().manual_seed(hk * 100 + hv + bias)
     dim, W, S = (2 * hk + hv) * HEAD, 4, 24
     lens = [70, 0, 1, 2, 3, 333, 1, 64, 97]

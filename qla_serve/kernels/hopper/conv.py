@@ -18,13 +18,14 @@ formulas in torch; float64 truth in the layer tests):
 * ``conv_prefill``: the varlen prefill's conv *and* what gdn_prefill reads, in one pass: the
   q | k | v split, q and k L2-normalised (fp32 math, stored in the variant's q/k dtype: fp16
   where the Hopper prefill takes it), and g, beta from the raw a, b (as prefill_inputs.py).
-  Grid (token tiles of 32, 2 Hk + Hv channel blocks of 128): the tile's 32 + W - 1 input rows
-  of the block go to shared memory in 16-byte vectors (x's row stride must be a multiple of 8
-  elements, its base 16-byte aligned); a thread then computes 8 channels of every 8th token
-  from there, taking history taps from the conv state only at a sequence's first W - 1
-  tokens, and stores v in 16-byte vectors. A token's sequence is a binary search in
-  cu_seqlens (no per-token index tensors). q/k rows are normalised from shared memory, a warp
-  per token (lane: 4 channels, 5 xor-shuffles).
+  Grid (token ranges, 2 Hk + Hv channel blocks of 128); a CTA walks its range in tiles of 32
+  tokens (``tiles`` per CTA, chosen on the host for ~8 CTAs per SM), loading the next tile's
+  32 + W - 1 input rows into registers in 16-byte vectors while it computes the current one
+  from shared memory (x's row stride must be a multiple of 8 elements, its base 16-byte
+  aligned). A thread computes 8 channels of every 8th token, taking history taps from the conv
+  state only at a sequence's first W - 1 tokens; a token row's 128 channels sit in 16 adjacent
+  lanes, so the q/k L2 norm is 4 xor-shuffles, and every output is a 16-byte store. A token's
+  sequence is a binary search in cu_seqlens (no per-token index tensors).
 * ``conv_prefill_state``: the prefill's conv-state write-back, a second launch: a sequence
   spans several token tiles, and the tile that would write its new window cannot know that
   the tile reading its old history has read it. Grid (sequences, channel blocks).
@@ -49,7 +50,7 @@ heads, W, dtypes, activation and bias are static and name a variant.
 import os
 
 from .decode import (_GATE_DTYPES, _IO_DTYPES, _TARGETS, _check_heads, _dtype_name,
-                     compile_for, gate_dtype_names, launch_function, log_decay, sigmoid)
+                     compile_for, gate_dtype_names, launch_function, log_decay, sigmoid, sm_count)
 
 HEAD_DIM = 128
 TOKENS_PER_CTA = 32          # conv_prefill's token tile (QLA_SERVE_CONV_TILE overrides: 16, 32, 64)
@@ -57,6 +58,8 @@ PREFILL_TILE = int(os.environ.get("QLA_SERVE_CONV_TILE", TOKENS_PER_CTA))
 CONV_STATE_DTYPES = ("bfloat16", "float16", "float32")
 WIDTHS = (2, 3, 4, 5, 6, 7, 8)
 ACTIVATIONS = ("silu", "none")
+CTAS_PER_SM = 8               # conv_prefill: CTAs per SM the tiles-per-CTA choice aims at
+MAX_TILES_PER_CTA = 8
 MAX_SEQS = 1 << 20            # the binary search runs 20 steps
 _SEARCH_STEPS = 20
 OPS = ("conv_prefill", "conv_prefill_state", "conv_decode", "conv_spec")
@@ -165,7 +168,9 @@ def _program(v: dict):
             bias_v[0] = 0.0
 
     def act(y):
-        return y / (1.0 + T.exp(-y)) if silu else y
+        # SiLU from the fast intrinsics (__expf, rcp.approx): the precise expf and IEEE division
+        # cost ~30 instructions per element, which bounded conv_prefill on the H200.
+        return y * T.fast_rcp(1.0 + T.__exp(-y)) if silu else y
 
     if op == "conv_prefill":
         return _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, act)
@@ -292,11 +297,13 @@ def _program(v: dict):
 def _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, act):
     """conv_prefill: conv + split + q/k L2 norm + gates for a varlen batch (module docstring).
 
-    A CTA: TPB tokens x one 128-channel block. Its TPB + W - 1 input rows go to shared memory in
-    16-byte vectors (8 channels); then thread (g, r) computes channels 8g..8g+7 of tokens r,
-    r + 8, ...: taps from shared memory, or from the conv state at a sequence's first W - 1
-    tokens, and stores v rows in 16-byte vectors (q/k rows go through shared memory to a warp
-    per row for the L2 norm)."""
+    A CTA: ``tiles`` consecutive tiles of TPB tokens x one 128-channel block, walked in order
+    with the next tile's TPB + W - 1 input rows loading into registers (16-byte vectors) while
+    the current tile computes from shared memory: a CTA keeps its loads in flight instead of
+    one load-sync-compute round per launch slot (the one-tile form ran at ~3x the memory floor).
+    Thread (g, r) computes channels 8g..8g+7 of tokens r, r + 8, ...: taps from shared memory, or
+    from the conv state at a sequence's first W - 1 tokens. A token row's 128 channels sit in 16
+    adjacent lanes, so the q/k L2 norm is 4 xor-shuffles; every output is a 16-byte store."""
     Hv, Hk, W = v["num_v_heads"], v["num_k_heads"], v["width"]
     io, qk = v["io_dtype"], v["qk_dtype"]
     ab, prm, gb = v["ab_dtype"], v["param_dtype"], v["bias_dtype"]
@@ -305,6 +312,7 @@ def _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, act):
     ROWS = TPB + H                       # input rows a tile's tokens read
     VEC, GROUPS = 8, HEAD_DIM // 8       # 16-byte vectors of io, 16 per 128 channels
     ROW_STEP = 128 // GROUPS             # token rows per pass of the 128 threads
+    LOADS = -(-ROWS * GROUPS // 128)     # 16-byte loads per thread per tile
     ntok, N = T.dynamic("ntok N")
     sx0, sa0, sa1, sb0, sb1, sal, sdt = T.dynamic("sx0 sa0 sa1 sb0 sb1 sal sdt")
 
@@ -329,24 +337,35 @@ def _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, act):
             hist_s[tx] = T.if_then_else(HasInit[lo] != 0, Slots[lo], -1)
 
     @T.macro
-    def load_tile(X, Xs, t0, c0, tx):
+    def load_rows(X, xr, t0, c0, tx):
+        # Rows t0 - H .. t0 + TPB - 1 of the block into registers; rows outside [0, ntok) are
+        # never read (a tap before a sequence's start comes from the conv state).
         T.assume(sx0 % VEC == 0)
-        for it in T.unroll(T.ceildiv(ROWS * GROUPS, 128)):
+        for it in T.unroll(LOADS):
             idx = it * 128 + tx
             r = idx // GROUPS
             g = idx % GROUPS
             if idx < ROWS * GROUPS and t0 - H + r >= 0 and t0 - H + r < ntok:
                 for e in T.vectorized(VEC):
-                    Xs[r, g * VEC + e] = X[t0 - H + r, c0 + g * VEC + e]
+                    xr[it, e] = X[t0 - H + r, c0 + g * VEC + e]
 
     @T.macro
-    def conv_rows(CS, Xs, Vo, Ys, to_v, t0, c0, hb, g, jr, w, bias8, acc, xv, bos_s, hist_s):
+    def stage_rows(xr, Xs, tx):
+        for it in T.unroll(LOADS):
+            idx = it * 128 + tx
+            if idx < ROWS * GROUPS:
+                for e in T.vectorized(VEC):
+                    Xs[idx // GROUPS, (idx % GROUPS) * VEC + e] = xr[it, e]
+
+    @T.macro
+    def conv_tile(CS, Xs, Qo, Ko, Vo, kind, t0, c0, hb, g, jr, w, bias8, acc, xv, bos_s, hist_s):
+        # kind (a Python constant: one branch is emitted): 0 q, 1 k, 2 v channels.
         for p in T.unroll(TPB // ROW_STEP):
             j = p * ROW_STEP + jr
+            for e in T.unroll(VEC):
+                acc[e] = bias8[e]
             if t0 + j < ntok:
                 pos = t0 + j - bos_s[j]          # position in its sequence
-                for e in T.unroll(VEC):
-                    acc[e] = bias8[e]
                 for i in T.unroll(W):
                     if pos - H + i >= 0:
                         for e in T.vectorized(VEC):
@@ -357,14 +376,29 @@ def _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, act):
                         if hist_s[j] >= 0:       # a tap before the sequence: its history
                             for e in T.unroll(VEC):
                                 acc[e] += w[i, e] * T.cast(CS[hist_s[j], c0 + g * VEC + e, pos + i], f32)
-                for e in T.unroll(VEC):
-                    acc[e] = act(acc[e])
-                if to_v:                         # (a Python constant: one branch is emitted)
+            for e in T.unroll(VEC):
+                acc[e] = act(acc[e])
+            if kind == 2:
+                if t0 + j < ntok:
                     for e in T.vectorized(VEC):
                         Vo[t0 + j, hb - 2 * Hk, g * VEC + e] = T.cast(acc[e], io)
-                else:
-                    for e in T.vectorized(VEC):
-                        Ys[j, g * VEC + e] = acc[e]
+            else:
+                # The row's 16 lanes reduce its sum of squares (outside the row's bounds check:
+                # every lane of the warp takes part in the shuffles).
+                ss = T.alloc_var(f32)
+                ss = 0.0
+                for e in T.unroll(VEC):
+                    ss += acc[e] * acc[e]
+                for m in T.unroll(4):            # the 16 lanes of a row: xor 1, 2, 4, 8
+                    ss += T.shfl_xor(ss, 1 << m)
+                rn = T.rsqrt(ss + 1e-6)
+                if t0 + j < ntok:
+                    if kind == 0:
+                        for e in T.vectorized(VEC):
+                            Qo[t0 + j, hb, g * VEC + e] = T.cast(acc[e] * rn, qk)
+                    else:
+                        for e in T.vectorized(VEC):
+                            Ko[t0 + j, hb - Hk, g * VEC + e] = T.cast(acc[e] * rn, qk)
 
     @T.prim_func
     def gdn_conv_prefill(
@@ -384,60 +418,49 @@ def _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, act):
         Vo: T.Tensor((ntok, Hv, HEAD_DIM), io),
         Go: T.Tensor((ntok, Hv), f32),
         Bo: T.Tensor((ntok, Hv), f32),
+        tiles: T.int32,
     ):
-        # Token tiles vary fastest. (Channel blocks fastest, so that CTAs running together cover
+        # Token ranges vary fastest. (Channel blocks fastest, so that CTAs running together cover
         # whole rows, measured slower on the H200: 199 against 153 us at 2/8 heads x 32768 tokens.)
-        with T.Kernel(T.ceildiv(ntok, TPB), NH, threads=128) as (bx, hb):
+        with T.Kernel(T.ceildiv(ntok, TPB * tiles), NH, threads=128) as (bx, hb):
             tx = T.get_thread_binding()
-            t0 = bx * TPB
             c0 = hb * HEAD_DIM
             g = tx % GROUPS
             jr = tx // GROUPS
             bos_s = T.alloc_shared((TPB,), i32)
             hist_s = T.alloc_shared((TPB,), i32)
             Xs = T.alloc_shared((ROWS, HEAD_DIM), io)
-            Ys = T.alloc_shared((TPB, HEAD_DIM), f32)
+            xr = T.alloc_local((LOADS, VEC), io)
             w = T.alloc_local((W, VEC), f32)
             bias8 = T.alloc_local((VEC,), f32)
             acc = T.alloc_local((VEC,), f32)
             xv = T.alloc_local((VEC,), io)
-            x4 = T.alloc_local((4,), f32)
-            load_tile(X, Xs, t0, c0, tx)
-            find_sequences(Cu, Slots, HasInit, t0, tx, bos_s, hist_s)
+            load_rows(X, xr, bx * tiles * TPB, c0, tx)
             for i in T.unroll(W):
                 for e in T.unroll(VEC):
                     w[i, e] = T.cast(Wt[c0 + g * VEC + e, i], f32)
             for e in T.unroll(VEC):
                 bias8[e] = T.cast(Bias[c0 + g * VEC + e], f32) if v["bias"] else 0.0
-            T.sync_threads()
-            if hb >= 2 * Hk:                     # v channels: straight out, 16-byte stores
-                conv_rows(CS, Xs, Vo, Ys, True, t0, c0, hb, g, jr, w, bias8, acc, xv, bos_s, hist_s)
-            else:                                # q/k channels: normalised per token row
-                conv_rows(CS, Xs, Vo, Ys, False, t0, c0, hb, g, jr, w, bias8, acc, xv, bos_s, hist_s)
-                T.sync_threads()
-                warp = tx // 32
-                lane = tx % 32
-                for step in T.serial(TPB // 4):
-                    j = step * 4 + warp
-                    if t0 + j < ntok:
-                        for e in T.vectorized(4):
-                            x4[e] = Ys[j, lane * 4 + e]
-                        ss = T.alloc_var(f32)
-                        ss = x4[0] * x4[0] + x4[1] * x4[1] + x4[2] * x4[2] + x4[3] * x4[3]
-                        for m in T.unroll(5):
-                            ss += T.shfl_xor(ss, 1 << m)
-                        r = T.rsqrt(ss + 1e-6)
-                        if hb < Hk:
-                            for e in T.vectorized(4):
-                                Qo[t0 + j, hb, lane * 4 + e] = T.cast(x4[e] * r, qk)
-                        else:
-                            for e in T.vectorized(4):
-                                Ko[t0 + j, hb - Hk, lane * 4 + e] = T.cast(x4[e] * r, qk)
-            if hb < Hv and tx < TPB:             # gates of v-head hb for the tile's tokens
-                t = t0 + tx
-                if t < ntok:
-                    Go[t, hb] = log_decay(T, A[t, hb], A_log[hb], dt_bias[hb])
-                    Bo[t, hb] = sigmoid(T, Bt[t, hb])
+            for kt in T.serial(tiles):
+                t0 = (bx * tiles + kt) * TPB
+                if t0 < ntok:                    # uniform in the CTA
+                    stage_rows(xr, Xs, tx)
+                    find_sequences(Cu, Slots, HasInit, t0, tx, bos_s, hist_s)
+                    T.sync_threads()
+                    if kt + 1 < tiles:           # the next tile's rows load while this one computes
+                        load_rows(X, xr, t0 + TPB, c0, tx)
+                    if hb < Hk:
+                        conv_tile(CS, Xs, Qo, Ko, Vo, 0, t0, c0, hb, g, jr, w, bias8, acc, xv, bos_s, hist_s)
+                    elif hb < 2 * Hk:
+                        conv_tile(CS, Xs, Qo, Ko, Vo, 1, t0, c0, hb, g, jr, w, bias8, acc, xv, bos_s, hist_s)
+                    else:
+                        conv_tile(CS, Xs, Qo, Ko, Vo, 2, t0, c0, hb, g, jr, w, bias8, acc, xv, bos_s, hist_s)
+                    if hb < Hv and tx < TPB:     # gates of v-head hb for the tile's tokens
+                        t = t0 + tx
+                        if t < ntok:
+                            Go[t, hb] = log_decay(T, A[t, hb], A_log[hb], dt_bias[hb])
+                            Bo[t, hb] = sigmoid(T, Bt[t, hb])
+                    T.sync_threads()             # Xs and the tile's sequences are reused next
 
     return gdn_conv_prefill
 
@@ -483,6 +506,14 @@ def _names(x, conv_state, weight):
             _dtype_name(weight.dtype, "conv_weight", CONV_STATE_DTYPES))
 
 
+def tiles_per_cta(num_tokens: int, channel_blocks: int, tile: int, sm_count: int) -> int:
+    """conv_prefill's token tiles per CTA: enough CTAs for CTAS_PER_SM on every SM, at most
+    MAX_TILES_PER_CTA tiles each (a CTA's first tile loads with nothing to overlap it)."""
+    ctas_wanted = sm_count * CTAS_PER_SM
+    tiles = -(-num_tokens // tile) * channel_blocks
+    return max(1, min(MAX_TILES_PER_CTA, tiles // ctas_wanted))
+
+
 def conv_prefill(x, conv_state, weight, bias, slot_ids, has_initial_state, cu_seqlens, a, b, A_log,
                  dt_bias, *, activation, q_out, k_out, v_out, g_out, beta_out) -> None:
     """x [T, dim] (unit channel stride), conv_state [S, dim, L], weight [dim, W], bias [dim] or
@@ -503,9 +534,10 @@ def conv_prefill(x, conv_state, weight, bias, slot_ids, has_initial_state, cu_se
             return variant("conv_prefill", hv, hk, width, io, sdt, weight=wdt, activation=activation,
                            bias=bias is not None, qk_out=_dtype_name(q_out.dtype, "q_out", _IO_DTYPES),
                            ab=ab, param=prm, gbias=gb, tile=PREFILL_TILE)
+        tiles = tiles_per_cta(T_, 2 * hk + hv, PREFILL_TILE, sm_count(x.device))
         _launch_fn(key, make, x.device)(x, conv_state, weight, _bias_arg(bias, weight), slot_ids,
                                         has_initial_state, cu_seqlens, a, b, A_log, dt_bias,
-                                        q_out, k_out, v_out, g_out, beta_out)
+                                        q_out, k_out, v_out, g_out, beta_out, tiles)
     if N:
         key = ("conv_prefill_state", x.device, x.dtype, conv_state.dtype, hv, hk, width)
 

@@ -42,6 +42,7 @@ every engine pool and for q/k views of a fused projection.
 
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations,
 # which refer to closure variables (head counts, dtypes).
+import functools
 import os
 import threading
 from typing import Any
@@ -613,6 +614,13 @@ def gate_dtype_names(a, b, A_log, dt_bias) -> tuple[str, str, str]:
     if b.dtype != a.dtype:
         raise TypeError(f"b: expected the dtype of a ({a.dtype}), got {b.dtype}")
     return ab, param, bias
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """The device's SM count (launch sizing in prefill_api's CP scan and conv_prefill), looked up
+    once per device; 132 (the H200's) for a non-CUDA device (the launch-recording tests)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
 def launch_function(variant: dict, device: torch.device, build_fn, name: str | None = None):

@@ -62,7 +62,7 @@ import threading
 import torch
 
 from . import prefill_main, prefill_main_vfirst, prefill_prep, prefill_scan, prefill_warmup
-from .decode import _TORCH_TO_TL, check_pool_alignment
+from .decode import _TORCH_TO_TL, check_pool_alignment, sm_count
 from .raw_launch import raw_function
 
 ARCH = "sm_90a"
@@ -368,13 +368,6 @@ def _dummy(key, make):
     return t
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device) -> int:
-    """The device's SM count (the CP scan sizes its blocks by it), looked up once per device;
-    132 (the H200's) for a non-CUDA device (the launch-recording tests)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-
-
 def _unread_maps(hv: int, device) -> torch.Tensor:
     """The maps argument of a call without CP (never read: every item starts at chunk 0)."""
     return _dummy(("maps", hv, device), lambda: torch.empty((1, hv, 2, 128, 128), dtype=torch.float32,
@@ -545,7 +538,7 @@ class _Launches:
                                      (hv, hk, io, pool_dt, mvs, "maps", impl, target))
             if cp.levels > 1:
                 self.scan = functools.partial(_kernel(scan_variant(hv), (hv, "scan", target)), self.maps,
-                                              cp.cut_levels, self.warm[1], self.warmup, _sm_count(dev))
+                                              cp.cut_levels, self.warm[1], self.warmup, sm_count(dev))
 
     def __call__(self, q, k, v, g, beta, pool, slot_ids, has_initial_state, scale, out) -> None:
         if slot_ids.shape[0] == 0:
