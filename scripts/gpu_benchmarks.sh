@@ -58,7 +58,7 @@ export PYTHONPATH=${PYTHONPATH:-}:/tmp/whlsite
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 T=${TIMEOUT:-560}
-step() { echo "== $1"; shift; timeout "$@"; echo "rc=$?"; }
+step() { echo "== $1" >&2; shift; timeout "$@"; echo "rc=$?" >&2; }   # notes on stderr: not in the data files
 
 # stamp FILE...: the run's commit and date into each file (kept where the bench wrote its own).
 stamp() {
@@ -147,19 +147,24 @@ fi
 
 if want layer; then
   # FLA's Triton autotuning on every new shape makes this long: split --heads over calls if needed.
+  # The FlashInfer column needs .fibundle (make-fibundle.sh): carry site-a.tar.xz + activate.sh in
+  # one call, then this part with site-b.tar.xz + activate.sh on the same warm machine.
+  if [[ -f .fibundle/activate.sh ]]; then source .fibundle/activate.sh; fi
   step "bench layer" $T python -m qla_serve.cli bench layer --check --json "$out/layer_h200.json" \
     --plot "$out/layer_h200.png" | grep -v '^{'
   stamp "$out/layer_h200.json"
 fi
 
 if want inputs; then
-  step "prefill inputs" $T python benchmarks/prefill_inputs.py > "$out/prefill_inputs_h200.txt" 2>&1
+  step "prefill inputs" $T python benchmarks/prefill_inputs.py > "$out/prefill_inputs_h200.txt" 2>/tmp/inputs.err
+  tail -3 /tmp/inputs.err
   cat "$out/prefill_inputs_h200.txt"; stamp "$out/prefill_inputs_h200.txt"
 fi
 
 if want sustained; then
   step "sustained load" $T python benchmarks/sustained.py \
-    --rows 16/64:64x512,16/64:4x8192,2/8:64x512,2/8:1x32768 > "$out/sustained_h200.txt" 2>&1
+    --rows 16/64:64x512,16/64:4x8192,2/8:64x512,2/8:1x32768 > "$out/sustained_h200.txt" 2>/tmp/sustained.err
+  tail -3 /tmp/sustained.err
   cat "$out/sustained_h200.txt"; stamp "$out/sustained_h200.txt"
 fi
 
