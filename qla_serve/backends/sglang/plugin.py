@@ -142,6 +142,12 @@ def startup_problems(phases: dict[str, bool], *, ssm_shape, ssm_dtype, device) -
         problems.append(f"--linear-attn-verify-backend flashqla: tree drafts (--speculative-eagle-topk "
                         f"{topk}) are not supported (SGLang would run them on Triton); use topk 1 or "
                         "--linear-attn-verify-backend triton")
+    if "prefill" in wanted and _full_prefill_graph():
+        problems.append("--cuda-graph-backend-prefill full: SGLang would replay a whole-forward prefill graph "
+                        "captured with one batch's flashqla prefill plan (grid, segments) for other batches; "
+                        "use --cuda-graph-backend-prefill breakable (SGLang's default on CUDA: GDN layers run "
+                        "eagerly between graph segments, planned per batch) or disabled, or "
+                        "--linear-attn-prefill-backend triton")
     device = torch.device(device)
     op_of = {"decode": "decode", "prefill": "prefill", "verify": "verify"}
     for phase in wanted:
@@ -158,6 +164,16 @@ def startup_problems(phases: dict[str, bool], *, ssm_shape, ssm_dtype, device) -
                             "pick another --linear-attn-*-backend for this phase, or set "
                             "QLA_SERVE_OP_PATH=fla|reference to run qla_serve's slower paths on purpose")
     return problems
+
+
+def _full_prefill_graph() -> bool:
+    """Whether SGLang's published CUDA-graph config captures prefill as one whole-forward graph
+    (``--cuda-graph-backend-prefill full``). Its default, breakable, breaks out of the graph at
+    each GDN layer (GDNAttnBackend keeps SGLang's ``supports_prefill_graph_extend() -> False``)
+    and re-runs ``init_forward_metadata`` per replay, which the metadata hook plans from."""
+    from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, check_cuda_graph_backend
+
+    return check_cuda_graph_backend(Phase.PREFILL, Backend.FULL)
 
 
 def _tilelang_reason(ops, op: str, device) -> str:

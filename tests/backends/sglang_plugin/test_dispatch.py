@@ -139,3 +139,25 @@ def test_startup_problems_pool_dtype(sglang_plugin):
         bad = sglang_plugin.startup_problems(phases, ssm_shape=(3, 9, 4, 128, 128), ssm_dtype=torch.float16,
                                              device="cpu")
     assert ok == [] and len(bad) == 1 and "float32 or bfloat16" in bad[0]
+
+
+@pytest.mark.parametrize("graph", ["full", "breakable", "disabled"])
+def test_startup_refuses_full_prefill_cuda_graphs(sglang_plugin, graph):
+    """--cuda-graph-backend-prefill full would replay one batch's prefill plan for every batch;
+    breakable (SGLang's CUDA default) and disabled run the GDN layers eagerly, planned per batch."""
+    from sglang.srt.model_executor.cuda_graph_config import CudaGraphConfig, PhaseConfig
+    from sglang.srt.runtime_context import get_context
+
+    config = CudaGraphConfig(prefill=PhaseConfig(backend=graph))
+    kw = dict(ssm_shape=(3, 9, 4, 128, 128), ssm_dtype=torch.float32, device="cpu")
+    with get_context().override_server_args(linear_attn_backend="flashqla", cuda_graph_config=config):
+        problems = sglang_plugin.startup_problems(sglang_plugin.requested_phases(), **kw)
+    with get_context().override_server_args(linear_attn_backend="triton", linear_attn_decode_backend="flashqla",
+                                             cuda_graph_config=config):
+        decode_only = sglang_plugin.startup_problems(sglang_plugin.requested_phases(), **kw)
+    if graph == "full":
+        assert len(problems) == 1 and "--cuda-graph-backend-prefill full" in problems[0]
+        assert "breakable" in problems[0] and "--linear-attn-prefill-backend triton" in problems[0]
+    else:
+        assert problems == []
+    assert decode_only == []           # a triton prefill is SGLang's own business

@@ -142,6 +142,26 @@ def test_backend_call_sites():
     assert "requires the Triton linear-attention prefill" in inspect.getsource(gdn_backend.validate_gdn_mis_backend)
 
 
+def test_prefill_cuda_graph_contract():
+    """SGLang's default prefill graph on CUDA is breakable; it breaks out at every GDN layer
+    (GDNAttnBackend does not declare in-graph extend) and, for backends without captured
+    metadata, replays through init_forward_metadata, which the plan hook wraps. The full
+    backend replays through init_forward_metadata_out_graph instead: the plugin refuses it."""
+    from sglang.srt.layers.attention import hybrid_linear_attn_backend as h
+    from sglang.srt.layers.attention.linear.gdn_backend import GDNAttnBackend
+    from sglang.srt.model_executor import cuda_graph_config as cg
+    from sglang.srt.model_executor.runner import prefill_cuda_graph_runner as runner
+
+    assert "Backend.BREAKABLE if is_cuda() else Backend.DISABLED" in inspect.getsource(cg.default_prefill_backend)
+    assert GDNAttnBackend.supports_prefill_graph_extend is h.MambaAttnBackendBase.supports_prefill_graph_extend
+    assert "return False" in inspect.getsource(h.MambaAttnBackendBase.supports_prefill_graph_extend)
+    replay = inspect.getsource(runner.PrefillCudaGraphRunner._prepare_forward_metadata_for_replay)
+    assert "attn_backend.init_forward_metadata_out_graph(padded_view)" in replay      # full
+    assert "elif not self.use_captured_attn_metadata:" in replay                       # breakable, generic
+    assert "init_forward_metadata(forward_batch)" in replay
+    assert _params(cg.check_cuda_graph_backend) == ["phase", "backend"]
+
+
 def test_forward_metadata_fields():
     import dataclasses
 
