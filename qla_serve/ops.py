@@ -77,7 +77,7 @@ def _scale(scale) -> float:
 
 
 def gdn_prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state=None,
-                scale=None, out=None):
+                scale=None, out=None, checkpoints=None):
     """Chunked GDN prefill over a packed varlen batch; states read and written in ``pool``.
 
     Args:
@@ -92,6 +92,12 @@ def gdn_prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state=Non
         has_initial_state: [N] bool or None (all True); False starts from zero, slot unread.
         scale: defaults to 128 ** -0.5.
         out: optional [T, Hv, 128] output buffer of v's dtype.
+        checkpoints: None, or (chunks, slots), two [N] int32/int64 tensors on q's device: the
+            state after min(64 * chunks[s], len_s) tokens of sequence s is also written to pool
+            slot slots[s] (pool dtype), for 1 <= chunks[s] <= ceil(len_s / 64); chunks[s] = 0,
+            larger values, or slots[s] < 0 write nothing (vLLM's align-mode prefix-caching
+            checkpoints: docs/vllm_checkpoints.md). Values are the caller's contract (device
+            tensors are not read on the host). Not on the FLA path.
     Returns:
         o [T, Hv, 128] in v's dtype; every live slot holds its sequence's final state. A padding
         sequence's rows are zeros (as in decode/verify) on the reference and FLA paths; on the
@@ -105,13 +111,28 @@ def gdn_prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state=Non
         _check_prefill(plan, *args)
         if seen is not None:
             plan.kernel_cache[seen] = True
+    extra = {}
+    if checkpoints is not None:
+        extra["checkpoints"] = _checkpoint_ids(checkpoints, plan.num_seqs, q.device)
     if out is None:
         out = torch.empty((q.shape[0], v.shape[1], V.HEAD_DIM), dtype=v.dtype, device=q.device)
     ids = V.int32_index(slot_ids, q.device)
     path = _run("prefill", q.device, v.dtype, q, k, v, g, beta, pool, ids, plan,
-                has_initial_state=has_initial_state, scale=_scale(scale), out=out)
+                has_initial_state=has_initial_state, scale=_scale(scale), out=out, **extra)
     _zero_padding_rows(out, slot_ids, plan, path)
     return out
+
+
+def _checkpoint_ids(checkpoints, n: int, device) -> tuple:
+    """gdn_prefill's (chunks, slots): [n] integer index tensors on ``device`` -> int32 (host
+    metadata only)."""
+    if not (isinstance(checkpoints, (tuple, list)) and len(checkpoints) == 2
+            and all(isinstance(x, torch.Tensor) for x in checkpoints)):
+        raise TypeError("checkpoints: expected None or a pair of tensors (chunks, slots)")
+    for name, x in zip(("checkpoints[0] (chunks)", "checkpoints[1] (slots)"), checkpoints):
+        V.index_vector(name, x, n)
+    V.check_device(device, **{"checkpoints[0]": checkpoints[0], "checkpoints[1]": checkpoints[1]})
+    return tuple(V.int32_index(x, device) for x in checkpoints)
 
 
 def _zero_padding_rows(out, slot_ids, plan, path) -> None:

@@ -10,7 +10,9 @@ What one call does (the work behind vLLM's ``qwen_gdn_attention_core``), for a b
   :func:`qla_serve.gdn_decode` on its q | k | v with the raw gates and the in-kernel L2 norm;
 * prefills (2 + the core's): :func:`qla_serve.layer_ops.gdn_layer_prefill_inputs` (conv over
   the conv state, split, L2 norm, gates; then the conv-state write-back), then
-  :func:`qla_serve.gdn_prefill` with the step's shared :class:`qla_serve.PrefillPlan`;
+  :func:`qla_serve.gdn_prefill` with the step's shared :class:`qla_serve.PrefillPlan`; with
+  vLLM's align-mode checkpoints also :func:`qla_serve.layer_ops.causal_conv_checkpoints` and
+  gdn_prefill's ``checkpoints`` (each prefill's state and conv window part-way, in another slot);
 * spec decodes (2): :func:`qla_serve.layer_ops.causal_conv_spec` (vLLM's sliding window), then
   :func:`qla_serve.layer_ops.gdn_verify_slots`, which writes each draft token's state straight
   into its slot ``spec_slots[i, j]`` (no scratch, no scatter).
@@ -82,6 +84,8 @@ class StepPlan:
     num_accepted: torch.Tensor | None = None
     spec_token_idx: torch.Tensor | None = None
     non_spec_token_idx: torch.Tensor | None = None
+    prefill_checkpoint_chunks: torch.Tensor | None = None   # [Np] int32: 64-token chunks (0: none)
+    prefill_checkpoint_slots: torch.Tensor | None = None    # [Np] engine ids (null_slot: none)
     null_slot: int = 0
     info: dict = dataclasses.field(default_factory=dict)   # adapter notes (logs, counters)
     _ids: dict = dataclasses.field(default_factory=dict, repr=False)
@@ -102,8 +106,8 @@ class StepPlan:
         """The ops' int32 slot ids (-1 = padding) for ``kind``: "decode" [Td]; "prefill" [Np]
         (0-length rows are padding too: vLLM keeps trailing padded requests in the prefill
         slice); "spec" [Ns, D] (a row whose first slot is null is padding as a whole); "spec_conv"
-        [Ns] (the conv state's slot of each spec row: its first). Also "num_accepted" [Ns] and
-        "spec_cu_seqlens" [Ns+1] as int32. Derived on the device once per step (class doc)."""
+        [Ns] (the conv state's slot of each spec row: its first); "prefill_checkpoint" [Np] (each
+        prefill's checkpoint slot). Also "num_accepted" [Ns] and "spec_cu_seqlens" [Ns+1] as int32. Derived on the device once per step (class doc)."""
         hit = self._ids.get(kind)
         if hit is None:
             hit = self._ids[kind] = self._derive(kind)
@@ -119,12 +123,14 @@ class StepPlan:
             return _ops_ids(self.spec_slots, self.null_slot, self.spec_slots[:, 0] != self.null_slot)
         if kind == "spec_conv":
             return self.ids("spec")[:, 0].contiguous()
+        if kind == "prefill_checkpoint":
+            return _ops_ids(self.prefill_checkpoint_slots, self.null_slot)
         if kind == "num_accepted":
             return self.num_accepted.to(torch.int32)
         if kind == "spec_cu_seqlens":
             return self.spec_cu_seqlens.to(torch.int32)
-        raise ValueError(f"kind: expected decode, prefill, spec, spec_conv, num_accepted or "
-                         f"spec_cu_seqlens, got {kind!r}")
+        raise ValueError(f"kind: expected decode, prefill, spec, spec_conv, prefill_checkpoint, "
+                         f"num_accepted or spec_cu_seqlens, got {kind!r}")
 
 
 def _ops_ids(slots: torch.Tensor, null_slot: int, live: torch.Tensor | None = None) -> torch.Tensor:
@@ -141,7 +147,8 @@ def make_step_plan(*, num_actual_tokens: int, num_v_heads: int, num_k_heads: int
                    prefill_has_initial_state=None, spec_slots=None, spec_cu_seqlens=None,
                    num_accepted=None, num_spec_tokens: int = 0, spec_token_idx=None,
                    non_spec_token_idx=None, null_slot: int = 0, cp: str = "auto",
-                   reuse: StepPlan | None = None) -> StepPlan:
+                   reuse: StepPlan | None = None, prefill_checkpoint_chunks: Sequence[int] | None = None,
+                   prefill_checkpoint_slots=None) -> StepPlan:
     """Build the step's plan: the prefill plan from CPU ``prefill_lens``; nothing per token.
 
     ``num_v_heads``/``num_k_heads`` are the TP-local GDN heads. Every tensor argument is the
@@ -149,6 +156,10 @@ def make_step_plan(*, num_actual_tokens: int, num_v_heads: int, num_k_heads: int
     per row of ``prefill_slots`` (0 for padding rows). ``reuse``: a previous step's plan; its
     PrefillPlan is taken when the prefill lengths are the same. ``conv_width`` is kept for the
     adapters' signature (the conv kernels take the width from the weight).
+    ``prefill_checkpoint_chunks`` (host ints, one per prefill row; 0: none) and
+    ``prefill_checkpoint_slots`` (device engine ids): each prefill's state and conv window after
+    64 * chunks tokens also go to that slot (gdn_prefill's checkpoints; vLLM's align-mode prefix
+    caching). One small upload per step that has them.
     """
     device = torch.device(device)
     plan = None
@@ -166,7 +177,15 @@ def make_step_plan(*, num_actual_tokens: int, num_v_heads: int, num_k_heads: int
         if spec_slots.dim() != 2:
             raise ValueError(f"spec_slots: expected [Ns, D] slot ids, got shape {list(spec_slots.shape)}")
         num_spec = int(spec_slots.shape[0])
+    ck_chunks = ck_slots = None
+    if plan is not None and prefill_checkpoint_chunks is not None and any(prefill_checkpoint_chunks):
+        if len(prefill_checkpoint_chunks) != plan.num_seqs or prefill_checkpoint_slots is None \
+                or prefill_checkpoint_slots.shape[0] != plan.num_seqs:
+            raise ValueError(f"prefill_checkpoint_chunks/slots: expected one per prefill row ({plan.num_seqs})")
+        ck_chunks = torch.tensor(list(prefill_checkpoint_chunks), dtype=torch.int32).to(device, non_blocking=True)
+        ck_slots = prefill_checkpoint_slots
     return StepPlan(
+        prefill_checkpoint_chunks=ck_chunks, prefill_checkpoint_slots=ck_slots,
         num_actual_tokens=num_actual_tokens,
         num_decodes=0 if decode_slots is None else int(decode_slots.shape[0]), decode_slots=decode_slots,
         prefill_plan=plan, prefill_slots=prefill_slots if plan is not None else None,
@@ -249,11 +268,16 @@ def gdn_layer_forward(step: StepPlan, mixed_qkv: torch.Tensor, a: torch.Tensor, 
             on_call("decode", Td)
     if Tp:
         plan, ids, has_init = step.prefill_plan, step.ids("prefill"), step.prefill_has_initial_state
+        checkpoints = None
+        if step.prefill_checkpoint_chunks is not None:
+            checkpoints = (step.prefill_checkpoint_chunks, step.ids("prefill_checkpoint"))
+            layer_ops.causal_conv_checkpoints(xn[Td:Td + Tp], conv_state, checkpoints[1], checkpoints[0],
+                                              plan.cu_seqlens, width=conv_weight.shape[1], num_v_heads=Hv)
         q, k, v, g, beta = layer_ops.gdn_layer_prefill_inputs(
             xn[Td:Td + Tp], an[Td:Td + Tp], bn[Td:Td + Tp], conv_state, ids, plan,
             has_initial_state=has_init, num_k_heads=num_k_heads, **conv, **gates)
         qla_serve.gdn_prefill(q, k, v, g, beta, ssm_state, ids, plan, has_initial_state=has_init,
-                              scale=scale, out=out_n[Td:Td + Tp])
+                              scale=scale, out=out_n[Td:Td + Tp], checkpoints=checkpoints)
         if on_call:
             on_call("prefill", step.num_prefills)
     if out_n is not out:

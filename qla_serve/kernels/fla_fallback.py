@@ -37,8 +37,12 @@ def _nonempty(plan):
     return plan.scratch("fla_nonempty", make)
 
 
-def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale, out):
+def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale, out, checkpoints=None):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    if checkpoints is not None:  # (an engine adapter asks for them only where the path writes them)
+        raise ValueError("checkpoints: the FLA path does not write prefill checkpoints; use the TileLang "
+                         "or the reference path (QLA_SERVE_OP_PATH)")
 
     if q.dtype != v.dtype:  # fp16 q/k beside bf16 v (gdn_prefill_inputs' qk_dtype): FLA takes one dtype
         q, k = q.to(v.dtype), k.to(v.dtype)

@@ -339,7 +339,7 @@ def _gating(g, beta, a, b, A_log, dt_bias):
 
 
 def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale, out,
-            form: str = "plan"):
+            form: str = "plan", checkpoints=None):
     """Reference prefill on the pool. ``plan`` supplies cu_seqlens (a PrefillPlan, or the
     cu_seqlens list itself); ``form`` picks the math: "plan" (default) follows the plan's
     strategy -- "cp" runs the exact segmented form with plan.segment_chunks, anything else the
@@ -356,7 +356,23 @@ def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale,
     else:
         o, final = chunked_gdn(q, k, v, g, beta, cu, init, scale)
     out.copy_(o.to(out.dtype))
+    if checkpoints is not None:
+        _write_checkpoints(q, k, v, g, beta, pool, cu, init, scale, *checkpoints)
     _scatter_final(pool, slot_ids, final)
+
+
+def _write_checkpoints(q, k, v, g, beta, pool, cu, init, scale, chunks, slots) -> None:
+    """gdn_prefill's checkpoints: the state after min(CHUNK * chunks[s], len_s) tokens of
+    sequence s into pool[slots[s]], for 1 <= chunks[s] <= ceil(len_s / CHUNK) and slots[s] >= 0
+    (the kernels' rule: the chunk that ends there writes it), from the sequence's own start state."""
+    for s, (c, slot) in enumerate(zip(chunks.tolist(), slots.tolist())):
+        n = cu[s + 1] - cu[s]
+        if slot < 0 or c < 1 or (c - 1) * CHUNK >= n:
+            continue
+        rows = slice(cu[s], cu[s] + min(c * CHUNK, n))
+        _, state = chunked_gdn(q[rows], k[rows], v[rows], g[rows], beta[rows], [0, rows.stop - rows.start],
+                               init[s:s + 1], scale)
+        pool[slot] = state[0].to(pool.dtype)
 
 
 def decode(q, k, v, pool, slot_ids, *, g, beta, a, b, A_log, dt_bias, use_qk_l2norm, scale, out):

@@ -58,14 +58,29 @@ def conv_varlen(x, conv_state, weight, bias, slot_ids, has_initial_state, cu_seq
         from_x = xf[(t - H + i).clamp(min=0)]
         from_h = hist[seq, :, (p + H).clamp(0, H - 1)]
         y += w[:, i] * torch.where((p >= 0).view(-1, 1), from_x, from_h)
-    lens = cu[1:] - cu[:-1]
-    cols = lens.view(-1, 1) - H + torch.arange(H, device=x.device).view(1, -1)     # [N, H]
-    from_x = xf[(cu[:-1].view(-1, 1) + cols).clamp(0, max(T - 1, 0))] if T else \
-        torch.zeros(len(slot_ids), H, x.shape[1], device=x.device)
-    from_h = torch.gather(hist, 2, (cols + H).clamp(0, H - 1).unsqueeze(1).expand(-1, x.shape[1], -1))
-    final = torch.where((cols >= 0).unsqueeze(1), from_x.transpose(1, 2), from_h)  # [N, dim, H]
-    _write_rows(conv_state, slot_ids, H, final)
+    _write_rows(conv_state, slot_ids, H, _last_windows(xf, hist, cu, H))
     return _act(y, activation)
+
+
+def _last_windows(xf, hist, cu, H):
+    """[N, dim, H]: each sequence's last H inputs (from its history ``hist`` [N, dim, H] where
+    the sequence is shorter)."""
+    T = xf.shape[0]
+    lens = cu[1:] - cu[:-1]
+    cols = lens.view(-1, 1) - H + torch.arange(H, device=xf.device).view(1, -1)     # [N, H]
+    from_x = xf[(cu[:-1].view(-1, 1) + cols).clamp(0, max(T - 1, 0))] if T else \
+        torch.zeros(len(cu) - 1, H, xf.shape[1], device=xf.device)
+    from_h = torch.gather(hist, 2, (cols + H).clamp(0, H - 1).unsqueeze(1).expand(-1, xf.shape[1], -1))
+    return torch.where((cols >= 0).unsqueeze(1), from_x.transpose(1, 2), from_h)
+
+
+def conv_window(x, conv_state, slot_ids, has_initial_state, cu_seqlens, *, num_v_heads, width,
+                weight_dtype=None) -> None:
+    """hopper/conv.py's conv_window: each live slot's first W-1 columns <- the W-1 inputs before
+    its sequence's end (its old window where the sequence is shorter and has_initial_state)."""
+    H = width - 1
+    hist = _history(conv_state, slot_ids, has_initial_state.bool() & (slot_ids >= 0), H)
+    _write_rows(conv_state, slot_ids, H, _last_windows(x.float(), hist, cu_seqlens.long(), H))
 
 
 def conv_prefill(x, conv_state, weight, bias, slot_ids, has_initial_state, cu_seqlens, a, b, A_log,

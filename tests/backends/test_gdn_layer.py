@@ -86,7 +86,7 @@ def _close(got, want, **tol):
         torch.testing.assert_close(got, want, **tol)
 
 
-def _run_nonspec(device, io_dtype, pool_dtype, seed=0):
+def _run_nonspec(device, io_dtype, pool_dtype, seed=0, checkpoints=False):
     gen = torch.Generator().manual_seed(seed)
     S = 12
     conv, ssm = _cache(S, pool_dtype, device, gen)
@@ -98,6 +98,11 @@ def _run_nonspec(device, io_dtype, pool_dtype, seed=0):
     # (slot 9, has state), 1-token new request (slot 2), a trailing zero-length padding row (null).
     dec_slots = [3, 7]
     pre_lens, pre_slots, pre_init = [70, 33, 1, 0], [5, 9, 2, NULL], [False, True, False, False]
+    # Prefill checkpoints (vLLM's align-mode prefix caching): after 64 tokens of the new request
+    # into slot 10, after 128 of a longer resumed chunk into 11; the null block means none.
+    ck_chunks, ck_slots = [1, 2, 0, 0], [10, 11, NULL, NULL]
+    if checkpoints:
+        pre_lens = [70, 150, 1, 0]
     T = len(dec_slots) + sum(pre_lens)
     x = (torch.randn(T + 3, DIM, generator=gen)).to(device, io_dtype)        # +3 padded rows
     a = torch.randn(T + 3, HV, generator=gen).to(device, io_dtype)
@@ -106,7 +111,9 @@ def _run_nonspec(device, io_dtype, pool_dtype, seed=0):
         num_actual_tokens=T, num_v_heads=HV, num_k_heads=HK, conv_width=W, device=device,
         decode_slots=torch.tensor(dec_slots, dtype=torch.int32, device=device),
         prefill_lens=pre_lens, prefill_slots=torch.tensor(pre_slots, dtype=torch.int32, device=device),
-        prefill_has_initial_state=torch.tensor(pre_init, device=device))
+        prefill_has_initial_state=torch.tensor(pre_init, device=device),
+        prefill_checkpoint_chunks=ck_chunks if checkpoints else None,
+        prefill_checkpoint_slots=torch.tensor(ck_slots, dtype=torch.int32, device=device) if checkpoints else None)
     out = torch.full((T + 3, HV, D_HEAD), float("nan"), dtype=io_dtype, device=device)
     calls = []
     GL.gdn_layer_forward(step, x, a, b, conv_weight=w, conv_bias=bias, activation="silu",
@@ -116,13 +123,21 @@ def _run_nonspec(device, io_dtype, pool_dtype, seed=0):
     tol = _tol(io_dtype if io_dtype != torch.float32 else pool_dtype)
     t0 = 0
     touched = set()
-    seqs = [(1, s, True) for s in dec_slots] + list(zip(pre_lens, pre_slots, pre_init))
-    for L, slot, has in seqs:
+    seqs = [(1, s, True, 0, NULL) for s in dec_slots] + list(zip(pre_lens, pre_slots, pre_init, ck_chunks, ck_slots))
+    for L, slot, has, ck, ck_slot in seqs:
         if slot == NULL:
             continue
         touched.add(slot)
         hist = conv0[slot, :, :W - 1] if has else torch.zeros(DIM, W - 1, device=device)
         init = ssm0[slot] if has else torch.zeros(HV, D_HEAD, D_HEAD, device=device)
+        if checkpoints and ck_slot != NULL:   # the state and conv window after 64 * ck tokens
+            n = 64 * ck
+            _, full_ck, final_ck, _ = _oracle_seq(x[t0:t0 + n].cpu(), a[t0:t0 + n].cpu(), b[t0:t0 + n].cpu(),
+                                                  hist.float().cpu(), init.float().cpu(), w.cpu(), bias.cpu(),
+                                                  A_log.cpu(), dt_bias.cpu())
+            _close(ssm[ck_slot].double().cpu(), final_ck, **tol)
+            _close(conv[ck_slot, :, :W - 1].double().cpu(), full_ck[:, -(W - 1):], **tol)
+            touched.add(ck_slot)
         o, full, final, _ = _oracle_seq(x[t0:t0 + L].cpu(), a[t0:t0 + L].cpu(), b[t0:t0 + L].cpu(),
                                         hist.float().cpu(), init.float().cpu(), w.cpu(), bias.cpu(),
                                         A_log.cpu(), dt_bias.cpu())
@@ -234,6 +249,13 @@ def test_nonspec_mixed_batch_cpu(io_dtype, pool_dtype):
     _run_nonspec("cpu", io_dtype, pool_dtype)
 
 
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_prefill_checkpoints_cpu(pool_dtype):
+    """vLLM's align-mode checkpoints through the layer: state and conv window after 64 * chunks
+    tokens in their own slots, a null slot writes nothing, the rest as without them."""
+    _run_nonspec("cpu", torch.float32, pool_dtype, checkpoints=True)
+
+
 @pytest.mark.parametrize("with_prefill", [False, True])
 @pytest.mark.parametrize("io_dtype", [torch.float32, torch.bfloat16])
 def test_spec_batch_cpu(with_prefill, io_dtype):
@@ -274,6 +296,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
                                                  (torch.bfloat16, torch.bfloat16)])
 def test_nonspec_mixed_batch_gpu(io_dtype, pool_dtype):
     _run_nonspec("cuda", io_dtype, pool_dtype)
+
 
 
 @pytest.mark.gpu

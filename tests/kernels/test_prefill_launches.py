@@ -246,3 +246,19 @@ def test_forced_heads_per_cta_is_clipped(monkeypatch):
     monkeypatch.setenv("QLA_SERVE_PREP_HEADS", "3")
     with pytest.raises(ValueError, match="QLA_SERVE_PREP_HEADS"):
         P._prep_heads_from_env()
+
+
+def test_prefill_checkpoints_are_refused_before_any_launch(launches):
+    """The kernels do not write vLLM's prefill checkpoints yet: asked for them, the TileLang
+    prefill says so by name and launches nothing (the vLLM adapter asks only the reference path)."""
+    T = 100
+    q = torch.randn(T, HK, 128, dtype=torch.bfloat16)
+    v = torch.randn(T, HV, 128, dtype=torch.bfloat16)
+    plan = qla_serve.plan_prefill([T], HV, HK, device="cpu", cp="off", arch="sm90",
+                                  supported_strategies={"plain", "vsplit"})
+    ck = (torch.tensor([1], dtype=torch.int32), torch.tensor([1], dtype=torch.int32))
+    with pytest.raises(ValueError, match="checkpoints: the TileLang prefill kernels do not write"):
+        P.prefill(q, q, v, torch.zeros(T, HV), torch.ones(T, HV), torch.zeros(2, HV, 128, 128),
+                  torch.zeros(1, dtype=torch.int32), plan, has_initial_state=None, scale=None,
+                  out=torch.empty_like(v), checkpoints=ck)
+    assert launches == []

@@ -22,6 +22,7 @@ The state cache is vLLM's, used in place: ``kv_cache[1]`` [blocks, Hv/TP, V, K] 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -58,6 +59,25 @@ log = logging.getLogger("vllm.qla_serve")  # under vLLM's logger: its handlers a
 OP_NAME = "qla_serve_gdn_core"
 LAYER_NAME = "QwenGatedDeltaNetAttention"
 SUPPORTED_STATE_DTYPES = (torch.float32, torch.bfloat16)
+# Prefill checkpoints land on 64-token chunk boundaries (gdn_prefill's checkpoints; the stock
+# layer's FlashInfer alignment is the same 64): docs/vllm_checkpoints.md.
+CHECKPOINT_ALIGNMENT = 64
+
+
+def writes_checkpoints(vllm_config) -> bool:
+    """Whether flashqla writes vLLM's align-mode prefill checkpoints here: prefix caching in
+    'align' mode, and a prefill path that writes them: the reference path (CPU). The TileLang
+    kernels do not yet (their stores are written, not validated on a GPU:
+    docs/vllm_checkpoints.md), so on a GPU flashqla declares none and vLLM cuts prefills at
+    block boundaries instead."""
+    if getattr(vllm_config.cache_config, "mamba_cache_mode", "none") != "align":
+        return False
+    device = "cpu" if current_platform.is_cpu() else torch.device("cuda", torch.cuda.current_device())
+    try:
+        path, _ = qla_serve.explain_path("prefill", device, vllm_config.model_config.dtype)
+    except Exception:  # a forced path that cannot run: unsupported_reason reports it
+        return False
+    return path == "reference"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -123,9 +143,6 @@ class QlaGDNMetadataBuilder(GDNAttentionMetadataBuilder):
         return md
 
     def _qla_step(self, md: GDNAttentionMetadata, m) -> gdn_layer.StepPlan:
-        if md.checkpoint is not None:
-            raise RuntimeError("qla_serve flashqla: vLLM asked for mid-prefill state checkpoints "
-                               "(prefix caching checkpoints), which flashqla does not write yet")
         qlens = m.query_start_loc_cpu[: m.num_reqs + 1].diff().tolist()
         mask = md.spec_sequence_masks_cpu
         if mask is not None:
@@ -145,6 +162,7 @@ class QlaGDNMetadataBuilder(GDNAttentionMetadataBuilder):
             if seq_cpu is not None and mask is None:  # for counters/logs only
                 seq = seq_cpu[: m.num_reqs].tolist()[Td:Td + rows]
                 resumed = sum(1 for s, n in zip(seq, prefill_lens) if n > 0 and s > n)
+        ck_chunks, ck_slots = _prefill_checkpoints(md, Td, len(prefill_lens))
         Ns = md.num_spec_decodes
         mixed_spec = Ns > 0 and (md.num_prefills > 0 or md.num_decodes > 0)
         # GDN layers may sit in several KV-cache groups (one builder each) that all build in the
@@ -165,13 +183,35 @@ class QlaGDNMetadataBuilder(GDNAttentionMetadataBuilder):
             spec_token_idx=md.spec_token_indx if mixed_spec else None,
             non_spec_token_idx=md.non_spec_token_indx if mixed_spec else None,
             null_slot=NULL_BLOCK_ID,
-            cp=self.qla_cp, reuse=last)
+            cp=self.qla_cp, reuse=last, prefill_checkpoint_chunks=ck_chunks, prefill_checkpoint_slots=ck_slots)
         step.info["resumed_prefills"] = resumed
         if step.prefill_plan is not None:
             if _stats.enabled() and (last is None or last.prefill_plan is not step.prefill_plan):
                 _stats.hit("qla:prefill_plans")
             _LAST_STEP.update(key=key, step=step)
         return step
+
+
+def _prefill_checkpoints(md, num_decodes: int, num_prefill_rows: int):
+    """vLLM's prefill checkpoints for the step's prefill rows: (chunks: host ints, slots:
+    device block ids), or (None, None). ``md.checkpoint`` has one row per non-spec request,
+    decodes first (vllm/v1/attention/backends/gdn_attn.py ~524-529 in 0.32, ~578-583 in
+    0.33); each row's offset into its query is a multiple of the declared alignment
+    (kv_cache_interface.is_mamba_prefill_checkpoint_valid), its slot the null block where
+    vLLM keeps none."""
+    ck = getattr(md, "checkpoint", None)
+    if ck is None or not num_prefill_rows:
+        return None, None
+    offsets = ck.offsets if ck.offsets is not None else ck.checkpoint_offsets.tolist()
+    rows = list(offsets[num_decodes:num_decodes + num_prefill_rows])
+    if not any(rows):
+        return None, None
+    if any(o % CHECKPOINT_ALIGNMENT for o in rows):
+        raise RuntimeError(f"qla_serve flashqla: prefill checkpoint offsets {rows} are not multiples of "
+                           f"{CHECKPOINT_ALIGNMENT} tokens (the alignment the layer declared)")
+    if _stats.enabled():
+        _stats.hit("qla:prefill_checkpoints", sum(1 for o in rows if o))
+    return [o // CHECKPOINT_ALIGNMENT for o in rows], ck.state_indices[num_decodes:num_decodes + num_prefill_rows]
 
 
 _LAST_STEP: dict = {}  # the last step's host-built prefill parts, shared across KV-cache groups
@@ -200,14 +240,15 @@ class QlaQwenGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         if reason is not None:
             raise RuntimeError(f"linear_attn_backend=flashqla cannot run layer {self.prefix}: {reason}")
         self._forward_method = self.forward_qla
-        # vLLM 0.33 with align-mode prefix caching (its default for hybrid models) and the FlashInfer
-        # prefill backend (its SM90 default) has the stock layer emit mid-prefill state checkpoints
-        # (qwen_gdn_linear_attn.py ~689-760). flashqla writes none yet, so it declares none: the
-        # scheduler then splits prefills at block boundaries instead, its path for any Mamba layer
-        # that cannot checkpoint (model_executor/layers/mamba/abstract.py ~98-113). 0.32 has no
-        # such attribute.
+        # Align-mode prefix caching (vLLM's default for hybrid models): flashqla writes the
+        # prefill checkpoints vLLM asks for (docs/vllm_checkpoints.md) where its prefill path
+        # can. vLLM 0.33 reads the layer's alignment (qwen_gdn_linear_attn.py ~689-760: the stock
+        # layer sets it with its FlashInfer backend only); 0.32 reads the KV-cache spec
+        # (get_kv_cache_spec below). Without them the scheduler cuts prefills at block boundaries
+        # instead (model_executor/layers/mamba/abstract.py ~98-113).
+        self.qla_checkpoints = writes_checkpoints(vllm_config)
         if hasattr(self, "_checkpoint_alignment"):
-            self._checkpoint_alignment = None
+            self._checkpoint_alignment = CHECKPOINT_ALIGNMENT if self.qla_checkpoints else None
         if not _logged:
             _logged.append(True)
             dev = "cpu" if current_platform.is_cpu() else torch.device("cuda", torch.cuda.current_device())
@@ -220,10 +261,18 @@ class QlaQwenGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
 
     def get_kv_cache_spec(self, vllm_config):
         spec = super().get_kv_cache_spec(vllm_config)
-        if getattr(self, "qla_backend", None) == "flashqla" and getattr(spec, "num_prefill_checkpoint_blocks", 0):
+        if getattr(self, "qla_backend", None) != "flashqla":
+            return spec
+        if self.qla_checkpoints and not hasattr(self, "_checkpoint_alignment") \
+                and getattr(spec, "num_prefill_checkpoint_blocks", None) == 0:
+            # vLLM 0.32: the spec asks the scheduler for one checkpoint block per request
+            # (as its Mamba2 and KDA layers do: mamba_mixer2.py ~1107).
+            spec = dataclasses.replace(spec, num_prefill_checkpoint_blocks=1,
+                                       prefill_checkpoint_alignment=CHECKPOINT_ALIGNMENT)
+        elif getattr(spec, "num_prefill_checkpoint_blocks", 0) and not self.qla_checkpoints:
             raise RuntimeError(f"linear_attn_backend=flashqla cannot run layer {self.prefix}: this "
-                               "configuration asks GDN layers for mid-prefill state checkpoints "
-                               "(prefix caching), which flashqla does not write yet")
+                               "configuration asks GDN layers for mid-prefill state checkpoints, which "
+                               "flashqla's prefill path here does not write")
         return spec
 
     def get_attn_backend(self):

@@ -17,7 +17,7 @@ from . import conv as _conv
 from . import decode as _decode
 from . import prefill_api as _prefill
 from . import prefill_inputs as _inputs
-from .conv import conv_decode, conv_prefill, conv_spec
+from .conv import conv_decode, conv_prefill, conv_spec, conv_window
 from .decode import commit_verified, decode, verify, verify_slots
 from .prefill_api import SUPPORTED_STRATEGIES, prefill
 from .prefill_inputs import prefill_inputs
@@ -26,7 +26,7 @@ ARCH = "sm_90a"
 TARGETS = ("sm_90a",)  # sm_100a builds come from qla_serve.kernels.blackwell
 
 __all__ = ["ARCH", "SUPPORTED_STRATEGIES", "TARGETS", "build", "commit_verified", "conv_decode",
-           "conv_prefill", "conv_spec", "decode", "kernel_variants", "prefill", "prefill_inputs",
+           "conv_prefill", "conv_spec", "conv_window", "decode", "kernel_variants", "prefill", "prefill_inputs",
            "verify", "verify_slots"]
 
 

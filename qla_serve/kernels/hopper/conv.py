@@ -539,12 +539,27 @@ def conv_prefill(x, conv_state, weight, bias, slot_ids, has_initial_state, cu_se
                                         has_initial_state, cu_seqlens, a, b, A_log, dt_bias,
                                         q_out, k_out, v_out, g_out, beta_out, tiles)
     if N:
-        key = ("conv_prefill_state", x.device, x.dtype, conv_state.dtype, hv, hk, width)
+        conv_window(x, conv_state, slot_ids, has_initial_state, cu_seqlens, num_v_heads=hv, width=width,
+                    weight_dtype=weight.dtype)
 
-        def make_state():
-            io, sdt, wdt = _names(x, conv_state, weight)
-            return variant("conv_prefill_state", hv, hk, width, io, sdt, weight=wdt)
-        _launch_fn(key, make_state, x.device)(x, conv_state, slot_ids, has_initial_state, cu_seqlens)
+
+def conv_window(x, conv_state, slot_ids, has_initial_state, cu_seqlens, *, num_v_heads, width,
+                weight_dtype=None) -> None:
+    """conv_state[slot_ids[s], :, :W-1] <- the W-1 inputs before cu_seqlens[s+1] (from the slot's
+    old window where sequence s is shorter, if has_initial_state[s]): the prefill's write-back
+    alone (the conv_prefill_state kernel), also what a prefill checkpoint's conv window is."""
+    N = slot_ids.shape[0]
+    if not N:
+        return
+    hk = (x.shape[1] // HEAD_DIM - num_v_heads) // 2
+    key = ("conv_prefill_state", x.device, x.dtype, conv_state.dtype, num_v_heads, hk, width)
+
+    def make_state():
+        io = _dtype_name(x.dtype, "mixed_qkv", _IO_DTYPES)
+        sdt = _dtype_name(conv_state.dtype, "conv_state", CONV_STATE_DTYPES)
+        wdt = io if weight_dtype is None else _dtype_name(weight_dtype, "conv_weight", CONV_STATE_DTYPES)
+        return variant("conv_prefill_state", num_v_heads, hk, width, io, sdt, weight=wdt)
+    _launch_fn(key, make_state, x.device)(x, conv_state, slot_ids, has_initial_state, cu_seqlens)
 
 
 def conv_decode(x, conv_state, weight, bias, slot_ids, *, num_v_heads, activation, out) -> None:

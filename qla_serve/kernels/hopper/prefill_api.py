@@ -449,8 +449,8 @@ class _CPTables:
                 torch.empty((max(self.num_cut, 1), hv), dtype=torch.int32, device=device))
 
 
-def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale, out, _stages="prep,main",
-            _target=ARCH) -> None:
+def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale, out, checkpoints=None,
+            _stages="prep,main", _target=ARCH) -> None:
     """Chunked GDN prefill, in place on the pool (contract: qla_serve/kernels/__init__ and DESIGN.md).
 
     q, k [T, Hk, 128], v [T, Hv, 128] bf16/fp16 (last dim contiguous; q/k in v's dtype, or fp16
@@ -465,7 +465,13 @@ def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale,
 
     The launches are resolved once per plan and call shape (:class:`_Launches`, kept in
     plan.scratch): every GDN layer of a step then only binds its own tensors.
+
+    ``checkpoints`` (gdn_prefill's prefill checkpoints) are refused: these kernels do not write
+    them yet (docs/vllm_checkpoints.md), and an engine adapter asks only a path that does.
     """
+    if checkpoints is not None:
+        raise ValueError("checkpoints: the TileLang prefill kernels do not write prefill checkpoints yet; "
+                         "the reference path does (docs/vllm_checkpoints.md)")
     key = ("hopper_prefill_launches", q.shape[0], k.shape[1], v.shape[1], q.dtype, v.dtype, pool.dtype,
            has_initial_state is None, q.device, _stages, _target, GATE_WARMUP, MAIN_IMPL, PREP_HEADS)
     launches = plan.kernel_cache.get(key)

@@ -2,7 +2,7 @@
 
     python _offline.py JOBS.json      # [{"engine": "vllm"|"hf", "model": DIR, ...}, ...]
 
-Job keys: prompts ("spec" for SPEC_PROMPTS), tp (tensor parallel size), backend (None = vLLM's default), dtype, max_tokens, chunk (max_num_batched_tokens,
+Job keys: prompts ("spec" for SPEC_PROMPTS, "prefix" for PREFIX_PROMPTS one request at a time), block (block_size), tp (tensor parallel size), backend (None = vLLM's default), dtype, max_tokens, chunk (max_num_batched_tokens,
 0 = vLLM's default), spec (prompt-lookup speculative decoding, 2 drafts). Each result has the
 greedy token ids per prompt, or "error" (the exception text) when the engine refused to start;
 vLLM jobs also get "counts", the qla_serve path counters of this process during that job.
@@ -28,6 +28,10 @@ PROMPTS = [
 # The tiny qwen3_next model's greedy continuation of this prompt repeats trigrams, so
 # prompt-lookup drafts get accepted (verify steps resume from accepted counts > 1).
 SPEC_PROMPTS = PROMPTS[1:] + ["0 1 2 3 0 1 2 3 0 1 2 3 0 1 2 3"]
+# Two requests sharing a ~300-token prefix, generated one after the other: the first one's
+# prefill writes an align-mode checkpoint inside its step, the second resumes from it.
+PREFIX = "The quick brown fox jumps over the lazy dog. " * 30
+PREFIX_PROMPTS = [PREFIX + "Once upon a time", PREFIX + "Gated DeltaNet keeps a fixed-size state"]
 
 
 def run_vllm(job) -> dict:
@@ -43,6 +47,8 @@ def run_vllm(job) -> dict:
         kw["tensor_parallel_size"] = job["tp"]  # workers are separate processes (stats files)
     if job.get("chunk"):
         kw.update(enable_chunked_prefill=True, max_num_batched_tokens=job["chunk"])
+    if job.get("block"):
+        kw["block_size"] = job["block"]
     if job.get("spec"):
         # Prompt-lookup drafts: 2 per step, so verify batches carry up to 3 tokens per sequence.
         # vLLM's CPU build cannot run prefix caching ('align') with spec decoding (Triton precopy).
@@ -55,7 +61,11 @@ def run_vllm(job) -> dict:
         llm = LLM(**kw)
     except Exception as exc:  # the refusal tests look at this text
         return {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
-    outs = llm.generate(_prompts(job), SamplingParams(temperature=0, max_tokens=job["max_tokens"]))
+    params = SamplingParams(temperature=0, max_tokens=job["max_tokens"])
+    if job.get("prompts") == "prefix":   # one request at a time: the second can hit the first's cache
+        outs = [o for p in _prompts(job) for o in llm.generate([p], params)]
+    else:
+        outs = llm.generate(_prompts(job), params)
     res = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "seconds": round(time.time() - t0, 1)}
     del llm, outs
     gc.collect()
@@ -64,7 +74,7 @@ def run_vllm(job) -> dict:
 
 
 def _prompts(job):
-    return SPEC_PROMPTS if job.get("prompts") == "spec" else PROMPTS
+    return {"spec": SPEC_PROMPTS, "prefix": PREFIX_PROMPTS}.get(job.get("prompts"), PROMPTS)
 
 
 def run_hf(job) -> dict:

@@ -48,7 +48,13 @@ def test_layer_hook_points():
     assert _params(L.split_ba) == ["self", "ba"]
     assert _params(L._output_projection) == ["self", "core_attn_out", "z"]
     from vllm.v1.kv_cache_interface import MambaSpec
-    assert "num_prefill_checkpoint_blocks" in {f.name for f in dataclasses.fields(MambaSpec)}
+    assert {"num_prefill_checkpoint_blocks", "prefill_checkpoint_alignment"} <= {f.name for f in dataclasses.fields(MambaSpec)}
+    # the prefill checkpoints flashqla writes: metadata fields it reads, and the scheduler taking the
+    # alignment from the KV-cache spec (0.32) that flashqla's get_kv_cache_spec sets
+    from vllm.model_executor.layers.mamba.checkpoint import MambaPrefillCheckpointMetadata
+    from vllm.v1.core.sched import scheduler
+    assert {"checkpoint_offsets", "state_indices", "offsets"} <= {f.name for f in dataclasses.fields(MambaPrefillCheckpointMetadata)}
+    assert "group.kv_cache_spec.prefill_checkpoint_alignment" in inspect.getsource(scheduler.Scheduler.__init__)
     assert _params(L.get_kv_cache_spec) == ["self", "vllm_config"]
     for name in ("get_state_dtype", "get_state_shape", "get_attn_backend", "forward"):
         assert callable(getattr(L, name)), name

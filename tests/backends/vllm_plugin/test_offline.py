@@ -5,7 +5,8 @@ Qwen3-Next and Qwen3.5 models, against transformers run on the same checkpoint.
   implementations drift apart on random weights from rounding alone, so fp32 is compared);
 * prompts are chunked (max_num_batched_tokens=32), so a prefill resumes from its saved state, and
   short prompts decode while the long one still prefills (mixed decode + prefill steps);
-  prefix caching is on (vLLM's default, mamba_cache_mode 'align');
+  prefix caching is on (vLLM's default, mamba_cache_mode 'align'), and with 64-token blocks a
+  second request resumes from the checkpoint the first one's prefill wrote inside its step;
 * the path counters show qla_serve's prefill, decode and resumed-prefill paths ran in the
   engine's worker process (this job process: VLLM_ENABLE_V1_MULTIPROCESSING=0) and vLLM's own
   GDN layer and kernels ran zero times;
@@ -46,6 +47,7 @@ def runs(tiny_models, tmp_path_factory):
         "next": dict(engine="vllm", model=nxt, backend="flashqla", max_tokens=MAX_TOKENS, chunk=32),
         "q35": dict(engine="vllm", model=q35, backend="flashqla", max_tokens=MAX_TOKENS, chunk=32),
         "hd64": dict(engine="vllm", model=hd64, backend="flashqla", max_tokens=2),
+        "next_prefix": dict(engine="vllm", model=nxt, backend="flashqla", max_tokens=8, prompts="prefix", block=64),
         # Last engine of the process: vLLM 0.32's CPU worker cannot start a second engine in a
         # process after a speculative one (its Triton-override rebinding fails).
         "next_spec": dict(engine="vllm", model=nxt, backend="flashqla", max_tokens=16, spec=True,
@@ -53,6 +55,7 @@ def runs(tiny_models, tmp_path_factory):
         "hf_next": dict(engine="hf", model=nxt, max_tokens=MAX_TOKENS),
         "hf_q35": dict(engine="hf", model=q35, max_tokens=MAX_TOKENS),
         "hf_spec": dict(engine="hf", model=nxt, max_tokens=16, prompts="spec"),
+        "hf_prefix": dict(engine="hf", model=nxt, max_tokens=8, prompts="prefix"),
     }
     out = run_jobs(list(jobs.values()), tmp, env=engine_env(tmp / "stats"))
     return dict(zip(jobs, out["results"]))
@@ -91,6 +94,23 @@ def test_flashqla_spec_decode_fp32_equals_transformers(runs):
     # Some verify step resumed from a state after more than one accepted token.
     assert c.get("qla:spec_accepted", 0) > c["qla:spec"], f"no draft was ever accepted: {c}"
     assert _stock(c) == {}, c
+
+
+def test_flashqla_prefix_caching_checkpoints(runs):
+    """Align-mode prefix caching with prefill checkpoints (docs/vllm_checkpoints.md): the first
+    request's single prefill step writes a checkpoint inside itself (vLLM 0.32 reads flashqla's
+    KV-cache spec: one checkpoint block per request, 64-token alignment), so each prompt takes
+    one prefill step (without checkpoints vLLM cuts the first one at its replay boundary: two);
+    the second request, sharing a ~300-token prefix, resumes from the cache; float32 greedy
+    tokens equal transformers' for both."""
+    got, want = runs["next_prefix"], runs["hf_prefix"]
+    assert "error" not in got, got.get("error")
+    assert got["tokens"] == want["tokens"], _equal(got["tokens"], want["tokens"])
+    counts = got["counts"]
+    assert counts.get("qla:prefill_checkpoints", 0) > 0, counts
+    assert counts.get("qla:resumed_prefill", 0) > 0, counts
+    assert counts.get("qla:prefill_plans") == 2, counts
+    assert not _stock(counts), counts
 
 
 def test_default_backend_runs_vllms_own_path(runs):

@@ -149,3 +149,32 @@ def test_chunked_prefill_with_decodes_and_padding():
     torch.testing.assert_close(conv, conv_h, equal_nan=True)
     for s in set(range(S)) - {3, 5, 9, 6}:
         assert torch.equal(ssm[s], ssm0[s]) and torch.equal(conv[s], conv0[s]), f"slot {s}"
+
+
+def test_prefill_checkpoint_rows():
+    """vLLM's checkpoint metadata (one row per non-spec request, decodes first: gdn_attn.py ~578-583
+    in 0.33, ~524-529 in 0.32; offsets into each row's query, null block = none) reaches the step
+    plan as the prefill rows' 64-token chunk counts and slots; an offset off the declared 64-token
+    alignment is refused by name."""
+    qlens = [1, 1, 70, 150, 0]
+    non_spec = torch.tensor([3, 5, 9, 6, NULL], dtype=torch.int32)
+    cu = [0]
+    for n in qlens:
+        cu.append(cu[-1] + n)
+    offsets = [0, 0, 64, 128, 0]
+    ck = types.SimpleNamespace(offsets=offsets, checkpoint_offsets=torch.tensor(offsets, dtype=torch.int32),
+                               state_indices=torch.tensor([NULL, NULL, 11, 12, NULL], dtype=torch.int32))
+    md = types.SimpleNamespace(
+        checkpoint=ck, num_prefills=3, num_decodes=2, num_spec_decodes=0, num_spec_decode_tokens=0,
+        num_actual_tokens=cu[-1], spec_sequence_masks_cpu=None, non_spec_state_indices_tensor=non_spec,
+        prefill_state_indices=non_spec[2:], prefill_has_initial_state=torch.tensor([True, False, False]),
+        spec_state_indices_tensor=None, spec_query_start_loc=None, num_accepted_tokens=None,
+        spec_token_indx=None, non_spec_token_indx=None)
+    m = types.SimpleNamespace(query_start_loc_cpu=torch.tensor(cu, dtype=torch.int32), num_reqs=5,
+                              seq_lens_cpu_upper_bound=torch.tensor([50, 9, 170, 150, 0]))
+    step = QlaGDNMetadataBuilder._qla_step(_builder(), md, m)
+    assert step.prefill_checkpoint_chunks.tolist() == [1, 2, 0]
+    assert step.ids("prefill_checkpoint").tolist() == [11, 12, -1]
+    ck.offsets = [0, 0, 64, 96, 0]
+    with pytest.raises(RuntimeError, match="multiples of 64"):
+        QlaGDNMetadataBuilder._qla_step(_builder(), md, m)
