@@ -169,7 +169,7 @@ def _program(v: dict):
 
     def act(y):
         # SiLU from the fast intrinsics (__expf, rcp.approx): the precise expf and IEEE division
-        # cost ~30 instructions per element, which bounded conv_prefill on the H200.
+        # were most of conv_prefill's instructions (H200, 2/8 x 32768: 149 -> 114 us).
         return y * T.fast_rcp(1.0 + T.__exp(-y)) if silu else y
 
     if op == "conv_prefill":

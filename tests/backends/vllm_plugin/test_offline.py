@@ -70,12 +70,16 @@ def _equal(got, want) -> str:
     return f"{n}/{sum(len(w) for w in want)} tokens equal"
 
 
-@pytest.mark.parametrize("job,ref", [("next", "hf_next"), ("q35", "hf_q35")])
-def test_flashqla_fp32_greedy_equals_transformers(runs, job, ref):
-    got, want = runs[job], runs[ref]
+def _same_tokens(got: dict, want: dict) -> dict:
+    """The vLLM job started and gave transformers' tokens; returns its path counters."""
     assert "error" not in got, got.get("error")
     assert got["tokens"] == want["tokens"], _equal(got["tokens"], want["tokens"])
-    c = got["counts"]
+    return got["counts"]
+
+
+@pytest.mark.parametrize("job,ref", [("next", "hf_next"), ("q35", "hf_q35")])
+def test_flashqla_fp32_greedy_equals_transformers(runs, job, ref):
+    c = _same_tokens(runs[job], runs[ref])
     assert c.get("qla:prefill", 0) > 0 and c.get("qla:decode", 0) > 0, c
     assert c.get("qla:resumed_prefill", 0) > 0, f"no chunked prefill resumed from its state: {c}"
     # One PrefillPlan per step, shared by the 3 GDN layers (not one per layer).
@@ -84,10 +88,7 @@ def test_flashqla_fp32_greedy_equals_transformers(runs, job, ref):
 
 
 def test_flashqla_spec_decode_fp32_equals_transformers(runs):
-    got, want = runs["next_spec"], runs["hf_spec"]
-    assert "error" not in got, got.get("error")
-    assert got["tokens"] == want["tokens"], _equal(got["tokens"], want["tokens"])
-    c = got["counts"]
+    c = _same_tokens(runs["next_spec"], runs["hf_spec"])
     assert c.get("qla:spec", 0) > 0, c
     # Chunked prompts: some steps interleave spec decodes with a prefill's tokens.
     assert c.get("qla:spec_with_prefill_calls", 0) > 0, c
@@ -103,10 +104,7 @@ def test_flashqla_prefix_caching_checkpoints(runs):
     one prefill step (without checkpoints vLLM cuts the first one at its replay boundary: two);
     the second request, sharing a ~300-token prefix, resumes from the cache; float32 greedy
     tokens equal transformers' for both."""
-    got, want = runs["next_prefix"], runs["hf_prefix"]
-    assert "error" not in got, got.get("error")
-    assert got["tokens"] == want["tokens"], _equal(got["tokens"], want["tokens"])
-    counts = got["counts"]
+    counts = _same_tokens(runs["next_prefix"], runs["hf_prefix"])
     assert counts.get("qla:prefill_checkpoints", 0) > 0, counts
     assert counts.get("qla:resumed_prefill", 0) > 0, counts
     assert counts.get("qla:prefill_plans") == 2, counts
@@ -136,9 +134,7 @@ def test_flashqla_tensor_parallel_2(tiny_models, tmp_path):
                      VLLM_CPU_OMP_THREADS_BIND=f"{cpus[0]}|{cpus[1]}")
     out = run_jobs([dict(engine="vllm", model=nxt, backend="flashqla", max_tokens=8, chunk=32, tp=2),
                     dict(engine="hf", model=nxt, max_tokens=8)], tmp_path, env=env)
-    got, want = out["results"]
-    assert "error" not in got, got.get("error")
-    assert got["tokens"] == want["tokens"], _equal(got["tokens"], want["tokens"])
+    _same_tokens(*out["results"])
     per = read_all(tmp_path / "stats")["per_pid"]
     workers = {pid: c for pid, c in per.items() if c.get("qla:calls")}
     assert len(workers) == 2 and out["pid"] not in workers, per
