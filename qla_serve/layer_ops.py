@@ -167,6 +167,17 @@ def causal_conv_checkpoints(x, conv_state, slot_ids, chunks, cu_seqlens, *, widt
     chunks: [N] int32 on x's device. A prefix shorter than W - 1 tokens gets zeros before it
     (vLLM's checkpoint offsets are >= 64). Device ops only: the kernel is the prefill's conv-state
     write-back (conv_window) over an interleaved table, sequence s split at its checkpoint."""
+    key = _checked_key(("conv_checkpoints", width, num_v_heads), (x, conv_state, slot_ids, chunks, cu_seqlens),
+                       (slot_ids,))
+    if _checks_due(key):
+        N = V.index_vector("cu_seqlens", cu_seqlens) - 1
+        V.check_index("slot_ids", slot_ids, N, conv_state.shape[0], "conv_state's slot count", unique_live=True)
+        V.index_vector("chunks", chunks, N)
+        V.check_dtype("conv_state", conv_state, CONV_DTYPES)
+        if not (isinstance(width, int) and 2 <= width <= 8 and conv_state.shape[2] >= width - 1):
+            raise ValueError(f"width: expected the conv width (2..8, <= conv_state's columns + 1), got {width}")
+        V.check_device(x.device, conv_state=conv_state, slot_ids=slot_ids, chunks=chunks, cu_seqlens=cu_seqlens)
+        _passed(key)
     N = slot_ids.shape[0]
     if not N or x.shape[0] == 0:
         return

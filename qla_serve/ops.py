@@ -96,8 +96,9 @@ def gdn_prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state=Non
             state after min(64 * chunks[s], len_s) tokens of sequence s is also written to pool
             slot slots[s] (pool dtype), for 1 <= chunks[s] <= ceil(len_s / 64); chunks[s] = 0,
             larger values, or slots[s] < 0 write nothing (vLLM's align-mode prefix-caching
-            checkpoints: docs/vllm_checkpoints.md). Values are the caller's contract (device
-            tensors are not read on the host). Not on the FLA path.
+            checkpoints: docs/vllm_checkpoints.md). Slots are checked like slot_ids (values only
+            where they are on the CPU). The reference path writes them; the TileLang kernels
+            (until their stores are validated on a GPU) and the FLA path refuse them by name.
     Returns:
         o [T, Hv, 128] in v's dtype; every live slot holds its sequence's final state. A padding
         sequence's rows are zeros (as in decode/verify) on the reference and FLA paths; on the
@@ -113,7 +114,7 @@ def gdn_prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state=Non
             plan.kernel_cache[seen] = True
     extra = {}
     if checkpoints is not None:
-        extra["checkpoints"] = _checkpoint_ids(checkpoints, plan.num_seqs, q.device)
+        extra["checkpoints"] = _checkpoint_ids(checkpoints, plan.num_seqs, pool.shape[0], q.device)
     if out is None:
         out = torch.empty((q.shape[0], v.shape[1], V.HEAD_DIM), dtype=v.dtype, device=q.device)
     ids = V.int32_index(slot_ids, q.device)
@@ -123,14 +124,15 @@ def gdn_prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state=Non
     return out
 
 
-def _checkpoint_ids(checkpoints, n: int, device) -> tuple:
-    """gdn_prefill's (chunks, slots): [n] integer index tensors on ``device`` -> int32 (host
-    metadata only)."""
+def _checkpoint_ids(checkpoints, n: int, num_slots: int, device) -> tuple:
+    """gdn_prefill's (chunks, slots): [n] integer index tensors on ``device`` -> int32; slots
+    checked like slot_ids (values where they are on the CPU)."""
     if not (isinstance(checkpoints, (tuple, list)) and len(checkpoints) == 2
             and all(isinstance(x, torch.Tensor) for x in checkpoints)):
         raise TypeError("checkpoints: expected None or a pair of tensors (chunks, slots)")
-    for name, x in zip(("checkpoints[0] (chunks)", "checkpoints[1] (slots)"), checkpoints):
-        V.index_vector(name, x, n)
+    V.index_vector("checkpoints[0] (chunks)", checkpoints[0], n)
+    V.check_index("checkpoints[1] (slots)", checkpoints[1], n, num_slots, "pool.shape[0], the pool's slot count",
+                  unique_live=True)
     V.check_device(device, **{"checkpoints[0]": checkpoints[0], "checkpoints[1]": checkpoints[1]})
     return tuple(V.int32_index(x, device) for x in checkpoints)
 

@@ -62,6 +62,27 @@ def test_checkpoint_arguments_are_checked():
     ok = torch.tensor([1, 0], dtype=torch.int32)
     for bad, match in ((ok, "pair of tensors"), ((ok,), "pair of tensors"),
                        ((ok, torch.tensor([2, 3, 1], dtype=torch.int32)), r"checkpoints\[1\]"),
-                       ((ok.float(), ok), r"checkpoints\[0\]")):
+                       ((ok.float(), ok), r"checkpoints\[0\]"),
+                       ((ok, torch.tensor([4, -1], dtype=torch.int32)), r"checkpoints\[1\] \(slots\): expected ids < 4")):
         with pytest.raises((TypeError, ValueError), match=match):
             qla_serve.gdn_prefill(q, k, v, g, beta, pool, ids, plan, checkpoints=bad)
+
+
+def test_conv_checkpoint_arguments_are_checked():
+    """layer_ops.causal_conv_checkpoints names a bad argument before touching the conv state."""
+    from qla_serve import layer_ops
+
+    x = torch.randn(150, (2 * HK + HV) * 128)
+    conv = torch.zeros(4, x.shape[1], 3)
+    cu = torch.tensor([0, 100, 150], dtype=torch.int32)
+    slots = torch.tensor([2, -1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="chunks"):
+        layer_ops.causal_conv_checkpoints(x, conv, slots, torch.tensor([1], dtype=torch.int32), cu,
+                                          width=4, num_v_heads=HV)
+    with pytest.raises(ValueError, match="slot_ids"):
+        layer_ops.causal_conv_checkpoints(x, conv, torch.tensor([5, -1], dtype=torch.int32),
+                                          torch.tensor([1, 0], dtype=torch.int32), cu, width=4, num_v_heads=HV)
+    layer_ops.causal_conv_checkpoints(x, conv, slots, torch.tensor([1, 0], dtype=torch.int32), cu,
+                                      width=4, num_v_heads=HV)
+    assert torch.equal(conv[2].t(), x[61:64])           # the 3 inputs before token 64
+    assert not conv[[0, 1, 3]].any()
