@@ -49,7 +49,7 @@ heads, W, dtypes, activation and bias are static and name a variant.
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
 import os
 
-from .decode import (_GATE_DTYPES, _IO_DTYPES, _TARGETS, _check_heads, _dtype_name,
+from .decode import (_GATE_DTYPES, _IO_DTYPES, _check_heads, _dtype_name,
                      compile_for, gate_dtype_names, launch_function, log_decay, sigmoid, sm_count)
 
 HEAD_DIM = 128
@@ -467,9 +467,7 @@ def _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, act):
 
 def build(v: dict, target: str):
     """Compile variant ``v`` for ``target`` ("sm_90a" or "sm_100a") through TileLang's cache."""
-    if target not in _TARGETS:
-        raise ValueError(f"target: expected one of {_TARGETS}, got {target!r}")
-    return compile_for(_program(v), target)
+    return compile_for(_program, v, target)
 
 
 # ----------------------------------------------------------------------------------------

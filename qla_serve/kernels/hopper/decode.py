@@ -552,24 +552,23 @@ def _commit_program(variant: dict):
 # Compilation and in-process cache
 # ----------------------------------------------------------------------------------------
 
-def compile_for(prog, target: str):
-    """Compile a TileLang program for ``target`` ("sm_90a" or "sm_100a") through TileLang's cache
-    (shared by this module, prefill_inputs.py and conv.py). The explicit target (never "auto")
-    makes a cache filled on a GPU-less machine (TILELANG_CACHE_DIR) a hit on the GPU. Returns
-    the tilelang JITKernel."""
+def compile_for(make_program, variant: dict, target: str):
+    """Compile ``make_program(variant)`` for ``target`` ("sm_90a" or "sm_100a") through
+    TileLang's cache: the build() of this module, prefill_inputs.py and conv.py. The target is
+    checked before the program is built (a bad target fails fast); the explicit target (never
+    "auto") makes a cache filled on a GPU-less machine (TILELANG_CACHE_DIR) a hit on the GPU.
+    Returns the tilelang JITKernel."""
     import tilelang
 
     if target not in _TARGETS:
         raise ValueError(f"target: expected one of {_TARGETS}, got {target!r}")
-    return tilelang.compile(prog, target={"kind": "cuda", "arch": target},
+    return tilelang.compile(make_program(variant), target={"kind": "cuda", "arch": target},
                             execution_backend="tvm_ffi", pass_configs=dict(_PASS_CONFIGS))
 
 
 def build(variant: dict, target: str):
     """Compile ``variant`` for ``target`` (:func:`compile_for`)."""
-    if target not in _TARGETS:   # before building the program: a bad target fails fast
-        raise ValueError(f"target: expected one of {_TARGETS}, got {target!r}")
-    return compile_for(_commit_program(variant) if variant.get("op") == "commit" else _program(variant), target)
+    return compile_for(_commit_program if variant.get("op") == "commit" else _program, variant, target)
 
 
 _ARCH: dict[int, str] = {}

@@ -27,7 +27,7 @@ of 4 elements).
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
-from .decode import (_GATE_DTYPES, _IO_DTYPES, _TARGETS, _check_heads, _dtype_name,
+from .decode import (_GATE_DTYPES, _IO_DTYPES, _check_heads, _dtype_name,
                      compile_for, gate_dtype_names, launch_function, log_decay, sigmoid)
 
 HEAD_DIM = 128
@@ -156,9 +156,7 @@ def _program(v: dict):
 
 def build(v: dict, target: str):
     """Compile variant ``v`` for ``target`` ("sm_90a" or "sm_100a") through TileLang's cache."""
-    if target not in _TARGETS:
-        raise ValueError(f"target: expected one of {_TARGETS}, got {target!r}")
-    return compile_for(_program(v), target)
+    return compile_for(_program, v, target)
 
 
 # (device, q dtype, q_out dtype, a / A_log / dt_bias dtypes or None, Hv, Hk) -> the raw launch function
