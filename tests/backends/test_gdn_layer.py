@@ -298,6 +298,13 @@ def test_nonspec_mixed_batch_gpu(io_dtype, pool_dtype):
     _run_nonspec("cuda", io_dtype, pool_dtype)
 
 
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_prefill_checkpoints_gpu(pool_dtype):
+    _run_nonspec("cuda", torch.bfloat16, pool_dtype, checkpoints=True)
+
+
 
 @pytest.mark.gpu
 @needs_cuda

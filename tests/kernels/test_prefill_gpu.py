@@ -472,3 +472,60 @@ def test_sanitizer_case(monkeypatch):
     run_case([65, 1, 300], 2, 8, v_split=1, seed=81, pad_frac=0.3, segment_chunks=2, cp="auto", maps_v_split=2)
     monkeypatch.setattr(_mod(), "MAIN_IMPL", "v8")
     run_case([65, 1, 300], 2, 8, v_split=1, seed=80, pad_frac=0.3, segment_chunks=2, cp="auto")
+
+
+@pytest.mark.parametrize("v_split,segment_chunks,cp,impl", [
+    (1, 0, None, "vfirst"), (2, 0, None, "vfirst"), (4, 0, None, "v8"), (1, 0, None, "v8"),
+    (1, 3, "exact", "vfirst"), (2, 3, "auto", "vfirst"), (1, 3, "exact", "v8")])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_checkpoints(v_split, segment_chunks, cp, impl, pool_dtype, monkeypatch):
+    """Prefill checkpoints (vLLM 0.33's align-mode prefix caching, docs/vllm_checkpoints.md): the
+    state after chunks[s] * 64 tokens of sequence s lands in pool slot slots[s], from the item
+    whose walk holds that boundary (whole sequences, V splits, CP segments exact and gate-warmed,
+    both stage-2 kernels), against the float64 recurrence over each sequence's first chunks[s] *
+    64 tokens; the outputs, final states and every other slot as without checkpoints."""
+    monkeypatch.setattr(_mod(), "MAIN_IMPL", impl)
+    Hk, Hv = 2, 8
+    lens = [300, 1000, 64 * 20 + 5, 0, 64, 700]
+    chunks = [4, 0, 13, 0, 1, 9]          # 0: none; 1 x 64 = the whole of sequence 4
+    gen = torch.Generator(device="cuda").manual_seed(11 + v_split + segment_chunks)
+    q, k, v, g, beta = make_case(lens, Hk, Hv, gen=gen)
+    N, S = len(lens), 2 * len(lens) + 2
+    pool = make_pool(S, Hv, pool_dtype, gen)
+    slot_ids = [0, 1, 2, 3, 4, 5]
+    ck_slots = [7, 8, 9, -1, 10, -1]      # -1: no checkpoint slot (vLLM's null block), never written
+    has = [True, False, True, False, True, True]
+    before = pool.clone()
+    init = torch.zeros(N, Hv, HD, HD, dtype=torch.float64, device="cuda")
+    for i, s in enumerate(slot_ids):
+        if has[i]:
+            init[i] = pool[s].double()
+    dev = dict(dtype=torch.int32, device="cuda")
+    out = torch.full((sum(lens), Hv, HD), float("nan"), dtype=v.dtype, device="cuda")
+    plan = make_plan(lens, Hv, Hk, v_split, segment_chunks, cp)
+    _mod().prefill(q, k, v, g, beta, pool, torch.tensor(slot_ids, **dev), plan,
+                   has_initial_state=torch.tensor(has, device="cuda"), scale=HD ** -0.5, out=out,
+                   checkpoints=(torch.tensor(chunks, **dev), torch.tensor(ck_slots, **dev)))
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    f64 = [x.double() for x in (q, k, v, g, beta)]
+    o_ref, s_ref = reference.recurrent_gdn(*f64, cu, init, HD ** -0.5)
+    tol_s = TOL if pool_dtype == torch.float32 else TOL_BF16_STATE
+    assert rel(out, o_ref) <= TOL
+    assert rel(pool[torch.tensor(slot_ids, device="cuda")], s_ref) <= tol_s
+    # the truth at each checkpoint: the recurrence over the sequence's first chunks[s] * 64 tokens
+    want = [(s, i) for i, s in enumerate(ck_slots) if s >= 0 and chunks[i] > 0]
+    rows = [t for _, i in want for t in range(cu[i], cu[i] + 64 * chunks[i])]
+    rows_t = torch.tensor(rows, device="cuda")
+    cu_ck = [0]
+    for _, i in want:
+        cu_ck.append(cu_ck[-1] + 64 * chunks[i])
+    _, ck_ref = reference.recurrent_gdn(*(x[rows_t] for x in f64), cu_ck, init[[i for _, i in want]], HD ** -0.5)
+    got = pool[torch.tensor([s for s, _ in want], device="cuda")]
+    assert not torch.isnan(got).any()
+    assert rel(got, ck_ref) <= tol_s, f"checkpoint states rel L2 {rel(got, ck_ref):.3e}"
+    untouched = sorted(set(range(S)) - set(slot_ids) - {s for s, _ in want})
+    u = torch.tensor(untouched, device="cuda")
+    bits = torch.int16 if pool_dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(pool[u].view(bits), before[u].view(bits)), "slots outside the batch changed"

@@ -58,7 +58,7 @@ def launches(monkeypatch):
     return calls
 
 
-def _call(lens, v_split, segment_chunks, cp, inputs=None, maps_v_split=None):
+def _call(lens, v_split, segment_chunks, cp, inputs=None, maps_v_split=None, checkpoints=None):
     T = sum(lens)
     q = torch.randn(T, HK, 128, dtype=torch.bfloat16)
     k = torch.randn(T, HK, 128, dtype=torch.bfloat16)
@@ -75,7 +75,8 @@ def _call(lens, v_split, segment_chunks, cp, inputs=None, maps_v_split=None):
                       maps_v_split=(maps_v_split or v_split) if segment_chunks else None)
     if inputs is not None:
         inputs.update(q=q, k=k, v=v)
-    P.prefill(q, k, v, g, beta, pool, slots, plan, has_initial_state=None, scale=None, out=out)
+    P.prefill(q, k, v, g, beta, pool, slots, plan, has_initial_state=None, scale=None, out=out,
+              checkpoints=checkpoints)
     return plan
 
 
@@ -248,17 +249,16 @@ def test_forced_heads_per_cta_is_clipped(monkeypatch):
         P._prep_heads_from_env()
 
 
-def test_prefill_checkpoints_are_refused_before_any_launch(launches):
-    """The kernels do not write vLLM's prefill checkpoints yet: asked for them, the TileLang
-    prefill says so by name and launches nothing (the vLLM adapter asks only the reference path)."""
-    T = 100
-    q = torch.randn(T, HK, 128, dtype=torch.bfloat16)
-    v = torch.randn(T, HV, 128, dtype=torch.bfloat16)
-    plan = qla_serve.plan_prefill([T], HV, HK, device="cpu", cp="off", arch="sm90",
-                                  supported_strategies={"plain", "vsplit"})
-    ck = (torch.tensor([1], dtype=torch.int32), torch.tensor([1], dtype=torch.int32))
-    with pytest.raises(ValueError, match="checkpoints: the TileLang prefill kernels do not write"):
-        P.prefill(q, q, v, torch.zeros(T, HV), torch.ones(T, HV), torch.zeros(2, HV, 128, 128),
-                  torch.zeros(1, dtype=torch.int32), plan, has_initial_state=None, scale=None,
-                  out=torch.empty_like(v), checkpoints=ck)
-    assert launches == []
+@pytest.mark.parametrize("segment_chunks", [0, 3])
+def test_checkpoints_reach_the_output_pass_only(launches, segment_chunks):
+    """Prefill checkpoints go to stage 2's output pass (use_ckpt 1, the chunk and slot tensors);
+    the CP maps pass never writes them; without checkpoints the flag is 0."""
+    ck = (torch.tensor([2, 0], dtype=torch.int32), torch.tensor([5, -1], dtype=torch.int32))
+    _call([64 * 10, 100], 1, segment_chunks, "exact" if segment_chunks else None, checkpoints=ck)
+    mains = [args for v, args in launches if v["op"] == "prefill_main"]
+    output = mains[-1]
+    assert output["use_ckpt"] == 1 and output["ckpt_chunk"] is ck[0] and output["ckpt_slot"] is ck[1]
+    assert all(m["use_ckpt"] == 0 for m in mains[:-1])
+    launches.clear()
+    _call([64 * 10, 100], 1, segment_chunks, "exact" if segment_chunks else None)
+    assert all(args["use_ckpt"] == 0 for v, args in launches if v["op"] == "prefill_main")

@@ -66,10 +66,9 @@ CHECKPOINT_ALIGNMENT = 64
 
 def writes_checkpoints(vllm_config) -> bool:
     """Whether flashqla writes vLLM's align-mode prefill checkpoints here: prefix caching in
-    'align' mode, and a prefill path that writes them: the reference path (CPU). The TileLang
-    kernels do not yet (their stores are written, not validated on a GPU:
-    docs/vllm_checkpoints.md), so on a GPU flashqla declares none and vLLM cuts prefills at
-    block boundaries instead."""
+    'align' mode, and a prefill path that writes them: the TileLang kernels (this branch: NOT
+    yet validated on a GPU, docs/vllm_checkpoints.md) or the reference path; not a forced FLA
+    path."""
     if getattr(vllm_config.cache_config, "mamba_cache_mode", "none") != "align":
         return False
     device = "cpu" if current_platform.is_cpu() else torch.device("cuda", torch.cuda.current_device())
@@ -77,7 +76,7 @@ def writes_checkpoints(vllm_config) -> bool:
         path, _ = qla_serve.explain_path("prefill", device, vllm_config.model_config.dtype)
     except Exception:  # a forced path that cannot run: unsupported_reason reports it
         return False
-    return path == "reference"
+    return path in ("tilelang", "reference")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -461,24 +461,21 @@ def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale,
     fully written. Sequences with slot < 0 run from a zero state: their rows of `out` are
     computed, the pool is neither read nor written for them. ``_stages`` (benchmarks only) runs
     "prep" or "main" alone; ``_target`` is the compile target ("sm_100a" from
-    qla_serve.kernels.blackwell).
+    qla_serve.kernels.blackwell). ``checkpoints``: None, or (chunks [N] int32, slots [N] int32)
+    on the device: the state after ``chunks[s] * 64`` tokens of sequence s (0: none; a boundary
+    inside the sequence) is also written to pool slot ``slots[s]`` (< 0: none), in the pool's
+    dtype, by the pass that walks that chunk (exact, or gate-warmed under cp="auto").
 
     The launches are resolved once per plan and call shape (:class:`_Launches`, kept in
     plan.scratch): every GDN layer of a step then only binds its own tensors.
-
-    ``checkpoints`` (gdn_prefill's prefill checkpoints) are refused: these kernels do not write
-    them yet (docs/vllm_checkpoints.md), and an engine adapter asks only a path that does.
     """
-    if checkpoints is not None:
-        raise ValueError("checkpoints: the TileLang prefill kernels do not write prefill checkpoints yet; "
-                         "the reference path does (docs/vllm_checkpoints.md)")
     key = ("hopper_prefill_launches", q.shape[0], k.shape[1], v.shape[1], q.dtype, v.dtype, pool.dtype,
            has_initial_state is None, q.device, _stages, _target, GATE_WARMUP, MAIN_IMPL, PREP_HEADS)
     launches = plan.kernel_cache.get(key)
     if launches is None:
         launches = plan.kernel_cache[key] = _Launches(plan, q, k, v, pool, has_initial_state is None, _stages,
                                                       _target)
-    launches(q, k, v, g, beta, pool, slot_ids, has_initial_state, scale, out)
+    launches(q, k, v, g, beta, pool, slot_ids, has_initial_state, scale, out, checkpoints)
 
 
 class _Launches:
@@ -546,7 +543,7 @@ class _Launches:
                 self.scan = functools.partial(_kernel(scan_variant(hv), (hv, "scan", target)), self.maps,
                                               cp.cut_levels, self.warm[1], self.warmup, sm_count(dev))
 
-    def __call__(self, q, k, v, g, beta, pool, slot_ids, has_initial_state, scale, out) -> None:
+    def __call__(self, q, k, v, g, beta, pool, slot_ids, has_initial_state, scale, out, checkpoints=None) -> None:
         if slot_ids.shape[0] == 0:
             return
         if self.ntok == 0:  # only empty sequences: nothing to compute, final state = initial state
@@ -567,14 +564,17 @@ class _Launches:
         # Stage 2's inputs: V-first reads v and M, v8 U0 and -Wk.
         tiles = (v, fbuf, pbuf, mbuf) if self.vfirst else (fbuf, pbuf, ubuf, wbuf)
         head = (qh, kh, *tiles, pool, slot_ids, flags, self.cu_seqlens, self.chunk_offsets)
+        # (without checkpoints the kernels never read these: slot_ids stands in for both)
+        ckpt = (slot_ids, slot_ids, 0) if checkpoints is None else (*checkpoints, 1)
         if self.finder is not None:
             self.finder()
         if self.maps_pass is not None:
-            self.maps_pass(*head, self.maps_items, self.maps, *self.warm, out, scale, self.all_init, 1, self.warmup)
+            self.maps_pass(*head, self.maps_items, self.maps, *self.warm, *ckpt[:2], out, scale, self.all_init, 1,
+                           self.warmup, 0)
         if self.scan is not None:
             self.scan()
-        self.output(*head, self.items, self.maps, *self.warm, out, scale, self.all_init, self.use_items,
-                    self.warmup)
+        self.output(*head, self.items, self.maps, *self.warm, *ckpt[:2], out, scale, self.all_init, self.use_items,
+                    self.warmup, ckpt[2])
 
 
 def _maps_pass_split(plan, vs: int, impl: str, target: str) -> int:

@@ -128,11 +128,14 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
         maps: T.Tensor((nmap, Hv, 2, DV, DK), "float32"),
         warm_start: T.Tensor((nwarm, Hv), "int32"),
         need_maps: T.Tensor((ncut, Hv), "int32"),
+        ckpt_chunk: T.Tensor((nseq,), "int32"),
+        ckpt_slot: T.Tensor((nseq,), "int32"),
         out: T.StridedTensor((ntok, Hv, DV), (so0, so1, 1), io_dtype),
         scale: T.float32,
         all_init: T.int32,
         use_items: T.int32,
         use_warmup: T.int32,
+        use_ckpt: T.int32,
     ):
         with T.Kernel(n_vblocks, Hv, nitem, threads=THREADS) as (vb, h, it):
             hk = h // group
@@ -226,6 +229,19 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
                                     h_f[d, j] = maps[midx, h, 0, v0 + j, d]
                             # else a gate warmup (start < first): from zero
                 gl = T.alloc_var(acc)
+                # A prefill checkpoint (vLLM's align-mode prefix caching): the state after
+                # ckpt_chunk[s] chunks of the sequence goes to pool slot ckpt_slot[s] (< 0: none),
+                # stored by the item whose own (not warmup) chunks hold that boundary.
+                ck = T.alloc_var("int32")
+                ck_slot = T.alloc_var("int32")
+                ck = -1
+                ck_slot = -1
+                if use_ckpt != 0:
+                    ck_slot = ckpt_slot[s]
+                    if ck_slot >= 0:
+                        ck = ckpt_chunk[s] - 1 - start   # the walk's chunk that ends there
+                        if ck < warm_chunks:
+                            ck = -1
                 for c in T.serial(nchunks):
                     st = c % 2
                     T.barrier_wait(ready[st], (c // 2) % 2)
@@ -257,6 +273,10 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
                     for d, j in T.Parallel(DK, BV):
                         h_f[d, j] = h_f[d, j] * gl
                     T.gemm(k_s[st, :, :], vpd_s, h_f, transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
+                    if not maps_mode:
+                        if c == ck:  # the state after the checkpoint's chunk: into its slot
+                            for d, j in T.Parallel(DK, BV):
+                                pool[ck_slot, h, v0 + j, d] = T.cast(h_f[d, j], pool_dtype)
                     T.barrier_arrive(free[st])
                 if maps_mode:
                     if nchunks > 0 or init_copy:

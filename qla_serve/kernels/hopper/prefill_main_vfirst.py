@@ -111,11 +111,14 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
         maps: T.Tensor((nmap, Hv, 2, DV, DK), "float32"),
         warm_start: T.Tensor((nwarm, Hv), "int32"),
         need_maps: T.Tensor((ncut, Hv), "int32"),
+        ckpt_chunk: T.Tensor((nseq,), "int32"),
+        ckpt_slot: T.Tensor((nseq,), "int32"),
         out: T.StridedTensor((ntok, Hv, DV), (so0, so1, 1), io_dtype),
         scale: T.float32,
         all_init: T.int32,
         use_items: T.int32,
         use_warmup: T.int32,
+        use_ckpt: T.int32,
     ):
         with T.Kernel(n_vblocks, Hv, nitem, threads=threads) as (vb, h, it):
             # Slot strides in 16-byte vectors (checked on the host, prefill_api, as decode does):
@@ -211,6 +214,19 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
                                 for v, d in T.Parallel(BV, DK):
                                     x_f[v, d] = maps[midx, h, 0, v0 + v, d]
                 gl = T.alloc_var(acc)
+                # A prefill checkpoint (vLLM's align-mode prefix caching): the state after
+                # ckpt_chunk[s] chunks of the sequence goes to pool slot ckpt_slot[s] (< 0: none),
+                # stored by the item whose own (not warmup) chunks hold that boundary.
+                ck = T.alloc_var("int32")
+                ck_slot = T.alloc_var("int32")
+                ck = -1
+                ck_slot = -1
+                if use_ckpt != 0:
+                    ck_slot = ckpt_slot[s]
+                    if ck_slot >= 0:
+                        ck = ckpt_chunk[s] - 1 - start   # the walk's chunk that ends there
+                        if ck < warm_chunks:
+                            ck = -1
                 for c in T.serial(nchunks):
                     st = c % 2
                     t0 = bos + c * C
@@ -250,6 +266,10 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
                                 o_f[v, i] = o_f[v, i] * (f_s[st, 0, i] * scale)
                             T.wgmma_gemm(vph_f, p_s[st, :, :], o_f, transpose_B=True, policy=rows)
                     T.wait_wgmma(0)
+                    if not maps_mode:
+                        if c == ck:  # the state after the checkpoint's chunk: into its slot
+                            for v, d in T.Parallel(BV, DK):
+                                pool[ck_slot, h, v0 + v, d] = T.cast(x_f[v, d], pool_dtype)
                     T.barrier_arrive(free[st])
                     if not maps_mode:
                         if emit:
