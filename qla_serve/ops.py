@@ -97,8 +97,9 @@ def gdn_prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state=Non
             slot slots[s] (pool dtype), for 1 <= chunks[s] <= ceil(len_s / 64); chunks[s] = 0,
             larger values, or slots[s] < 0 write nothing (vLLM's align-mode prefix-caching
             checkpoints: docs/vllm_checkpoints.md). Slots are checked like slot_ids (values only
-            where they are on the CPU). The reference path writes them; the TileLang kernels
-            (until their stores are validated on a GPU) and the FLA path refuse them by name.
+            where they are on the CPU). The reference path and the TileLang kernels write them (under
+            context parallelism's gate warmup, the state its outputs use); the FLA path refuses
+            them by name.
     Returns:
         o [T, Hv, 128] in v's dtype; every live slot holds its sequence's final state. A padding
         sequence's rows are zeros (as in decode/verify) on the reference and FLA paths; on the

@@ -66,9 +66,8 @@ CHECKPOINT_ALIGNMENT = 64
 
 def writes_checkpoints(vllm_config) -> bool:
     """Whether flashqla writes vLLM's align-mode prefill checkpoints here: prefix caching in
-    'align' mode, and a prefill path that writes them: the TileLang kernels (this branch: NOT
-    yet validated on a GPU, docs/vllm_checkpoints.md) or the reference path; not a forced FLA
-    path."""
+    'align' mode, and a prefill path that writes them: the TileLang kernels or the reference
+    path, not a forced FLA path (docs/vllm_checkpoints.md)."""
     if getattr(vllm_config.cache_config, "mamba_cache_mode", "none") != "align":
         return False
     device = "cpu" if current_platform.is_cpu() else torch.device("cuda", torch.cuda.current_device())

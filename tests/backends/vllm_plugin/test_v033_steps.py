@@ -178,3 +178,18 @@ def test_prefill_checkpoint_rows():
     ck.offsets = [0, 0, 64, 96, 0]
     with pytest.raises(RuntimeError, match="multiples of 64"):
         QlaGDNMetadataBuilder._qla_step(_builder(), md, m)
+
+
+@pytest.mark.parametrize("mode,path,declares", [
+    ("align", "tilelang", True), ("align", "reference", True), ("align", "fla", False),
+    ("none", "tilelang", False), ("none", "reference", False)])
+def test_checkpoint_alignment_by_prefill_path(mode, path, declares, monkeypatch):
+    """Which prefill paths make the layer declare vLLM's 64-token checkpoint alignment: those that
+    write checkpoints (the TileLang kernels, the reference), in align mode only. The op path is
+    stubbed (``explain_path``): the TileLang path cannot be selected on a GPU-less machine."""
+    import qla_serve
+    from qla_serve.backends.vllm import layer as vllm_layer
+    monkeypatch.setattr(qla_serve, "explain_path", lambda op, device, dtype: (path, "stubbed"))
+    cfg = types.SimpleNamespace(cache_config=types.SimpleNamespace(mamba_cache_mode=mode),
+                                model_config=types.SimpleNamespace(dtype=torch.bfloat16))
+    assert vllm_layer.writes_checkpoints(cfg) is declares
