@@ -23,7 +23,8 @@ def test_conv_variant_compiles(variant, target):
     if variant["op"] == "conv_prefill":
         assert "__shfl_xor_sync" in src and "half_t* __restrict__ Qo" in src   # q/k L2 norm, fp16 out
         assert "Cu[((int64_t)mid)]" in src            # sequences found from cu_seqlens, no index tensors
-        assert "int ntok" in src and "int tiles" in src   # a CTA walks several token tiles
+        assert "int ntok" in src and "int walk" in src    # a half-warp walks several token groups
+        assert "__shared__" not in src and "__syncthreads" not in src   # taps from registers, no barrier
     if variant["op"] == "conv_spec":
         assert f"float win[{3 + variant['draft']}];" in src   # history + D draft inputs in registers
 
@@ -36,11 +37,13 @@ def test_verify_slots_compiles(target):
     assert "Slots" in src and "Acc" in src and "Inter" not in src   # no intermediate buffer
 
 
-def test_tiles_per_cta():
-    """~CTAS_PER_SM CTAs per SM where the batch has the tiles, at most MAX_TILES_PER_CTA each."""
-    assert C.tiles_per_cta(1, 12, 32, 132) == 1
-    assert C.tiles_per_cta(16 * 512, 12, 32, 132) == 2            # 3072 tiles over 1056 CTAs
-    assert C.tiles_per_cta(32768, 12, 32, 132) == C.MAX_TILES_PER_CTA
+def test_steps_per_walk():
+    """~CTAS_PER_SM CTAs per SM where the batch has the tokens, at most MAX_STEPS_PER_WALK steps
+    (of GROUP tokens per half-warp, WALKERS half-warps per CTA) each."""
+    per_step = C.GROUP * C.WALKERS
+    assert C.steps_per_walk(1, 12, 132) == 1
+    assert C.steps_per_walk(16 * 512, 12, 132) == 16 * 512 // per_step * 12 // (132 * C.CTAS_PER_SM)
+    assert C.steps_per_walk(32768, 12, 132) == C.MAX_STEPS_PER_WALK
 
 
 def test_conv_variants_are_unique_and_checked():

@@ -39,10 +39,10 @@ def _weights(dim, W, dtype, gen, bias):
 @pytest.mark.parametrize("layout", ["dim_first", "seq_first"])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("dt_bias_dtype", [torch.float32, torch.bfloat16])   # bf16: vLLM's layer
-@pytest.mark.parametrize("tiles", [None, 3])     # 3 token tiles per CTA: sequences cross them
-def test_conv_prefill_matches_reference(hk, hv, layout, bias, dt_bias_dtype, tiles, monkeypatch):
-    if tiles is not None:   # the host's choice is 1 at this size; force a CTA's tile loop
-        monkeypatch.setattr(conv_kernels, "tiles_per_cta", lambda *_: tiles)
+@pytest.mark.parametrize("walk", [None, 3])     # 3 steps per half-warp walk: sequences cross them
+def test_conv_prefill_matches_reference(hk, hv, layout, bias, dt_bias_dtype, walk, monkeypatch):
+    if walk is not None:   # the host's choice is 1 at this size; force a longer walk
+        monkeypatch.setattr(conv_kernels, "steps_per_walk", lambda *_: walk)
     gen = torch.Generator().manual_seed(hk * 100 + hv + bias)
     dim, W, S = (2 * hk + hv) * HEAD, 4, 24
     lens = [70, 0, 1, 2, 3, 333, 1, 64, 97]

@@ -18,17 +18,18 @@ formulas in torch; float64 truth in the layer tests):
 * ``conv_prefill``: the varlen prefill's conv *and* what gdn_prefill reads, in one pass: the
   q | k | v split, q and k L2-normalised (fp32 math, stored in the variant's q/k dtype: fp16
   where the Hopper prefill takes it), and g, beta from the raw a, b (as prefill_inputs.py).
-  Grid (token ranges, 2 Hk + Hv channel blocks of 128); a CTA walks its range in tiles of 32
-  tokens (``tiles`` per CTA, chosen on the host for ~8 CTAs per SM), loading the next tile's
-  32 + W - 1 input rows into registers in 16-byte vectors while it computes the current one
-  from shared memory (x's row stride must be a multiple of 8 elements, its base 16-byte
-  aligned). A thread computes 8 channels of every 8th token, taking history taps from the conv
-  state only at a sequence's first W - 1 tokens; a token row's 128 channels sit in 16 adjacent
-  lanes, so the q/k L2 norm is 4 xor-shuffles, and every output is a 16-byte store. A token's
-  sequence is a binary search in cu_seqlens (no per-token index tensors).
+  Grid (token ranges, 2 Hk + Hv channel blocks of 128); each half-warp of a CTA walks
+  ``walk`` x GROUP consecutive tokens of one channel block (``walk`` chosen on the host for
+  ~8 CTAs per SM), lane g holding channels 8g..8g+7: GROUP input rows load into registers in
+  16-byte vectors (x's row stride must be a multiple of 8 elements, its base 16-byte
+  aligned), and each token's taps come from the registers holding the rows before it, or
+  from the conv state at a sequence's first W - 1 tokens. A token row's 128 channels sit in
+  16 adjacent lanes, so the q/k L2 norm is 4 xor-shuffles, and every output is a 16-byte
+  store. A walk finds its sequence by a binary search in cu_seqlens, and again only where it
+  crosses into the next one (no per-token index tensors).
 * ``conv_prefill_state``: the prefill's conv-state write-back, a second launch: a sequence
-  spans several token tiles, and the tile that would write its new window cannot know that
-  the tile reading its old history has read it. Grid (sequences, channel blocks).
+  spans several walks, and the walk that would write its new window cannot know that the one
+  reading its old history has read it. Grid (sequences, channel blocks).
 * ``conv_decode``: one token per sequence: y and the shifted window (state <- [state[1:], x])
   in one pass; the output [B, dim] feeds the decode kernel (which L2-normalises q/k and
   applies the raw gates itself). A thread owns (sequence, channel), so its reads of the old
@@ -47,19 +48,19 @@ heads, W, dtypes, activation and bias are static and name a variant.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
-import os
-
 from .decode import (_GATE_DTYPES, _IO_DTYPES, _check_heads, _dtype_name,
                      compile_for, gate_dtype_names, launch_function, log_decay, sigmoid, sm_count)
 
 HEAD_DIM = 128
-TOKENS_PER_CTA = 32          # conv_prefill's token tile (QLA_SERVE_CONV_TILE overrides: 16, 32, 64)
-PREFILL_TILE = int(os.environ.get("QLA_SERVE_CONV_TILE", TOKENS_PER_CTA))
+# conv_prefill: tokens a half-warp loads, then computes, per step (4: 123 registers, no spills;
+# 8 needed 149 registers and ran 1.5x slower on the H200, benchmarks/layer.md)
+GROUP = 4
+WALKERS = 8                   # half-warps per CTA (128 threads)
 CONV_STATE_DTYPES = ("bfloat16", "float16", "float32")
 WIDTHS = (2, 3, 4, 5, 6, 7, 8)
 ACTIVATIONS = ("silu", "none")
-CTAS_PER_SM = 8               # conv_prefill: CTAs per SM the tiles-per-CTA choice aims at
-MAX_TILES_PER_CTA = 8
+CTAS_PER_SM = 8               # conv_prefill: CTAs per SM the steps-per-walk choice aims at
+MAX_STEPS_PER_WALK = 8
 MAX_SEQS = 1 << 20            # the binary search runs 20 steps
 _SEARCH_STEPS = 20
 OPS = ("conv_prefill", "conv_prefill_state", "conv_decode", "conv_spec")
@@ -68,13 +69,12 @@ OPS = ("conv_prefill", "conv_prefill_state", "conv_decode", "conv_spec")
 def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weight: str | None = None,
             activation: str = "silu", bias: bool = True, qk_out: str | None = None,
             ab: str | None = None, param: str | None = None, gbias: str | None = None,
-            draft: int = 0, tile: int = TOKENS_PER_CTA) -> dict:
+            draft: int = 0) -> dict:
     """A JSON-serialisable variant description; ``name`` identifies it.
 
     io: x's dtype (and the outputs' but q/k's); state: the conv state's; weight: the conv
     weight's and bias's (default io); qk_out: conv_prefill's q/k dtype (default io); ab,
-    param, gbias: conv_prefill's a/b, A_log, dt_bias dtypes; draft: conv_spec's D; tile:
-    conv_prefill's tokens per CTA."""
+    param, gbias: conv_prefill's a/b, A_log, dt_bias dtypes; draft: conv_spec's D."""
     weight = weight or io
     if op not in OPS:
         raise ValueError(f"variant op: expected one of {OPS}, got {op!r}")
@@ -96,10 +96,8 @@ def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weigh
                                      ("A_log", param, _GATE_DTYPES), ("dt_bias", gbias, _GATE_DTYPES)):
             if dtype not in allowed:
                 raise ValueError(f"{what} dtype: expected one of {allowed}, got {dtype}")
-        if tile not in (16, 32, 64):
-            raise ValueError(f"conv_prefill tile: expected 16, 32 or 64 tokens, got {tile}")
-        v.update(qk_dtype=qk_out, ab_dtype=ab, param_dtype=param, bias_dtype=gbias, tile=tile)
-        name += f"_qk-{qk_out}_ab-{ab}-{param}-{gbias}" + ("" if tile == TOKENS_PER_CTA else f"_t{tile}")
+        v.update(qk_dtype=qk_out, ab_dtype=ab, param_dtype=param, bias_dtype=gbias)
+        name += f"_qk-{qk_out}_ab-{ab}-{param}-{gbias}"
     if op == "conv_spec":
         if not (isinstance(draft, int) and 1 <= draft <= 16):
             raise ValueError(f"draft depth: expected 1..16 tokens per sequence, got {draft}")
@@ -297,108 +295,82 @@ def _program(v: dict):
 def _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, act):
     """conv_prefill: conv + split + q/k L2 norm + gates for a varlen batch (module docstring).
 
-    A CTA: ``tiles`` consecutive tiles of TPB tokens x one 128-channel block, walked in order
-    with the next tile's TPB + W - 1 input rows loading into registers (16-byte vectors) while
-    the current tile computes from shared memory: a CTA keeps its loads in flight instead of
-    one load-sync-compute round per launch slot (the one-tile form ran at ~3x the memory floor).
-    Thread (g, r) computes channels 8g..8g+7 of tokens r, r + 8, ...: taps from shared memory, or
-    from the conv state at a sequence's first W - 1 tokens. A token row's 128 channels sit in 16
-    adjacent lanes, so the q/k L2 norm is 4 xor-shuffles; every output is a 16-byte store."""
+    A CTA of 128 threads is 8 half-warps; a half-warp owns one 128-channel block (the grid's
+    second axis) of ``GROUP * walk`` consecutive tokens, lane g channels 8g..8g+7. It
+    walks them GROUP tokens at a time: the group's input rows load into registers
+    (16-byte vectors, all in flight together), then each token's W taps come from the
+    registers holding the previous W - 1 rows and its own (no shared memory, no block
+    barrier); taps before a sequence's start come from the conv state. A token's sequence is
+    tracked as the walk goes (a binary search in cu_seqlens only when the walk crosses into a
+    new sequence). The row's 16 lanes reduce the q/k L2 norm by xor-shuffles; lanes 0..GROUP-1
+    compute the group's gates. (The form before it staged 32-token tiles through shared memory
+    with a block barrier per tile: the same time at 2/8 heads, 5-7% slower at 16/64;
+    benchmarks/layer.md.)"""
     Hv, Hk, W = v["num_v_heads"], v["num_k_heads"], v["width"]
     io, qk = v["io_dtype"], v["qk_dtype"]
     ab, prm, gb = v["ab_dtype"], v["param_dtype"], v["bias_dtype"]
     f32, i32 = "float32", "int32"
-    TPB = v["tile"]
-    ROWS = TPB + H                       # input rows a tile's tokens read
-    VEC, GROUPS = 8, HEAD_DIM // 8       # 16-byte vectors of io, 16 per 128 channels
-    ROW_STEP = 128 // GROUPS             # token rows per pass of the 128 threads
-    LOADS = -(-ROWS * GROUPS // 128)     # 16-byte loads per thread per tile
+    U = GROUP
+    VEC, LANES = 8, HEAD_DIM // 8        # 16-byte vectors; a half-warp covers 128 channels
     ntok, N = T.dynamic("ntok N")
     sx0, sa0, sa1, sb0, sb1, sal, sdt = T.dynamic("sx0 sa0 sa1 sb0 sb1 sal sdt")
 
     @T.macro
-    def find_sequences(Cu, Slots, HasInit, t0, tx, bos_s, hist_s):
-        # Token t0 + tx's sequence: the last s with cu[s] <= t (binary search; N < 2^20).
-        if tx < TPB:
-            t = t0 + tx
-            lo = T.alloc_var(i32)
-            hi = T.alloc_var(i32)
-            lo = 0
-            hi = N
-            for _ in T.serial(_SEARCH_STEPS):
-                if hi - lo > 1:
-                    mid = (lo + hi) // 2
-                    if Cu[mid] <= t:
-                        lo = mid
-                    else:
-                        hi = mid
-            bos_s[tx] = Cu[lo]
-            # the slot to read history from, or -1: padding, or a new sequence
-            hist_s[tx] = T.if_then_else(HasInit[lo] != 0, Slots[lo], -1)
+    def find_sequence(Cu, Slots, HasInit, t, seq):
+        # seq <- (start, end, history slot) of the last s with cu[s] <= t (empty ones skipped).
+        lo = T.alloc_var(i32)
+        hi = T.alloc_var(i32)
+        lo = 0
+        hi = N
+        for _ in T.serial(_SEARCH_STEPS):
+            if hi - lo > 1:
+                mid = (lo + hi) // 2
+                if Cu[mid] <= t:
+                    lo = mid
+                else:
+                    hi = mid
+        seq[0] = Cu[lo]
+        seq[1] = Cu[lo + 1]
+        seq[2] = T.if_then_else(HasInit[lo] != 0, Slots[lo], -1)
 
     @T.macro
-    def load_rows(X, xr, t0, c0, tx):
-        # Rows t0 - H .. t0 + TPB - 1 of the block into registers; rows outside [0, ntok) are
-        # never read (a tap before a sequence's start comes from the conv state).
-        T.assume(sx0 % VEC == 0)
-        for it in T.unroll(LOADS):
-            idx = it * 128 + tx
-            r = idx // GROUPS
-            g = idx % GROUPS
-            if idx < ROWS * GROUPS and t0 - H + r >= 0 and t0 - H + r < ntok:
-                for e in T.vectorized(VEC):
-                    xr[it, e] = X[t0 - H + r, c0 + g * VEC + e]
-
-    @T.macro
-    def stage_rows(xr, Xs, tx):
-        for it in T.unroll(LOADS):
-            idx = it * 128 + tx
-            if idx < ROWS * GROUPS:
-                for e in T.vectorized(VEC):
-                    Xs[idx // GROUPS, (idx % GROUPS) * VEC + e] = xr[it, e]
-
-    @T.macro
-    def conv_tile(CS, Xs, Qo, Ko, Vo, kind, t0, c0, hb, g, jr, w, bias8, acc, xv, bos_s, hist_s):
-        # kind (a Python constant: one branch is emitted): 0 q, 1 k, 2 v channels.
-        for p in T.unroll(TPB // ROW_STEP):
-            j = p * ROW_STEP + jr
-            for e in T.unroll(VEC):
-                acc[e] = bias8[e]
-            if t0 + j < ntok:
-                pos = t0 + j - bos_s[j]          # position in its sequence
-                for i in T.unroll(W):
-                    if pos - H + i >= 0:
-                        for e in T.vectorized(VEC):
-                            xv[e] = Xs[j + i, g * VEC + e]
-                        for e in T.unroll(VEC):
-                            acc[e] += w[i, e] * T.cast(xv[e], f32)
-                    else:
-                        if hist_s[j] >= 0:       # a tap before the sequence: its history
-                            for e in T.unroll(VEC):
-                                acc[e] += w[i, e] * T.cast(CS[hist_s[j], c0 + g * VEC + e, pos + i], f32)
-            for e in T.unroll(VEC):
-                acc[e] = act(acc[e])
-            if kind == 2:
-                if t0 + j < ntok:
-                    for e in T.vectorized(VEC):
-                        Vo[t0 + j, hb - 2 * Hk, g * VEC + e] = T.cast(acc[e], io)
-            else:
-                # The row's 16 lanes reduce its sum of squares (outside the row's bounds check:
-                # every lane of the warp takes part in the shuffles).
-                ss = T.alloc_var(f32)
-                ss = 0.0
+    def conv_token(CS, Qo, Ko, Vo, kind, t, tend, u, c0, hb, g, w, bias8, acc, buf, seq):
+        # kind (a Python constant): 0 q, 1 k, 2 v channels. buf[u + i] is input row t - H + i.
+        rel = t - seq[0]
+        hist = seq[2]
+        for e in T.unroll(VEC):
+            acc[e] = bias8[e]
+        for i in T.unroll(W):
+            if rel - H + i >= 0:
                 for e in T.unroll(VEC):
-                    ss += acc[e] * acc[e]
-                for m in T.unroll(4):            # the 16 lanes of a row: xor 1, 2, 4, 8
-                    ss += T.shfl_xor(ss, 1 << m)
-                rn = T.rsqrt(ss + 1e-6)
-                if t0 + j < ntok:
-                    if kind == 0:
-                        for e in T.vectorized(VEC):
-                            Qo[t0 + j, hb, g * VEC + e] = T.cast(acc[e] * rn, qk)
-                    else:
-                        for e in T.vectorized(VEC):
-                            Ko[t0 + j, hb - Hk, g * VEC + e] = T.cast(acc[e] * rn, qk)
+                    acc[e] += w[i, e] * T.cast(buf[u + i, e], f32)
+            else:
+                if hist >= 0:                # a tap before the sequence: its history
+                    for e in T.unroll(VEC):
+                        acc[e] += w[i, e] * T.cast(CS[hist, c0 + g * VEC + e, rel + i], f32)
+        for e in T.unroll(VEC):
+            acc[e] = act(acc[e])
+        if kind == 2:
+            if t < tend:
+                for e in T.vectorized(VEC):
+                    Vo[t, hb - 2 * Hk, g * VEC + e] = T.cast(acc[e], io)
+        else:
+            # every lane of the warp takes part in the shuffles (the other half-warp may be past
+            # its range): the bounds check is on the store only
+            ss = T.alloc_var(f32)
+            ss = 0.0
+            for e in T.unroll(VEC):
+                ss += acc[e] * acc[e]
+            for m in T.unroll(4):                # the 16 lanes of a row: xor 1, 2, 4, 8
+                ss += T.shfl_xor(ss, 1 << m)
+            rn = T.rsqrt(ss + 1e-6)
+            if t < tend:
+                if kind == 0:
+                    for e in T.vectorized(VEC):
+                        Qo[t, hb, g * VEC + e] = T.cast(acc[e] * rn, qk)
+                else:
+                    for e in T.vectorized(VEC):
+                        Ko[t, hb - Hk, g * VEC + e] = T.cast(acc[e] * rn, qk)
 
     @T.prim_func
     def gdn_conv_prefill(
@@ -418,49 +390,58 @@ def _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, act):
         Vo: T.Tensor((ntok, Hv, HEAD_DIM), io),
         Go: T.Tensor((ntok, Hv), f32),
         Bo: T.Tensor((ntok, Hv), f32),
-        tiles: T.int32,
+        walk: T.int32,
     ):
-        # Token ranges vary fastest. (Channel blocks fastest, so that CTAs running together cover
-        # whole rows, measured slower on the H200: 199 against 153 us at 2/8 heads x 32768 tokens.)
-        with T.Kernel(T.ceildiv(ntok, TPB * tiles), NH, threads=128) as (bx, hb):
+        with T.Kernel(T.ceildiv(ntok, WALKERS * U * walk), NH, threads=128) as (bx, hb):
             tx = T.get_thread_binding()
             c0 = hb * HEAD_DIM
-            g = tx % GROUPS
-            jr = tx // GROUPS
-            bos_s = T.alloc_shared((TPB,), i32)
-            hist_s = T.alloc_shared((TPB,), i32)
-            Xs = T.alloc_shared((ROWS, HEAD_DIM), io)
-            xr = T.alloc_local((LOADS, VEC), io)
+            g = tx % LANES
+            T.assume(sx0 % VEC == 0)
+            tb = (bx * WALKERS + tx // LANES) * (U * walk)    # this half-warp's first token
+            tend = T.min(tb + U * walk, ntok)
             w = T.alloc_local((W, VEC), f32)
             bias8 = T.alloc_local((VEC,), f32)
             acc = T.alloc_local((VEC,), f32)
-            xv = T.alloc_local((VEC,), io)
-            load_rows(X, xr, bx * tiles * TPB, c0, tx)
+            buf = T.alloc_local((H + U, VEC), io)
+            seq = T.alloc_local((3,), i32)      # the current sequence's start, end, history slot
             for i in T.unroll(W):
                 for e in T.unroll(VEC):
                     w[i, e] = T.cast(Wt[c0 + g * VEC + e, i], f32)
             for e in T.unroll(VEC):
                 bias8[e] = T.cast(Bias[c0 + g * VEC + e], f32) if v["bias"] else 0.0
-            for kt in T.serial(tiles):
-                t0 = (bx * tiles + kt) * TPB
-                if t0 < ntok:                    # uniform in the CTA
-                    stage_rows(xr, Xs, tx)
-                    find_sequences(Cu, Slots, HasInit, t0, tx, bos_s, hist_s)
-                    T.sync_threads()
-                    if kt + 1 < tiles:           # the next tile's rows load while this one computes
-                        load_rows(X, xr, t0 + TPB, c0, tx)
+            seq[0] = 0
+            seq[1] = 0
+            seq[2] = -1
+            if tb < ntok:
+                find_sequence(Cu, Slots, HasInit, tb, seq)
+            for i in T.unroll(H):                # the W - 1 rows before the walk (same sequence)
+                if tb - H + i >= seq[0] and tb - H + i < ntok:
+                    for e in T.vectorized(VEC):
+                        buf[i, e] = X[tb - H + i, c0 + g * VEC + e]
+            for step in T.serial(walk):
+                tg = tb + step * U
+                for u in T.unroll(U):
+                    if tg + u < tend:
+                        for e in T.vectorized(VEC):
+                            buf[H + u, e] = X[tg + u, c0 + g * VEC + e]
+                for u in T.unroll(U):
+                    t = tg + u
+                    if t >= seq[1] and t < tend:  # the walk enters the next (non-empty) sequence
+                        find_sequence(Cu, Slots, HasInit, t, seq)
                     if hb < Hk:
-                        conv_tile(CS, Xs, Qo, Ko, Vo, 0, t0, c0, hb, g, jr, w, bias8, acc, xv, bos_s, hist_s)
+                        conv_token(CS, Qo, Ko, Vo, 0, t, tend, u, c0, hb, g, w, bias8, acc, buf, seq)
                     elif hb < 2 * Hk:
-                        conv_tile(CS, Xs, Qo, Ko, Vo, 1, t0, c0, hb, g, jr, w, bias8, acc, xv, bos_s, hist_s)
+                        conv_token(CS, Qo, Ko, Vo, 1, t, tend, u, c0, hb, g, w, bias8, acc, buf, seq)
                     else:
-                        conv_tile(CS, Xs, Qo, Ko, Vo, 2, t0, c0, hb, g, jr, w, bias8, acc, xv, bos_s, hist_s)
-                    if hb < Hv and tx < TPB:     # gates of v-head hb for the tile's tokens
-                        t = t0 + tx
-                        if t < ntok:
-                            Go[t, hb] = log_decay(T, A[t, hb], A_log[hb], dt_bias[hb])
-                            Bo[t, hb] = sigmoid(T, Bt[t, hb])
-                    T.sync_threads()             # Xs and the tile's sequences are reused next
+                        conv_token(CS, Qo, Ko, Vo, 2, t, tend, u, c0, hb, g, w, bias8, acc, buf, seq)
+                if hb < Hv and g < U:            # gates of v-head hb for the group's tokens
+                    tt = tg + g
+                    if tt < tend:
+                        Go[tt, hb] = log_decay(T, A[tt, hb], A_log[hb], dt_bias[hb])
+                        Bo[tt, hb] = sigmoid(T, Bt[tt, hb])
+                for i in T.unroll(H):            # the last W - 1 rows open the next group
+                    for e in T.vectorized(VEC):
+                        buf[i, e] = buf[U + i, e]
 
     return gdn_conv_prefill
 
@@ -504,12 +485,12 @@ def _names(x, conv_state, weight):
             _dtype_name(weight.dtype, "conv_weight", CONV_STATE_DTYPES))
 
 
-def tiles_per_cta(num_tokens: int, channel_blocks: int, tile: int, sm_count: int) -> int:
-    """conv_prefill's token tiles per CTA: enough CTAs for CTAS_PER_SM on every SM, at most
-    MAX_TILES_PER_CTA tiles each (a CTA's first tile loads with nothing to overlap it)."""
+def steps_per_walk(num_tokens: int, channel_blocks: int, sm_count: int) -> int:
+    """conv_prefill's GROUP-token steps per half-warp walk: enough CTAs for CTAS_PER_SM on every
+    SM, at most MAX_STEPS_PER_WALK steps (a walk's first rows load with nothing to overlap)."""
     ctas_wanted = sm_count * CTAS_PER_SM
-    tiles = -(-num_tokens // tile) * channel_blocks
-    return max(1, min(MAX_TILES_PER_CTA, tiles // ctas_wanted))
+    steps = -(-num_tokens // (GROUP * WALKERS)) * channel_blocks
+    return max(1, min(MAX_STEPS_PER_WALK, steps // ctas_wanted))
 
 
 def conv_prefill(x, conv_state, weight, bias, slot_ids, has_initial_state, cu_seqlens, a, b, A_log,
@@ -531,11 +512,11 @@ def conv_prefill(x, conv_state, weight, bias, slot_ids, has_initial_state, cu_se
             ab, prm, gb = gate_dtype_names(a, b, A_log, dt_bias)
             return variant("conv_prefill", hv, hk, width, io, sdt, weight=wdt, activation=activation,
                            bias=bias is not None, qk_out=_dtype_name(q_out.dtype, "q_out", _IO_DTYPES),
-                           ab=ab, param=prm, gbias=gb, tile=PREFILL_TILE)
-        tiles = tiles_per_cta(T_, 2 * hk + hv, PREFILL_TILE, sm_count(x.device))
+                           ab=ab, param=prm, gbias=gb)
+        walk = steps_per_walk(T_, 2 * hk + hv, sm_count(x.device))
         _launch_fn(key, make, x.device)(x, conv_state, weight, _bias_arg(bias, weight), slot_ids,
                                         has_initial_state, cu_seqlens, a, b, A_log, dt_bias,
-                                        q_out, k_out, v_out, g_out, beta_out, tiles)
+                                        q_out, k_out, v_out, g_out, beta_out, walk)
     if N:
         conv_window(x, conv_state, slot_ids, has_initial_state, cu_seqlens, num_v_heads=hv, width=width,
                     weight_dtype=weight.dtype)
