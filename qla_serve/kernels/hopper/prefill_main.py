@@ -229,19 +229,7 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
                                     h_f[d, j] = maps[midx, h, 0, v0 + j, d]
                             # else a gate warmup (start < first): from zero
                 gl = T.alloc_var(acc)
-                # A prefill checkpoint (vLLM's align-mode prefix caching): the state after
-                # ckpt_chunk[s] chunks of the sequence goes to pool slot ckpt_slot[s] (< 0: none),
-                # stored by the item whose own (not warmup) chunks hold that boundary.
-                ck = T.alloc_var("int32")
-                ck_slot = T.alloc_var("int32")
-                ck = -1
-                ck_slot = -1
-                if use_ckpt != 0:
-                    ck_slot = ckpt_slot[s]
-                    if ck_slot >= 0:
-                        ck = ckpt_chunk[s] - 1 - start   # the walk's chunk that ends there
-                        if ck < warm_chunks:
-                            ck = -1
+                ck, ck_slot = checkpoint_chunk(ckpt_chunk, ckpt_slot, use_ckpt, s, start, warm_chunks)
                 for c in T.serial(nchunks):
                     st = c % 2
                     T.barrier_wait(ready[st], (c // 2) % 2)
@@ -319,6 +307,25 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
                                    q_s, k_s, p_s, f_s, u0_s, wk_s, ready, free)
 
     return gdn_prefill_main, THREADS
+
+
+@T.macro
+def checkpoint_chunk(ckpt_chunk, ckpt_slot, use_ckpt, s, start, warm_chunks):
+    """A prefill checkpoint (vLLM's align-mode prefix caching) in both stage-2 kernels: the state
+    after ckpt_chunk[s] chunks of sequence s goes to pool slot ckpt_slot[s] (< 0: none), stored
+    by the item whose own (not warmup) chunks hold that boundary. Returns (the item's walk chunk
+    after which it stores, -1 for none; the slot)."""
+    ck = T.alloc_var("int32")
+    ck_slot = T.alloc_var("int32")
+    ck = -1
+    ck_slot = -1
+    if use_ckpt != 0:
+        ck_slot = ckpt_slot[s]
+        if ck_slot >= 0:
+            ck = ckpt_chunk[s] - 1 - start   # the walk's chunk that ends there
+            if ck < warm_chunks:
+                ck = -1
+    return ck, ck_slot
 
 
 def qk_tile_loader(maps_mode: bool):

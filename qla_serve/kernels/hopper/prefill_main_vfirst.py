@@ -42,7 +42,7 @@ since v16 the storer warp takes the O tiles: ~3.6 us per chunk at v_split 1 with
 import tilelang
 import tilelang.language as T
 
-from .prefill_main import C, DK, DV, MODES, _NREG_PRODUCER, qk_tile_loader
+from .prefill_main import C, DK, DV, MODES, _NREG_PRODUCER, checkpoint_chunk, qk_tile_loader
 from .prefill_main import PASS_CONFIGS as _MAIN_PASS_CONFIGS
 
 # Every shared-memory handoff in this kernel goes through its own mbarriers (TMA stages, the O
@@ -214,19 +214,7 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
                                 for v, d in T.Parallel(BV, DK):
                                     x_f[v, d] = maps[midx, h, 0, v0 + v, d]
                 gl = T.alloc_var(acc)
-                # A prefill checkpoint (vLLM's align-mode prefix caching): the state after
-                # ckpt_chunk[s] chunks of the sequence goes to pool slot ckpt_slot[s] (< 0: none),
-                # stored by the item whose own (not warmup) chunks hold that boundary.
-                ck = T.alloc_var("int32")
-                ck_slot = T.alloc_var("int32")
-                ck = -1
-                ck_slot = -1
-                if use_ckpt != 0:
-                    ck_slot = ckpt_slot[s]
-                    if ck_slot >= 0:
-                        ck = ckpt_chunk[s] - 1 - start   # the walk's chunk that ends there
-                        if ck < warm_chunks:
-                            ck = -1
+                ck, ck_slot = checkpoint_chunk(ckpt_chunk, ckpt_slot, use_ckpt, s, start, warm_chunks)
                 for c in T.serial(nchunks):
                     st = c % 2
                     t0 = bos + c * C
