@@ -159,14 +159,34 @@ def gdn_layer_prefill_inputs(mixed_qkv, a, b, conv_state, slot_ids, plan, *, con
     return q, k, v, g, beta
 
 
-def causal_conv_checkpoints(x, conv_state, slot_ids, chunks, cu_seqlens, *, width: int, num_v_heads: int) -> None:
+def checkpoint_conv_table(slot_ids, chunks, cu_seqlens) -> tuple:
+    """What :func:`causal_conv_checkpoints` launches its kernel over, derived on the device from
+    [N] slot ids and chunks and [N+1] cu_seqlens: (table [2N+1] int32, each sequence split at its
+    checkpoint; slots [2N] int32, the checkpoint slot at each first half, -1 elsewhere; flags [2N]
+    int8 zeros). A step's layers share it (backends/gdn_layer.StepPlan derives it once)."""
+    dev = slot_ids.device
+    cu = cu_seqlens.to(dev, torch.int32)
+    lens = cu[1:] - cu[:-1]
+    chunks = chunks.to(dev, torch.int32)
+    ends = cu[:-1] + torch.minimum(chunks * 64, lens)
+    live = (chunks > 0) & (slot_ids >= 0) & ((chunks - 1) * 64 < lens)
+    table = torch.cat([torch.stack([cu[:-1], ends], 1).view(-1), cu[-1:]])        # [2N + 1]
+    none = torch.full_like(slot_ids, -1, dtype=torch.int32)
+    slots = torch.stack([torch.where(live, slot_ids.to(torch.int32), none), none], 1).view(-1)
+    return table, slots, torch.zeros(slots.shape[0], dtype=torch.int8, device=dev)
+
+
+def causal_conv_checkpoints(x, conv_state, slot_ids, chunks, cu_seqlens, *, width: int, num_v_heads: int,
+                            table=None) -> None:
     """The conv side of gdn_prefill's checkpoints: conv_state[slot_ids[s], :, :W-1] <- the W-1
     raw inputs before token min(64 * chunks[s], len_s) of sequence s, for the same rows
     gdn_prefill writes an SSM checkpoint for (1 <= chunks[s] <= ceil(len_s / 64), slot >= 0).
     x: the prefill rows [T, dim] before the conv, packed by cu_seqlens [N+1] (device); slot_ids,
     chunks: [N] int32 on x's device. A prefix shorter than W - 1 tokens gets zeros before it
     (vLLM's checkpoint offsets are >= 64). Device ops only: the kernel is the prefill's conv-state
-    write-back (conv_window) over an interleaved table, sequence s split at its checkpoint."""
+    write-back (conv_window) over an interleaved table, sequence s split at its checkpoint.
+    ``table``: :func:`checkpoint_conv_table` of these same three tensors, when the caller keeps
+    it for a step's layers (else derived here: ~10 small launches)."""
     key = _checked_key(("conv_checkpoints", width, num_v_heads), (x, conv_state, slot_ids, chunks, cu_seqlens),
                        (slot_ids,))
     if _checks_due(key):
@@ -181,17 +201,14 @@ def causal_conv_checkpoints(x, conv_state, slot_ids, chunks, cu_seqlens, *, widt
     N = slot_ids.shape[0]
     if not N or x.shape[0] == 0:
         return
-    dev = x.device
-    cu = cu_seqlens.to(dev, torch.int32)
-    lens = cu[1:] - cu[:-1]
-    chunks = chunks.to(dev, torch.int32)
-    ends = cu[:-1] + torch.minimum(chunks * 64, lens)
-    live = (chunks > 0) & (slot_ids >= 0) & ((chunks - 1) * 64 < lens)
-    table = torch.cat([torch.stack([cu[:-1], ends], 1).view(-1), cu[-1:]])        # [2N + 1]
-    none = torch.full_like(slot_ids, -1, dtype=torch.int32)
-    slots = torch.stack([torch.where(live, slot_ids.to(torch.int32), none), none], 1).view(-1)
-    _run("conv_window", dev, x.dtype, x, conv_state, slots, torch.zeros(2 * N, dtype=torch.int8, device=dev),
-         table, num_v_heads=num_v_heads, width=width)
+    if table is None:
+        table = checkpoint_conv_table(slot_ids, chunks, cu_seqlens)
+    elif not (isinstance(table, tuple) and len(table) == 3 and table[0].shape == (2 * N + 1,)
+              and table[1].shape == (2 * N,)):
+        raise ValueError(f"table: expected checkpoint_conv_table() of these {N} sequences")
+    cu_table, slots, flags = table
+    _run("conv_window", x.device, x.dtype, x, conv_state, slots, flags, cu_table, num_v_heads=num_v_heads,
+         width=width)
 
 
 def causal_conv_decode(x, conv_state, slot_ids, *, conv_weight, conv_bias=None, activation="silu",

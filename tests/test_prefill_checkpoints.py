@@ -82,7 +82,15 @@ def test_conv_checkpoint_arguments_are_checked():
     with pytest.raises(ValueError, match="slot_ids"):
         layer_ops.causal_conv_checkpoints(x, conv, torch.tensor([5, -1], dtype=torch.int32),
                                           torch.tensor([1, 0], dtype=torch.int32), cu, width=4, num_v_heads=HV)
-    layer_ops.causal_conv_checkpoints(x, conv, slots, torch.tensor([1, 0], dtype=torch.int32), cu,
-                                      width=4, num_v_heads=HV)
+    chunks = torch.tensor([1, 0], dtype=torch.int32)
+    with pytest.raises(ValueError, match="table"):    # a table of other sequences
+        layer_ops.causal_conv_checkpoints(x, conv, slots, chunks, cu, width=4, num_v_heads=HV,
+                                          table=layer_ops.checkpoint_conv_table(slots[:1], chunks[:1], cu[:2]))
+    assert not conv.any()
+    layer_ops.causal_conv_checkpoints(x, conv, slots, chunks, cu, width=4, num_v_heads=HV)
     assert torch.equal(conv[2].t(), x[61:64])           # the 3 inputs before token 64
     assert not conv[[0, 1, 3]].any()
+    again = torch.zeros_like(conv)                      # the same with the step's kept table
+    layer_ops.causal_conv_checkpoints(x, again, slots, chunks, cu, width=4, num_v_heads=HV,
+                                      table=layer_ops.checkpoint_conv_table(slots, chunks, cu))
+    assert torch.equal(again, conv)

@@ -113,6 +113,15 @@ class StepPlan:
             hit = self._ids[kind] = self._derive(kind)
         return hit
 
+    def checkpoint_conv_table(self) -> tuple:
+        """layer_ops.checkpoint_conv_table of the step's prefill checkpoints, derived once per
+        step (every GDN layer's causal_conv_checkpoints launches over it)."""
+        hit = self._ids.get("prefill_checkpoint_conv")
+        if hit is None:
+            hit = self._ids["prefill_checkpoint_conv"] = layer_ops.checkpoint_conv_table(
+                self.ids("prefill_checkpoint"), self.prefill_checkpoint_chunks, self.prefill_plan.cu_seqlens)
+        return hit
+
     def _derive(self, kind: str) -> torch.Tensor:
         if kind == "decode":
             return _ops_ids(self.decode_slots, self.null_slot)
@@ -272,7 +281,8 @@ def gdn_layer_forward(step: StepPlan, mixed_qkv: torch.Tensor, a: torch.Tensor, 
         if step.prefill_checkpoint_chunks is not None:
             checkpoints = (step.prefill_checkpoint_chunks, step.ids("prefill_checkpoint"))
             layer_ops.causal_conv_checkpoints(xn[Td:Td + Tp], conv_state, checkpoints[1], checkpoints[0],
-                                              plan.cu_seqlens, width=conv_weight.shape[1], num_v_heads=Hv)
+                                              plan.cu_seqlens, width=conv_weight.shape[1], num_v_heads=Hv,
+                                              table=step.checkpoint_conv_table())
         q, k, v, g, beta = layer_ops.gdn_layer_prefill_inputs(
             xn[Td:Td + Tp], an[Td:Td + Tp], bn[Td:Td + Tp], conv_state, ids, plan,
             has_initial_state=has_init, num_k_heads=num_k_heads, **conv, **gates)

@@ -120,6 +120,9 @@ def _run_nonspec(device, io_dtype, pool_dtype, seed=0, checkpoints=False):
                          conv_state=conv, ssm_state=ssm, A_log=A_log, dt_bias=dt_bias,
                          num_k_heads=HK, out=out, on_call=lambda k, n: calls.append((k, n)))
     assert calls == [("decode", 2), ("prefill", 4)]
+    if checkpoints:  # the conv side's table: derived once per step, kept for the step's other layers
+        table = step.checkpoint_conv_table()
+        assert table is step.checkpoint_conv_table() and table[1].tolist() == [10, -1, 11, -1, -1, -1, -1, -1]
     tol = _tol(io_dtype if io_dtype != torch.float32 else pool_dtype)
     t0 = 0
     touched = set()
