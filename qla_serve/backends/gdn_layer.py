@@ -206,6 +206,25 @@ def make_step_plan(*, num_actual_tokens: int, num_v_heads: int, num_k_heads: int
         spec_token_idx=spec_token_idx, non_spec_token_idx=non_spec_token_idx, null_slot=null_slot)
 
 
+def ensure_kernels(device, num_v_heads: int, num_k_heads: int, io_dtype: torch.dtype,
+                   state_dtype: torch.dtype) -> str | None:
+    """Start-up: build every TileLang kernel this layer's ops can run on ``device`` (TP-local
+    heads, the model's and the SSM state's dtypes) before the first request
+    (qla_serve.deploy.startup; once per process). None where no op takes the TileLang path
+    (CPU, or a path forced elsewhere). Adapters call it when flashqla takes a GPU's layers."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    if all(qla_serve.explain_path(op, device, io_dtype)[0] != "tilelang" for op in ("prefill", "decode", "verify")):
+        return None
+    from qla_serve.deploy import startup
+    from qla_serve.paths import _arch_of, kernel_module
+    module = kernel_module(_arch_of(device.index if device.index is not None else torch.cuda.current_device()))
+    name = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+    return startup.ensure_kernels(num_v_heads, num_k_heads, target=module.ARCH, io_dtype=name[io_dtype],
+                                  state_dtype=name[state_dtype])
+
+
 def _split_qkv(x: torch.Tensor, num_k_heads: int, num_v_heads: int):
     """[T, 2*Hk*128 + Hv*128] -> strided views q, k [T, Hk, 128], v [T, Hv, 128]."""
     kd = num_k_heads * HEAD_DIM

@@ -3,6 +3,7 @@
 * :mod:`.config`     pydantic models for configs/deploy/*.yaml; every bad field its own message
 * :mod:`.render`     config -> exact ``vllm serve`` / SGLang command (+ env), compose service
 * :mod:`.precompile` kernel variants a deployment needs -> TileLang's cache, without a GPU
+* :mod:`.startup`    the same set built once per engine process before serving (adapters call it)
 * :mod:`.cli`        ``qla-serve config check|render`` and ``qla-serve precompile``
 
 Importing this package does not import tilelang (torch comes with the qla_serve package

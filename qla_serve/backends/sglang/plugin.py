@@ -205,7 +205,22 @@ def _backend_init_hook(original, self, model_runner, *args, **kwargs):
         if problems:
             raise ValueError("qla_serve (SGLang --linear-attn-backend flashqla) cannot start:\n  - "
                              + "\n  - ".join(problems))
+        _ensure_kernels(model_runner, temporal)
     return original(self, model_runner, *args, **kwargs)
+
+
+def _ensure_kernels(model_runner, temporal) -> None:
+    """Every TileLang kernel flashqla can run here, built before serving (on a GPU): the TP-local
+    heads from the state pool (Hv) and the model config (Hk over SGLang's linear-attention TP
+    group), the model dtype and the pool's (backends/gdn_layer.ensure_kernels)."""
+    if torch.device(model_runner.device).type != "cuda":
+        return
+    from sglang.srt.runtime_context import linear_attn_tp_size
+
+    from qla_serve.backends import gdn_layer
+    hk = model_runner.model_config.hf_text_config.linear_num_key_heads // linear_attn_tp_size()
+    gdn_layer.ensure_kernels(model_runner.device, int(temporal.shape[2]), hk, model_runner.model_config.dtype,
+                             temporal.dtype)
 
 
 def _dispatcher_init_hook(original, self, decode_backend, prefill_backend, verify_backend=None):

@@ -1,0 +1,125 @@
+"""Kernels ready before the first request: what an engine adapter runs once per process when
+flashqla takes a GPU's GDN layers (vLLM: the first layer built; SGLang: the backend's init).
+
+:func:`ensure_kernels` builds every TileLang variant a deployment with these TP-local heads,
+dtypes and target can hit -- the set ``qla-serve precompile --heads`` compiles -- through
+TileLang's disk cache, so that no request waits on a compile:
+
+* every variant a disk hit (the images, or ``qla-serve precompile`` beforehand): loaded, a few
+  seconds; the log line says so;
+* misses compile here, at start-up, with a WARNING that names the count, the time and the
+  command that does it ahead of time (``QLA_SERVE_STARTUP_JOBS=N`` compiles in N processes);
+* a variant that fails to build stops the start-up with its error (never a silent fallback).
+
+The ranks of one host share the cache: a file lock in it lets one process build while the
+others wait, and a marker file (keyed by the jobs and a hash of the kernel sources) tells the
+later ones that the set is complete, so they skip it. ``QLA_SERVE_STARTUP_COMPILE=0`` turns
+it off (kernels then build on first use, each logged by TileLang).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import time
+from pathlib import Path
+
+from .precompile import HeadRequest, Summary, cache_dir, discover_modules, enumerate_jobs, run_jobs
+
+log = logging.getLogger("qla_serve")
+
+_DONE: dict[tuple, str] = {}
+_KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels"
+
+
+def enabled() -> bool:
+    """QLA_SERVE_STARTUP_COMPILE: 1 (default) or 0."""
+    value = os.environ.get("QLA_SERVE_STARTUP_COMPILE", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"QLA_SERVE_STARTUP_COMPILE: expected 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def _workers() -> int:
+    value = os.environ.get("QLA_SERVE_STARTUP_JOBS", "1")
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"QLA_SERVE_STARTUP_JOBS: expected a positive process count, got {value!r}")
+    return int(value)
+
+
+def _sources_digest() -> str:
+    """A hash of the kernel sources: a marker written for other sources does not count."""
+    h = hashlib.sha256()
+    for path in sorted(_KERNELS_DIR.rglob("*.py")):
+        h.update(str(path.relative_to(_KERNELS_DIR)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def _host_lock(root: str):
+    """An exclusive lock on ``<cache>/qla_serve_startup.lock`` (one builder per host)."""
+    import fcntl
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(root, "qla_serve_startup.lock"), "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def ensure_kernels(num_v_heads: int, num_k_heads: int, *, target: str, io_dtype: str, state_dtype: str,
+                   match: str | None = None) -> str:
+    """Build (load or compile) every kernel variant for these TP-local heads, dtypes ("bfloat16",
+    "float32", ...) and target ("sm_90a" / "sm_100a") into TileLang's cache; once per process and
+    arguments. Returns the line it logged; raises RuntimeError naming the variants that failed.
+    ``match``: only variant names matching this regex (tests)."""
+    key = (num_v_heads, num_k_heads, target, io_dtype, state_dtype, match)
+    if key in _DONE:
+        return _DONE[key]
+    what = f"heads {num_k_heads}/{num_v_heads}, io {io_dtype}, state {state_dtype}, {target}"
+    if not enabled():
+        line = f"qla_serve: start-up kernel build off (QLA_SERVE_STARTUP_COMPILE=0) for {what}"
+        log.info(line)
+        _DONE[key] = line
+        return line
+    modules, problems = discover_modules()
+    request = HeadRequest(num_k_heads, num_v_heads, (target,), state_dtype, io_dtype, source="start-up")
+    jobs, more = enumerate_jobs([request], modules, match)
+    problems += more
+    if problems:
+        raise RuntimeError("qla_serve: cannot list the kernels to build at start-up: " + "; ".join(problems))
+    root = cache_dir()
+    digest = hashlib.sha256("\n".join([_sources_digest(), *sorted(j.key for j in jobs)]).encode()).hexdigest()
+    marker = os.path.join(root, "qla_serve_ready", digest[:32])
+    t0 = time.perf_counter()
+    with _host_lock(root):
+        if os.path.exists(marker):   # another process of this host built the same set
+            line = (f"qla_serve: {len(jobs)} TileLang kernels for {what} in the cache ({root}; built by "
+                    f"another process, {time.perf_counter() - t0:.1f} s waiting)")
+            log.info(line)
+            _DONE[key] = line
+            return line
+        _, summary = run_jobs(jobs, modules, progress=False, workers=_workers())
+        if not summary.ok:
+            raise RuntimeError(f"qla_serve: {summary.failed} of {len(jobs)} kernels for {what} failed to build "
+                               f"at start-up: " + "; ".join(summary.problems + summary.failures[:3]))
+        os.makedirs(os.path.dirname(marker), exist_ok=True)
+        Path(marker).write_text(f"{what}\n{len(jobs)} kernels\n")
+    line = _summary_line(summary, len(jobs), what, root)
+    log.log(logging.WARNING if summary.compiled else logging.INFO, line)
+    _DONE[key] = line
+    return line
+
+
+def _summary_line(summary: Summary, n: int, what: str, root: str) -> str:
+    line = (f"qla_serve: {n} TileLang kernels for {what} ready in {summary.seconds:.1f} s: "
+            f"{summary.cached} from the cache, {summary.compiled} compiled ({root})")
+    if summary.compiled:
+        heads = what.split(",")[0].split()[-1]
+        line += (f"; compile them ahead of time: `qla-serve precompile --heads {heads} --arch "
+                 f"{what.split(', ')[-1]} -j N` with this TILELANG_CACHE_DIR, or use the images")
+    return line

@@ -1,0 +1,99 @@
+"""qla_serve.deploy.startup: the kernels a deployment needs, built once at engine start-up
+(vLLM's first GDN layer, SGLang's backend init) so that no request waits on a compile.
+
+The compile test builds a real variant with TileLang + nvcc for sm_90a (no GPU) in a fresh
+process with its own TILELANG_CACHE_DIR (TileLang reads it at import); the failure test uses a
+stand-in kernel module whose build raises (a real kernel that fails to compile cannot be had on
+purpose)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from qla_serve.deploy import startup
+from qla_serve.deploy.precompile import KernelModule
+
+SCRIPT = r'''
+import os, shutil
+from qla_serve.deploy import startup
+kw = dict(target="sm_90a", io_dtype="bfloat16", state_dtype="float32",
+          match="^gdn_conv_decode_hv8_hk2_w4_bfloat16_cstate-bfloat16_wt-bfloat16_silu_b0$")
+first = startup.ensure_kernels(8, 2, **kw)
+print("FIRST", first)
+print("SAME", startup.ensure_kernels(8, 2, **kw) is first)
+startup._DONE.clear()                       # another process of the host, after the first
+print("OTHER", startup.ensure_kernels(8, 2, **kw))
+shutil.rmtree(os.path.join(startup.cache_dir(), "qla_serve_ready"))
+startup._DONE.clear()                       # no marker: every kernel a disk hit
+print("HITS", startup.ensure_kernels(8, 2, **kw))
+'''
+
+
+@pytest.mark.compile
+def test_start_up_build_compiles_once_then_loads(tmp_path):
+    env = {**os.environ, "TILELANG_CACHE_DIR": str(tmp_path / "cache"), "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("QLA_SERVE_STARTUP_COMPILE", None)
+    run = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    lines = {ln.split(" ", 1)[0]: ln.split(" ", 1)[1] for ln in run.stdout.splitlines() if " " in ln}
+    assert "1 TileLang kernels for heads 2/8, io bfloat16, state float32, sm_90a ready" in lines["FIRST"]
+    assert "0 from the cache, 1 compiled" in lines["FIRST"]
+    assert "`qla-serve precompile --heads 2/8 --arch sm_90a -j N`" in lines["FIRST"]
+    assert lines["SAME"] == "True"
+    assert "built by another process" in lines["OTHER"]
+    assert "1 from the cache, 0 compiled" in lines["HITS"]
+
+
+def test_a_build_failure_stops_the_start_up(monkeypatch, tmp_path):
+    def kernel_variants(hv, hk):
+        return [{"name": f"fake_ok_hv{hv}"}, {"name": f"fake_broken_hv{hv}"}]
+
+    def build(variant, target):
+        if "broken" in variant["name"]:
+            raise RuntimeError("ptxas error: too many resources")
+
+    monkeypatch.setattr(startup, "discover_modules", lambda: ([KernelModule("fake", kernel_variants, build,
+                                                                            ("sm_90a",))], []))
+    monkeypatch.setattr(startup, "cache_dir", lambda: str(tmp_path))
+    monkeypatch.delenv("QLA_SERVE_STARTUP_COMPILE", raising=False)
+    with pytest.raises(RuntimeError, match="1 of 2 kernels .* failed to build at start-up: .*fake_broken_hv8: "
+                                           "RuntimeError: ptxas error"):
+        startup.ensure_kernels(8, 2, target="sm_90a", io_dtype="bfloat16", state_dtype="float32")
+    assert not (tmp_path / "qla_serve_ready").exists()      # no marker for a set that failed
+
+
+def test_switches(monkeypatch):
+    monkeypatch.setenv("QLA_SERVE_STARTUP_COMPILE", "0")
+    line = startup.ensure_kernels(4, 1, target="sm_90a", io_dtype="float16", state_dtype="bfloat16")
+    assert "start-up kernel build off (QLA_SERVE_STARTUP_COMPILE=0)" in line
+    monkeypatch.setenv("QLA_SERVE_STARTUP_COMPILE", "yes")
+    with pytest.raises(ValueError, match="QLA_SERVE_STARTUP_COMPILE"):
+        startup.ensure_kernels(4, 1, target="sm_90a", io_dtype="float16", state_dtype="float32")
+    monkeypatch.setenv("QLA_SERVE_STARTUP_JOBS", "0")
+    with pytest.raises(ValueError, match="QLA_SERVE_STARTUP_JOBS"):
+        startup._workers()
+
+
+def test_layer_start_up_hook_names_the_deployment(monkeypatch):
+    """gdn_layer.ensure_kernels, what the vLLM layer and SGLang's backend init call on a GPU: the
+    target of the device's kernel module and the dtype names; nothing where no op takes the
+    TileLang path or off CUDA. The GPU is stubbed (explain_path, the arch lookup): none here."""
+    import torch
+
+    import qla_serve
+    from qla_serve import paths
+    from qla_serve.backends import gdn_layer
+    calls = []
+    monkeypatch.setattr(startup, "ensure_kernels", lambda *a, **k: calls.append((a, k)) or "line")
+    monkeypatch.setattr(qla_serve, "explain_path", lambda op, dev, dt: ("tilelang", "stub"))
+    monkeypatch.setattr(paths, "_arch_of", lambda index: "sm90")
+    assert gdn_layer.ensure_kernels("cuda:0", 8, 2, torch.bfloat16, torch.float32) == "line"
+    assert calls == [((8, 2), dict(target="sm_90a", io_dtype="bfloat16", state_dtype="float32"))]
+    monkeypatch.setattr(qla_serve, "explain_path", lambda op, dev, dt: ("fla", "forced"))
+    assert gdn_layer.ensure_kernels("cuda:0", 8, 2, torch.bfloat16, torch.float32) is None
+    assert gdn_layer.ensure_kernels("cpu", 8, 2, torch.bfloat16, torch.float32) is None
+    assert len(calls) == 1
