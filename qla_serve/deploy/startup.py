@@ -46,6 +46,11 @@ def _workers() -> int:
     value = os.environ.get("QLA_SERVE_STARTUP_JOBS", "1")
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"QLA_SERVE_STARTUP_JOBS: expected a positive process count, got {value!r}")
+    import multiprocessing
+    if int(value) > 1 and multiprocessing.current_process().daemon:
+        # an engine worker started as a daemon process may not start processes of its own
+        log.warning("qla_serve: QLA_SERVE_STARTUP_JOBS=%s ignored in a daemon process: building in one", value)
+        return 1
     return int(value)
 
 
