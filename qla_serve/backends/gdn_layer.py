@@ -220,9 +220,9 @@ def ensure_kernels(device, num_v_heads: int, num_k_heads: int, io_dtype: torch.d
     from qla_serve.deploy import startup
     from qla_serve.paths import _arch_of, kernel_module
     module = kernel_module(_arch_of(device.index if device.index is not None else torch.cuda.current_device()))
-    name = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-    return startup.ensure_kernels(num_v_heads, num_k_heads, target=module.ARCH, io_dtype=name[io_dtype],
-                                  state_dtype=name[state_dtype])
+    return startup.ensure_kernels(num_v_heads, num_k_heads, target=module.ARCH,
+                                  io_dtype=str(io_dtype).removeprefix("torch."),
+                                  state_dtype=str(state_dtype).removeprefix("torch."))
 
 
 def _split_qkv(x: torch.Tensor, num_k_heads: int, num_v_heads: int):

@@ -26,7 +26,7 @@ import os
 import time
 from pathlib import Path
 
-from .precompile import HeadRequest, Summary, cache_dir, discover_modules, enumerate_jobs, run_jobs
+from .precompile import HeadRequest, cache_dir, discover_modules, enumerate_jobs, run_jobs
 
 log = logging.getLogger("qla_serve")
 
@@ -114,17 +114,12 @@ def ensure_kernels(num_v_heads: int, num_k_heads: int, *, target: str, io_dtype:
                                f"at start-up: " + "; ".join(summary.problems + summary.failures[:3]))
         os.makedirs(os.path.dirname(marker), exist_ok=True)
         Path(marker).write_text(f"{what}\n{len(jobs)} kernels\n")
-    line = _summary_line(summary, len(jobs), what, root)
+    line = (f"qla_serve: {len(jobs)} TileLang kernels for {what} ready in {summary.seconds:.1f} s: "
+            f"{summary.cached} from the cache, {summary.compiled} compiled ({root})")
+    if summary.compiled:
+        line += (f"; compile them ahead of time: `qla-serve precompile --heads {num_k_heads}/{num_v_heads} "
+                 f"--arch {target} -j N` with this TILELANG_CACHE_DIR, or use the images")
     log.log(logging.WARNING if summary.compiled else logging.INFO, line)
     _DONE[key] = line
     return line
 
-
-def _summary_line(summary: Summary, n: int, what: str, root: str) -> str:
-    line = (f"qla_serve: {n} TileLang kernels for {what} ready in {summary.seconds:.1f} s: "
-            f"{summary.cached} from the cache, {summary.compiled} compiled ({root})")
-    if summary.compiled:
-        heads = what.split(",")[0].split()[-1]
-        line += (f"; compile them ahead of time: `qla-serve precompile --heads {heads} --arch "
-                 f"{what.split(', ')[-1]} -j N` with this TILELANG_CACHE_DIR, or use the images")
-    return line

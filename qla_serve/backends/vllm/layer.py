@@ -247,13 +247,11 @@ class QlaQwenGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         self.qla_checkpoints = writes_checkpoints(vllm_config)
         if hasattr(self, "_checkpoint_alignment"):
             self._checkpoint_alignment = CHECKPOINT_ALIGNMENT if self.qla_checkpoints else None
-        if not current_platform.is_cpu():   # every kernel the layer can run, built before serving
-            gdn_layer.ensure_kernels(torch.device("cuda", torch.cuda.current_device()),
-                                     self.num_v_heads // self.tp_size, self.num_k_heads // self.tp_size,
-                                     vllm_config.model_config.dtype, self.get_state_dtype()[1])
-        if not _logged:
+        if not _logged:   # once per process: the paths logged, every kernel built before serving
             _logged.append(True)
             dev = "cpu" if current_platform.is_cpu() else torch.device("cuda", torch.cuda.current_device())
+            gdn_layer.ensure_kernels(dev, self.num_v_heads // self.tp_size, self.num_k_heads // self.tp_size,
+                                     vllm_config.model_config.dtype, self.get_state_dtype()[1])
             paths = {op: qla_serve.explain_path(op, dev, vllm_config.model_config.dtype)
                      for op in ("prefill", "decode", "verify")}
             level = logging.WARNING if current_platform.is_cpu() else logging.INFO
