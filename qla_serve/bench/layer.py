@@ -16,7 +16,10 @@ Implementations, same inputs and caches:
 
 * ``qla``: qla_serve's adapter core. :func:`qla_serve.backends.gdn_layer.make_step_plan` once per
   step (host code; its median host time is the "plan host us" column), then
-  :func:`~qla_serve.backends.gdn_layer.gdn_layer_forward`.
+  :func:`~qla_serve.backends.gdn_layer.gdn_layer_forward`. The step's slot ids (engine ids -> the
+  ops' int32 ids, on the device) are derived with the plan, outside the timed layer call: an engine
+  derives them in its first GDN layer of the step and every later layer reuses them. Their GPU time
+  is the JSON's ``step_ids_gpu_us``, once per step.
 * ``fla``: the same layer composed from flash-linear-attention 0.6's Triton ops (``FLA_FLASH_QLA=0``
   is set, so FLA runs its own kernels, not FlashQLA's): ``fla.modules.convolution.causal_conv1d``
   (varlen prefill, the conv cache as initial state, the final state written back) and
@@ -350,7 +353,34 @@ class LayerCase:
 # ---------------------------------------------------------------------------------------------
 
 def qla_step(case: LayerCase, i: int, cp: str = "auto"):
-    """The step plan of slot set i, as an adapter builds it once per step."""
+    """The step plan of slot set i, as an adapter builds it once per step. Its slot ids are
+    derived here, once (an engine's first GDN layer of the step derives them, every later layer
+    reuses them): a layer call then times one layer's work, as the composed layers' calls do
+    (their ids are uploaded per step). :func:`step_ids_gpu_us` times the derivation itself."""
+    step = _qla_plan(case, i, cp)
+    for kind in step_id_kinds(step):
+        step.ids(kind)
+    return step
+
+
+def step_id_kinds(step) -> list[str]:
+    """The slot-id kinds a bench step's layers ask for (its rows hold decodes and prefills)."""
+    return ["decode"] * bool(step.num_decodes) + ["prefill"] * (step.prefill_plan is not None)
+
+
+def step_ids_gpu_us(case: LayerCase, reps: int) -> float:
+    """GPU us of one step's slot-id derivation (StepPlan.ids for every kind the step uses, all in
+    one CUDA graph): what an engine pays once per step on top of its layers' calls."""
+    import torch
+
+    from qla_serve.bench import decode as bdec
+
+    step = _qla_plan(case, 0, "auto")
+    kinds = step_id_kinds(step)
+    return bdec._graph_time_us(torch, [lambda: [step._derive(k) for k in kinds]], reps)
+
+
+def _qla_plan(case: LayerCase, i: int, cp: str):
     import torch
 
     from qla_serve.backends import gdn_layer
@@ -728,6 +758,8 @@ def time_impl(impl, case: LayerCase, nsets: int, args, ops) -> dict:
     wall, issue = host_us(fns[0], args.host_reps)
     rec["host_wall_us"], rec["host_issue_us"] = round(wall, 2), round(issue, 2)
     rec["slot_sets"] = nsets
+    if impl == "qla":
+        rec["step_ids_gpu_us"] = round(step_ids_gpu_us(case, args.reps), 3)
     return rec
 
 

@@ -24,7 +24,9 @@ def test_conv_variant_compiles(variant, target):
         assert "__shfl_xor_sync" in src and "half_t* __restrict__ Qo" in src   # q/k L2 norm, fp16 out
         assert "Cu[((int64_t)mid)]" in src            # sequences found from cu_seqlens, no index tensors
         assert "int ntok" in src and "int walk" in src    # a half-warp walks several token groups
-        assert "__shared__" not in src and "__syncthreads" not in src   # taps from registers, no barrier
+        # rows through a per-thread cp.async ring, waited for STAGES - 1 steps later: no barrier
+        assert "cp_async_gs_conditional<16>" in src and f"cp_async_wait<{C.STAGES - 1}>" in src
+        assert "__syncthreads" not in src
     if variant["op"] == "conv_spec":
         assert f"float win[{3 + variant['draft']}];" in src   # history + D draft inputs in registers
 
@@ -38,12 +40,16 @@ def test_verify_slots_compiles(target):
 
 
 def test_steps_per_walk():
-    """~CTAS_PER_SM CTAs per SM where the batch has the tokens, at most MAX_STEPS_PER_WALK steps
-    (of GROUP tokens per half-warp, WALKERS half-warps per CTA) each."""
+    """Short walks (<= SHORT_WALK_STEPS) that leave ~CTAS_PER_SM CTAs per SM while the batch is
+    small; long ones (<= MAX_STEPS_PER_WALK) once it gives LONG_WALK_CTAS_PER_SM CTAs per SM of
+    them (steps of GROUP tokens per half-warp, WALKERS half-warps per CTA)."""
     per_step = C.GROUP * C.WALKERS
     assert C.steps_per_walk(1, 12, 132) == 1
     assert C.steps_per_walk(16 * 512, 12, 132) == 16 * 512 // per_step * 12 // (132 * C.CTAS_PER_SM)
-    assert C.steps_per_walk(32768, 12, 132) == C.MAX_STEPS_PER_WALK
+    assert C.steps_per_walk(32768, 12, 132) == C.SHORT_WALK_STEPS     # 2/8 heads: short walks
+    steps = 32768 // per_step * 96                                      # 16/64 heads: long ones
+    assert C.steps_per_walk(32768, 96, 132) == steps // (132 * C.LONG_WALK_CTAS_PER_SM)
+    assert C.steps_per_walk(1 << 20, 96, 132) == C.MAX_STEPS_PER_WALK
 
 
 def test_conv_variants_are_unique_and_checked():

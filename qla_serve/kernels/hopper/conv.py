@@ -19,9 +19,10 @@ formulas in torch; float64 truth in the layer tests):
   q | k | v split, q and k L2-normalised (fp32 math, stored in the variant's q/k dtype: fp16
   where the Hopper prefill takes it), and g, beta from the raw a, b (as prefill_inputs.py).
   Grid (token ranges, 2 Hk + Hv channel blocks of 128); each half-warp of a CTA walks
-  ``walk`` x GROUP consecutive tokens of one channel block (``walk`` chosen on the host for
-  ~8 CTAs per SM), lane g holding channels 8g..8g+7: GROUP input rows load into registers in
-  16-byte vectors (x's row stride must be a multiple of 8 elements, its base 16-byte
+  ``walk`` x GROUP consecutive tokens of one channel block (``walk`` chosen on the host:
+  steps_per_walk), lane g holding channels 8g..8g+7: GROUP input rows at a time arrive in
+  registers through a per-thread cp.async ring in shared memory, STAGES - 1 steps ahead, in
+  16-byte pieces (x's row stride must be a multiple of 8 elements, its base 16-byte
   aligned), and each token's taps come from the registers holding the rows before it, or
   from the conv state at a sequence's first W - 1 tokens. A token row's 128 channels sit in
   16 adjacent lanes, so the q/k L2 norm is 4 xor-shuffles, and every output is a 16-byte
@@ -59,8 +60,18 @@ WALKERS = 8                   # half-warps per CTA (128 threads)
 CONV_STATE_DTYPES = ("bfloat16", "float16", "float32")
 WIDTHS = (2, 3, 4, 5, 6, 7, 8)
 ACTIVATIONS = ("silu", "none")
-CTAS_PER_SM = 8               # conv_prefill: CTAs per SM the steps-per-walk choice aims at
-MAX_STEPS_PER_WALK = 8
+# conv_prefill's walk length (steps_per_walk): short walks (<= 8 steps) while the batch gives
+# fewer than ~CTAS_PER_SM CTAs per SM of them, long walks (<= 32 steps) once it gives
+# LONG_WALK_CTAS_PER_SM of those (H200, benchmarks/layer.md: 16/64 x 32768 701 -> 689 us at 32
+# steps against 753 at 8; 2/8 x 32768 103 us at 8 steps, 139 at 16)
+CTAS_PER_SM = 8
+SHORT_WALK_STEPS = 8
+LONG_WALK_CTAS_PER_SM = 24
+MAX_STEPS_PER_WALK = 32
+# conv_prefill's cp.async ring depth: each step's rows start STAGES - 1 steps ahead. H200: 3-4%
+# faster at 2/8, 7% at 16/64 than rows loaded straight into registers (the form before it); 4
+# stages between the two (benchmarks/layer.md).
+STAGES = 3
 MAX_SEQS = 1 << 20            # the binary search runs 20 steps
 _SEARCH_STEPS = 20
 OPS = ("conv_prefill", "conv_prefill_state", "conv_decode", "conv_spec")
@@ -69,12 +80,13 @@ OPS = ("conv_prefill", "conv_prefill_state", "conv_decode", "conv_spec")
 def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weight: str | None = None,
             activation: str = "silu", bias: bool = True, qk_out: str | None = None,
             ab: str | None = None, param: str | None = None, gbias: str | None = None,
-            draft: int = 0) -> dict:
+            draft: int = 0, stages: int = 3) -> dict:
     """A JSON-serialisable variant description; ``name`` identifies it.
 
     io: x's dtype (and the outputs' but q/k's); state: the conv state's; weight: the conv
     weight's and bias's (default io); qk_out: conv_prefill's q/k dtype (default io); ab,
-    param, gbias: conv_prefill's a/b, A_log, dt_bias dtypes; draft: conv_spec's D."""
+    param, gbias: conv_prefill's a/b, A_log, dt_bias dtypes; draft: conv_spec's D; stages:
+    conv_prefill's cp.async ring depth (STAGES)."""
     weight = weight or io
     if op not in OPS:
         raise ValueError(f"variant op: expected one of {OPS}, got {op!r}")
@@ -96,8 +108,10 @@ def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weigh
                                      ("A_log", param, _GATE_DTYPES), ("dt_bias", gbias, _GATE_DTYPES)):
             if dtype not in allowed:
                 raise ValueError(f"{what} dtype: expected one of {allowed}, got {dtype}")
-        v.update(qk_dtype=qk_out, ab_dtype=ab, param_dtype=param, bias_dtype=gbias)
-        name += f"_qk-{qk_out}_ab-{ab}-{param}-{gbias}"
+        if stages not in (2, 3, 4, 5, 6):
+            raise ValueError(f"conv_prefill stages: expected 2..6, got {stages}")
+        v.update(qk_dtype=qk_out, ab_dtype=ab, param_dtype=param, bias_dtype=gbias, stages=stages)
+        name += f"_qk-{qk_out}_ab-{ab}-{param}-{gbias}_st{stages}"
     if op == "conv_spec":
         if not (isinstance(draft, int) and 1 <= draft <= 16):
             raise ValueError(f"draft depth: expected 1..16 tokens per sequence, got {draft}")
@@ -125,7 +139,7 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
             common = dict(bias=has_bias)
             for param, gbias in _GATE_PARAMS(io):
                 out.append(variant("conv_prefill", num_v_heads, num_k_heads, 4, io, io, qk_out="float16",
-                                   ab=io, param=param, gbias=gbias, **common))
+                                   ab=io, param=param, gbias=gbias, stages=STAGES, **common))
             out.append(variant("conv_prefill_state", num_v_heads, num_k_heads, 4, io, io, **common))
             out.append(variant("conv_decode", num_v_heads, num_k_heads, 4, io, io, **common))
             for d in (2, 3, 4):
@@ -297,20 +311,23 @@ def _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, act):
 
     A CTA of 128 threads is 8 half-warps; a half-warp owns one 128-channel block (the grid's
     second axis) of ``GROUP * walk`` consecutive tokens, lane g channels 8g..8g+7. It
-    walks them GROUP tokens at a time: the group's input rows load into registers
-    (16-byte vectors, all in flight together), then each token's W taps come from the
-    registers holding the previous W - 1 rows and its own (no shared memory, no block
-    barrier); taps before a sequence's start come from the conv state. A token's sequence is
+    walks them GROUP tokens at a time: each thread's 16-byte pieces of the group's rows were
+    copied (cp.async) into its own part of a STAGES-deep shared ring STAGES - 1 steps
+    earlier; it waits for its own copies (no block barrier: no thread reads another's piece),
+    moves the rows into registers, and each token's W taps come from the registers holding
+    the previous W - 1 rows and its own; taps before a sequence's start come from the conv
+    state. A token's sequence is
     tracked as the walk goes (a binary search in cu_seqlens only when the walk crosses into a
     new sequence). The row's 16 lanes reduce the q/k L2 norm by xor-shuffles; lanes 0..GROUP-1
-    compute the group's gates. (The form before it staged 32-token tiles through shared memory
-    with a block barrier per tile: the same time at 2/8 heads, 5-7% slower at 16/64;
-    benchmarks/layer.md.)"""
+    compute the group's gates. (Forms before it: rows loaded straight into registers, 3-7%
+    slower; 32-token tiles through shared memory with a block barrier per tile, slower still
+    at 16/64; benchmarks/layer.md.)"""
     Hv, Hk, W = v["num_v_heads"], v["num_k_heads"], v["width"]
     io, qk = v["io_dtype"], v["qk_dtype"]
     ab, prm, gb = v["ab_dtype"], v["param_dtype"], v["bias_dtype"]
     f32, i32 = "float32", "int32"
     U = GROUP
+    NS = v["stages"]
     VEC, LANES = 8, HEAD_DIM // 8        # 16-byte vectors; a half-warp covers 128 channels
     ntok, N = T.dynamic("ntok N")
     sx0, sa0, sa1, sb0, sb1, sal, sdt = T.dynamic("sx0 sa0 sa1 sb0 sb1 sal sdt")
@@ -332,6 +349,17 @@ def _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, act):
         seq[0] = Cu[lo]
         seq[1] = Cu[lo + 1]
         seq[2] = T.if_then_else(HasInit[lo] != 0, Slots[lo], -1)
+
+    @T.macro
+    def issue_rows(X, ring, t0, tend, wk, g, c0, slot):
+        # one cp.async group: rows t0..t0+U-1 of this lane's 8 channels into ring[slot] (rows at
+        # or past tend: zero-filled, not read; the group is committed either way so that every
+        # step's wait counts the same groups)
+        for u in T.unroll(U):
+            T.call_extern("handle", "tl::cp_async_gs_conditional<16>",
+                          T.address_of(ring[slot, wk, u, g * VEC]),
+                          T.address_of(X[T.min(t0 + u, ntok - 1), c0 + g * VEC]), t0 + u < tend)
+        T.ptx_commit_group()
 
     @T.macro
     def conv_token(CS, Qo, Ko, Vo, kind, t, tend, u, c0, hb, g, w, bias8, acc, buf, seq):
@@ -404,6 +432,8 @@ def _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, act):
             acc = T.alloc_local((VEC,), f32)
             buf = T.alloc_local((H + U, VEC), io)
             seq = T.alloc_local((3,), i32)      # the current sequence's start, end, history slot
+            wk = tx // LANES
+            ring = T.alloc_shared((NS, WALKERS, U, HEAD_DIM), io)   # per-thread pieces, see issue_rows
             for i in T.unroll(W):
                 for e in T.unroll(VEC):
                     w[i, e] = T.cast(Wt[c0 + g * VEC + e, i], f32)
@@ -418,12 +448,17 @@ def _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, act):
                 if tb - H + i >= seq[0] and tb - H + i < ntok:
                     for e in T.vectorized(VEC):
                         buf[i, e] = X[tb - H + i, c0 + g * VEC + e]
+            for p in T.unroll(NS - 1):
+                issue_rows(X, ring, tb + p * U, tend, wk, g, c0, p)
             for step in T.serial(walk):
                 tg = tb + step * U
+                # rows of step + NS - 1 start while this step computes; each thread reads back
+                # only the 16-byte pieces it copied itself (no barrier)
+                issue_rows(X, ring, tg + (NS - 1) * U, tend, wk, g, c0, (step + NS - 1) % NS)
+                T.ptx_wait_group(NS - 1)
                 for u in T.unroll(U):
-                    if tg + u < tend:
-                        for e in T.vectorized(VEC):
-                            buf[H + u, e] = X[tg + u, c0 + g * VEC + e]
+                    for e in T.vectorized(VEC):
+                        buf[H + u, e] = ring[step % NS, wk, u, g * VEC + e]
                 for u in T.unroll(U):
                     t = tg + u
                     if t >= seq[1] and t < tend:  # the walk enters the next (non-empty) sequence
@@ -448,7 +483,10 @@ def _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, act):
 
 def build(v: dict, target: str):
     """Compile variant ``v`` for ``target`` ("sm_90a" or "sm_100a") through TileLang's cache."""
-    return compile_for(_program, v, target)
+    # conv_prefill's shared memory is a per-thread ring (each thread reads back only what its
+    # own cp.async wrote, after its own wait): the block barrier TileLang would insert is not
+    # needed. The other programs use no shared memory.
+    return compile_for(_program, v, target, {"tl.disable_thread_storage_sync": True})
 
 
 # ----------------------------------------------------------------------------------------
@@ -486,11 +524,14 @@ def _names(x, conv_state, weight):
 
 
 def steps_per_walk(num_tokens: int, channel_blocks: int, sm_count: int) -> int:
-    """conv_prefill's GROUP-token steps per half-warp walk: enough CTAs for CTAS_PER_SM on every
-    SM, at most MAX_STEPS_PER_WALK steps (a walk's first rows load with nothing to overlap)."""
-    ctas_wanted = sm_count * CTAS_PER_SM
+    """conv_prefill's GROUP-token steps per half-warp walk. Longer walks cost fewer walk starts
+    (a binary search, the W - 1 rows before the walk, a pipeline fill) but give fewer CTAs: up to
+    SHORT_WALK_STEPS while that leaves CTAS_PER_SM CTAs per SM, and up to MAX_STEPS_PER_WALK
+    where the batch still gives LONG_WALK_CTAS_PER_SM of them (many heads, long batches)."""
     steps = -(-num_tokens // (GROUP * WALKERS)) * channel_blocks
-    return max(1, min(MAX_STEPS_PER_WALK, steps // ctas_wanted))
+    short = min(SHORT_WALK_STEPS, steps // (sm_count * CTAS_PER_SM))
+    long = min(MAX_STEPS_PER_WALK, steps // (sm_count * LONG_WALK_CTAS_PER_SM))
+    return max(1, short, long)
 
 
 def conv_prefill(x, conv_state, weight, bias, slot_ids, has_initial_state, cu_seqlens, a, b, A_log,
@@ -504,15 +545,16 @@ def conv_prefill(x, conv_state, weight, bias, slot_ids, has_initial_state, cu_se
         raise ValueError(f"slot_ids: the conv prefill kernel takes at most {MAX_SEQS} sequences, got {N}")
     hv, hk, width = v_out.shape[1], q_out.shape[1], weight.shape[1]
     if T_:
+        stages = STAGES
         key = ("conv_prefill", x.device, x.dtype, conv_state.dtype, weight.dtype, q_out.dtype, a.dtype,
-               A_log.dtype, dt_bias.dtype, hv, hk, width, activation, bias is not None)
+               A_log.dtype, dt_bias.dtype, hv, hk, width, activation, bias is not None, stages)
 
         def make():
             io, sdt, wdt = _names(x, conv_state, weight)
             ab, prm, gb = gate_dtype_names(a, b, A_log, dt_bias)
             return variant("conv_prefill", hv, hk, width, io, sdt, weight=wdt, activation=activation,
                            bias=bias is not None, qk_out=_dtype_name(q_out.dtype, "q_out", _IO_DTYPES),
-                           ab=ab, param=prm, gbias=gb)
+                           ab=ab, param=prm, gbias=gb, stages=stages)
         walk = steps_per_walk(T_, 2 * hk + hv, sm_count(x.device))
         _launch_fn(key, make, x.device)(x, conv_state, weight, _bias_arg(bias, weight), slot_ids,
                                         has_initial_state, cu_seqlens, a, b, A_log, dt_bias,

@@ -552,18 +552,18 @@ def _commit_program(variant: dict):
 # Compilation and in-process cache
 # ----------------------------------------------------------------------------------------
 
-def compile_for(make_program, variant: dict, target: str):
+def compile_for(make_program, variant: dict, target: str, pass_configs: dict | None = None):
     """Compile ``make_program(variant)`` for ``target`` ("sm_90a" or "sm_100a") through
     TileLang's cache: the build() of this module, prefill_inputs.py and conv.py. The target is
     checked before the program is built (a bad target fails fast); the explicit target (never
     "auto") makes a cache filled on a GPU-less machine (TILELANG_CACHE_DIR) a hit on the GPU.
-    Returns the tilelang JITKernel."""
+    ``pass_configs``: TileLang pass settings on top of the package's. Returns the JITKernel."""
     import tilelang
 
     if target not in _TARGETS:
         raise ValueError(f"target: expected one of {_TARGETS}, got {target!r}")
     return tilelang.compile(make_program(variant), target={"kind": "cuda", "arch": target},
-                            execution_backend="tvm_ffi", pass_configs=dict(_PASS_CONFIGS))
+                            execution_backend="tvm_ffi", pass_configs={**_PASS_CONFIGS, **(pass_configs or {})})
 
 
 def build(variant: dict, target: str):

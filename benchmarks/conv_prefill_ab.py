@@ -1,0 +1,80 @@
+"""conv_prefill forms side by side (GPU time of the kernel, torch profiler), each checked
+bit-for-bit against the first form on the same inputs and caches.
+
+    python benchmarks/conv_prefill_ab.py --heads 2/8,16/64 --rows 1x32768,16x512,4x8192 \
+        --forms 3:auto,3:8,3:32,4:auto
+
+A form is ``stages:walk``: conv.STAGES (the cp.async ring depth) and the steps per half-warp walk
+(a number, or "auto": conv.steps_per_walk's choice). A benchmark, not a test; two rounds, forms
+interleaved, so that drift shows.
+"""
+
+import argparse
+
+import torch
+
+from qla_serve import layer_ops
+from qla_serve.bench import layer as L
+from qla_serve.kernels.hopper import conv
+
+
+_AUTO_WALK = conv.steps_per_walk
+
+
+def run_form(case, step, stages, walk):
+    conv.STAGES = int(stages)
+    conv.steps_per_walk = _AUTO_WALK if walk == "auto" else (lambda *_: int(walk))
+    x, a, b = case.mixed_qkv[: case.row.tokens], case.a[: case.row.tokens], case.b[: case.row.tokens]
+    plan = step.prefill_plan
+    return lambda: layer_ops.gdn_layer_prefill_inputs(
+        x, a, b, case.conv_state, step.ids("prefill"), plan, conv_weight=case.conv_weight,
+        conv_bias=case.conv_bias, has_initial_state=step.prefill_has_initial_state, A_log=case.A_log,
+        dt_bias=case.dt_bias, num_k_heads=case.hk, qk_dtype=torch.float16)
+
+
+def kernel_us(fn, calls):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    t = sum(e.device_time_total for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA and "conv_prefill_kernel" in e.name)
+    return t / calls
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--heads", default="2/8,16/64")
+    ap.add_argument("--rows", default="1x32768,16x512,4x8192")
+    ap.add_argument("--forms", default="3:auto,4:auto")
+    ap.add_argument("--calls", type=int, default=20)
+    args = ap.parse_args()
+    forms = [tuple(f.split(":")) for f in args.forms.split(",")]
+    for hk, hv in L.parse_heads(args.heads):
+        for text in args.rows.split(","):
+            case = L.LayerCase(hk, hv, L.parse_row(text), torch.float32, "cuda")
+            step = L.qla_step(case, 0)
+            snap = case.snapshot()
+            want = None
+            same = {}
+            for f in forms:                       # exactness: every form from the same caches
+                case.restore(snap)
+                got = [t.clone() for t in run_form(case, step, *f)()] + [case.conv_state.clone()]
+                if want is None:
+                    want = got
+                same[f] = all(torch.equal(g.nan_to_num(7.0), w.nan_to_num(7.0)) for g, w in zip(got, want))
+            times = {f: [] for f in forms}
+            for _ in range(2):
+                for f in forms:
+                    times[f].append(kernel_us(run_form(case, step, *f), args.calls))
+            case.restore(snap)
+            line = "  ".join(f"{':'.join(f)} {t[0]:.1f}/{t[1]:.1f}{'' if same[f] else ' DIFFERS'}"
+                             for f, t in times.items())
+            print(f"{hk}/{hv} {text:>8}: {line}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
