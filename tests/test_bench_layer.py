@@ -411,7 +411,7 @@ def test_tables():
 @pytest.fixture
 def stub_gpu(monkeypatch):
     """torch.cuda.synchronize as a no-op and the timing helpers as stubs that run the calls once;
-    the third graph (flashinfer, after qla and fla) fails to capture."""
+    the fourth graph (flashinfer, after qla's layer and step-id graphs and fla's) fails to capture."""
     from qla_serve.bench import decode as bdec
     from qla_serve.bench import prefill as bpre
 
@@ -419,7 +419,7 @@ def stub_gpu(monkeypatch):
 
     def graph_time_us(torch_, fns, reps):
         graphs.append(len(fns))
-        if len(graphs) == 3:
+        if len(graphs) == 4:
             raise RuntimeError("operation not permitted when stream is capturing")
         for f in fns:
             f()
@@ -445,10 +445,11 @@ def test_run_point_decode(stub_gpu):
     ops = {i: standin_ops(i) for i in ("fla", "flashinfer")}
     rec = L.run_point(2, 4, L.parse_row("d3"), "fp32", _args("--check"), ops, {}, device="cpu")
     assert (rec["heads"], rec["row"], rec["state"], rec["tokens"], rec["decodes"]) == ("2/4", "d3", "fp32", 3, 3)
-    assert stub_gpu == [2, 2, 2]                       # one graph of 2 slot sets per impl
+    assert stub_gpu == [2, 1, 2, 2]      # one graph of 2 slot sets per impl; qla's step ids once
     q, f, fi = (rec["impls"][i] for i in ("qla", "fla", "flashinfer"))
-    assert (q["gpu_us"], q["timing"], f["gpu_us"], q["slot_sets"]) == (7.0, "graph", 14.0, 2)
-    assert rec["qla_over_fla"] == 0.5 and "qla_over_flashinfer" not in rec
+    assert (q["gpu_us"], q["timing"], f["gpu_us"], q["slot_sets"]) == (7.0, "graph", 21.0, 2)
+    assert q["step_ids_gpu_us"] == 14.0 and "step_ids_gpu_us" not in f
+    assert rec["qla_over_fla"] == 0.333 and "qla_over_flashinfer" not in rec
     assert fi["gpu_us"] is None and fi["timing"] == "n/a" and "stream is capturing" in fi["gpu_na"]
     assert fi["profiler_us"] == 12.0
     for x in (q, f, fi):
@@ -460,7 +461,7 @@ def test_run_point_prefill_and_missing_impl(stub_gpu):
     ops = {"fla": standin_ops("fla")}
     missing = {"flashinfer": "not installed (ModuleNotFoundError: No module named 'flashinfer')"}
     rec = L.run_point(2, 4, L.parse_row("d1+20+5"), "bf16", _args("--check"), ops, missing, device="cpu")
-    assert stub_gpu == []
+    assert stub_gpu == [1]                             # qla's step ids (prefill rows: no graphs)
     assert rec["impls"]["qla"]["gpu_us"] == rec["impls"]["fla"]["gpu_us"] == 500.0
     assert rec["impls"]["qla"]["slot_sets"] == 1 and rec["qla_over_fla"] == 1.0
     assert rec["impls"]["flashinfer"] == {"error": missing["flashinfer"]}

@@ -42,14 +42,14 @@ def test_verify_slots_compiles(target):
 def test_steps_per_walk():
     """Short walks (<= SHORT_WALK_STEPS) that leave ~CTAS_PER_SM CTAs per SM while the batch is
     small; long ones (<= MAX_STEPS_PER_WALK) once it gives LONG_WALK_CTAS_PER_SM CTAs per SM of
-    them (steps of GROUP tokens per half-warp, WALKERS half-warps per CTA)."""
+    them (steps of GROUP tokens per half-warp, WALKERS half-warps per CTA); powers of two."""
     per_step = C.GROUP * C.WALKERS
     assert C.steps_per_walk(1, 12, 132) == 1
     assert C.steps_per_walk(16 * 512, 12, 132) == 16 * 512 // per_step * 12 // (132 * C.CTAS_PER_SM)
     assert C.steps_per_walk(32768, 12, 132) == C.SHORT_WALK_STEPS     # 2/8 heads: short walks
-    steps = 32768 // per_step * 96                                      # 16/64 heads: long ones
-    assert C.steps_per_walk(32768, 96, 132) == steps // (132 * C.LONG_WALK_CTAS_PER_SM)
-    assert C.steps_per_walk(1 << 20, 96, 132) == C.MAX_STEPS_PER_WALK
+    assert C.steps_per_walk(32768, 96, 132) == C.MAX_STEPS_PER_WALK     # 16/64 heads: long ones
+    assert C.steps_per_walk(16 * 512, 96, 132) == C.SHORT_WALK_STEPS
+    assert C.steps_per_walk(8192, 24, 132) == 4                         # a power of two (5.8 -> 4)
 
 
 def test_conv_variants_are_unique_and_checked():

@@ -184,3 +184,83 @@ def test_conv_decode_captures_in_a_graph():
     want = torch.empty_like(y)
     reference_conv.conv_decode(x, ref_cs, w, bv, ids, num_v_heads=hv, activation="silu", out=want)
     assert _rel(y, want) < 4e-3 and _rel(cs, ref_cs) < 4e-3
+
+
+def _decode_step_inputs(gen, hk, hv, B, S, io, pool_dtype, layout, bias, extra_cols=0):
+    """Inputs and caches of one decode step: random distinct slots, every 5th row padding (-1)."""
+    dim, W = (2 * hk + hv) * HEAD, 4
+    x = torch.randn(B, dim + 64, generator=gen).to("cuda", io)[:, 32:32 + dim]      # row-strided
+    a, b = (torch.randn(B, hv, generator=gen).to("cuda", io) for _ in range(2))
+    A_log = (torch.rand(hv, generator=gen) - 1.0).cuda()
+    dt_bias = (torch.randn(hv, generator=gen) * 0.1).to("cuda", io)                 # vLLM's dtypes
+    w, bv = _weights(dim, W, io, gen, bias)
+    cs = _conv_cache(S, dim, W - 1 + extra_cols, io, layout, gen)
+    pool = (torch.randn(S, hv, HEAD, HEAD, generator=gen) * 0.1).to("cuda", pool_dtype)
+    ids = torch.randperm(S, generator=gen)[:B].to(torch.int32)
+    ids[::5] = -1
+    return x, a, b, A_log, dt_bias, w, bv, cs, pool, ids.cuda()
+
+
+def _two_launches(x, a, b, A_log, dt_bias, w, bv, cs, pool, ids, hk, out):
+    """The decode step as two launches: conv (conv.py), then decode (decode.py) on its q | k | v."""
+    import qla_serve
+    hv = pool.shape[1]
+    y = layer_ops.causal_conv_decode(x, cs, ids, conv_weight=w, conv_bias=bv, num_v_heads=hv)
+    kd, B = hk * HEAD, x.shape[0]
+    q, k, v = y[:, :kd].view(B, hk, HEAD), y[:, kd:2 * kd].view(B, hk, HEAD), y[:, 2 * kd:].view(B, hv, HEAD)
+    qla_serve.gdn_decode(q, k, v, pool, ids, a=a, b=b, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm=True,
+                         out=out)
+
+
+def _same(got, want):
+    return torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hk,hv", [(2, 8), (4, 4), (1, 16)])      # G = 4, 1, 16
+@pytest.mark.parametrize("layout", ["dim_first", "seq_first"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("io", [torch.bfloat16, torch.float16])
+def test_layer_decode_matches_two_launches(pool_dtype, hk, hv, layout, bias, io):
+    """The one-launch decode step (decode_fused.py) equals the two launches it fuses (each checked
+    against the reference above and in test_decode_gpu.py) bit for bit: outputs, pool and conv
+    state, every slot; three steps in a row (the q/k windows' arrival counters return to 0), a
+    conv state with a column past the window (left as it is)."""
+    gen = torch.Generator().manual_seed(hk * 31 + hv + bias)
+    B, S = 37, 64
+    x, a, b, A_log, dt_bias, w, bv, cs, pool, ids = _decode_step_inputs(gen, hk, hv, B, S, io, pool_dtype,
+                                                                        layout, bias, extra_cols=1)
+    cs2, pool2 = cs.clone(), pool.clone()
+    for step in range(3):
+        if step:
+            x.copy_(torch.randn(x.shape, generator=gen).to("cuda", io))
+        o = torch.full((B, hv, HEAD), 9.0, dtype=io, device="cuda")
+        o2 = o.clone()
+        layer_ops.gdn_layer_decode(x, a, b, cs, pool, ids, conv_weight=w, conv_bias=bv, A_log=A_log,
+                                   dt_bias=dt_bias, num_k_heads=hk, out=o)
+        _two_launches(x, a, b, A_log, dt_bias, w, bv, cs2, pool2, ids, hk, o2)
+        assert torch.isfinite(o).all()
+        assert _same(o, o2), f"step {step}: out differs (max {float((o.float() - o2.float()).abs().max())})"
+        assert _same(pool, pool2), f"step {step}: pool differs"
+        assert _same(cs, cs2), f"step {step}: conv state differs"
+
+
+def test_layer_decode_replays_in_a_graph():
+    """Captured once, replayed with fresh inputs: each replay equals an eager two-launch step."""
+    gen = torch.Generator().manual_seed(5)
+    hk, hv, B, S = 2, 8, 16, 40
+    x, a, b, A_log, dt_bias, w, bv, cs, pool, ids = _decode_step_inputs(gen, hk, hv, B, S, torch.bfloat16,
+                                                                        torch.float32, "seq_first", False)
+    o = torch.empty(B, hv, HEAD, dtype=torch.bfloat16, device="cuda")
+    kw = dict(conv_weight=w, conv_bias=bv, A_log=A_log, dt_bias=dt_bias, num_k_heads=hk, out=o)
+    layer_ops.gdn_layer_decode(x, a, b, cs, pool, ids, **kw)          # compile, allocate the counters
+    cs2, pool2 = cs.clone(), pool.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        layer_ops.gdn_layer_decode(x, a, b, cs, pool, ids, **kw)
+    for _ in range(3):
+        x.copy_(torch.randn(x.shape, generator=gen).to("cuda", torch.bfloat16))
+        graph.replay()
+        o2 = torch.empty_like(o)
+        _two_launches(x, a, b, A_log, dt_bias, w, bv, cs2, pool2, ids, hk, o2)
+        assert _same(o, o2) and _same(pool, pool2) and _same(cs, cs2)

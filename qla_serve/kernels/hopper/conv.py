@@ -62,11 +62,11 @@ WIDTHS = (2, 3, 4, 5, 6, 7, 8)
 ACTIVATIONS = ("silu", "none")
 # conv_prefill's walk length (steps_per_walk): short walks (<= 8 steps) while the batch gives
 # fewer than ~CTAS_PER_SM CTAs per SM of them, long walks (<= 32 steps) once it gives
-# LONG_WALK_CTAS_PER_SM of those (H200, benchmarks/layer.md: 16/64 x 32768 701 -> 689 us at 32
-# steps against 753 at 8; 2/8 x 32768 103 us at 8 steps, 139 at 16)
+# LONG_WALK_CTAS_PER_SM of those (H200, benchmarks/layer.md: 16/64 x 32768 680 us at 32 steps
+# against 752 at 8; 2/8 x 32768 104 us at 8 steps, 164 at 32)
 CTAS_PER_SM = 8
 SHORT_WALK_STEPS = 8
-LONG_WALK_CTAS_PER_SM = 24
+LONG_WALK_CTAS_PER_SM = 20
 MAX_STEPS_PER_WALK = 32
 # conv_prefill's cp.async ring depth: each step's rows start STAGES - 1 steps ahead. H200: 3-4%
 # faster at 2/8, 7% at 16/64 than rows loaded straight into registers (the form before it); 4
@@ -75,6 +75,13 @@ STAGES = 3
 MAX_SEQS = 1 << 20            # the binary search runs 20 steps
 _SEARCH_STEPS = 20
 OPS = ("conv_prefill", "conv_prefill_state", "conv_decode", "conv_spec")
+
+
+def silu_fast(T, y):
+    """SiLU from the fast intrinsics (__expf, rcp.approx), as a TIR expression: every conv kernel's
+    activation (decode_fused.py's too). The precise expf and IEEE division were most of
+    conv_prefill's instructions (H200, 2/8 x 32768: 149 -> 114 us)."""
+    return y * T.fast_rcp(1.0 + T.__exp(-y))
 
 
 def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weight: str | None = None,
@@ -180,9 +187,7 @@ def _program(v: dict):
             bias_v[0] = 0.0
 
     def act(y):
-        # SiLU from the fast intrinsics (__expf, rcp.approx): the precise expf and IEEE division
-        # were most of conv_prefill's instructions (H200, 2/8 x 32768: 149 -> 114 us).
-        return y * T.fast_rcp(1.0 + T.__exp(-y)) if silu else y
+        return silu_fast(T, y) if silu else y
 
     if op == "conv_prefill":
         return _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, act)
@@ -531,7 +536,8 @@ def steps_per_walk(num_tokens: int, channel_blocks: int, sm_count: int) -> int:
     steps = -(-num_tokens // (GROUP * WALKERS)) * channel_blocks
     short = min(SHORT_WALK_STEPS, steps // (sm_count * CTAS_PER_SM))
     long = min(MAX_STEPS_PER_WALK, steps // (sm_count * LONG_WALK_CTAS_PER_SM))
-    return max(1, short, long)
+    # a power of two (H200, 16/64 x 32768: 31 steps 713 us, 32 steps 680)
+    return 1 << (max(1, short, long).bit_length() - 1)
 
 
 def conv_prefill(x, conv_state, weight, bias, slot_ids, has_initial_state, cu_seqlens, a, b, A_log,
