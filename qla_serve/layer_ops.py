@@ -9,9 +9,7 @@ launches and a float32 copy of the whole conv input a torch layer spends:
 
     q, k, v, g, beta = gdn_layer_prefill_inputs(...)   conv + split + L2 norm + gates, then the
                                                        conv-state write-back (2 launches)
-    o = gdn_layer_decode(...)                          one token per sequence: conv, L2 norm,
-                                                       gates and the recurrence (1 launch)
-    y = causal_conv_decode(...)                        the decode conv alone (1 launch), for
+    y = causal_conv_decode(...)                        one token per sequence (1 launch), for
                                                        gdn_decode(..., use_qk_l2norm=True)
     y = causal_conv_spec(...)                          vLLM's speculative window (1 launch)
     o = gdn_verify_slots(...)                          verify, each draft token's state into
@@ -30,8 +28,8 @@ import torch
 
 from qla_serve import _validate as V
 from qla_serve.kernels import reference_conv
-from qla_serve.ops import (_checked_key, _checks_due, _passed, _path, _same_dtype, _scale, gdn_decode,
-                           path_module, prefill_qk_dtype)
+from qla_serve.ops import (_checked_key, _checks_due, _passed, _path, _same_dtype, _scale, path_module,
+                           prefill_qk_dtype)
 from qla_serve.plan import PrefillPlan
 
 CONV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -246,65 +244,6 @@ def causal_conv_decode(x, conv_state, slot_ids, *, conv_weight, conv_bias=None, 
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _run("conv_decode", x.device, x.dtype, x, conv_state, conv_weight, conv_bias, V.int32_index(slot_ids, x.device),
          num_v_heads=num_v_heads, activation=act, out=out)
-    return out
-
-
-def gdn_layer_decode(mixed_qkv, a, b, conv_state, pool, slot_ids, *, conv_weight, conv_bias=None,
-                     activation="silu", A_log, dt_bias, num_k_heads: int, scale=None, out=None):
-    """A GDN layer's decode step: the causal conv over the conv state (window shifted in place),
-    the q | k | v split, q/k L2 norm, gates from the raw a, b, and the recurrence on the state
-    pool in place. One launch on the TileLang path (kernels/hopper/decode_fused.py); elsewhere
-    :func:`causal_conv_decode` then :func:`qla_serve.gdn_decode` (the same results: the fused
-    kernel rounds the conv output to x's dtype as that pair stores it). CUDA-graph capturable
-    (pass ``out``).
-
-    Args:
-        mixed_qkv: [B, (2 Hk + Hv) 128] (unit channel stride); a, b: [B, Hv] raw gate logits;
-            A_log, dt_bias: [Hv].
-        conv_state: [S, dim, L >= W - 1]; pool: [S', Hv, 128, 128] fp32/bf16; slot_ids: [B]
-            (the sequence's slot in both caches; < 0: padding, zero output, nothing touched).
-        conv_weight: [dim, W]; conv_bias: [dim] or None; activation: "silu" or None.
-    Returns:
-        o [B, Hv, 128] in mixed_qkv's dtype.
-    """
-    dev, dtype = mixed_qkv.device, mixed_qkv.dtype
-    fused = _path("decode", dev, dtype) == "tilelang" and _path("conv_decode", dev, dtype) == "tilelang"
-    Hv = pool.shape[1] if isinstance(pool, torch.Tensor) and pool.dim() == 4 else 0
-    if not fused:
-        y = causal_conv_decode(mixed_qkv, conv_state, slot_ids, conv_weight=conv_weight, conv_bias=conv_bias,
-                               activation=activation, num_v_heads=Hv)
-        kd = num_k_heads * V.HEAD_DIM
-        B = y.shape[0]
-        q, k, v = (y[:, :kd].view(B, num_k_heads, V.HEAD_DIM), y[:, kd:2 * kd].view(B, num_k_heads, V.HEAD_DIM),
-                   y[:, 2 * kd:].view(B, Hv, V.HEAD_DIM))
-        return gdn_decode(q, k, v, pool, slot_ids, a=a, b=b, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm=True,
-                          scale=scale, out=out)
-    act = _activation(activation)
-    key = _checked_key(("layer_decode", act, num_k_heads),
-                       (mixed_qkv, a, b, conv_state, pool, slot_ids, conv_weight, conv_bias, A_log, dt_bias, out),
-                       (slot_ids,))
-    if _checks_due(key):
-        Hv = V.check_pool(pool, None)
-        dim = (2 * num_k_heads + Hv) * V.HEAD_DIM if isinstance(num_k_heads, int) and num_k_heads > 0 else -1
-        if dim < 0 or Hv % num_k_heads:
-            raise ValueError(f"num_k_heads: expected a positive divisor of the pool's {Hv} v-heads, "
-                             f"got {num_k_heads!r}")
-        _check_conv(mixed_qkv, conv_state, conv_weight, conv_bias, dim)
-        V.check_dtype("mixed_qkv", mixed_qkv, (torch.bfloat16, torch.float16))
-        B = mixed_qkv.shape[0]
-        V.check_gates(B, Hv, None, None, a, b, A_log, dt_bias, allow_raw=True)
-        V.check_index("slot_ids", slot_ids, B, min(conv_state.shape[0], pool.shape[0]),
-                      "the slot count of conv_state and pool", unique_live=True)
-        V.check_device(dev, a=a, b=b, A_log=A_log, dt_bias=dt_bias, pool=pool, slot_ids=slot_ids)
-        if out is not None:
-            V.output(out, (B, Hv, V.HEAD_DIM), dtype, dev)
-        _passed(key)
-    a, b = _same_dtype(a, b)
-    if out is None:
-        out = torch.empty((mixed_qkv.shape[0], pool.shape[1], V.HEAD_DIM), dtype=dtype, device=dev)
-    path_module("tilelang", dev).layer_decode(
-        mixed_qkv, conv_state, conv_weight, conv_bias, pool, V.int32_index(slot_ids, dev), a=a, b=b, A_log=A_log,
-        dt_bias=dt_bias, activation=act, scale=_scale(scale), out=out)
     return out
 
 

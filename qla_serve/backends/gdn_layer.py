@@ -6,8 +6,8 @@ What one call does (the work behind vLLM's ``qwen_gdn_attention_core``), for a b
 ``[decode tokens | prefill tokens]`` or, with speculative decoding, with spec tokens at
 ``spec_token_idx`` and the rest at ``non_spec_token_idx``; launches on the TileLang path:
 
-* decodes (1): :func:`qla_serve.layer_ops.gdn_layer_decode`: conv (window shift), L2 norm, raw
-  gates and the recurrence in one kernel (off the TileLang path: the conv, then gdn_decode);
+* decodes (2): :func:`qla_serve.layer_ops.causal_conv_decode` (conv, window shift), then
+  :func:`qla_serve.gdn_decode` on its q | k | v with the raw gates and the in-kernel L2 norm;
 * prefills (2 + the core's): :func:`qla_serve.layer_ops.gdn_layer_prefill_inputs` (conv over
   the conv state, split, L2 norm, gates; then the conv-state write-back), then
   :func:`qla_serve.gdn_prefill` with the step's shared :class:`qla_serve.PrefillPlan`; with
@@ -287,8 +287,11 @@ def gdn_layer_forward(step: StepPlan, mixed_qkv: torch.Tensor, a: torch.Tensor, 
         out_n = out
 
     if Td:
-        layer_ops.gdn_layer_decode(xn[:Td], an[:Td], bn[:Td], conv_state, ssm_state, step.ids("decode"),
-                                   num_k_heads=num_k_heads, scale=scale, out=out_n[:Td], **conv, **gates)
+        ids = step.ids("decode")
+        y = layer_ops.causal_conv_decode(xn[:Td], conv_state, ids, num_v_heads=Hv, **conv)
+        q, k, v = _split_qkv(y, num_k_heads, Hv)
+        qla_serve.gdn_decode(q, k, v, ssm_state, ids, a=an[:Td], b=bn[:Td],
+                             use_qk_l2norm=True, scale=scale, out=out_n[:Td], **gates)
         if on_call:
             on_call("decode", Td)
     if Tp:

@@ -25,7 +25,6 @@ conv_decode = _hopper.conv_decode
 conv_spec = _hopper.conv_spec
 conv_window = _hopper.conv_window
 commit_verified = _hopper.commit_verified
-layer_decode = _hopper.layer_decode
 TARGETS = ("sm_100a",)
 
 

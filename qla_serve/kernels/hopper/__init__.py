@@ -8,7 +8,6 @@
   speculative-verify steps (verify_slots: states straight into per-token pool slots).
 * conv_prefill / conv_decode / conv_spec (conv.py): the GDN layer's causal conv over the
   engine's conv state; conv_prefill also does what prefill_inputs does (split, L2 norm, gates).
-* layer_decode (decode_fused.py): a decode step's conv and recurrence in one launch.
 
 ``kernel_variants`` is the union of the modules' variants (what ``qla-serve precompile``
 compiles); ``build`` dispatches on the variant's ``op``.
@@ -16,12 +15,10 @@ compiles); ``build`` dispatches on the variant's ``op``.
 
 from . import conv as _conv
 from . import decode as _decode
-from . import decode_fused as _decode_fused
 from . import prefill_api as _prefill
 from . import prefill_inputs as _inputs
 from .conv import conv_decode, conv_prefill, conv_spec, conv_window
 from .decode import commit_verified, decode, verify, verify_slots
-from .decode_fused import layer_decode
 from .prefill_api import SUPPORTED_STRATEGIES, prefill
 from .prefill_inputs import prefill_inputs
 
@@ -29,8 +26,8 @@ ARCH = "sm_90a"
 TARGETS = ("sm_90a",)  # sm_100a builds come from qla_serve.kernels.blackwell
 
 __all__ = ["ARCH", "SUPPORTED_STRATEGIES", "TARGETS", "build", "commit_verified", "conv_decode",
-           "conv_prefill", "conv_spec", "conv_window", "decode", "kernel_variants", "layer_decode", "prefill",
-           "prefill_inputs", "verify", "verify_slots"]
+           "conv_prefill", "conv_spec", "conv_window", "decode", "kernel_variants", "prefill", "prefill_inputs",
+           "verify", "verify_slots"]
 
 
 def kernel_variants(num_v_heads: int, num_k_heads: int, target: str = ARCH) -> list[dict]:
@@ -39,8 +36,7 @@ def kernel_variants(num_v_heads: int, num_k_heads: int, target: str = ARCH) -> l
     return (_prefill.kernel_variants(num_v_heads, num_k_heads, target)
             + _inputs.kernel_variants(num_v_heads, num_k_heads)
             + _decode.kernel_variants(num_v_heads, num_k_heads)
-            + _conv.kernel_variants(num_v_heads, num_k_heads)
-            + _decode_fused.kernel_variants(num_v_heads, num_k_heads))
+            + _conv.kernel_variants(num_v_heads, num_k_heads))
 
 
 def build(variant: dict, target: str = ARCH):
@@ -51,6 +47,4 @@ def build(variant: dict, target: str = ARCH):
         return _inputs.build(variant, target)
     if str(variant.get("op", "")).startswith("conv"):
         return _conv.build(variant, target)
-    if variant.get("op") == _decode_fused.OP:
-        return _decode_fused.build(variant, target)
     return _decode.build(variant, target)

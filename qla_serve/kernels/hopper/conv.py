@@ -77,13 +77,6 @@ _SEARCH_STEPS = 20
 OPS = ("conv_prefill", "conv_prefill_state", "conv_decode", "conv_spec")
 
 
-def silu_fast(T, y):
-    """SiLU from the fast intrinsics (__expf, rcp.approx), as a TIR expression: every conv kernel's
-    activation (decode_fused.py's too). The precise expf and IEEE division were most of
-    conv_prefill's instructions (H200, 2/8 x 32768: 149 -> 114 us)."""
-    return y * T.fast_rcp(1.0 + T.__exp(-y))
-
-
 def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weight: str | None = None,
             activation: str = "silu", bias: bool = True, qk_out: str | None = None,
             ab: str | None = None, param: str | None = None, gbias: str | None = None,
@@ -187,7 +180,9 @@ def _program(v: dict):
             bias_v[0] = 0.0
 
     def act(y):
-        return silu_fast(T, y) if silu else y
+        # SiLU from the fast intrinsics (__expf, rcp.approx): the precise expf and IEEE division
+        # were most of conv_prefill's instructions (H200, 2/8 x 32768: 149 -> 114 us).
+        return y * T.fast_rcp(1.0 + T.__exp(-y)) if silu else y
 
     if op == "conv_prefill":
         return _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, act)
