@@ -445,7 +445,7 @@ def test_run_point_decode(stub_gpu):
     ops = {i: standin_ops(i) for i in ("fla", "flashinfer")}
     rec = L.run_point(2, 4, L.parse_row("d3"), "fp32", _args("--check"), ops, {}, device="cpu")
     assert (rec["heads"], rec["row"], rec["state"], rec["tokens"], rec["decodes"]) == ("2/4", "d3", "fp32", 3, 3)
-    assert stub_gpu == [2, 1, 2, 2]      # one graph of 2 slot sets per impl; qla's step ids once
+    assert stub_gpu == [2, L.STEP_IDS_PER_GRAPH, 2, 2]   # a graph of 2 slot sets per impl; qla's step ids
     q, f, fi = (rec["impls"][i] for i in ("qla", "fla", "flashinfer"))
     assert (q["gpu_us"], q["timing"], f["gpu_us"], q["slot_sets"]) == (7.0, "graph", 21.0, 2)
     assert q["step_ids_gpu_us"] == 14.0 and "step_ids_gpu_us" not in f
@@ -461,7 +461,7 @@ def test_run_point_prefill_and_missing_impl(stub_gpu):
     ops = {"fla": standin_ops("fla")}
     missing = {"flashinfer": "not installed (ModuleNotFoundError: No module named 'flashinfer')"}
     rec = L.run_point(2, 4, L.parse_row("d1+20+5"), "bf16", _args("--check"), ops, missing, device="cpu")
-    assert stub_gpu == [1]                             # qla's step ids (prefill rows: no graphs)
+    assert stub_gpu == [L.STEP_IDS_PER_GRAPH]          # qla's step ids (prefill rows: no layer graphs)
     assert rec["impls"]["qla"]["gpu_us"] == rec["impls"]["fla"]["gpu_us"] == 500.0
     assert rec["impls"]["qla"]["slot_sets"] == 1 and rec["qla_over_fla"] == 1.0
     assert rec["impls"]["flashinfer"] == {"error": missing["flashinfer"]}

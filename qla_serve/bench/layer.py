@@ -15,11 +15,11 @@ zeros), fp32 ``A_log`` ~ U(-1, 0.5) and ``dt_bias`` = softplus^-1(U(0.001, 0.1))
 Implementations, same inputs and caches:
 
 * ``qla``: qla_serve's adapter core. :func:`qla_serve.backends.gdn_layer.make_step_plan` once per
-  step (host code; its median host time is the "plan host us" column), then
-  :func:`~qla_serve.backends.gdn_layer.gdn_layer_forward`. The step's slot ids (engine ids -> the
-  ops' int32 ids, on the device) are derived with the plan, outside the timed layer call: an engine
-  derives them in its first GDN layer of the step and every later layer reuses them. Their GPU time
-  is the JSON's ``step_ids_gpu_us``, once per step.
+  step, then :func:`~qla_serve.backends.gdn_layer.gdn_layer_forward`. The step's slot ids (engine
+  ids -> the ops' int32 ids, on the device) are derived with the plan, outside the timed layer
+  call: an engine derives them in its first GDN layer of the step and every later layer reuses
+  them. The median host time of both (plan and derivation, once per step) is the "plan host us"
+  column; the derivation's GPU time is the JSON's ``step_ids_gpu_us``.
 * ``fla``: the same layer composed from flash-linear-attention 0.6's Triton ops (``FLA_FLASH_QLA=0``
   is set, so FLA runs its own kernels, not FlashQLA's): ``fla.modules.convolution.causal_conv1d``
   (varlen prefill, the conv cache as initial state, the final state written back) and
@@ -368,16 +368,22 @@ def step_id_kinds(step) -> list[str]:
     return ["decode"] * bool(step.num_decodes) + ["prefill"] * (step.prefill_plan is not None)
 
 
+STEP_IDS_PER_GRAPH = 32
+
+
 def step_ids_gpu_us(case: LayerCase, reps: int) -> float:
-    """GPU us of one step's slot-id derivation (StepPlan.ids for every kind the step uses, all in
-    one CUDA graph): what an engine pays once per step on top of its layers' calls."""
+    """GPU us of one step's slot-id derivation (StepPlan.ids for every kind the step uses): what
+    an engine pays once per step on top of its layers' calls. A CUDA graph of
+    STEP_IDS_PER_GRAPH derivations, per derivation, so that the graph's own launch latency (a few
+    us, more than these small kernels take) is spread over them as it is over a step's layers."""
     import torch
 
     from qla_serve.bench import decode as bdec
 
     step = _qla_plan(case, 0, "auto")
     kinds = step_id_kinds(step)
-    return bdec._graph_time_us(torch, [lambda: [step._derive(k) for k in kinds]], reps)
+    fns = [lambda: [step._derive(k) for k in kinds]] * STEP_IDS_PER_GRAPH
+    return bdec._graph_time_us(torch, fns, reps)
 
 
 def _qla_plan(case: LayerCase, i: int, cp: str):
