@@ -80,7 +80,7 @@ OPS = ("conv_prefill", "conv_prefill_state", "conv_decode", "conv_spec")
 def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weight: str | None = None,
             activation: str = "silu", bias: bool = True, qk_out: str | None = None,
             ab: str | None = None, param: str | None = None, gbias: str | None = None,
-            draft: int = 0, stages: int = 3) -> dict:
+            draft: int = 0, stages: int = STAGES) -> dict:
     """A JSON-serialisable variant description; ``name`` identifies it.
 
     io: x's dtype (and the outputs' but q/k's); state: the conv state's; weight: the conv
@@ -316,12 +316,11 @@ def _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, act):
     earlier; it waits for its own copies (no block barrier: no thread reads another's piece),
     moves the rows into registers, and each token's W taps come from the registers holding
     the previous W - 1 rows and its own; taps before a sequence's start come from the conv
-    state. A token's sequence is
-    tracked as the walk goes (a binary search in cu_seqlens only when the walk crosses into a
-    new sequence). The row's 16 lanes reduce the q/k L2 norm by xor-shuffles; lanes 0..GROUP-1
-    compute the group's gates. (Forms before it: rows loaded straight into registers, 3-7%
-    slower; 32-token tiles through shared memory with a block barrier per tile, slower still
-    at 16/64; benchmarks/layer.md.)"""
+    state. A token's sequence is tracked as the walk goes (a binary search in cu_seqlens only
+    when the walk crosses into a new sequence). The row's 16 lanes reduce the q/k L2 norm by
+    xor-shuffles; lanes 0..GROUP-1 compute the group's gates. (Forms before it: rows loaded
+    straight into registers, 3-7% slower; 32-token tiles through shared memory with a block
+    barrier per tile, slower still at 16/64; benchmarks/layer.md.)"""
     Hv, Hk, W = v["num_v_heads"], v["num_k_heads"], v["width"]
     io, qk = v["io_dtype"], v["qk_dtype"]
     ab, prm, gb = v["ab_dtype"], v["param_dtype"], v["bias_dtype"]

@@ -562,8 +562,8 @@ def compile_for(make_program, variant: dict, target: str, pass_configs: dict | N
 
     if target not in _TARGETS:
         raise ValueError(f"target: expected one of {_TARGETS}, got {target!r}")
-    return tilelang.compile(make_program(variant), target={"kind": "cuda", "arch": target},
-                            execution_backend="tvm_ffi", pass_configs={**_PASS_CONFIGS, **(pass_configs or {})})
+    return tilelang.compile(make_program(variant), target={"kind": "cuda", "arch": target}, execution_backend="tvm_ffi",
+                            pass_configs={**_PASS_CONFIGS, **(pass_configs or {})})
 
 
 def build(variant: dict, target: str):
