@@ -2,11 +2,11 @@
 bit-for-bit against the first form on the same inputs and caches.
 
     python benchmarks/conv_prefill_ab.py --heads 2/8,16/64 --rows 1x32768,16x512,4x8192 \
-        --forms 3:auto,3:8,3:32,4:auto
+        --forms 3:auto,3:8,3:32,4:auto,3:auto:fast
 
-A form is ``stages:walk``: conv.STAGES (the cp.async ring depth) and the steps per half-warp walk
-(a number, or "auto": conv.steps_per_walk's choice). A benchmark, not a test; two rounds, forms
-interleaved, so that drift shows.
+A form is ``stages:walk[:fast]``: conv.STAGES (the cp.async ring depth), the steps per half-warp
+walk (a number, or "auto": conv.steps_per_walk's choice), and ":fast" for conv.FAST_STEPS. A
+benchmark, not a test; two rounds, forms interleaved, so that drift shows.
 """
 
 import argparse
@@ -21,8 +21,8 @@ from qla_serve.kernels.hopper import conv
 _AUTO_WALK = conv.steps_per_walk
 
 
-def run_form(case, step, stages, walk):
-    conv.STAGES = int(stages)
+def run_form(case, step, stages, walk, fast=""):
+    conv.STAGES, conv.FAST_STEPS = int(stages), fast == "fast"
     conv.steps_per_walk = _AUTO_WALK if walk == "auto" else (lambda *_: int(walk))
     x, a, b = case.mixed_qkv[: case.row.tokens], case.a[: case.row.tokens], case.b[: case.row.tokens]
     plan = step.prefill_plan

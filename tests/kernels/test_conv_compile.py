@@ -39,6 +39,17 @@ def test_verify_slots_compiles(target):
     assert "Slots" in src and "Acc" in src and "Inter" not in src   # no intermediate buffer
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("target", ["sm_90a", "sm_100a"])
+def test_conv_prefill_fast_steps_compile(target):
+    """conv.FAST_STEPS's form (not yet run on a GPU): the warp vote that picks the straight-line
+    steps, 4 CTAs per SM kept by a launch bound, still no block barrier."""
+    v = C.variant("conv_prefill", HV, HK, 4, "bfloat16", "bfloat16", qk_out="float16", ab="bfloat16",
+                  param="float32", gbias="bfloat16", fast_steps=True)
+    src = C.build(v, target).get_kernel_source()
+    assert "__all_sync" in src and "__launch_bounds__(128, 4)" in src and "__syncthreads" not in src
+
+
 def test_steps_per_walk():
     """Short walks (<= SHORT_WALK_STEPS) that leave ~CTAS_PER_SM CTAs per SM while the batch is
     small; long ones (<= MAX_STEPS_PER_WALK) once it gives LONG_WALK_CTAS_PER_SM CTAs per SM of

@@ -40,9 +40,11 @@ def _weights(dim, W, dtype, gen, bias):
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("dt_bias_dtype", [torch.float32, torch.bfloat16])   # bf16: vLLM's layer
 @pytest.mark.parametrize("walk", [None, 3])     # 3 steps per half-warp walk: sequences cross them
-def test_conv_prefill_matches_reference(hk, hv, layout, bias, dt_bias_dtype, walk, monkeypatch):
+@pytest.mark.parametrize("fast", [False, True])  # conv.FAST_STEPS (straight-line steps inside sequences)
+def test_conv_prefill_matches_reference(hk, hv, layout, bias, dt_bias_dtype, walk, fast, monkeypatch):
     if walk is not None:   # the host's choice is 1 at this size; force a longer walk
         monkeypatch.setattr(conv_kernels, "steps_per_walk", lambda *_: walk)
+    monkeypatch.setattr(conv_kernels, "FAST_STEPS", fast)
     gen = torch.Generator().manual_seed(hk * 100 + hv + bias)
     dim, W, S = (2 * hk + hv) * HEAD, 4, 24
     lens = [70, 0, 1, 2, 3, 333, 1, 64, 97]

@@ -72,6 +72,13 @@ MAX_STEPS_PER_WALK = 32
 # faster at 2/8, 7% at 16/64 than rows loaded straight into registers (the form before it); 4
 # stages between the two (benchmarks/layer.md).
 STAGES = 3
+# conv_prefill's straight-line steps (variant key "fast_steps"): where a whole warp's GROUP-token
+# steps lie inside their sequences past the first W - 1 tokens (no history tap, no bounds, no
+# sequence change), those steps run without per-tap branches, so that the compiler can
+# interleave the GROUP tokens (SASS of the checked form: a branch and a convergence barrier per
+# tap, ~50 basic blocks per step). NOT YET RUN ON A GPU: off until it passes the GPU tests and
+# measures faster (benchmarks/conv_prefill_ab.py --forms 3:auto,3:auto:fast).
+FAST_STEPS = False
 MAX_SEQS = 1 << 20            # the binary search runs 20 steps
 _SEARCH_STEPS = 20
 OPS = ("conv_prefill", "conv_prefill_state", "conv_decode", "conv_spec")
@@ -80,13 +87,13 @@ OPS = ("conv_prefill", "conv_prefill_state", "conv_decode", "conv_spec")
 def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weight: str | None = None,
             activation: str = "silu", bias: bool = True, qk_out: str | None = None,
             ab: str | None = None, param: str | None = None, gbias: str | None = None,
-            draft: int = 0, stages: int = STAGES) -> dict:
+            draft: int = 0, stages: int = STAGES, fast_steps: bool = FAST_STEPS) -> dict:
     """A JSON-serialisable variant description; ``name`` identifies it.
 
     io: x's dtype (and the outputs' but q/k's); state: the conv state's; weight: the conv
     weight's and bias's (default io); qk_out: conv_prefill's q/k dtype (default io); ab,
     param, gbias: conv_prefill's a/b, A_log, dt_bias dtypes; draft: conv_spec's D; stages:
-    conv_prefill's cp.async ring depth (STAGES)."""
+    conv_prefill's cp.async ring depth (STAGES); fast_steps: its straight-line steps (FAST_STEPS)."""
     weight = weight or io
     if op not in OPS:
         raise ValueError(f"variant op: expected one of {OPS}, got {op!r}")
@@ -110,8 +117,9 @@ def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weigh
                 raise ValueError(f"{what} dtype: expected one of {allowed}, got {dtype}")
         if stages not in (2, 3, 4, 5, 6):
             raise ValueError(f"conv_prefill stages: expected 2..6, got {stages}")
-        v.update(qk_dtype=qk_out, ab_dtype=ab, param_dtype=param, bias_dtype=gbias, stages=stages)
-        name += f"_qk-{qk_out}_ab-{ab}-{param}-{gbias}_st{stages}"
+        v.update(qk_dtype=qk_out, ab_dtype=ab, param_dtype=param, bias_dtype=gbias, stages=stages,
+                 fast_steps=bool(fast_steps))
+        name += f"_qk-{qk_out}_ab-{ab}-{param}-{gbias}_st{stages}" + ("_fs" if fast_steps else "")
     if op == "conv_spec":
         if not (isinstance(draft, int) and 1 <= draft <= 16):
             raise ValueError(f"draft depth: expected 1..16 tokens per sequence, got {draft}")
@@ -139,7 +147,8 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
             common = dict(bias=has_bias)
             for param, gbias in _GATE_PARAMS(io):
                 out.append(variant("conv_prefill", num_v_heads, num_k_heads, 4, io, io, qk_out="float16",
-                                   ab=io, param=param, gbias=gbias, stages=STAGES, **common))
+                                   ab=io, param=param, gbias=gbias, stages=STAGES, fast_steps=FAST_STEPS,
+                                   **common))
             out.append(variant("conv_prefill_state", num_v_heads, num_k_heads, 4, io, io, **common))
             out.append(variant("conv_decode", num_v_heads, num_k_heads, 4, io, io, **common))
             for d in (2, 3, 4):
@@ -327,6 +336,7 @@ def _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, act):
     f32, i32 = "float32", "int32"
     U = GROUP
     NS = v["stages"]
+    FS = v.get("fast_steps", False)
     VEC, LANES = 8, HEAD_DIM // 8        # 16-byte vectors; a half-warp covers 128 channels
     ntok, N = T.dynamic("ntok N")
     sx0, sa0, sa1, sb0, sb1, sal, sdt = T.dynamic("sx0 sa0 sa1 sb0 sb1 sal sdt")
@@ -361,14 +371,18 @@ def _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, act):
         T.ptx_commit_group()
 
     @T.macro
-    def conv_token(CS, Qo, Ko, Vo, kind, t, tend, u, c0, hb, g, w, bias8, acc, buf, seq):
+    def conv_token(CS, Qo, Ko, Vo, kind, t, tend, u, c0, hb, g, w, bias8, acc, buf, seq, checked=True):
         # kind (a Python constant): 0 q, 1 k, 2 v channels. buf[u + i] is input row t - H + i.
+        # checked=False (a Python constant): the caller knows t - seq start >= W - 1 and t < tend.
         rel = t - seq[0]
         hist = seq[2]
         for e in T.unroll(VEC):
             acc[e] = bias8[e]
         for i in T.unroll(W):
-            if rel - H + i >= 0:
+            if not checked:
+                for e in T.unroll(VEC):
+                    acc[e] += w[i, e] * T.cast(buf[u + i, e], f32)
+            elif rel - H + i >= 0:
                 for e in T.unroll(VEC):
                     acc[e] += w[i, e] * T.cast(buf[u + i, e], f32)
             else:
@@ -378,7 +392,10 @@ def _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, act):
         for e in T.unroll(VEC):
             acc[e] = act(acc[e])
         if kind == 2:
-            if t < tend:
+            if not checked:
+                for e in T.vectorized(VEC):
+                    Vo[t, hb - 2 * Hk, g * VEC + e] = T.cast(acc[e], io)
+            elif t < tend:
                 for e in T.vectorized(VEC):
                     Vo[t, hb - 2 * Hk, g * VEC + e] = T.cast(acc[e], io)
         else:
@@ -391,13 +408,27 @@ def _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, act):
             for m in T.unroll(4):                # the 16 lanes of a row: xor 1, 2, 4, 8
                 ss += T.shfl_xor(ss, 1 << m)
             rn = T.rsqrt(ss + 1e-6)
-            if t < tend:
+            if not checked or t < tend:
                 if kind == 0:
                     for e in T.vectorized(VEC):
                         Qo[t, hb, g * VEC + e] = T.cast(acc[e] * rn, qk)
                 else:
                     for e in T.vectorized(VEC):
                         Ko[t, hb - Hk, g * VEC + e] = T.cast(acc[e] * rn, qk)
+
+    @T.macro
+    def checked_step(CS, Qo, Ko, Vo, Cu, Slots, HasInit, tg, tend, c0, hb, g, w, bias8, acc, buf, seq):
+        # one step's GROUP tokens, each checked: sequence changes, history taps, the range's end
+        for u in T.unroll(U):
+            t = tg + u
+            if t >= seq[1] and t < tend:  # the walk enters the next (non-empty) sequence
+                find_sequence(Cu, Slots, HasInit, t, seq)
+            if hb < Hk:
+                conv_token(CS, Qo, Ko, Vo, 0, t, tend, u, c0, hb, g, w, bias8, acc, buf, seq)
+            elif hb < 2 * Hk:
+                conv_token(CS, Qo, Ko, Vo, 1, t, tend, u, c0, hb, g, w, bias8, acc, buf, seq)
+            else:
+                conv_token(CS, Qo, Ko, Vo, 2, t, tend, u, c0, hb, g, w, bias8, acc, buf, seq)
 
     @T.prim_func
     def gdn_conv_prefill(
@@ -420,6 +451,8 @@ def _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, act):
         walk: T.int32,
     ):
         with T.Kernel(T.ceildiv(ntok, WALKERS * U * walk), NH, threads=128) as (bx, hb):
+            if FS:   # the straight-line steps need 162 registers unbounded: keep 4 CTAs per SM (128)
+                T.annotate_min_blocks_per_sm(4)
             tx = T.get_thread_binding()
             c0 = hb * HEAD_DIM
             g = tx % LANES
@@ -458,16 +491,30 @@ def _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, act):
                 for u in T.unroll(U):
                     for e in T.vectorized(VEC):
                         buf[H + u, e] = ring[step % NS, wk, u, g * VEC + e]
-                for u in T.unroll(U):
-                    t = tg + u
-                    if t >= seq[1] and t < tend:  # the walk enters the next (non-empty) sequence
-                        find_sequence(Cu, Slots, HasInit, t, seq)
-                    if hb < Hk:
-                        conv_token(CS, Qo, Ko, Vo, 0, t, tend, u, c0, hb, g, w, bias8, acc, buf, seq)
-                    elif hb < 2 * Hk:
-                        conv_token(CS, Qo, Ko, Vo, 1, t, tend, u, c0, hb, g, w, bias8, acc, buf, seq)
+                if FS:
+                    # straight-line where every lane of the warp may (the L2 norm's shuffles need
+                    # both half-warps on the same path): a warp vote
+                    inside = (tg - seq[0] >= H) and (tg + U <= seq[1]) and (tg + U <= tend)
+                    if T.call_extern("int32", "__all_sync", T.uint32(0xFFFFFFFF),
+                                     T.if_then_else(inside, 1, 0)) != 0:
+                        if hb < Hk:
+                            for u in T.unroll(U):
+                                conv_token(CS, Qo, Ko, Vo, 0, tg + u, tend, u, c0, hb, g, w, bias8, acc, buf,
+                                           seq, False)
+                        elif hb < 2 * Hk:
+                            for u in T.unroll(U):
+                                conv_token(CS, Qo, Ko, Vo, 1, tg + u, tend, u, c0, hb, g, w, bias8, acc, buf,
+                                           seq, False)
+                        else:
+                            for u in T.unroll(U):
+                                conv_token(CS, Qo, Ko, Vo, 2, tg + u, tend, u, c0, hb, g, w, bias8, acc, buf,
+                                           seq, False)
                     else:
-                        conv_token(CS, Qo, Ko, Vo, 2, t, tend, u, c0, hb, g, w, bias8, acc, buf, seq)
+                        checked_step(CS, Qo, Ko, Vo, Cu, Slots, HasInit, tg, tend, c0, hb, g, w, bias8, acc,
+                                     buf, seq)
+                else:
+                    checked_step(CS, Qo, Ko, Vo, Cu, Slots, HasInit, tg, tend, c0, hb, g, w, bias8, acc, buf,
+                                 seq)
                 if hb < Hv and g < U:            # gates of v-head hb for the group's tokens
                     tt = tg + g
                     if tt < tend:
@@ -545,16 +592,16 @@ def conv_prefill(x, conv_state, weight, bias, slot_ids, has_initial_state, cu_se
         raise ValueError(f"slot_ids: the conv prefill kernel takes at most {MAX_SEQS} sequences, got {N}")
     hv, hk, width = v_out.shape[1], q_out.shape[1], weight.shape[1]
     if T_:
-        stages = STAGES
+        stages, fast = STAGES, FAST_STEPS
         key = ("conv_prefill", x.device, x.dtype, conv_state.dtype, weight.dtype, q_out.dtype, a.dtype,
-               A_log.dtype, dt_bias.dtype, hv, hk, width, activation, bias is not None, stages)
+               A_log.dtype, dt_bias.dtype, hv, hk, width, activation, bias is not None, stages, fast)
 
         def make():
             io, sdt, wdt = _names(x, conv_state, weight)
             ab, prm, gb = gate_dtype_names(a, b, A_log, dt_bias)
             return variant("conv_prefill", hv, hk, width, io, sdt, weight=wdt, activation=activation,
                            bias=bias is not None, qk_out=_dtype_name(q_out.dtype, "q_out", _IO_DTYPES),
-                           ab=ab, param=prm, gbias=gb, stages=stages)
+                           ab=ab, param=prm, gbias=gb, stages=stages, fast_steps=fast)
         walk = steps_per_walk(T_, 2 * hk + hv, sm_count(x.device))
         _launch_fn(key, make, x.device)(x, conv_state, weight, _bias_arg(bias, weight), slot_ids,
                                         has_initial_state, cu_seqlens, a, b, A_log, dt_bias,
