@@ -336,7 +336,7 @@ def _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, act):
     f32, i32 = "float32", "int32"
     U = GROUP
     NS = v["stages"]
-    FS = v.get("fast_steps", False)
+    FS = v["fast_steps"]
     VEC, LANES = 8, HEAD_DIM // 8        # 16-byte vectors; a half-warp covers 128 channels
     ntok, N = T.dynamic("ntok N")
     sx0, sa0, sa1, sb0, sb1, sal, sdt = T.dynamic("sx0 sa0 sa1 sb0 sb1 sal sdt")
