@@ -379,10 +379,7 @@ def _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, act):
         for e in T.unroll(VEC):
             acc[e] = bias8[e]
         for i in T.unroll(W):
-            if not checked:
-                for e in T.unroll(VEC):
-                    acc[e] += w[i, e] * T.cast(buf[u + i, e], f32)
-            elif rel - H + i >= 0:
+            if not checked or rel - H + i >= 0:
                 for e in T.unroll(VEC):
                     acc[e] += w[i, e] * T.cast(buf[u + i, e], f32)
             else:
@@ -392,10 +389,7 @@ def _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, act):
         for e in T.unroll(VEC):
             acc[e] = act(acc[e])
         if kind == 2:
-            if not checked:
-                for e in T.vectorized(VEC):
-                    Vo[t, hb - 2 * Hk, g * VEC + e] = T.cast(acc[e], io)
-            elif t < tend:
+            if not checked or t < tend:
                 for e in T.vectorized(VEC):
                     Vo[t, hb - 2 * Hk, g * VEC + e] = T.cast(acc[e], io)
         else:
@@ -429,6 +423,12 @@ def _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, act):
                 conv_token(CS, Qo, Ko, Vo, 1, t, tend, u, c0, hb, g, w, bias8, acc, buf, seq)
             else:
                 conv_token(CS, Qo, Ko, Vo, 2, t, tend, u, c0, hb, g, w, bias8, acc, buf, seq)
+
+    @T.macro
+    def straight_step(CS, Qo, Ko, Vo, kind, tg, tend, c0, hb, g, w, bias8, acc, buf, seq):
+        # one step's GROUP tokens of one kind, unchecked (FAST_STEPS: the caller's warp vote)
+        for u in T.unroll(U):
+            conv_token(CS, Qo, Ko, Vo, kind, tg + u, tend, u, c0, hb, g, w, bias8, acc, buf, seq, False)
 
     @T.prim_func
     def gdn_conv_prefill(
@@ -498,17 +498,11 @@ def _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, act):
                     if T.call_extern("int32", "__all_sync", T.uint32(0xFFFFFFFF),
                                      T.if_then_else(inside, 1, 0)) != 0:
                         if hb < Hk:
-                            for u in T.unroll(U):
-                                conv_token(CS, Qo, Ko, Vo, 0, tg + u, tend, u, c0, hb, g, w, bias8, acc, buf,
-                                           seq, False)
+                            straight_step(CS, Qo, Ko, Vo, 0, tg, tend, c0, hb, g, w, bias8, acc, buf, seq)
                         elif hb < 2 * Hk:
-                            for u in T.unroll(U):
-                                conv_token(CS, Qo, Ko, Vo, 1, tg + u, tend, u, c0, hb, g, w, bias8, acc, buf,
-                                           seq, False)
+                            straight_step(CS, Qo, Ko, Vo, 1, tg, tend, c0, hb, g, w, bias8, acc, buf, seq)
                         else:
-                            for u in T.unroll(U):
-                                conv_token(CS, Qo, Ko, Vo, 2, tg + u, tend, u, c0, hb, g, w, bias8, acc, buf,
-                                           seq, False)
+                            straight_step(CS, Qo, Ko, Vo, 2, tg, tend, c0, hb, g, w, bias8, acc, buf, seq)
                     else:
                         checked_step(CS, Qo, Ko, Vo, Cu, Slots, HasInit, tg, tend, c0, hb, g, w, bias8, acc,
                                      buf, seq)
