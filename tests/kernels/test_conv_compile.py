@@ -42,8 +42,9 @@ def test_verify_slots_compiles(target):
 @pytest.mark.compile
 @pytest.mark.parametrize("target", ["sm_90a", "sm_100a"])
 def test_conv_prefill_fast_steps_compile(target):
-    """conv.FAST_STEPS's form (not yet run on a GPU): the warp vote that picks the straight-line
-    steps, 4 CTAs per SM kept by a launch bound, still no block barrier."""
+    """conv.FAST_STEPS's form (the default; run on the H200 by test_layer_ops_gpu.py): the warp
+    vote that picks the straight-line steps, 4 CTAs per SM kept by a launch bound, still no block
+    barrier."""
     v = C.variant("conv_prefill", HV, HK, 4, "bfloat16", "bfloat16", qk_out="float16", ab="bfloat16",
                   param="float32", gbias="bfloat16", fast_steps=True)
     src = C.build(v, target).get_kernel_source()
