@@ -166,22 +166,27 @@ def _score(model: CostModel, chunks: list[int], hv: int, sm: int, v_split: int, 
     split), a scan (segments - 2 steps: cp_level_us each), then the output pass over all
     segments at once (kernels/hopper/prefill_api).
     """
-    return _score_from(model, _Batch(chunks, hv), sm, v_split, L)
+    return _Scorer(model, chunks, hv, sm)(v_split, L)
 
 
-class _Batch:
-    """A batch's chunk counts and their aggregates, per segment length computed once: the
-    planner scores every (split, L) pair, and only the arithmetic depends on the split."""
+class _Scorer:
+    """One batch's candidates scored by the cost model (CostModel.estimate_us, plus the CP maps
+    pass and scan for a cut). The planner scores ~21 (split, L) pairs per step and that search
+    was most of its host time, so the batch's aggregates (per segment length) and each split's
+    coefficients are computed once and a candidate is arithmetic on them alone: the same figures
+    as estimate_us term for term (tests/test_plan.py checks them against it)."""
 
-    __slots__ = ("chunks", "hv", "chunk_heads", "longest", "num_live", "num_longest", "_cuts")
+    __slots__ = ("model", "chunks", "hv", "sm", "chunk_heads", "longest", "num_live", "num_longest",
+                 "_cuts", "_splits")
 
-    def __init__(self, chunks: list[int], hv: int):
-        self.chunks, self.hv = chunks, hv
+    def __init__(self, model: CostModel, chunks: list[int], hv: int, sm: int):
+        self.model, self.chunks, self.hv, self.sm = model, chunks, hv, sm
         self.chunk_heads = sum(chunks) * hv
         self.longest = max(chunks, default=0)
         self.num_live = len(chunks) - chunks.count(0)
         self.num_longest = chunks.count(self.longest)
         self._cuts: dict[int, tuple[int, int, int, int]] = {}
+        self._splits: dict[int, tuple[float, ...]] = {}
 
     def cut(self, L: int) -> tuple[int, int, int, int]:
         """(most segments of a sequence, all segments, all full segments, maps block-chunks per
@@ -193,20 +198,43 @@ class _Batch:
                                    sum(L * (2 * s - 3) for s in segs if s > 1))
         return hit
 
+    def _split(self, v_split: int) -> tuple[float, ...]:
+        """(chunk_us, item_us, the stage-1 term, the stage-2 spread's chunk term, maps us per
+        chunk) at v_split."""
+        hit = self._splits.get(v_split)
+        if hit is None:
+            m, sm = self.model, self.sm
+            chunk = m.chunk_us[v_split]
+            hit = self._splits[v_split] = (chunk, m.item_us.get(v_split, 0.0),
+                                           m.stage1_for(v_split) * self.chunk_heads / sm,
+                                           chunk * -(-(self.chunk_heads * v_split) // sm), m.cp_maps_ratio * chunk)
+        return hit
 
-def _score_from(model: CostModel, batch: _Batch, sm: int, v_split: int, L: int) -> float:
-    hv, chunk_heads = batch.hv, batch.chunk_heads
-    if L:
-        most, segments, full, maps_chunks = batch.cut(L)
-    if L == 0 or most < 2:
-        return model.estimate_us(v_split, batch.longest, chunk_heads * v_split, sm, cut=False,
-                                 chunk_heads=chunk_heads, blocks=batch.num_live * hv * v_split,
-                                 chain_blocks=batch.num_longest * hv * v_split)
-    out_us = model.estimate_us(v_split, L, chunk_heads * v_split, sm, cut=True, chunk_heads=chunk_heads,
-                               blocks=segments * hv * v_split, chain_blocks=full * hv * v_split)
-    maps_block_chunks = hv * v_split * maps_chunks
-    maps_us = model.cp_maps_ratio * model.chunk_us[v_split] * max(L, -(-maps_block_chunks // sm))
-    return out_us + maps_us + model.cp_level_us * (most - 2)
+    def __call__(self, v_split: int, L: int) -> float:
+        chunk, item, stage1, spread_chunks, maps_chunk_us = self._split(v_split)
+        m, sm, blocks_per_seq = self.model, self.sm, self.hv * v_split
+        most = self.cut(L)[0] if L else 0
+        if most < 2:   # one segment per sequence; blocks > 0 (the planner skips empty batches)
+            blocks, chain_blocks, chain = self.num_live * blocks_per_seq, self.num_longest * blocks_per_seq, self.longest
+        else:
+            _, segments, full, maps_chunks = self.cut(L)
+            blocks, chain_blocks, chain = segments * blocks_per_seq, full * blocks_per_seq, L
+        # estimate_us: the longest blocks (a wave at a time) or all blocks spread over the SMs
+        stage2 = max(-(-chain_blocks // sm) * (chunk * chain + item), spread_chunks + item * -(-blocks // sm))
+        if most < 2:
+            return stage2 + stage1 + m.launch_us
+        out_us = stage2 + stage1 + m.launch_us + m.cp_fixed_us
+        maps_us = maps_chunk_us * max(L, -(-(blocks_per_seq * maps_chunks) // sm))
+        return out_us + maps_us + m.cp_level_us * (most - 2)
+
+    def cut_floor(self, v_split: int, L: int) -> float:
+        """A lower bound of self(v_split, L) for a cut (L < longest), rising with L: the same
+        sums in the same order with the stage-2 term at its spread's chunk term, the maps pass at
+        L chunks and no scan (IEEE sums and products are monotone, so the computed figure is
+        also a bound of the computed score)."""
+        chunk, item, stage1, spread_chunks, maps_chunk_us = self._split(v_split)
+        m = self.model
+        return spread_chunks + stage1 + m.launch_us + m.cp_fixed_us + maps_chunk_us * L
 
 
 def _choose(model: CostModel, chunks: list[int], hv: int, sm: int, cp: str,
@@ -219,25 +247,25 @@ def _choose(model: CostModel, chunks: list[int], hv: int, sm: int, cp: str,
     if not num_live:
         return _Choice(*base, 0, model.launch_us)
     # Empty sequences change neither the max nor the sum that the score reads.
-    batch = _Batch([c for c in chunks if c > 0] if num_live < len(chunks) else chunks, hv)
-    best = _Choice(*base, 0, _score_from(model, batch, sm, base[1], 0))
+    score = _Scorer(model, [c for c in chunks if c > 0] if num_live < len(chunks) else chunks, hv, sm)
+    best = _Choice(*base, 0, score(base[1], 0))
     # Bit-stable mode, or the baseline is already throughput-bound (its waves of blocks take
     # longer than the longest sequence's chain): splitting only multiplies the waves (the fitted
     # models have chunk_us[v] * v > chunk_us[1]). A mixed batch with one long sequence is
     # chain-bound and goes on to the model.
-    if cp == "off" or batch.longest * sm <= batch.chunk_heads * base[1]:
+    if cp == "off" or score.longest * sm <= score.chunk_heads * base[1]:
         return best
     if "vsplit" in supported:
         for s in splits:
-            t = _score_from(model, batch, sm, s, 0)
+            t = score(s, 0)
             if t < best.estimated_us:
                 best = _Choice("vsplit", s, 0, t)
     if "cp" in supported:
         for s in [1] + (splits if "vsplit" in supported else []):
             for L in model.cp_segment_chunks:
-                if L >= batch.longest:
-                    break  # no sequence would be cut
-                t = _score_from(model, batch, sm, s, L)
+                if L >= score.longest or score.cut_floor(s, L) >= best.estimated_us:
+                    break  # no sequence would be cut, or no longer L can score lower
+                t = score(s, L)
                 if t < best.estimated_us:
                     best = _Choice("cp", s, L, t)
     return best

@@ -340,3 +340,45 @@ def test_cp_maps_split_against_the_h200_runs():
     assert checked == 6
 
 
+
+
+def _reference_score(model, chunks, hv, sm, v_split, L):
+    """The planner's score written straight from CostModel.estimate_us (no cached terms): the
+    maps pass over every segment but a sequence's last, the scan, the output pass."""
+    live = [c for c in chunks if c]
+    chunk_heads = sum(live) * hv
+    segs = [-(-c // L) for c in live] if L else [1] * len(live)
+    if max(segs) < 2:
+        longest = max(live)
+        return model.estimate_us(v_split, longest, chunk_heads * v_split, sm, cut=False, chunk_heads=chunk_heads,
+                                 blocks=len(live) * hv * v_split, chain_blocks=live.count(longest) * hv * v_split)
+    full = sum(c // L for c in live)
+    out = model.estimate_us(v_split, L, chunk_heads * v_split, sm, cut=True, chunk_heads=chunk_heads,
+                            blocks=sum(segs) * hv * v_split, chain_blocks=full * hv * v_split)
+    maps_chunks = sum(L * (2 * s - 3) for s in segs if s > 1)
+    maps = model.cp_maps_ratio * model.chunk_us[v_split] * max(L, -(-(hv * v_split * maps_chunks) // sm))
+    return out + maps + model.cp_level_us * (max(segs) - 2)
+
+
+@settings(max_examples=300, deadline=None)
+@given(lens=st.lists(st.one_of(st.integers(0, 700), st.integers(1, 300_000)), min_size=1, max_size=40),
+       heads=st.sampled_from([(1, 1), (2, 8), (4, 16), (16, 64), (8, 24)]),
+       cp=st.sampled_from(["auto", "exact"]), sm=st.sampled_from([132, 78, 148]))
+def test_planner_search_matches_an_exhaustive_one(lens, heads, cp, sm):
+    """The planner's scorer (cached per-batch terms) gives estimate_us's figures, and its pruned
+    search (cut_floor) picks what scoring every (split, L) candidate would."""
+    from qla_serve.plan import V_SPLITS, _choose, _Scorer
+
+    model = load_cost_model("sm90")
+    hk, hv = heads
+    chunks = [-(-n // CHUNK) for n in lens]
+    if not any(chunks):
+        return
+    got = _choose(model, chunks, hv, sm, cp, frozenset({"plain", "vsplit", "cp"}))
+    score = _Scorer(model, [c for c in chunks if c], hv, sm)
+    longest = max(chunks)
+    candidates = [(s, L) for s in V_SPLITS for L in [0] + [L for L in model.cp_segment_chunks if L < longest]]
+    for s, L in candidates:
+        assert score(s, L) == pytest.approx(_reference_score(model, chunks, hv, sm, s, L), rel=1e-12)
+    best = min(_reference_score(model, chunks, hv, sm, s, L) for s, L in candidates)
+    assert got.estimated_us <= best * (1 + 1e-12) or longest * sm <= sum(chunks) * hv
