@@ -308,7 +308,7 @@ _INTER_SLOTS = "intermediate.shape[0], its slot count"
 
 
 def gdn_decode(q, k, v, pool, slot_ids, *, g=None, beta=None, a=None, b=None, A_log=None,
-               dt_bias=None, use_qk_l2norm=False, scale=None, out=None):
+               dt_bias=None, use_qk_l2norm=False, scale=None, out=None, _after_conv=False):
     """One token per sequence, states updated in place. CUDA-graph capturable (pass ``out``).
 
     Args:
@@ -317,6 +317,9 @@ def gdn_decode(q, k, v, pool, slot_ids, *, g=None, beta=None, a=None, b=None, A_
         g, beta: [B, Hv] float32 — or raw a, b: [B, Hv] with A_log, dt_bias: [Hv]
             (g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b), fused in the kernel).
         use_qk_l2norm: L2-normalise q and k in the kernel.
+        _after_conv: internal (backends/gdn_layer): q/k/v come from the layer_ops.causal_conv_decode
+            launch just before on this stream; the kernel overlaps its state loads with it
+            (kernels/hopper/decode.decode's after_conv).
     Returns:
         o [B, Hv, 128] in q's dtype.
     """
@@ -334,7 +337,7 @@ def gdn_decode(q, k, v, pool, slot_ids, *, g=None, beta=None, a=None, b=None, A_
     if out is None:
         out = torch.empty((q.shape[0], v.shape[1], V.HEAD_DIM), dtype=q.dtype, device=q.device)
     _run("decode", q.device, q.dtype, q, k, v, pool, V.int32_index(slot_ids, q.device), g=g, beta=beta, a=a,
-         b=b, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm=l2, scale=s, out=out)
+         b=b, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm=l2, scale=s, out=out, after_conv=bool(_after_conv))
     return out
 
 

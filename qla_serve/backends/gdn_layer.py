@@ -290,8 +290,8 @@ def gdn_layer_forward(step: StepPlan, mixed_qkv: torch.Tensor, a: torch.Tensor, 
         ids = step.ids("decode")
         y = layer_ops.causal_conv_decode(xn[:Td], conv_state, ids, num_v_heads=Hv, **conv)
         q, k, v = _split_qkv(y, num_k_heads, Hv)
-        qla_serve.gdn_decode(q, k, v, ssm_state, ids, a=an[:Td], b=bn[:Td],
-                             use_qk_l2norm=True, scale=scale, out=out_n[:Td], **gates)
+        qla_serve.gdn_decode(q, k, v, ssm_state, ids, a=an[:Td], b=bn[:Td], use_qk_l2norm=True,
+                             scale=scale, out=out_n[:Td], _after_conv=True, **gates)
         if on_call:
             on_call("decode", Td)
     if Tp:

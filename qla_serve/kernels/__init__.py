@@ -11,7 +11,8 @@ fallback only prefill and decode, ops.FLA_OPS: the others take the reference pat
 
     prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale, out)
     prefill_inputs(q, k, a, b, A_log, dt_bias, *, q_out, k_out, g_out, beta_out)
-    decode(q, k, v, pool, slot_ids, *, g, beta, a, b, A_log, dt_bias, use_qk_l2norm, scale, out)
+    decode(q, k, v, pool, slot_ids, *, g, beta, a, b, A_log, dt_bias, use_qk_l2norm, scale, out,
+           after_conv=False)    # after_conv: see hopper/decode.decode (a launch form only)
     verify(q, k, v, pool, slot_ids, cu_seqlens, intermediate, intermediate_ids, *, g, beta,
            a, b, A_log, dt_bias, use_qk_l2norm, scale, out)
 

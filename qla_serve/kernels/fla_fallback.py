@@ -58,7 +58,8 @@ def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale,
     _scatter(pool, slot_ids, final)
 
 
-def decode(q, k, v, pool, slot_ids, *, g, beta, a, b, A_log, dt_bias, use_qk_l2norm, scale, out):
+def decode(q, k, v, pool, slot_ids, *, g, beta, a, b, A_log, dt_bias, use_qk_l2norm, scale, out,
+           after_conv=False):
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 
     if g is None:

@@ -375,10 +375,12 @@ def _write_checkpoints(q, k, v, g, beta, pool, cu, init, scale, chunks, slots) -
         pool[slot] = state[0].to(pool.dtype)
 
 
-def decode(q, k, v, pool, slot_ids, *, g, beta, a, b, A_log, dt_bias, use_qk_l2norm, scale, out):
+def decode(q, k, v, pool, slot_ids, *, g, beta, a, b, A_log, dt_bias, use_qk_l2norm, scale, out,
+           after_conv=False):
     """One token per sequence: q, k [B, Hk, K], v [B, Hv, V]; out [B, Hv, V].
 
-    Padding rows (slot < 0) get a zero output and touch no slot.
+    Padding rows (slot < 0) get a zero output and touch no slot. ``after_conv`` (the TileLang
+    kernel's launch form after the layer's conv) changes nothing here.
     """
     g, beta = _gating(g, beta, a, b, A_log, dt_bias)
     if use_qk_l2norm:

@@ -29,6 +29,8 @@ def test_conv_variant_compiles(variant, target):
         assert "__syncthreads" not in src
     if variant["op"] == "conv_spec":
         assert f"float win[{3 + variant['draft']}];" in src   # history + D draft inputs in registers
+    # conv_decode lets the decode launched as its programmatic dependent start early
+    assert ("cudaTriggerProgrammaticLaunchCompletion();" in src) == (variant["op"] == "conv_decode")
 
 
 @pytest.mark.compile

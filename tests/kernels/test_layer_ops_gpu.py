@@ -186,3 +186,70 @@ def test_conv_decode_captures_in_a_graph():
     want = torch.empty_like(y)
     reference_conv.conv_decode(x, ref_cs, w, bv, ids, num_v_heads=hv, activation="silu", out=want)
     assert _rel(y, want) < 4e-3 and _rel(cs, ref_cs) < 4e-3
+
+
+@pytest.mark.parametrize("B", [1, 7, 256])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_decode_after_conv_matches_the_plain_launch(B, pool_dtype):
+    """The layer's decode launched as the conv's programmatic dependent (decode.py after_conv:
+    states loaded while the conv runs, q/k/v read after it) gives bit-for-bit what the plain
+    launch gives on the same inputs, eagerly and over 3 replays of a captured graph (a read of
+    q/k/v before the conv finished would differ); slots outside the batch stay untouched."""
+    import qla_serve
+
+    gen = torch.Generator().manual_seed(B)
+    hk, hv, W, S = 2, 8, 4, B + 40
+    dim = (2 * hk + hv) * HEAD
+    w, bv = _weights(dim, W, torch.bfloat16, gen, True)
+    A_log = (torch.rand(hv, generator=gen) - 1.0).cuda()
+    dt_bias = (torch.randn(hv, generator=gen) * 0.1).cuda()
+    ids = (torch.randperm(S, generator=gen)[:B]).to(torch.int32)
+    if B > 1:
+        ids[::5] = -1
+    ids = ids.cuda()
+    x = torch.empty(B, dim, dtype=torch.bfloat16, device="cuda")
+    a, b = (torch.empty(B, hv, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    caches = {}
+    for after in (False, True):
+        cgen = torch.Generator().manual_seed(99)
+        caches[after] = (_conv_cache(S, dim, W - 1, torch.bfloat16, "seq_first", cgen),
+                         (torch.randn(S, hv, HEAD, HEAD, generator=cgen) * 0.1).to("cuda", pool_dtype),
+                         torch.empty(B, dim, dtype=torch.bfloat16, device="cuda"),
+                         torch.empty(B, hv, HEAD, dtype=torch.bfloat16, device="cuda"))
+    before = [c.clone() for c in caches[True][:2]]
+
+    def layer(after):
+        cs, pool, y, out = caches[after]
+        layer_ops.causal_conv_decode(x, cs, ids, conv_weight=w, conv_bias=bv, num_v_heads=hv, out=y)
+        q, k, v = y[:, :hk * HEAD].view(B, hk, HEAD), y[:, hk * HEAD:2 * hk * HEAD].view(B, hk, HEAD), \
+            y[:, 2 * hk * HEAD:].view(B, hv, HEAD)
+        qla_serve.gdn_decode(q, k, v, pool, ids, a=a, b=b, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm=True,
+                             out=out, _after_conv=after)
+
+    def fresh_inputs():
+        x.copy_(torch.randn(B, dim, generator=gen).to("cuda", torch.bfloat16))
+        a.copy_(torch.randn(B, hv, generator=gen).to("cuda", torch.bfloat16))
+        b.copy_(torch.randn(B, hv, generator=gen).to("cuda", torch.bfloat16))
+
+    fresh_inputs()
+    for after in (False, True):   # eager (also compiles)
+        layer(after)
+    graphs = {}
+    for after in (False, True):
+        graphs[after] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[after]):
+            layer(after)
+    for _ in range(3):
+        fresh_inputs()
+        for after in (False, True):
+            graphs[after].replay()
+    torch.cuda.synchronize()
+    for name, got, want in zip(("conv state", "pool", "y", "out"), caches[True], caches[False]):
+        assert torch.equal(got, want), name
+    assert torch.isfinite(caches[True][3].float()).all()
+    live = ids[ids >= 0].long()
+    untouched = torch.ones(S, dtype=torch.bool, device="cuda")
+    untouched[live] = False
+    assert torch.equal(caches[True][1][untouched], before[1][untouched])
+    assert torch.equal(caches[True][0][untouched], before[0][untouched])
+    assert not torch.equal(caches[True][1][live], before[1][live])   # the step did run

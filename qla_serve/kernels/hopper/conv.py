@@ -243,6 +243,10 @@ def _program(v: dict):
             Y: T.StridedTensor((B, DIM), (sy0, 1), io),
         ):
             with T.Kernel(B, NH, threads=HEAD_DIM) as (i, hb):
+                # A decode launched as this grid's programmatic dependent (decode.py's
+                # after_conv form) may start now: it loads its states while this runs and
+                # waits for this grid to finish before it reads Y.
+                T.pdl_trigger()
                 c = hb * HEAD_DIM + T.get_thread_binding()
                 slot = Slots[i]
                 w = T.alloc_local((W,), f32)

@@ -76,21 +76,28 @@ _PASS_CONFIGS = {"tl.disable_safe_memory_legalize": True}
 # ----------------------------------------------------------------------------------------
 
 def _variant(op: str, hv: int, hk: int, io: str, pool: str, gating: str, ab: str | None,
-             param: str | None, l2norm: bool, tile: str | None = None, bias: str | None = None) -> dict:
+             param: str | None, l2norm: bool, tile: str | None = None, bias: str | None = None,
+             after_conv: bool = False) -> dict:
     """A JSON-serialisable variant description; ``name`` identifies it uniquely.
 
     ``param`` is A_log's dtype and ``bias`` dt_bias's (default: A_log's; SGLang keeps A_log in
     fp32 beside a bf16 dt_bias). ``tile`` (see :func:`parse_tile`) defaults to the choice for
-    the pool dtype.
+    the pool dtype. ``after_conv`` (decode only): the layer's form, launched as the programmatic
+    dependent of its conv_decode launch (:func:`decode`).
     """
     tile = tile or default_tile(pool)
     parse_tile(tile)
     bias = bias or param
     gate = "gb" if gating == "gb" else f"ab-{ab}-{param}" + (f"-{bias}" if bias != param else "")
-    name = f"gdn_{op}_hv{hv}_hk{hk}_{io}_pool-{pool}_{gate}_l2{int(l2norm)}_{tile}"
-    return {"name": name, "op": op, "num_v_heads": hv, "num_k_heads": hk, "io_dtype": io,
-            "pool_dtype": pool, "gating": gating, "ab_dtype": ab, "param_dtype": param,
-            "bias_dtype": bias, "l2norm": bool(l2norm), "tile": tile}
+    if after_conv and op != "decode":
+        raise ValueError(f"after_conv: only the decode op has that form, got op {op!r}")
+    name = f"gdn_{op}_hv{hv}_hk{hk}_{io}_pool-{pool}_{gate}_l2{int(l2norm)}_{tile}" + ("_pdl" if after_conv else "")
+    v = {"name": name, "op": op, "num_v_heads": hv, "num_k_heads": hk, "io_dtype": io,
+         "pool_dtype": pool, "gating": gating, "ab_dtype": ab, "param_dtype": param,
+         "bias_dtype": bias, "l2norm": bool(l2norm), "tile": tile}
+    if after_conv:
+        v["after_conv"] = True
+    return v
 
 
 def parse_tile(tile: str) -> tuple[int, int, bool, int]:
@@ -122,8 +129,9 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
     Matrix: op {decode, verify} x io dtype {bf16, fp16} x pool {fp32, bf16} x gating
     {g/beta fp32, raw a/b in the io dtype with A_log/dt_bias fp32, a/b and A_log/dt_bias in
     the io dtype, a/b and dt_bias in the io dtype with A_log fp32 (SGLang's and vLLM's layers)}
-    x l2norm {off, on} = 64 variants, each with its pool dtype's default tile; 12 verify_slots
-    variants (the vLLM layer's spec step: io x pool x the three raw-gate forms, l2norm on); plus
+    x l2norm {off, on} = 64 variants, each with its pool dtype's default tile; 12 after_conv
+    decode variants (the layers' decode step) and 12 verify_slots variants (the vLLM layer's spec
+    step), each io x pool x the three raw-gate forms, l2norm on; plus
     4 commit variants (pool dtype x num_accepted int32/int64).
     Other gate dtype combinations and tile overrides (TILE_OVERRIDE) compile on first use
     (JIT, same cache).
@@ -138,9 +146,11 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
                     for l2 in (False, True):
                         out.append(_variant(op, num_v_heads, num_k_heads, io, pool, gating, ab,
                                             param, l2, bias=bias))
-    for io in _IO_DTYPES:  # the engine layers' spec step: raw gates, in-kernel l2norm
+    for io in _IO_DTYPES:  # the engine layers' decode and spec steps: raw gates, in-kernel l2norm
         for pool in _POOL_DTYPES:
             for param, bias in (("float32", None), (io, None), ("float32", io)):
+                out.append(_variant("decode", num_v_heads, num_k_heads, io, pool, "ab", io, param, True,
+                                    bias=bias, after_conv=True))
                 out.append(_variant("verify_slots", num_v_heads, num_k_heads, io, pool, "ab", io,
                                     param, True, bias=bias))
     for pool in _POOL_DTYPES:
@@ -208,6 +218,7 @@ def _program(variant: dict):
     prm = variant["param_dtype"] if fused else "float32"
     bias = (variant.get("bias_dtype") or prm) if fused else "float32"
     BV, W, QK_SMEM, MIN_BLOCKS = parse_tile(variant["tile"])
+    AFTER_CONV = bool(variant.get("after_conv", False))
     R = BV // (W * _ROWS_PER_WARP_STEP)            # register rows per thread
     NV = HEAD_DIM // BV
     VEC = 4 if pdt == "float32" else 8             # 16-byte vectors of the state
@@ -443,6 +454,11 @@ def _program(variant: dict):
                     # Issue the state loads first: they are the long pole. (Not `tokens` with
                     # n = 1: its one-trip loop compiles to different code.)
                     load_state(Pool, slot, h, ctx)
+                    if AFTER_CONV:
+                        # Launched as the conv's programmatic dependent: the slot id and state
+                        # (neither written by the conv) load while it runs; q/k/v, which it
+                        # writes, only after it has finished and flushed.
+                        T.pdl_sync()
                     token((Q, Kt, Vt, Ga, Gb, A_log, dt_bias, Out, scale), ctx, i, h)
                     store_state(Pool, (slot,), h, ctx)
                 else:
@@ -631,7 +647,7 @@ def launch_function(variant: dict, device: torch.device, build_fn, name: str | N
     return raw_function(kernel, name or variant["name"])
 
 
-def _launcher(op, q, pool, g, a, A_log, dt_bias, b, beta, l2, tile):
+def _launcher(op, q, pool, g, a, A_log, dt_bias, b, beta, l2, tile, after_conv=False):
     """Slow path of the lookup: validate dtypes, name the variant, compile or load it (TileLang
     disk cache, explicit target of the device), and return the raw tvm-ffi function."""
     io = _dtype_name(q.dtype, "q", _IO_DTYPES)
@@ -643,7 +659,8 @@ def _launcher(op, q, pool, g, a, A_log, dt_bias, b, beta, l2, tile):
     else:
         gating = "ab"
         ab, param, bias = gate_dtype_names(a, b, A_log, dt_bias)
-    variant = _variant(op, pool.shape[1], q.shape[1], io, pdt, gating, ab, param, l2, tile, bias=bias)
+    variant = _variant(op, pool.shape[1], q.shape[1], io, pdt, gating, ab, param, l2, tile, bias=bias,
+                       after_conv=after_conv)
     return launch_function(variant, q.device, build)
 
 
@@ -679,31 +696,37 @@ def _check_alignment(vec: int, pool, q, k, inter=None) -> None:
         check_intermediate_alignment(inter)
 
 
-def _lookup(op, q, pool, g, beta, a, b, A_log, dt_bias, l2):
+def _lookup(op, q, pool, g, beta, a, b, A_log, dt_bias, l2, after_conv=False):
     pdt = pool.dtype
     tile = TILE_OVERRIDE
     fused = g is None
     key = (op, q.device, q.dtype, pdt, fused, a.dtype if fused else None,
            A_log.dtype if fused else None, dt_bias.dtype if fused else None, bool(l2), pool.shape[1],
-           q.shape[1], tile)
+           q.shape[1], tile, after_conv)
     fn = _FAST.get(key)
     if fn is None:
-        fn = _launcher(op, q, pool, g, a, A_log, dt_bias, b, beta, l2, tile)
+        fn = _launcher(op, q, pool, g, a, A_log, dt_bias, b, beta, l2, tile, after_conv)
         _FAST[key] = fn
     return fn
 
 
-def decode(q, k, v, pool, slot_ids, *, g, beta, a, b, A_log, dt_bias, use_qk_l2norm, scale, out):
+def decode(q, k, v, pool, slot_ids, *, g, beta, a, b, A_log, dt_bias, use_qk_l2norm, scale, out,
+           after_conv=False):
     """One token per sequence, state updated in place in ``pool[slot_ids[i]]``.
 
     q, k [B, Hk, 128], v [B, Hv, 128] (bf16/fp16, last dim contiguous); g, beta [B, Hv] fp32
     or a, b [B, Hv] with A_log, dt_bias [Hv]; pool [S, Hv, 128, 128] fp32/bf16;
     slot_ids [B] int32 (< 0: zero output row, slot untouched); out [B, Hv, 128] (q's dtype).
     No host sync, no allocation: CUDA-graph capturable.
+    after_conv: this launch directly follows, on the same stream, the conv_decode launch that
+    wrote q/k/v (the GDN layer's decode): it runs as that grid's programmatic dependent, its
+    blocks loading their slot ids and states while the conv runs (conv_decode lets them start)
+    and reading q/k/v, a and b once the conv grid has finished. The slot ids, the pool and the
+    gates must not be written by that conv launch, nor by anything still running before it.
     """
     if q.shape[0] == 0:
         return
-    fn = _lookup("decode", q, pool, g, beta, a, b, A_log, dt_bias, use_qk_l2norm)
+    fn = _lookup("decode", q, pool, g, beta, a, b, A_log, dt_bias, use_qk_l2norm, bool(after_conv))
     _check_alignment(4 if pool.dtype == torch.float32 else 8, pool, q, k)
     if g is None:
         fn(q, k, v, a, b, A_log, dt_bias, pool, slot_ids, out, HEAD_DIM ** -0.5 if scale is None else float(scale))
