@@ -18,8 +18,9 @@ Implementations, same inputs and caches:
   step, then :func:`~qla_serve.backends.gdn_layer.gdn_layer_forward`. The step's slot ids (engine
   ids -> the ops' int32 ids, on the device) are derived with the plan, outside the timed layer
   call: an engine derives them in its first GDN layer of the step and every later layer reuses
-  them. The median host time of both (plan and derivation, once per step) is the "plan host us"
-  column; the derivation's GPU time is the JSON's ``step_ids_gpu_us``.
+  them. The median host time of both (plan and derivation, once per step; the engine's slot and
+  has_initial_state tensors already on the device, as its metadata builder hands them) is the
+  "plan host us" column; the derivation's GPU time is the JSON's ``step_ids_gpu_us``.
 * ``fla``: the same layer composed from flash-linear-attention 0.6's Triton ops (``FLA_FLASH_QLA=0``
   is set, so FLA runs its own kernels, not FlashQLA's): ``fla.modules.convolution.causal_conv1d``
   (varlen prefill, the conv cache as initial state, the final state written back) and
@@ -323,14 +324,20 @@ class LayerCase:
         perm = (torch.randperm(num_slots - 1, generator=gen, device=self.device) + 1).tolist()
         self.slot_sets = [perm[i * N:(i + 1) * N] for i in range(nsets)]
         self.has_initial_state = [i % 2 == 0 for i in range(len(row.prefill_lens))]
+        self._device_sets = {}
 
     def slots(self, i: int):
-        """(decode slots, prefill slots) of set i as device int32 tensors (None where empty)."""
+        """(decode slots, prefill slots, prefill has_initial_state) of set i as device tensors
+        (int32 ids, bool flags; None where empty), uploaded once: an engine's metadata builder
+        hands the step plan device tensors, so the plan's host time leaves their upload out."""
         import torch
 
-        ids, D = self.slot_sets[i], self.row.decodes
-        up = lambda xs: torch.tensor(xs, dtype=torch.int32).to(self.device) if xs else None  # noqa: E731
-        return up(ids[:D]), up(ids[D:])
+        hit = self._device_sets.get(i)
+        if hit is None:
+            ids, D = self.slot_sets[i], self.row.decodes
+            up = lambda xs, dt=torch.int32: torch.tensor(xs, dtype=dt).to(self.device) if xs else None  # noqa: E731
+            hit = self._device_sets[i] = (up(ids[:D]), up(ids[D:]), up(self.has_initial_state, torch.bool))
+        return hit
 
     def snapshot(self):
         """Copies of the caches' backing buffers (every byte, padding included)."""
@@ -387,12 +394,9 @@ def step_ids_gpu_us(case: LayerCase, reps: int) -> float:
 
 
 def _qla_plan(case: LayerCase, i: int, cp: str):
-    import torch
-
     from qla_serve.backends import gdn_layer
 
-    ds, ps = case.slots(i)
-    has = (torch.tensor(case.has_initial_state).to(case.device) if ps is not None else None)
+    ds, ps, has = case.slots(i)
     return gdn_layer.make_step_plan(
         num_actual_tokens=case.row.tokens, num_v_heads=case.hv, num_k_heads=case.hk,
         conv_width=CONV_WIDTH, device=case.device, decode_slots=ds,
