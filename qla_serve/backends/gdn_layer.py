@@ -52,6 +52,11 @@ from qla_serve.plan import PrefillPlan
 HEAD_DIM = 128
 
 
+# The decode step's gdn_decode launches as the programmatic dependent of its conv_decode launch
+# (kernels/hopper/decode.decode's after_conv): H200, 2/8 B = 1 fp32 5.3 -> 3.9 us per layer call
+# (benchmarks/layer.md). False: two plain launches (A/B: benchmarks/decode_after_conv_ab.py).
+DECODE_AFTER_CONV = True
+
 @dataclasses.dataclass(eq=False)
 class StepPlan:
     """What every GDN layer of one engine step shares. Built once per step (host code).
@@ -291,7 +296,7 @@ def gdn_layer_forward(step: StepPlan, mixed_qkv: torch.Tensor, a: torch.Tensor, 
         y = layer_ops.causal_conv_decode(xn[:Td], conv_state, ids, num_v_heads=Hv, **conv)
         q, k, v = _split_qkv(y, num_k_heads, Hv)
         qla_serve.gdn_decode(q, k, v, ssm_state, ids, a=an[:Td], b=bn[:Td], use_qk_l2norm=True,
-                             scale=scale, out=out_n[:Td], _after_conv=True, **gates)
+                             scale=scale, out=out_n[:Td], _after_conv=DECODE_AFTER_CONV, **gates)
         if on_call:
             on_call("decode", Td)
     if Tp:
