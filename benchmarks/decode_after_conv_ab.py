@@ -1,5 +1,5 @@
 """The layer's decode step with and without the programmatic dependent launch of gdn_decode after
-conv_decode (gdn_layer.DECODE_AFTER_CONV), side by side in one process: GPU us per layer call,
+conv_decode (forced either way through gdn_layer.DECODE_AFTER_CONV_MAX_ROWS), side by side in one process: GPU us per layer call,
 CUDA-graph replay of `qla-serve bench layer`'s decode rows (same cases, slot sets and helper).
 Two rounds, the forms interleaved, so that drift shows.
 
@@ -39,11 +39,12 @@ def main():
                 nsets = L.slot_sets_for(row, hv, STATE[st], bdec.L2_FLUSH_BYTES)
                 case = L.LayerCase(hk, hv, row, STATE[st], "cuda", nsets=nsets)
                 times = {True: [], False: []}
+                default = gdn_layer.DECODE_AFTER_CONV_MAX_ROWS
                 for _ in range(2):
                     for form in (False, True):
-                        gdn_layer.DECODE_AFTER_CONV = form
+                        gdn_layer.DECODE_AFTER_CONV_MAX_ROWS = 1 << 30 if form else 0
                         times[form].append(graph_us(case, nsets, args.reps))
-                gdn_layer.DECODE_AFTER_CONV = True
+                gdn_layer.DECODE_AFTER_CONV_MAX_ROWS = default
                 print(f"{hk}/{hv} {text:>5} {st}: plain {times[False][0]:.2f}/{times[False][1]:.2f}  "
                       f"after_conv {times[True][0]:.2f}/{times[True][1]:.2f}", flush=True)
 

@@ -53,9 +53,12 @@ HEAD_DIM = 128
 
 
 # The decode step's gdn_decode launches as the programmatic dependent of its conv_decode launch
-# (kernels/hopper/decode.decode's after_conv): H200, 2/8 B = 1 fp32 5.3 -> 3.9 us per layer call
-# (benchmarks/layer.md). False: two plain launches (A/B: benchmarks/decode_after_conv_ab.py).
-DECODE_AFTER_CONV = True
+# (kernels/hopper/decode.decode's after_conv) where decodes x v-heads <= this: with few blocks
+# the dependent grid's state loads overlap the conv (H200, one process: 2/8 B = 1..32 and 16/32
+# B = 1 4-10% faster per layer call); with many, its early blocks sit resident at the grid sync
+# (16/32 B = 256 bf16 pool 179 -> 188 us, B = 32 26.4 -> 27.5; fp32 pools level). 0: never.
+# benchmarks/decode_after_conv_ab.py, benchmarks/layer.md.
+DECODE_AFTER_CONV_MAX_ROWS = 256
 
 @dataclasses.dataclass(eq=False)
 class StepPlan:
@@ -295,8 +298,8 @@ def gdn_layer_forward(step: StepPlan, mixed_qkv: torch.Tensor, a: torch.Tensor, 
         ids = step.ids("decode")
         y = layer_ops.causal_conv_decode(xn[:Td], conv_state, ids, num_v_heads=Hv, **conv)
         q, k, v = _split_qkv(y, num_k_heads, Hv)
-        qla_serve.gdn_decode(q, k, v, ssm_state, ids, a=an[:Td], b=bn[:Td], use_qk_l2norm=True,
-                             scale=scale, out=out_n[:Td], _after_conv=DECODE_AFTER_CONV, **gates)
+        qla_serve.gdn_decode(q, k, v, ssm_state, ids, a=an[:Td], b=bn[:Td], use_qk_l2norm=True, scale=scale,
+                             out=out_n[:Td], _after_conv=Td * Hv <= DECODE_AFTER_CONV_MAX_ROWS, **gates)
         if on_call:
             on_call("decode", Td)
     if Tp:

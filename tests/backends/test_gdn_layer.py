@@ -395,3 +395,30 @@ def test_padded_decode_batch_cpu():
         _close(ssm[s].double(), final, atol=2e-4, rtol=2e-4)
     for s in set(range(10)) - {3, 7}:
         assert torch.equal(ssm[s], ssm0[s]) and torch.equal(conv[s], conv0[s])
+
+
+@pytest.mark.parametrize("decodes,after_conv", [(1, True), (64, True), (65, False), (256, False)])
+def test_decode_launch_form_follows_the_batch(decodes, after_conv, monkeypatch):
+    """The decode step asks for the dependent launch after the conv (kernels/hopper/decode's
+    after_conv) only while decodes x v-heads <= DECODE_AFTER_CONV_MAX_ROWS (256; HV = 4 here),
+    where it measured faster. qla_serve.gdn_decode is wrapped to record the flag (a spy, the real
+    op still runs: the CPU reference path, which ignores it)."""
+    seen = []
+    real = GL.qla_serve.gdn_decode
+
+    def spy(*args, _after_conv=False, **kw):
+        seen.append(_after_conv)
+        return real(*args, _after_conv=_after_conv, **kw)
+
+    monkeypatch.setattr(GL.qla_serve, "gdn_decode", spy)
+    gen = torch.Generator().manual_seed(5)
+    conv, ssm = _cache(decodes + 1, torch.float32, "cpu", gen)
+    w, bias, A_log, dt_bias = _weights(gen, "cpu")
+    step = GL.make_step_plan(num_actual_tokens=decodes, num_v_heads=HV, num_k_heads=HK, conv_width=W,
+                             device="cpu", decode_slots=torch.arange(1, decodes + 1, dtype=torch.int32))
+    x = torch.randn(decodes, DIM, generator=gen)
+    a, b = torch.randn(decodes, HV, generator=gen), torch.randn(decodes, HV, generator=gen)
+    out = torch.empty(decodes, HV, D_HEAD)
+    GL.gdn_layer_forward(step, x, a, b, conv_weight=w, conv_bias=bias, activation="silu", conv_state=conv,
+                         ssm_state=ssm, A_log=A_log, dt_bias=dt_bias, num_k_heads=HK, out=out)
+    assert seen == [after_conv] and torch.isfinite(out).all()
