@@ -14,6 +14,8 @@ launches and a float32 copy of the whole conv input a torch layer spends:
     y = causal_conv_spec(...)                          vLLM's speculative window (1 launch)
     o = gdn_verify_slots(...)                          verify, each draft token's state into
                                                        its own pool slot (1 launch, no scratch)
+    ids = slot_ids(engine_slots, null_slot, ...)       once per step: the engine's slot ids as
+                                                       the ops take them (1 launch)
 
 Paths as in ops.py: ``tilelang`` (Hopper/Blackwell), else the torch reference
 (kernels/reference_conv.py; CPU tensors, and any GPU without qla_serve kernels, where it syncs
@@ -157,6 +159,30 @@ def gdn_layer_prefill_inputs(mixed_qkv, a, b, conv_state, slot_ids, plan, *, con
          V.int32_index(slot_ids, dev), has_init, plan.cu_seqlens, a, b, A_log, dt_bias, activation=act,
          q_out=q, k_out=k, v_out=v, g_out=g, beta_out=beta)
     return q, k, v, g, beta
+
+
+def slot_ids(slots, null_slot: int, *, cu_seqlens=None) -> torch.Tensor:
+    """An engine step's slot ids as the ops take them: int32, -1 where the engine marks padding.
+
+    Args:
+        slots: [N] or [Ns, D] int32/int64 engine slot ids on the device (any strides);
+            ``null_slot`` (an int) marks padding. [Ns, D] (spec decodes): a row whose first
+            slot is null is padding as a whole.
+        cu_seqlens: with [N] prefill slots, the step's [N+1] int32 token offsets on the same
+            device: empty sequences are padding too.
+    Returns a new int32 tensor of ``slots``' shape. No sync, CUDA-graph capturable; one launch
+    on the TileLang path (kernels/hopper/slot_ids.py), 2-5 torch ops on the reference path.
+    """
+    V.check_dtype("slots", slots, V.INDEX_DTYPES)
+    if slots.dim() not in (1, 2) or (cu_seqlens is not None and slots.dim() != 1):
+        raise ValueError(f"slots: expected [N] slot ids ([N] with cu_seqlens) or [Ns, D], got shape {list(slots.shape)}")
+    if isinstance(null_slot, bool) or not isinstance(null_slot, int):
+        raise TypeError(f"null_slot: expected an int, got {type(null_slot).__name__}")
+    if cu_seqlens is not None:
+        V.index_vector("cu_seqlens", cu_seqlens, slots.shape[0] + 1, (torch.int32,))
+        V.check_device(slots.device, cu_seqlens=cu_seqlens)
+    return getattr(path_module(_path("slot_ids", slots.device, None), slots.device, reference_conv),
+                   "slot_ids")(slots, null_slot, cu_seqlens)
 
 
 def checkpoint_conv_table(slot_ids, chunks, cu_seqlens) -> tuple:

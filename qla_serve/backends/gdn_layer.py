@@ -132,31 +132,21 @@ class StepPlan:
 
     def _derive(self, kind: str) -> torch.Tensor:
         if kind == "decode":
-            return _ops_ids(self.decode_slots, self.null_slot)
+            return layer_ops.slot_ids(self.decode_slots, self.null_slot)
         if kind == "prefill":
-            cu = self.prefill_plan.cu_seqlens
-            return _ops_ids(self.prefill_slots, self.null_slot, cu[1:] > cu[:-1])
+            return layer_ops.slot_ids(self.prefill_slots, self.null_slot, cu_seqlens=self.prefill_plan.cu_seqlens)
         if kind == "spec":
-            return _ops_ids(self.spec_slots, self.null_slot, self.spec_slots[:, 0] != self.null_slot)
+            return layer_ops.slot_ids(self.spec_slots, self.null_slot)
         if kind == "spec_conv":
             return self.ids("spec")[:, 0].contiguous()
         if kind == "prefill_checkpoint":
-            return _ops_ids(self.prefill_checkpoint_slots, self.null_slot)
+            return layer_ops.slot_ids(self.prefill_checkpoint_slots, self.null_slot)
         if kind == "num_accepted":
             return self.num_accepted.to(torch.int32)
         if kind == "spec_cu_seqlens":
             return self.spec_cu_seqlens.to(torch.int32)
         raise ValueError(f"kind: expected decode, prefill, spec, spec_conv, prefill_checkpoint, "
                          f"num_accepted or spec_cu_seqlens, got {kind!r}")
-
-
-def _ops_ids(slots: torch.Tensor, null_slot: int, live: torch.Tensor | None = None) -> torch.Tensor:
-    """Engine slot ids -> the ops' int32 ids (-1 = padding), on the device, no sync. ``live``:
-    a per-row mask (rows where it is False become padding)."""
-    pad = slots == null_slot
-    if live is not None:
-        pad = pad | ~live.view(-1, *([1] * (slots.dim() - 1)))
-    return torch.where(pad, -1, slots).to(torch.int32)   # (a scalar -1: no fill launch)
 
 
 def make_step_plan(*, num_actual_tokens: int, num_v_heads: int, num_k_heads: int, conv_width: int,

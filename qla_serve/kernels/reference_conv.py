@@ -1,4 +1,5 @@
-"""Torch reference of the GDN layer's conv ops and of verify into per-token slots.
+"""Torch reference of the GDN layer's conv ops, of verify into per-token slots and of the step's
+slot ids (hopper/slot_ids.py).
 
 The same functions, arguments and formulas as kernels/hopper/conv.py (its module docstring
 gives the math) and hopper/decode.py's verify_slots; they run on CPU tensors (the CI and
@@ -167,3 +168,15 @@ def verify_slots(q, k, v, pool, spec_slot_ids, num_accepted, cu_seqlens, *, a, b
             out[t] = o_t[0].to(out.dtype)
             if slots[i][j] >= 0:
                 pool[slots[i][j]] = state[0].to(pool.dtype)
+
+
+def slot_ids(slots, null_slot: int, cu_seqlens=None) -> torch.Tensor:
+    """Engine slot ids -> the ops' int32 ids (-1 = padding), device ops only (no sync): slots [N]
+    (with cu_seqlens [N+1], empty sequences are padding too) or [Ns, D] (a row whose first slot
+    is null is padding as a whole). kernels/hopper/slot_ids.py is the one-launch form."""
+    pad = slots == null_slot
+    if cu_seqlens is not None:
+        pad = pad | (cu_seqlens[1:] <= cu_seqlens[:-1])
+    elif slots.dim() == 2:
+        pad = pad | (slots[:, :1] == null_slot)
+    return torch.where(pad, -1, slots).to(torch.int32)   # (a scalar -1: no fill launch)

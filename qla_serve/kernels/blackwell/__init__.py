@@ -24,6 +24,7 @@ conv_prefill = _hopper.conv_prefill
 conv_decode = _hopper.conv_decode
 conv_spec = _hopper.conv_spec
 conv_window = _hopper.conv_window
+slot_ids = _hopper.slot_ids
 commit_verified = _hopper.commit_verified
 TARGETS = ("sm_100a",)
 

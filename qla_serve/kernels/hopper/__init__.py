@@ -8,6 +8,7 @@
   speculative-verify steps (verify_slots: states straight into per-token pool slots).
 * conv_prefill / conv_decode / conv_spec (conv.py): the GDN layer's causal conv over the
   engine's conv state; conv_prefill also does what prefill_inputs does (split, L2 norm, gates).
+* slot_ids (slot_ids.py): an engine step's slot tensors -> the ops' int32 ids, one launch.
 
 ``kernel_variants`` is the union of the modules' variants (what ``qla-serve precompile``
 compiles); ``build`` dispatches on the variant's ``op``.
@@ -17,17 +18,19 @@ from . import conv as _conv
 from . import decode as _decode
 from . import prefill_api as _prefill
 from . import prefill_inputs as _inputs
+from . import slot_ids as _slot_ids
 from .conv import conv_decode, conv_prefill, conv_spec, conv_window
 from .decode import commit_verified, decode, verify, verify_slots
 from .prefill_api import SUPPORTED_STRATEGIES, prefill
 from .prefill_inputs import prefill_inputs
+from .slot_ids import slot_ids
 
 ARCH = "sm_90a"
 TARGETS = ("sm_90a",)  # sm_100a builds come from qla_serve.kernels.blackwell
 
 __all__ = ["ARCH", "SUPPORTED_STRATEGIES", "TARGETS", "build", "commit_verified", "conv_decode",
            "conv_prefill", "conv_spec", "conv_window", "decode", "kernel_variants", "prefill", "prefill_inputs",
-           "verify", "verify_slots"]
+           "slot_ids", "verify", "verify_slots"]
 
 
 def kernel_variants(num_v_heads: int, num_k_heads: int, target: str = ARCH) -> list[dict]:
@@ -36,7 +39,8 @@ def kernel_variants(num_v_heads: int, num_k_heads: int, target: str = ARCH) -> l
     return (_prefill.kernel_variants(num_v_heads, num_k_heads, target)
             + _inputs.kernel_variants(num_v_heads, num_k_heads)
             + _decode.kernel_variants(num_v_heads, num_k_heads)
-            + _conv.kernel_variants(num_v_heads, num_k_heads))
+            + _conv.kernel_variants(num_v_heads, num_k_heads)
+            + _slot_ids.kernel_variants(num_v_heads, num_k_heads))
 
 
 def build(variant: dict, target: str = ARCH):
@@ -47,4 +51,6 @@ def build(variant: dict, target: str = ARCH):
         return _inputs.build(variant, target)
     if str(variant.get("op", "")).startswith("conv"):
         return _conv.build(variant, target)
+    if variant.get("op") == "slot_ids":
+        return _slot_ids.build(variant, target)
     return _decode.build(variant, target)
