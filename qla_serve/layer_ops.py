@@ -35,6 +35,11 @@ from qla_serve.ops import (_checked_key, _checks_due, _passed, _path, _same_dtyp
 from qla_serve.plan import PrefillPlan
 
 CONV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# slot_ids through its TileLang kernel (kernels/hopper/slot_ids.py: one launch instead of 2-5
+# torch ops and ~20 us of host time each per step). NOT YET RUN ON A GPU (compiled and
+# checked on the CPU only): off, so every path takes the torch form, until
+# `pytest tests/kernels/test_slot_ids.py -m gpu` passes on the H200.
+SLOT_IDS_KERNEL = False
 
 
 def _run(op: str, device: torch.device, io_dtype, *args, **kwargs) -> None:
@@ -170,8 +175,8 @@ def slot_ids(slots, null_slot: int, *, cu_seqlens=None) -> torch.Tensor:
             slot is null is padding as a whole.
         cu_seqlens: with [N] prefill slots, the step's [N+1] int32 token offsets on the same
             device: empty sequences are padding too.
-    Returns a new int32 tensor of ``slots``' shape. No sync, CUDA-graph capturable; one launch
-    on the TileLang path (kernels/hopper/slot_ids.py), 2-5 torch ops on the reference path.
+    Returns a new int32 tensor of ``slots``' shape. No sync, CUDA-graph capturable; 2-5 torch
+    ops (reference_conv.slot_ids), or one launch on the TileLang path where SLOT_IDS_KERNEL.
     """
     V.check_dtype("slots", slots, V.INDEX_DTYPES)
     if slots.dim() not in (1, 2) or (cu_seqlens is not None and slots.dim() != 1):
@@ -181,6 +186,8 @@ def slot_ids(slots, null_slot: int, *, cu_seqlens=None) -> torch.Tensor:
     if cu_seqlens is not None:
         V.index_vector("cu_seqlens", cu_seqlens, slots.shape[0] + 1, (torch.int32,))
         V.check_device(slots.device, cu_seqlens=cu_seqlens)
+    if not SLOT_IDS_KERNEL:
+        return reference_conv.slot_ids(slots, null_slot, cu_seqlens)
     return getattr(path_module(_path("slot_ids", slots.device, None), slots.device, reference_conv),
                    "slot_ids")(slots, null_slot, cu_seqlens)
 

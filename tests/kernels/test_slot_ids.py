@@ -3,7 +3,8 @@
 The reference form (kernels/reference_conv.slot_ids, CPU) against ids written out by hand; the
 TileLang kernel (kernels/hopper/slot_ids.py) compiled for both targets (marker compile) and, on
 the lent H200 (marker gpu), against the reference on fresh random engine ids of both dtypes,
-strided views of larger buffers included, eagerly and replayed from a CUDA graph.
+strided views of larger buffers included, eagerly and replayed from a CUDA graph (the kernel
+module called directly: layer_ops takes it only where layer_ops.SLOT_IDS_KERNEL).
 """
 
 import importlib
@@ -79,13 +80,13 @@ def test_kernel_matches_reference(dtype, kind):
     slots, cu = _random_case(gen, dtype, kind)
     want = reference_conv.slot_ids(slots, NULL, cu)
     slots, cu = slots.cuda(), None if cu is None else cu.cuda()
-    got = layer_ops.slot_ids(slots, NULL, cu_seqlens=cu)
+    got = S.slot_ids(slots, NULL, cu)
     assert got.dtype == torch.int32 and torch.equal(got.cpu(), want)
-    assert layer_ops.slot_ids(slots[:0], NULL, cu_seqlens=None if cu is None else cu[:1]).numel() == 0
+    assert S.slot_ids(slots[:0], NULL, None if cu is None else cu[:1]).numel() == 0
     # In a graph: replays re-read the engine's (persistent) id buffer.
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = layer_ops.slot_ids(slots, NULL, cu_seqlens=cu)
+        out = S.slot_ids(slots, NULL, cu)
     slots.copy_(torch.flip(slots, [0]))
     graph.replay()
     torch.cuda.synchronize()
