@@ -60,6 +60,7 @@ HEAD_DIM = 128
 # benchmarks/decode_after_conv_ab.py, benchmarks/layer.md.
 DECODE_AFTER_CONV_MAX_ROWS = 256
 
+
 @dataclasses.dataclass(eq=False)
 class StepPlan:
     """What every GDN layer of one engine step shares. Built once per step (host code).
