@@ -7,26 +7,20 @@
 import argparse
 import cProfile
 import pstats
-import statistics
-import time
 
 import torch
 
 import step_plan_host as S
 from qla_serve import plan as P
 from qla_serve.backends.gdn_layer import make_step_plan
+from qla_serve.bench.layer import median_us
 from qla_serve.costmodel import load_cost_model
 
 
 def _median_us(fn, n=2000):
     for _ in range(50):
         fn()
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
+    return median_us(fn, n)
 
 
 def main() -> None:

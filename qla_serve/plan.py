@@ -213,11 +213,10 @@ class _Scorer:
     def __call__(self, v_split: int, L: int) -> float:
         chunk, item, stage1, spread_chunks, maps_chunk_us = self._split(v_split)
         m, sm, blocks_per_seq = self.model, self.sm, self.hv * v_split
-        most = self.cut(L)[0] if L else 0
+        most, segments, full, maps_chunks = self.cut(L) if L else (0, 0, 0, 0)
         if most < 2:   # one segment per sequence; blocks > 0 (the planner skips empty batches)
             blocks, chain_blocks, chain = self.num_live * blocks_per_seq, self.num_longest * blocks_per_seq, self.longest
         else:
-            _, segments, full, maps_chunks = self.cut(L)
             blocks, chain_blocks, chain = segments * blocks_per_seq, full * blocks_per_seq, L
         # estimate_us: the longest blocks (a wave at a time) or all blocks spread over the SMs
         stage2 = max(-(-chain_blocks // sm) * (chunk * chain + item), spread_chunks + item * -(-blocks // sm))
