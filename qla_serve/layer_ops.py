@@ -42,9 +42,10 @@ CONV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SLOT_IDS_KERNEL = False
 
 
-def _run(op: str, device: torch.device, io_dtype, *args, **kwargs) -> None:
-    """ops._run with the layer ops' reference module (FLA has none of these ops: paths.py)."""
-    getattr(path_module(_path(op, device, io_dtype), device, reference_conv), op)(*args, **kwargs)
+def _run(op: str, device: torch.device, io_dtype, *args, **kwargs):
+    """ops._run with the layer ops' reference module (FLA has none of these ops: paths.py);
+    returns what the op returns."""
+    return getattr(path_module(_path(op, device, io_dtype), device, reference_conv), op)(*args, **kwargs)
 
 
 def _activation(activation) -> str:
@@ -188,8 +189,7 @@ def slot_ids(slots, null_slot: int, *, cu_seqlens=None) -> torch.Tensor:
         V.check_device(slots.device, cu_seqlens=cu_seqlens)
     if not SLOT_IDS_KERNEL:
         return reference_conv.slot_ids(slots, null_slot, cu_seqlens)
-    return getattr(path_module(_path("slot_ids", slots.device, None), slots.device, reference_conv),
-                   "slot_ids")(slots, null_slot, cu_seqlens)
+    return _run("slot_ids", slots.device, None, slots, null_slot, cu_seqlens)
 
 
 def checkpoint_conv_table(slot_ids, chunks, cu_seqlens) -> tuple:
