@@ -36,10 +36,11 @@ from qla_serve.plan import PrefillPlan
 
 CONV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # slot_ids through its TileLang kernel (kernels/hopper/slot_ids.py: one launch instead of 2-5
-# torch ops and ~20 us of host time each per step). NOT YET RUN ON A GPU (compiled and
-# checked on the CPU only): off, so every path takes the torch form, until
-# `pytest tests/kernels/test_slot_ids.py -m gpu` passes on the H200.
-SLOT_IDS_KERNEL = False
+# torch ops and ~20 us of host time each per step). H200 (2026-12-02): its GPU tests pass
+# against the torch form, the layer's float64 GPU tests pass with it; bench layer at 2/8: the
+# step's "plan host us" 168 -> 129 (1 x 32768), 150 -> 103 (16 x 512), 32 -> 20 (1 decode),
+# the derivation's GPU time 5.5 -> 1.3 us. False: the torch form (reference_conv.slot_ids).
+SLOT_IDS_KERNEL = True
 
 
 def _run(op: str, device: torch.device, io_dtype, *args, **kwargs):
