@@ -18,7 +18,9 @@ BF16 = [v for v in C.kernel_variants(HV, HK) if v["io_dtype"] == "bfloat16" and 
 @pytest.mark.parametrize("variant", BF16, ids=lambda v: v["name"])
 def test_conv_variant_compiles(variant, target):
     src = C.build(variant, target).get_kernel_source()
-    assert ("expf" in src) == (variant["op"] != "conv_prefill_state")   # SiLU where it convolves
+    # SiLU where it convolves: ex2.approx.ftz in the prefill, __expf in decode and spec
+    assert ("qla_ex2_ftz(" in src) == (variant["op"] == "conv_prefill")
+    assert ("__expf(" in src) == (variant["op"] in ("conv_decode", "conv_spec"))
     assert "int sc0, int sc1, int sc2" in src        # any conv-state strides: either layout
     if variant["op"] == "conv_prefill":
         assert "__shfl_xor_sync" in src and "half_t* __restrict__ Qo" in src   # q/k L2 norm, fp16 out
@@ -43,14 +45,18 @@ def test_verify_slots_compiles(target):
 
 @pytest.mark.compile
 @pytest.mark.parametrize("target", ["sm_90a", "sm_100a"])
-def test_conv_prefill_fast_steps_compile(target):
+@pytest.mark.parametrize("walk_gates", [False, True])
+def test_conv_prefill_fast_steps_compile(target, walk_gates):
     """conv.FAST_STEPS's form (the default; run on the H200 by test_layer_ops_gpu.py): the warp
     vote that picks the straight-line steps, 4 CTAs per SM kept by a launch bound, still no block
-    barrier."""
+    barrier; with the gates per step or per walk (conv.WALK_GATES, the default)."""
     v = C.variant("conv_prefill", HV, HK, 4, "bfloat16", "bfloat16", qk_out="float16", ab="bfloat16",
-                  param="float32", gbias="bfloat16", fast_steps=True)
+                  param="float32", gbias="bfloat16", fast_steps=True, walk_gates=walk_gates)
+    assert v["name"].endswith("_fs_wg" if walk_gates else "_fs")
     src = C.build(v, target).get_kernel_source()
     assert "__all_sync" in src and "__launch_bounds__(128, 4)" in src and "__syncthreads" not in src
+    # the gates: in each step, or in the walk's unrolled rounds plus the rounds past them
+    assert src.count("log1pf(") == (2 if walk_gates else 1)
 
 
 def test_steps_per_walk():
@@ -59,11 +65,14 @@ def test_steps_per_walk():
     them (steps of GROUP tokens per half-warp, WALKERS half-warps per CTA); powers of two."""
     per_step = C.GROUP * C.WALKERS
     assert C.steps_per_walk(1, 12, 132) == 1
-    assert C.steps_per_walk(16 * 512, 12, 132) == 16 * 512 // per_step * 12 // (132 * C.CTAS_PER_SM)
+    assert C.steps_per_walk(4 * 512, 12, 132) == 4 * 512 // per_step * 12 // (132 * C.CTAS_PER_SM)
     assert C.steps_per_walk(32768, 12, 132) == C.SHORT_WALK_STEPS     # 2/8 heads: short walks
     assert C.steps_per_walk(32768, 96, 132) == C.MAX_STEPS_PER_WALK     # 16/64 heads: long ones
     assert C.steps_per_walk(16 * 512, 96, 132) == C.SHORT_WALK_STEPS
-    assert C.steps_per_walk(8192, 24, 132) == 4                         # a power of two (5.8 -> 4)
+    assert C.steps_per_walk(16 * 512, 12, 132) == C.SHORT_WALK_STEPS    # 2/8 heads, 8192 tokens
+    assert C.steps_per_walk(1024, 12, 132) == 1                         # 384 steps: 1.45 -> 1
+    assert C.steps_per_walk(2048, 12, 132) == 2                         # a power of two (2.9 -> 2)
+    assert C.steps_per_walk(4096, 12, 132) == 4                         # 5.8 -> 4
 
 
 def test_conv_variants_are_unique_and_checked():

@@ -61,10 +61,11 @@ CONV_STATE_DTYPES = ("bfloat16", "float16", "float32")
 WIDTHS = (2, 3, 4, 5, 6, 7, 8)
 ACTIVATIONS = ("silu", "none")
 # conv_prefill's walk length (steps_per_walk): short walks (<= 8 steps) while the batch gives
-# fewer than ~CTAS_PER_SM CTAs per SM of them, long walks (<= 32 steps) once it gives
-# LONG_WALK_CTAS_PER_SM of those (H200, benchmarks/layer.md: 16/64 x 32768 680 us at 32 steps
-# against 752 at 8; 2/8 x 32768 104 us at 8 steps, 164 at 32)
-CTAS_PER_SM = 8
+# CTAS_PER_SM CTAs per SM of them, long walks (<= 32 steps) once it gives LONG_WALK_CTAS_PER_SM
+# of those (H200, benchmarks/layer.md: 16/64 x 32768 533 us at 32 steps against 590 at 8;
+# 2/8 x 32768 62 us at 8 steps, 64 at 32; with the walk gates, 8 steps beat 2 at 8192 tokens:
+# 2/8 19.2 against 24.1 us, 16/64 16 x 512 129 against 168)
+CTAS_PER_SM = 2
 SHORT_WALK_STEPS = 8
 LONG_WALK_CTAS_PER_SM = 20
 MAX_STEPS_PER_WALK = 32
@@ -80,21 +81,42 @@ STAGES = 3
 # 2/8 x 32768 104 -> 76 us, 16 x 512 35 -> 28, 16/64 x 32768 677 -> 535. False: the checked
 # steps alone (A/B only).
 FAST_STEPS = True
+# conv_prefill's gates (variant key "walk_gates"): on walks of <= WALK_GATES_MAX_STEPS steps, each
+# half-warp computes its walk's g and beta once, all 16 lanes a token each per round, every
+# round's a and b loaded at the walk's start beside its first rows; longer walks and False:
+# lanes 0..GROUP-1 compute the step's GROUP tokens in every step, each step's a, b loaded right
+# before use (ncu, H200, 2/8 x 32768: that load's wait was 20% of the kernel's stall samples;
+# the gate code 9% of its instructions). H200 (conv_prefill_ab.py, bit-identical): 2/8 x 32768
+# 70.6 -> 61.9 us, 16/64 16 x 512 144 -> 129; but 16/64 x 32768 in 32-step walks 533 -> 575,
+# hence the bound.
+WALK_GATES = True
+WALK_GATES_MAX_STEPS = 8
 MAX_SEQS = 1 << 20            # the binary search runs 20 steps
 _SEARCH_STEPS = 20
+_LOG2E = 1.4426950408889634
+# Device helpers the conv programs call (T.import_source puts them before the kernel).
+_FAST_MATH_SOURCE = r"""
+__device__ __forceinline__ float qla_ex2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+"""
 OPS = ("conv_prefill", "conv_prefill_state", "conv_decode", "conv_spec")
 
 
 def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weight: str | None = None,
             activation: str = "silu", bias: bool = True, qk_out: str | None = None,
             ab: str | None = None, param: str | None = None, gbias: str | None = None,
-            draft: int = 0, stages: int = STAGES, fast_steps: bool = FAST_STEPS) -> dict:
+            draft: int = 0, stages: int = STAGES, fast_steps: bool = FAST_STEPS,
+            walk_gates: bool = WALK_GATES) -> dict:
     """A JSON-serialisable variant description; ``name`` identifies it.
 
     io: x's dtype (and the outputs' but q/k's); state: the conv state's; weight: the conv
     weight's and bias's (default io); qk_out: conv_prefill's q/k dtype (default io); ab,
     param, gbias: conv_prefill's a/b, A_log, dt_bias dtypes; draft: conv_spec's D; stages:
-    conv_prefill's cp.async ring depth (STAGES); fast_steps: its straight-line steps (FAST_STEPS)."""
+    conv_prefill's cp.async ring depth (STAGES); fast_steps: its straight-line steps (FAST_STEPS);
+    walk_gates: its gates once per walk (WALK_GATES)."""
     weight = weight or io
     if op not in OPS:
         raise ValueError(f"variant op: expected one of {OPS}, got {op!r}")
@@ -119,8 +141,9 @@ def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weigh
         if stages not in (2, 3, 4, 5, 6):
             raise ValueError(f"conv_prefill stages: expected 2..6, got {stages}")
         v.update(qk_dtype=qk_out, ab_dtype=ab, param_dtype=param, bias_dtype=gbias, stages=stages,
-                 fast_steps=bool(fast_steps))
-        name += f"_qk-{qk_out}_ab-{ab}-{param}-{gbias}_st{stages}" + ("_fs" if fast_steps else "")
+                 fast_steps=bool(fast_steps), walk_gates=bool(walk_gates))
+        name += (f"_qk-{qk_out}_ab-{ab}-{param}-{gbias}_st{stages}" + ("_fs" if fast_steps else "")
+                 + ("_wg" if walk_gates else ""))
     if op == "conv_spec":
         if not (isinstance(draft, int) and 1 <= draft <= 16):
             raise ValueError(f"draft depth: expected 1..16 tokens per sequence, got {draft}")
@@ -149,7 +172,7 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
             for param, gbias in _GATE_PARAMS(io):
                 out.append(variant("conv_prefill", num_v_heads, num_k_heads, 4, io, io, qk_out="float16",
                                    ab=io, param=param, gbias=gbias, stages=STAGES, fast_steps=FAST_STEPS,
-                                   **common))
+                                   walk_gates=WALK_GATES, **common))
             out.append(variant("conv_prefill_state", num_v_heads, num_k_heads, 4, io, io, **common))
             out.append(variant("conv_decode", num_v_heads, num_k_heads, 4, io, io, **common))
             for d in (2, 3, 4):
@@ -189,10 +212,15 @@ def _program(v: dict):
         else:
             bias_v[0] = 0.0
 
-    def act(y):
+    def act(y, ftz=False):
         # SiLU from the fast intrinsics (__expf, rcp.approx): the precise expf and IEEE division
-        # were most of conv_prefill's instructions (H200, 2/8 x 32768: 149 -> 114 us).
-        return y * T.fast_rcp(1.0 + T.__exp(-y)) if silu else y
+        # were most of conv_prefill's instructions (H200, 2/8 x 32768: 149 -> 114 us). ftz (the
+        # conv prefill's): ex2.approx.ftz in place of __expf, whose denormal handling is 3 more
+        # instructions per element; 1 + a denormal is 1 either way, so y is bit-identical.
+        if not silu:
+            return y
+        e = T.call_extern("float32", "qla_ex2_ftz", y * -_LOG2E) if ftz else T.__exp(-y)
+        return y * T.fast_rcp(1.0 + e)
 
     if op == "conv_prefill":
         return _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, act)
@@ -332,7 +360,9 @@ def _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, act):
     the previous W - 1 rows and its own; taps before a sequence's start come from the conv
     state. A token's sequence is tracked as the walk goes (a binary search in cu_seqlens only
     when the walk crosses into a new sequence). The row's 16 lanes reduce the q/k L2 norm by
-    xor-shuffles; lanes 0..GROUP-1 compute the group's gates. (Forms before it: rows loaded
+    xor-shuffles. Half-warps of the first Hv channel blocks also compute v-head hb's gates for
+    their tokens: before the walk, 16 tokens a round (WALK_GATES; else lanes 0..GROUP-1 each
+    step). (Forms before it: rows loaded
     straight into registers, 3-7% slower; 32-token tiles through shared memory with a block
     barrier per tile, slower still at 16/64; benchmarks/layer.md.)"""
     Hv, Hk, W = v["num_v_heads"], v["num_k_heads"], v["width"]
@@ -342,6 +372,7 @@ def _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, act):
     U = GROUP
     NS = v["stages"]
     FS = v["fast_steps"]
+    WG = v.get("walk_gates", False)
     VEC, LANES = 8, HEAD_DIM // 8        # 16-byte vectors; a half-warp covers 128 channels
     ntok, N = T.dynamic("ntok N")
     sx0, sa0, sa1, sb0, sb1, sal, sdt = T.dynamic("sx0 sa0 sa1 sb0 sb1 sal sdt")
@@ -392,7 +423,7 @@ def _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, act):
                     for e in T.unroll(VEC):
                         acc[e] += w[i, e] * T.cast(CS[hist, c0 + g * VEC + e, rel + i], f32)
         for e in T.unroll(VEC):
-            acc[e] = act(acc[e])
+            acc[e] = act(acc[e], ftz=True)
         if kind == 2:
             if not checked or t < tend:
                 for e in T.vectorized(VEC):
@@ -429,6 +460,31 @@ def _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, act):
             else:
                 conv_token(CS, Qo, Ko, Vo, 2, t, tend, u, c0, hb, g, w, bias8, acc, buf, seq)
 
+    GATE_ROUNDS = WALK_GATES_MAX_STEPS * U // LANES   # a walk's rounds of 16 gate tokens
+
+    @T.macro
+    def load_gate_inputs(A, Bt, av, bv, tb, hb, g, walk):
+        # the raw a, b of the walk's gate rounds (lane g: token tb + LANES r + g), all issued at
+        # once at the walk's start (indices clamped to the last token: always in bounds)
+        for r in T.unroll(GATE_ROUNDS):
+            if r * LANES < U * walk:
+                av[r] = A[T.min(tb + r * LANES + g, ntok - 1), hb]
+                bv[r] = Bt[T.min(tb + r * LANES + g, ntok - 1), hb]
+
+    @T.macro
+    def walk_gates(A_log, dt_bias, Go, Bo, av, bv, tb, tend, hb, g, walk):
+        # v-head hb's g and beta for the half-warp's tokens [tb, tend) (a walk of <=
+        # WALK_GATES_MAX_STEPS steps), LANES tokens per round, from load_gate_inputs' a and b
+        alog = T.alloc_var(prm)
+        dtb = T.alloc_var(gb)
+        alog = A_log[hb]
+        dtb = dt_bias[hb]
+        for r in T.unroll(GATE_ROUNDS):
+            tt = tb + r * LANES + g
+            if r * LANES < U * walk and tt < tend:
+                Go[tt, hb] = log_decay(T, av[r], alog, dtb)
+                Bo[tt, hb] = sigmoid(T, bv[r])
+
     @T.macro
     def straight_step(CS, Qo, Ko, Vo, kind, tg, tend, c0, hb, g, w, bias8, acc, buf, seq):
         # one step's GROUP tokens of one kind, unchecked (FAST_STEPS: the caller's warp vote)
@@ -456,6 +512,7 @@ def _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, act):
         walk: T.int32,
     ):
         with T.Kernel(T.ceildiv(ntok, WALKERS * U * walk), NH, threads=128) as (bx, hb):
+            T.import_source(_FAST_MATH_SOURCE)
             if FS:   # the straight-line steps need 162 registers unbounded: keep 4 CTAs per SM (128)
                 T.annotate_min_blocks_per_sm(4)
             tx = T.get_thread_binding()
@@ -471,6 +528,23 @@ def _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, act):
             seq = T.alloc_local((3,), i32)      # the current sequence's start, end, history slot
             wk = tx // LANES
             ring = T.alloc_shared((NS, WALKERS, U, HEAD_DIM), io)   # per-thread pieces, see issue_rows
+            av = T.alloc_local((GATE_ROUNDS,), ab)
+            bv = T.alloc_local((GATE_ROUNDS,), ab)
+            # The walk's start: every load that does not depend on its sequence first (the ring's
+            # first rows, the gates' inputs, the rows before the walk, the weights), so that their
+            # latencies overlap, then the sequence search's dependent loads.
+            for p in T.unroll(NS - 1):
+                issue_rows(X, ring, tb + p * U, tend, wk, g, c0, p)
+            # (a Python constant and a uniform runtime condition: the form of this launch's gates)
+            gates_per_walk = WG and walk <= WALK_GATES_MAX_STEPS
+            step_gates = (not WG) or walk > WALK_GATES_MAX_STEPS
+            if gates_per_walk and hb < Hv:
+                load_gate_inputs(A, Bt, av, bv, tb, hb, g, walk)
+            for i in T.unroll(H):
+                # the W - 1 rows before the walk (clamped into [0, ntok): a row before the
+                # sequence's start is never read, its taps come from the conv state)
+                for e in T.vectorized(VEC):
+                    buf[i, e] = X[T.min(T.max(tb - H + i, 0), ntok - 1), c0 + g * VEC + e]
             for i in T.unroll(W):
                 for e in T.unroll(VEC):
                     w[i, e] = T.cast(Wt[c0 + g * VEC + e, i], f32)
@@ -481,12 +555,8 @@ def _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, act):
             seq[2] = -1
             if tb < ntok:
                 find_sequence(Cu, Slots, HasInit, tb, seq)
-            for i in T.unroll(H):                # the W - 1 rows before the walk (same sequence)
-                if tb - H + i >= seq[0] and tb - H + i < ntok:
-                    for e in T.vectorized(VEC):
-                        buf[i, e] = X[tb - H + i, c0 + g * VEC + e]
-            for p in T.unroll(NS - 1):
-                issue_rows(X, ring, tb + p * U, tend, wk, g, c0, p)
+            if gates_per_walk and hb < Hv:       # gates of v-head hb for the walk's tokens
+                walk_gates(A_log, dt_bias, Go, Bo, av, bv, tb, tend, hb, g, walk)
             for step in T.serial(walk):
                 tg = tb + step * U
                 # rows of step + NS - 1 start while this step computes; each thread reads back
@@ -514,7 +584,7 @@ def _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, act):
                 else:
                     checked_step(CS, Qo, Ko, Vo, Cu, Slots, HasInit, tg, tend, c0, hb, g, w, bias8, acc, buf,
                                  seq)
-                if hb < Hv and g < U:            # gates of v-head hb for the group's tokens
+                if step_gates and hb < Hv and g < U:   # gates of v-head hb for the step's tokens
                     tt = tg + g
                     if tt < tend:
                         Go[tt, hb] = log_decay(T, A[tt, hb], A_log[hb], dt_bias[hb])
@@ -591,16 +661,16 @@ def conv_prefill(x, conv_state, weight, bias, slot_ids, has_initial_state, cu_se
         raise ValueError(f"slot_ids: the conv prefill kernel takes at most {MAX_SEQS} sequences, got {N}")
     hv, hk, width = v_out.shape[1], q_out.shape[1], weight.shape[1]
     if T_:
-        stages, fast = STAGES, FAST_STEPS
+        stages, fast, gates = STAGES, FAST_STEPS, WALK_GATES
         key = ("conv_prefill", x.device, x.dtype, conv_state.dtype, weight.dtype, q_out.dtype, a.dtype,
-               A_log.dtype, dt_bias.dtype, hv, hk, width, activation, bias is not None, stages, fast)
+               A_log.dtype, dt_bias.dtype, hv, hk, width, activation, bias is not None, stages, fast, gates)
 
         def make():
             io, sdt, wdt = _names(x, conv_state, weight)
             ab, prm, gb = gate_dtype_names(a, b, A_log, dt_bias)
             return variant("conv_prefill", hv, hk, width, io, sdt, weight=wdt, activation=activation,
                            bias=bias is not None, qk_out=_dtype_name(q_out.dtype, "q_out", _IO_DTYPES),
-                           ab=ab, param=prm, gbias=gb, stages=stages, fast_steps=fast)
+                           ab=ab, param=prm, gbias=gb, stages=stages, fast_steps=fast, walk_gates=gates)
         walk = steps_per_walk(T_, 2 * hk + hv, sm_count(x.device))
         _launch_fn(key, make, x.device)(x, conv_state, weight, _bias_arg(bias, weight), slot_ids,
                                         has_initial_state, cu_seqlens, a, b, A_log, dt_bias,
