@@ -41,14 +41,17 @@ def _weights(dim, W, dtype, gen, bias):
 @pytest.mark.parametrize("dt_bias_dtype", [torch.float32, torch.bfloat16])   # bf16: vLLM's layer
 # steps per half-warp walk: 3 (sequences cross walks), 8 (two rounds of walk gates)
 @pytest.mark.parametrize("walk", [None, 3, 8])
-# (conv.FAST_STEPS: straight-line steps inside sequences, conv.WALK_GATES: gates once per walk)
-@pytest.mark.parametrize("fast,walk_gates", [(False, True), (True, True), (True, False)])
-def test_conv_prefill_matches_reference(hk, hv, layout, bias, dt_bias_dtype, walk, fast, walk_gates,
+# (conv.FAST_STEPS: straight-line steps inside sequences, conv.WALK_GATES: gates once per walk,
+# conv.GATE_PREFETCH: gate loads ahead of their use)
+@pytest.mark.parametrize("fast,walk_gates,prefetch", [(False, True, False), (True, True, False), (True, False, False),
+                                                      (True, True, True), (True, False, True)])
+def test_conv_prefill_matches_reference(hk, hv, layout, bias, dt_bias_dtype, walk, fast, walk_gates, prefetch,
                                         monkeypatch):
     if walk is not None:   # the host's choice is 1 at this size; force a longer walk
         monkeypatch.setattr(conv_kernels, "steps_per_walk", lambda *_: walk)
     monkeypatch.setattr(conv_kernels, "FAST_STEPS", fast)
     monkeypatch.setattr(conv_kernels, "WALK_GATES", walk_gates)
+    monkeypatch.setattr(conv_kernels, "GATE_PREFETCH", prefetch)
     gen = torch.Generator().manual_seed(hk * 100 + hv + bias)
     dim, W, S = (2 * hk + hv) * HEAD, 4, 24
     lens = [70, 0, 1, 2, 3, 333, 1, 64, 97]

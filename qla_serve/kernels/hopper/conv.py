@@ -91,6 +91,12 @@ FAST_STEPS = True
 # hence the bound.
 WALK_GATES = True
 WALK_GATES_MAX_STEPS = 8
+# conv_prefill's gate loads ahead of their use (variant key "gate_prefetch"): per-step gates load
+# the step's a, b (and A_log, dt_bias) at the step's start and compute them after its conv;
+# walk gates compute after the walk's first step instead of right after its start. ncu at
+# 8a84334: the loads right before use were 38% of the stall samples at 16/64 x 32768 (per-step
+# gates, 32-step walks), 12% at 2/8 (walk gates). NOT YET RUN ON A GPU (compiled only): off.
+GATE_PREFETCH = False
 MAX_SEQS = 1 << 20            # the binary search runs 20 steps
 _SEARCH_STEPS = 20
 _LOG2E = 1.4426950408889634
@@ -109,14 +115,15 @@ def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weigh
             activation: str = "silu", bias: bool = True, qk_out: str | None = None,
             ab: str | None = None, param: str | None = None, gbias: str | None = None,
             draft: int = 0, stages: int = STAGES, fast_steps: bool = FAST_STEPS,
-            walk_gates: bool = WALK_GATES) -> dict:
+            walk_gates: bool = WALK_GATES, gate_prefetch: bool = GATE_PREFETCH) -> dict:
     """A JSON-serialisable variant description; ``name`` identifies it.
 
     io: x's dtype (and the outputs' but q/k's); state: the conv state's; weight: the conv
     weight's and bias's (default io); qk_out: conv_prefill's q/k dtype (default io); ab,
     param, gbias: conv_prefill's a/b, A_log, dt_bias dtypes; draft: conv_spec's D; stages:
     conv_prefill's cp.async ring depth (STAGES); fast_steps: its straight-line steps (FAST_STEPS);
-    walk_gates: its gates once per walk (WALK_GATES)."""
+    walk_gates: its gates once per walk (WALK_GATES); gate_prefetch: their loads ahead of their
+    use (GATE_PREFETCH)."""
     weight = weight or io
     if op not in OPS:
         raise ValueError(f"variant op: expected one of {OPS}, got {op!r}")
@@ -141,9 +148,9 @@ def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weigh
         if stages not in (2, 3, 4, 5, 6):
             raise ValueError(f"conv_prefill stages: expected 2..6, got {stages}")
         v.update(qk_dtype=qk_out, ab_dtype=ab, param_dtype=param, bias_dtype=gbias, stages=stages,
-                 fast_steps=bool(fast_steps), walk_gates=bool(walk_gates))
+                 fast_steps=bool(fast_steps), walk_gates=bool(walk_gates), gate_prefetch=bool(gate_prefetch))
         name += (f"_qk-{qk_out}_ab-{ab}-{param}-{gbias}_st{stages}" + ("_fs" if fast_steps else "")
-                 + ("_wg" if walk_gates else ""))
+                 + ("_wg" if walk_gates else "") + ("_gp" if gate_prefetch else ""))
     if op == "conv_spec":
         if not (isinstance(draft, int) and 1 <= draft <= 16):
             raise ValueError(f"draft depth: expected 1..16 tokens per sequence, got {draft}")
@@ -172,7 +179,7 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
             for param, gbias in _GATE_PARAMS(io):
                 out.append(variant("conv_prefill", num_v_heads, num_k_heads, 4, io, io, qk_out="float16",
                                    ab=io, param=param, gbias=gbias, stages=STAGES, fast_steps=FAST_STEPS,
-                                   walk_gates=WALK_GATES, **common))
+                                   walk_gates=WALK_GATES, gate_prefetch=GATE_PREFETCH, **common))
             out.append(variant("conv_prefill_state", num_v_heads, num_k_heads, 4, io, io, **common))
             out.append(variant("conv_decode", num_v_heads, num_k_heads, 4, io, io, **common))
             for d in (2, 3, 4):
@@ -373,6 +380,7 @@ def _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, act):
     NS = v["stages"]
     FS = v["fast_steps"]
     WG = v.get("walk_gates", False)
+    GP = v.get("gate_prefetch", False)
     VEC, LANES = 8, HEAD_DIM // 8        # 16-byte vectors; a half-warp covers 128 channels
     ntok, N = T.dynamic("ntok N")
     sx0, sa0, sa1, sb0, sb1, sal, sdt = T.dynamic("sx0 sa0 sa1 sb0 sb1 sal sdt")
@@ -555,13 +563,23 @@ def _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, act):
             seq[2] = -1
             if tb < ntok:
                 find_sequence(Cu, Slots, HasInit, tb, seq)
-            if gates_per_walk and hb < Hv:       # gates of v-head hb for the walk's tokens
+            if not GP and gates_per_walk and hb < Hv:   # gates of v-head hb for the walk's tokens
                 walk_gates(A_log, dt_bias, Go, Bo, av, bv, tb, tend, hb, g, walk)
+            if GP:                               # the step's a, b, A_log, dt_bias (lanes < U)
+                sa = T.alloc_var(ab)
+                sb = T.alloc_var(ab)
+                salog = T.alloc_var(prm)
+                sdtb = T.alloc_var(gb)
             for step in T.serial(walk):
                 tg = tb + step * U
                 # rows of step + NS - 1 start while this step computes; each thread reads back
                 # only the 16-byte pieces it copied itself (no barrier)
                 issue_rows(X, ring, tg + (NS - 1) * U, tend, wk, g, c0, (step + NS - 1) % NS)
+                if GP and step_gates and hb < Hv and g < U:   # used after this step's conv
+                    sa = A[T.min(tg + g, ntok - 1), hb]
+                    sb = Bt[T.min(tg + g, ntok - 1), hb]
+                    salog = A_log[hb]
+                    sdtb = dt_bias[hb]
                 T.ptx_wait_group(NS - 1)
                 for u in T.unroll(U):
                     for e in T.vectorized(VEC):
@@ -587,8 +605,15 @@ def _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, act):
                 if step_gates and hb < Hv and g < U:   # gates of v-head hb for the step's tokens
                     tt = tg + g
                     if tt < tend:
-                        Go[tt, hb] = log_decay(T, A[tt, hb], A_log[hb], dt_bias[hb])
-                        Bo[tt, hb] = sigmoid(T, Bt[tt, hb])
+                        if GP:
+                            Go[tt, hb] = log_decay(T, sa, salog, sdtb)
+                            Bo[tt, hb] = sigmoid(T, sb)
+                        else:
+                            Go[tt, hb] = log_decay(T, A[tt, hb], A_log[hb], dt_bias[hb])
+                            Bo[tt, hb] = sigmoid(T, Bt[tt, hb])
+                if GP and gates_per_walk and hb < Hv:
+                    if step == 0:                # the walk's gates, their inputs loaded at its start
+                        walk_gates(A_log, dt_bias, Go, Bo, av, bv, tb, tend, hb, g, walk)
                 for i in T.unroll(H):            # the last W - 1 rows open the next group
                     for e in T.vectorized(VEC):
                         buf[i, e] = buf[U + i, e]
@@ -661,16 +686,18 @@ def conv_prefill(x, conv_state, weight, bias, slot_ids, has_initial_state, cu_se
         raise ValueError(f"slot_ids: the conv prefill kernel takes at most {MAX_SEQS} sequences, got {N}")
     hv, hk, width = v_out.shape[1], q_out.shape[1], weight.shape[1]
     if T_:
-        stages, fast, gates = STAGES, FAST_STEPS, WALK_GATES
+        stages, fast, gates, prefetch = STAGES, FAST_STEPS, WALK_GATES, GATE_PREFETCH
         key = ("conv_prefill", x.device, x.dtype, conv_state.dtype, weight.dtype, q_out.dtype, a.dtype,
-               A_log.dtype, dt_bias.dtype, hv, hk, width, activation, bias is not None, stages, fast, gates)
+               A_log.dtype, dt_bias.dtype, hv, hk, width, activation, bias is not None, stages, fast, gates,
+               prefetch)
 
         def make():
             io, sdt, wdt = _names(x, conv_state, weight)
             ab, prm, gb = gate_dtype_names(a, b, A_log, dt_bias)
             return variant("conv_prefill", hv, hk, width, io, sdt, weight=wdt, activation=activation,
                            bias=bias is not None, qk_out=_dtype_name(q_out.dtype, "q_out", _IO_DTYPES),
-                           ab=ab, param=prm, gbias=gb, stages=stages, fast_steps=fast, walk_gates=gates)
+                           ab=ab, param=prm, gbias=gb, stages=stages, fast_steps=fast, walk_gates=gates,
+                           gate_prefetch=prefetch)
         walk = steps_per_walk(T_, 2 * hk + hv, sm_count(x.device))
         _launch_fn(key, make, x.device)(x, conv_state, weight, _bias_arg(bias, weight), slot_ids,
                                         has_initial_state, cu_seqlens, a, b, A_log, dt_bias,
