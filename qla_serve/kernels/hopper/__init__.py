@@ -6,7 +6,7 @@
   a, b in one launch (what the engines' layers hand over, made into what prefill takes).
 * decode / verify / verify_slots / commit_verified (decode.py): single-token and
   speculative-verify steps (verify_slots: states straight into per-token pool slots).
-* conv_prefill / conv_decode / conv_spec (conv.py): the GDN layer's causal conv over the
+* conv_prefill / conv_decode / conv_spec (conv.py; conv_prefill's program in conv_prefill.py): the GDN layer's causal conv over the
   engine's conv state; conv_prefill also does what prefill_inputs does (split, L2 norm, gates).
 * slot_ids (slot_ids.py): an engine step's slot tensors -> the ops' int32 ids, one launch.
 

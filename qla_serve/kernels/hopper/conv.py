@@ -27,7 +27,7 @@ formulas in torch; float64 truth in the layer tests):
   from the conv state at a sequence's first W - 1 tokens. A token row's 128 channels sit in
   16 adjacent lanes, so the q/k L2 norm is 4 xor-shuffles, and every output is a 16-byte
   store. A walk finds its sequence by a binary search in cu_seqlens, and again only where it
-  crosses into the next one (no per-token index tensors).
+  crosses into the next one (no per-token index tensors). Its program: conv_prefill.py.
 * ``conv_prefill_state``: the prefill's conv-state write-back, a second launch: a sequence
   spans several walks, and the walk that would write its new window cannot know that the one
   reading its old history has read it. Grid (sequences, channel blocks).
@@ -49,14 +49,11 @@ heads, W, dtypes, activation and bias are static and name a variant.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
+from .conv_prefill import GROUP, HEAD_DIM, SEARCH_STEPS, WALKERS
+from .conv_prefill import program as _prefill_program
 from .decode import (_GATE_DTYPES, _IO_DTYPES, _check_heads, _dtype_name,
-                     compile_for, gate_dtype_names, launch_function, log_decay, sigmoid, sm_count)
+                     compile_for, gate_dtype_names, launch_function, sm_count)
 
-HEAD_DIM = 128
-# conv_prefill: tokens a half-warp loads, then computes, per step (4: 123 registers, no spills;
-# 8 needed 149 registers and ran 1.5x slower on the H200, benchmarks/layer.md)
-GROUP = 4
-WALKERS = 8                   # half-warps per CTA (128 threads)
 CONV_STATE_DTYPES = ("bfloat16", "float16", "float32")
 WIDTHS = (2, 3, 4, 5, 6, 7, 8)
 ACTIVATIONS = ("silu", "none")
@@ -90,24 +87,13 @@ FAST_STEPS = True
 # 70.6 -> 61.9 us, 16/64 16 x 512 144 -> 129; but 16/64 x 32768 in 32-step walks 533 -> 575,
 # hence the bound.
 WALK_GATES = True
-WALK_GATES_MAX_STEPS = 8
 # conv_prefill's gate loads ahead of their use (variant key "gate_prefetch"): per-step gates load
 # the step's a, b (and A_log, dt_bias) at the step's start and compute them after its conv;
 # walk gates compute after the walk's first step instead of right after its start. ncu at
 # 8a84334: the loads right before use were 38% of the stall samples at 16/64 x 32768 (per-step
 # gates, 32-step walks), 12% at 2/8 (walk gates). NOT YET RUN ON A GPU (compiled only): off.
 GATE_PREFETCH = False
-MAX_SEQS = 1 << 20            # the binary search runs 20 steps
-_SEARCH_STEPS = 20
-_LOG2E = 1.4426950408889634
-# Device helpers the conv programs call (T.import_source puts them before the kernel).
-_FAST_MATH_SOURCE = r"""
-__device__ __forceinline__ float qla_ex2_ftz(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-"""
+MAX_SEQS = 1 << SEARCH_STEPS  # conv_prefill's binary search over cu_seqlens runs SEARCH_STEPS halvings
 OPS = ("conv_prefill", "conv_prefill_state", "conv_decode", "conv_spec")
 
 
@@ -219,18 +205,13 @@ def _program(v: dict):
         else:
             bias_v[0] = 0.0
 
-    def act(y, ftz=False):
+    def act(y):
         # SiLU from the fast intrinsics (__expf, rcp.approx): the precise expf and IEEE division
-        # were most of conv_prefill's instructions (H200, 2/8 x 32768: 149 -> 114 us). ftz (the
-        # conv prefill's): ex2.approx.ftz in place of __expf, whose denormal handling is 3 more
-        # instructions per element; 1 + a denormal is 1 either way, so y is bit-identical.
-        if not silu:
-            return y
-        e = T.call_extern("float32", "qla_ex2_ftz", y * -_LOG2E) if ftz else T.__exp(-y)
-        return y * T.fast_rcp(1.0 + e)
+        # were most of the conv's instructions (conv_prefill's own SiLU: conv_prefill.py)
+        return y * T.fast_rcp(1.0 + T.__exp(-y)) if silu else y
 
     if op == "conv_prefill":
-        return _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, act)
+        return _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t)
 
     if op == "conv_prefill_state":
         ntok = T.dynamic("ntok")
@@ -355,272 +336,6 @@ def _program(v: dict):
     return gdn_conv_spec
 
 
-def _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, act):
-    """conv_prefill: conv + split + q/k L2 norm + gates for a varlen batch (module docstring).
-
-    A CTA of 128 threads is 8 half-warps; a half-warp owns one 128-channel block (the grid's
-    second axis) of ``GROUP * walk`` consecutive tokens, lane g channels 8g..8g+7. It
-    walks them GROUP tokens at a time: each thread's 16-byte pieces of the group's rows were
-    copied (cp.async) into its own part of a STAGES-deep shared ring STAGES - 1 steps
-    earlier; it waits for its own copies (no block barrier: no thread reads another's piece),
-    moves the rows into registers, and each token's W taps come from the registers holding
-    the previous W - 1 rows and its own; taps before a sequence's start come from the conv
-    state. A token's sequence is tracked as the walk goes (a binary search in cu_seqlens only
-    when the walk crosses into a new sequence). The row's 16 lanes reduce the q/k L2 norm by
-    xor-shuffles. Half-warps of the first Hv channel blocks also compute v-head hb's gates for
-    their tokens: before the walk, 16 tokens a round (WALK_GATES; else lanes 0..GROUP-1 each
-    step). (Forms before it: rows loaded
-    straight into registers, 3-7% slower; 32-token tiles through shared memory with a block
-    barrier per tile, slower still at 16/64; benchmarks/layer.md.)"""
-    Hv, Hk, W = v["num_v_heads"], v["num_k_heads"], v["width"]
-    io, qk = v["io_dtype"], v["qk_dtype"]
-    ab, prm, gb = v["ab_dtype"], v["param_dtype"], v["bias_dtype"]
-    f32, i32 = "float32", "int32"
-    U = GROUP
-    NS = v["stages"]
-    FS = v["fast_steps"]
-    WG = v.get("walk_gates", False)
-    GP = v.get("gate_prefetch", False)
-    VEC, LANES = 8, HEAD_DIM // 8        # 16-byte vectors; a half-warp covers 128 channels
-    ntok, N = T.dynamic("ntok N")
-    sx0, sa0, sa1, sb0, sb1, sal, sdt = T.dynamic("sx0 sa0 sa1 sb0 sb1 sal sdt")
-
-    @T.macro
-    def find_sequence(Cu, Slots, HasInit, t, seq):
-        # seq <- (start, end, history slot) of the last s with cu[s] <= t (empty ones skipped).
-        lo = T.alloc_var(i32)
-        hi = T.alloc_var(i32)
-        lo = 0
-        hi = N
-        for _ in T.serial(_SEARCH_STEPS):
-            if hi - lo > 1:
-                mid = (lo + hi) // 2
-                if Cu[mid] <= t:
-                    lo = mid
-                else:
-                    hi = mid
-        seq[0] = Cu[lo]
-        seq[1] = Cu[lo + 1]
-        seq[2] = T.if_then_else(HasInit[lo] != 0, Slots[lo], -1)
-
-    @T.macro
-    def issue_rows(X, ring, t0, tend, wk, g, c0, slot):
-        # one cp.async group: rows t0..t0+U-1 of this lane's 8 channels into ring[slot] (rows at
-        # or past tend: zero-filled, not read; the group is committed either way so that every
-        # step's wait counts the same groups)
-        for u in T.unroll(U):
-            T.call_extern("handle", "tl::cp_async_gs_conditional<16>",
-                          T.address_of(ring[slot, wk, u, g * VEC]),
-                          T.address_of(X[T.min(t0 + u, ntok - 1), c0 + g * VEC]), t0 + u < tend)
-        T.ptx_commit_group()
-
-    @T.macro
-    def conv_token(CS, Qo, Ko, Vo, kind, t, tend, u, c0, hb, g, w, bias8, acc, buf, seq, checked=True):
-        # kind (a Python constant): 0 q, 1 k, 2 v channels. buf[u + i] is input row t - H + i.
-        # checked=False (a Python constant): the caller knows t - seq start >= W - 1 and t < tend.
-        rel = t - seq[0]
-        hist = seq[2]
-        for e in T.unroll(VEC):
-            acc[e] = bias8[e]
-        for i in T.unroll(W):
-            if not checked or rel - H + i >= 0:
-                for e in T.unroll(VEC):
-                    acc[e] += w[i, e] * T.cast(buf[u + i, e], f32)
-            else:
-                if hist >= 0:                # a tap before the sequence: its history
-                    for e in T.unroll(VEC):
-                        acc[e] += w[i, e] * T.cast(CS[hist, c0 + g * VEC + e, rel + i], f32)
-        for e in T.unroll(VEC):
-            acc[e] = act(acc[e], ftz=True)
-        if kind == 2:
-            if not checked or t < tend:
-                for e in T.vectorized(VEC):
-                    Vo[t, hb - 2 * Hk, g * VEC + e] = T.cast(acc[e], io)
-        else:
-            # every lane of the warp takes part in the shuffles (the other half-warp may be past
-            # its range): the bounds check is on the store only
-            ss = T.alloc_var(f32)
-            ss = 0.0
-            for e in T.unroll(VEC):
-                ss += acc[e] * acc[e]
-            for m in T.unroll(4):                # the 16 lanes of a row: xor 1, 2, 4, 8
-                ss += T.shfl_xor(ss, 1 << m)
-            rn = T.rsqrt(ss + 1e-6)
-            if not checked or t < tend:
-                if kind == 0:
-                    for e in T.vectorized(VEC):
-                        Qo[t, hb, g * VEC + e] = T.cast(acc[e] * rn, qk)
-                else:
-                    for e in T.vectorized(VEC):
-                        Ko[t, hb - Hk, g * VEC + e] = T.cast(acc[e] * rn, qk)
-
-    @T.macro
-    def checked_step(CS, Qo, Ko, Vo, Cu, Slots, HasInit, tg, tend, c0, hb, g, w, bias8, acc, buf, seq):
-        # one step's GROUP tokens, each checked: sequence changes, history taps, the range's end
-        for u in T.unroll(U):
-            t = tg + u
-            if t >= seq[1] and t < tend:  # the walk enters the next (non-empty) sequence
-                find_sequence(Cu, Slots, HasInit, t, seq)
-            if hb < Hk:
-                conv_token(CS, Qo, Ko, Vo, 0, t, tend, u, c0, hb, g, w, bias8, acc, buf, seq)
-            elif hb < 2 * Hk:
-                conv_token(CS, Qo, Ko, Vo, 1, t, tend, u, c0, hb, g, w, bias8, acc, buf, seq)
-            else:
-                conv_token(CS, Qo, Ko, Vo, 2, t, tend, u, c0, hb, g, w, bias8, acc, buf, seq)
-
-    GATE_ROUNDS = WALK_GATES_MAX_STEPS * U // LANES   # a walk's rounds of 16 gate tokens
-
-    @T.macro
-    def load_gate_inputs(A, Bt, av, bv, tb, hb, g, walk):
-        # the raw a, b of the walk's gate rounds (lane g: token tb + LANES r + g), all issued at
-        # once at the walk's start (indices clamped to the last token: always in bounds)
-        for r in T.unroll(GATE_ROUNDS):
-            if r * LANES < U * walk:
-                av[r] = A[T.min(tb + r * LANES + g, ntok - 1), hb]
-                bv[r] = Bt[T.min(tb + r * LANES + g, ntok - 1), hb]
-
-    @T.macro
-    def walk_gates(A_log, dt_bias, Go, Bo, av, bv, tb, tend, hb, g, walk):
-        # v-head hb's g and beta for the half-warp's tokens [tb, tend) (a walk of <=
-        # WALK_GATES_MAX_STEPS steps), LANES tokens per round, from load_gate_inputs' a and b
-        alog = T.alloc_var(prm)
-        dtb = T.alloc_var(gb)
-        alog = A_log[hb]
-        dtb = dt_bias[hb]
-        for r in T.unroll(GATE_ROUNDS):
-            tt = tb + r * LANES + g
-            if r * LANES < U * walk and tt < tend:
-                Go[tt, hb] = log_decay(T, av[r], alog, dtb)
-                Bo[tt, hb] = sigmoid(T, bv[r])
-
-    @T.macro
-    def straight_step(CS, Qo, Ko, Vo, kind, tg, tend, c0, hb, g, w, bias8, acc, buf, seq):
-        # one step's GROUP tokens of one kind, unchecked (FAST_STEPS: the caller's warp vote)
-        for u in T.unroll(U):
-            conv_token(CS, Qo, Ko, Vo, kind, tg + u, tend, u, c0, hb, g, w, bias8, acc, buf, seq, False)
-
-    @T.prim_func
-    def gdn_conv_prefill(
-        X: T.StridedTensor((ntok, DIM), (sx0, 1), io),
-        CS: conv_state_t(),
-        Wt: weight_t(),
-        Bias: T.Tensor((DIM,), v["weight_dtype"]),
-        Slots: T.Tensor((N,), i32),
-        HasInit: T.Tensor((N,), "int8"),
-        Cu: T.Tensor((N + 1,), i32),
-        A: T.StridedTensor((ntok, Hv), (sa0, sa1), ab),
-        Bt: T.StridedTensor((ntok, Hv), (sb0, sb1), ab),
-        A_log: T.StridedTensor((Hv,), (sal,), prm),
-        dt_bias: T.StridedTensor((Hv,), (sdt,), gb),
-        Qo: T.Tensor((ntok, Hk, HEAD_DIM), qk),
-        Ko: T.Tensor((ntok, Hk, HEAD_DIM), qk),
-        Vo: T.Tensor((ntok, Hv, HEAD_DIM), io),
-        Go: T.Tensor((ntok, Hv), f32),
-        Bo: T.Tensor((ntok, Hv), f32),
-        walk: T.int32,
-    ):
-        with T.Kernel(T.ceildiv(ntok, WALKERS * U * walk), NH, threads=128) as (bx, hb):
-            T.import_source(_FAST_MATH_SOURCE)
-            if FS:   # the straight-line steps need 162 registers unbounded: keep 4 CTAs per SM (128)
-                T.annotate_min_blocks_per_sm(4)
-            tx = T.get_thread_binding()
-            c0 = hb * HEAD_DIM
-            g = tx % LANES
-            T.assume(sx0 % VEC == 0)
-            tb = (bx * WALKERS + tx // LANES) * (U * walk)    # this half-warp's first token
-            tend = T.min(tb + U * walk, ntok)
-            w = T.alloc_local((W, VEC), f32)
-            bias8 = T.alloc_local((VEC,), f32)
-            acc = T.alloc_local((VEC,), f32)
-            buf = T.alloc_local((H + U, VEC), io)
-            seq = T.alloc_local((3,), i32)      # the current sequence's start, end, history slot
-            wk = tx // LANES
-            ring = T.alloc_shared((NS, WALKERS, U, HEAD_DIM), io)   # per-thread pieces, see issue_rows
-            av = T.alloc_local((GATE_ROUNDS,), ab)
-            bv = T.alloc_local((GATE_ROUNDS,), ab)
-            # The walk's start: every load that does not depend on its sequence first (the ring's
-            # first rows, the gates' inputs, the rows before the walk, the weights), so that their
-            # latencies overlap, then the sequence search's dependent loads.
-            for p in T.unroll(NS - 1):
-                issue_rows(X, ring, tb + p * U, tend, wk, g, c0, p)
-            # (a Python constant and a uniform runtime condition: the form of this launch's gates)
-            gates_per_walk = WG and walk <= WALK_GATES_MAX_STEPS
-            step_gates = (not WG) or walk > WALK_GATES_MAX_STEPS
-            if gates_per_walk and hb < Hv:
-                load_gate_inputs(A, Bt, av, bv, tb, hb, g, walk)
-            for i in T.unroll(H):
-                # the W - 1 rows before the walk (clamped into [0, ntok): a row before the
-                # sequence's start is never read, its taps come from the conv state)
-                for e in T.vectorized(VEC):
-                    buf[i, e] = X[T.min(T.max(tb - H + i, 0), ntok - 1), c0 + g * VEC + e]
-            for i in T.unroll(W):
-                for e in T.unroll(VEC):
-                    w[i, e] = T.cast(Wt[c0 + g * VEC + e, i], f32)
-            for e in T.unroll(VEC):
-                bias8[e] = T.cast(Bias[c0 + g * VEC + e], f32) if v["bias"] else 0.0
-            seq[0] = 0
-            seq[1] = 0
-            seq[2] = -1
-            if tb < ntok:
-                find_sequence(Cu, Slots, HasInit, tb, seq)
-            if not GP and gates_per_walk and hb < Hv:   # gates of v-head hb for the walk's tokens
-                walk_gates(A_log, dt_bias, Go, Bo, av, bv, tb, tend, hb, g, walk)
-            if GP:                               # the step's a, b, A_log, dt_bias (lanes < U)
-                sa = T.alloc_var(ab)
-                sb = T.alloc_var(ab)
-                salog = T.alloc_var(prm)
-                sdtb = T.alloc_var(gb)
-            for step in T.serial(walk):
-                tg = tb + step * U
-                # rows of step + NS - 1 start while this step computes; each thread reads back
-                # only the 16-byte pieces it copied itself (no barrier)
-                issue_rows(X, ring, tg + (NS - 1) * U, tend, wk, g, c0, (step + NS - 1) % NS)
-                if GP and step_gates and hb < Hv and g < U:   # used after this step's conv
-                    sa = A[T.min(tg + g, ntok - 1), hb]
-                    sb = Bt[T.min(tg + g, ntok - 1), hb]
-                    salog = A_log[hb]
-                    sdtb = dt_bias[hb]
-                T.ptx_wait_group(NS - 1)
-                for u in T.unroll(U):
-                    for e in T.vectorized(VEC):
-                        buf[H + u, e] = ring[step % NS, wk, u, g * VEC + e]
-                if FS:
-                    # straight-line where every lane of the warp may (the L2 norm's shuffles need
-                    # both half-warps on the same path): a warp vote
-                    inside = (tg - seq[0] >= H) and (tg + U <= seq[1]) and (tg + U <= tend)
-                    if T.call_extern("int32", "__all_sync", T.uint32(0xFFFFFFFF),
-                                     T.if_then_else(inside, 1, 0)) != 0:
-                        if hb < Hk:
-                            straight_step(CS, Qo, Ko, Vo, 0, tg, tend, c0, hb, g, w, bias8, acc, buf, seq)
-                        elif hb < 2 * Hk:
-                            straight_step(CS, Qo, Ko, Vo, 1, tg, tend, c0, hb, g, w, bias8, acc, buf, seq)
-                        else:
-                            straight_step(CS, Qo, Ko, Vo, 2, tg, tend, c0, hb, g, w, bias8, acc, buf, seq)
-                    else:
-                        checked_step(CS, Qo, Ko, Vo, Cu, Slots, HasInit, tg, tend, c0, hb, g, w, bias8, acc,
-                                     buf, seq)
-                else:
-                    checked_step(CS, Qo, Ko, Vo, Cu, Slots, HasInit, tg, tend, c0, hb, g, w, bias8, acc, buf,
-                                 seq)
-                if step_gates and hb < Hv and g < U:   # gates of v-head hb for the step's tokens
-                    tt = tg + g
-                    if tt < tend:
-                        if GP:
-                            Go[tt, hb] = log_decay(T, sa, salog, sdtb)
-                            Bo[tt, hb] = sigmoid(T, sb)
-                        else:
-                            Go[tt, hb] = log_decay(T, A[tt, hb], A_log[hb], dt_bias[hb])
-                            Bo[tt, hb] = sigmoid(T, Bt[tt, hb])
-                if GP and gates_per_walk and hb < Hv:
-                    if step == 0:                # the walk's gates, their inputs loaded at its start
-                        walk_gates(A_log, dt_bias, Go, Bo, av, bv, tb, tend, hb, g, walk)
-                for i in T.unroll(H):            # the last W - 1 rows open the next group
-                    for e in T.vectorized(VEC):
-                        buf[i, e] = buf[U + i, e]
-
-    return gdn_conv_prefill
-
-
 def build(v: dict, target: str):
     """Compile variant ``v`` for ``target`` ("sm_90a" or "sm_100a") through TileLang's cache."""
     # conv_prefill's shared memory is a per-thread ring (each thread reads back only what its
@@ -682,7 +397,7 @@ def conv_prefill(x, conv_state, weight, bias, slot_ids, has_initial_state, cu_se
     [N+1] int32, a, b [T, Hv], A_log, dt_bias [Hv] -> q_out, k_out [T, Hk, 128], v_out
     [T, Hv, 128], g_out, beta_out [T, Hv] fp32 (contiguous); then the conv-state write-back."""
     T_, N = x.shape[0], slot_ids.shape[0]
-    if N > MAX_SEQS:  # the kernel's binary search over cu_seqlens takes _SEARCH_STEPS halvings
+    if N > MAX_SEQS:  # the kernel's binary search over cu_seqlens takes SEARCH_STEPS halvings
         raise ValueError(f"slot_ids: the conv prefill kernel takes at most {MAX_SEQS} sequences, got {N}")
     hv, hk, width = v_out.shape[1], q_out.shape[1], weight.shape[1]
     if T_:
