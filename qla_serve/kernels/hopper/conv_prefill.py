@@ -51,8 +51,8 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
     state. A token's sequence is tracked as the walk goes (a binary search in cu_seqlens only
     when the walk crosses into a new sequence). The row's 16 lanes reduce the q/k L2 norm by
     xor-shuffles. Half-warps of the first Hv channel blocks also compute v-head hb's gates for
-    their tokens: before the walk, 16 tokens a round (WALK_GATES; else lanes 0..GROUP-1 each
-    step). (Forms before it: rows loaded straight into registers, 3-7% slower; 32-token tiles
+    their tokens: once per walk, 16 tokens a round, on walks of <= WALK_GATES_MAX_STEPS steps
+    (conv.WALK_GATES), else lanes 0..GROUP-1 in each step. (Forms before it: rows loaded straight into registers, 3-7% slower; 32-token tiles
     through shared memory with a block barrier per tile, slower still at 16/64;
     benchmarks/layer.md.)"""
     Hv, Hk, W = v["num_v_heads"], v["num_k_heads"], v["width"]
