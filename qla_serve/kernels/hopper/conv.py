@@ -78,9 +78,10 @@ STAGES = 3
 # 2/8 x 32768 104 -> 76 us, 16 x 512 35 -> 28, 16/64 x 32768 677 -> 535. False: the checked
 # steps alone (A/B only).
 FAST_STEPS = True
-# conv_prefill's gates (variant key "walk_gates"): on walks of <= WALK_GATES_MAX_STEPS steps, each
-# half-warp computes its walk's g and beta once, all 16 lanes a token each per round, every
-# round's a and b loaded at the walk's start beside its first rows; longer walks and False:
+# conv_prefill's gates (variant key "walk_gates"): on walks of <= 8 steps
+# (conv_prefill.WALK_GATES_MAX_STEPS), each half-warp computes its walk's g and beta once, all
+# 16 lanes a token each per round, every round's a and b loaded at the walk's start beside its
+# first rows; longer walks and False:
 # lanes 0..GROUP-1 compute the step's GROUP tokens in every step, each step's a, b loaded right
 # before use (ncu, H200, 2/8 x 32768: that load's wait was 20% of the kernel's stall samples;
 # the gate code 9% of its instructions). H200 (conv_prefill_ab.py, bit-identical): 2/8 x 32768
