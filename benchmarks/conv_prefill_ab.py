@@ -6,7 +6,7 @@ bit-for-bit against the first form on the same inputs and caches.
 
 A form is ``stages:walk[:flags]``: conv.STAGES (the cp.async ring depth), the steps per half-warp
 walk (a number, or "auto": conv.steps_per_walk's choice), and flags joined by "+": "fast" for
-conv.FAST_STEPS, "wg" for conv.WALK_GATES, "gp" for conv.GATE_PREFETCH (e.g. 3:auto:fast+wg, the
+conv.FAST_STEPS, "wg" for conv.WALK_GATES, "gp" for conv.GATE_PREFETCH, "gr" for conv.GATE_ROUNDS (e.g. 3:auto:fast+wg, the
 default form). A benchmark, not a test; two rounds, forms interleaved, so that drift shows.
 """
 
@@ -25,7 +25,7 @@ _AUTO_WALK = conv.steps_per_walk
 def run_form(case, step, stages, walk, flags=""):
     flags = set(flags.split("+"))
     conv.STAGES, conv.FAST_STEPS, conv.WALK_GATES = int(stages), "fast" in flags, "wg" in flags
-    conv.GATE_PREFETCH = "gp" in flags
+    conv.GATE_PREFETCH, conv.GATE_ROUNDS = "gp" in flags, "gr" in flags
     conv.steps_per_walk = _AUTO_WALK if walk == "auto" else (lambda *_: int(walk))
     x, a, b = case.mixed_qkv[: case.row.tokens], case.a[: case.row.tokens], case.b[: case.row.tokens]
     plan = step.prefill_plan

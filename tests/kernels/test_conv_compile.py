@@ -45,19 +45,23 @@ def test_verify_slots_compiles(target):
 
 @pytest.mark.compile
 @pytest.mark.parametrize("target", ["sm_90a", "sm_100a"])
-@pytest.mark.parametrize("walk_gates,prefetch", [(False, False), (True, False), (True, True)])
-def test_conv_prefill_fast_steps_compile(target, walk_gates, prefetch):
+@pytest.mark.parametrize("walk_gates,prefetch,rounds", [(False, False, False), (True, False, False),
+                                                         (True, True, False), (False, False, True)])
+def test_conv_prefill_fast_steps_compile(target, walk_gates, prefetch, rounds):
     """conv.FAST_STEPS's form (the default; run on the H200 by test_layer_ops_gpu.py): the warp
     vote that picks the straight-line steps, 4 CTAs per SM kept by a launch bound, still no block
     barrier; with the gates per step or per walk (conv.WALK_GATES, the default), their loads
-    ahead of their use or not (conv.GATE_PREFETCH, not yet run on a GPU)."""
+    ahead of their use or not (conv.GATE_PREFETCH), or in rounds between the steps
+    (conv.GATE_ROUNDS)."""
     v = C.variant("conv_prefill", HV, HK, 4, "bfloat16", "bfloat16", qk_out="float16", ab="bfloat16",
                   param="float32", gbias="bfloat16", fast_steps=True, walk_gates=walk_gates,
-                  gate_prefetch=prefetch)
-    assert v["name"].endswith(("_fs_wg" if walk_gates else "_fs") + ("_gp" if prefetch else ""))
+                  gate_prefetch=prefetch, gate_rounds=rounds)
+    assert v["name"].endswith(("_fs_wg" if walk_gates else "_fs") + ("_gp" if prefetch else "")
+                              + ("_gr" if rounds else ""))
     src = C.build(v, target).get_kernel_source()
     assert "__all_sync" in src and "__launch_bounds__(128, 4)" in src and "__syncthreads" not in src
-    # the gates: in each step, or in the walk's unrolled rounds plus the rounds past them
+    # the gates: in each step, or in the walk's unrolled rounds plus the steps past them, or in
+    # the rounds between the steps alone
     assert src.count("log1pf(") == (2 if walk_gates else 1)
 
 

@@ -94,6 +94,11 @@ WALK_GATES = True
 # 8a84334: the loads right before use were 38% of the stall samples at 16/64 x 32768 (per-step
 # gates, 32-step walks), 12% at 2/8 (walk gates). NOT YET RUN ON A GPU (compiled only): off.
 GATE_PREFETCH = False
+# conv_prefill's gates in rounds interleaved with the steps (variant key "gate_rounds"): on every
+# walk length, all 16 lanes of a half-warp compute a round of 16 tokens' g and beta every
+# 16 / GROUP steps, the round's a, b loaded at its first step (the rounds' latency under three
+# steps of conv). Overrides WALK_GATES and GATE_PREFETCH. NOT YET RUN ON A GPU: off.
+GATE_ROUNDS = False
 MAX_SEQS = 1 << SEARCH_STEPS  # conv_prefill's binary search over cu_seqlens runs SEARCH_STEPS halvings
 OPS = ("conv_prefill", "conv_prefill_state", "conv_decode", "conv_spec")
 
@@ -102,7 +107,8 @@ def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weigh
             activation: str = "silu", bias: bool = True, qk_out: str | None = None,
             ab: str | None = None, param: str | None = None, gbias: str | None = None,
             draft: int = 0, stages: int = STAGES, fast_steps: bool = FAST_STEPS,
-            walk_gates: bool = WALK_GATES, gate_prefetch: bool = GATE_PREFETCH) -> dict:
+            walk_gates: bool = WALK_GATES, gate_prefetch: bool = GATE_PREFETCH,
+            gate_rounds: bool = GATE_ROUNDS) -> dict:
     """A JSON-serialisable variant description; ``name`` identifies it.
 
     io: x's dtype (and the outputs' but q/k's); state: the conv state's; weight: the conv
@@ -110,7 +116,7 @@ def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weigh
     param, gbias: conv_prefill's a/b, A_log, dt_bias dtypes; draft: conv_spec's D; stages:
     conv_prefill's cp.async ring depth (STAGES); fast_steps: its straight-line steps (FAST_STEPS);
     walk_gates: its gates once per walk (WALK_GATES); gate_prefetch: their loads ahead of their
-    use (GATE_PREFETCH)."""
+    use (GATE_PREFETCH); gate_rounds: in rounds between the steps (GATE_ROUNDS)."""
     weight = weight or io
     if op not in OPS:
         raise ValueError(f"variant op: expected one of {OPS}, got {op!r}")
@@ -135,9 +141,11 @@ def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weigh
         if stages not in (2, 3, 4, 5, 6):
             raise ValueError(f"conv_prefill stages: expected 2..6, got {stages}")
         v.update(qk_dtype=qk_out, ab_dtype=ab, param_dtype=param, bias_dtype=gbias, stages=stages,
-                 fast_steps=bool(fast_steps), walk_gates=bool(walk_gates), gate_prefetch=bool(gate_prefetch))
+                 fast_steps=bool(fast_steps), walk_gates=bool(walk_gates), gate_prefetch=bool(gate_prefetch),
+                 gate_rounds=bool(gate_rounds))
         name += (f"_qk-{qk_out}_ab-{ab}-{param}-{gbias}_st{stages}" + ("_fs" if fast_steps else "")
-                 + ("_wg" if walk_gates else "") + ("_gp" if gate_prefetch else ""))
+                 + ("_wg" if walk_gates else "") + ("_gp" if gate_prefetch else "")
+                 + ("_gr" if gate_rounds else ""))
     if op == "conv_spec":
         if not (isinstance(draft, int) and 1 <= draft <= 16):
             raise ValueError(f"draft depth: expected 1..16 tokens per sequence, got {draft}")
@@ -166,7 +174,8 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
             for param, gbias in _GATE_PARAMS(io):
                 out.append(variant("conv_prefill", num_v_heads, num_k_heads, 4, io, io, qk_out="float16",
                                    ab=io, param=param, gbias=gbias, stages=STAGES, fast_steps=FAST_STEPS,
-                                   walk_gates=WALK_GATES, gate_prefetch=GATE_PREFETCH, **common))
+                                   walk_gates=WALK_GATES, gate_prefetch=GATE_PREFETCH,
+                                   gate_rounds=GATE_ROUNDS, **common))
             out.append(variant("conv_prefill_state", num_v_heads, num_k_heads, 4, io, io, **common))
             out.append(variant("conv_decode", num_v_heads, num_k_heads, 4, io, io, **common))
             for d in (2, 3, 4):
@@ -402,10 +411,10 @@ def conv_prefill(x, conv_state, weight, bias, slot_ids, has_initial_state, cu_se
         raise ValueError(f"slot_ids: the conv prefill kernel takes at most {MAX_SEQS} sequences, got {N}")
     hv, hk, width = v_out.shape[1], q_out.shape[1], weight.shape[1]
     if T_:
-        stages, fast, gates, prefetch = STAGES, FAST_STEPS, WALK_GATES, GATE_PREFETCH
+        stages, fast, gates, prefetch, rounds = STAGES, FAST_STEPS, WALK_GATES, GATE_PREFETCH, GATE_ROUNDS
         key = ("conv_prefill", x.device, x.dtype, conv_state.dtype, weight.dtype, q_out.dtype, a.dtype,
                A_log.dtype, dt_bias.dtype, hv, hk, width, activation, bias is not None, stages, fast, gates,
-               prefetch)
+               prefetch, rounds)
 
         def make():
             io, sdt, wdt = _names(x, conv_state, weight)
@@ -413,7 +422,7 @@ def conv_prefill(x, conv_state, weight, bias, slot_ids, has_initial_state, cu_se
             return variant("conv_prefill", hv, hk, width, io, sdt, weight=wdt, activation=activation,
                            bias=bias is not None, qk_out=_dtype_name(q_out.dtype, "q_out", _IO_DTYPES),
                            ab=ab, param=prm, gbias=gb, stages=stages, fast_steps=fast, walk_gates=gates,
-                           gate_prefetch=prefetch)
+                           gate_prefetch=prefetch, gate_rounds=rounds)
         walk = steps_per_walk(T_, 2 * hk + hv, sm_count(x.device))
         _launch_fn(key, make, x.device)(x, conv_state, weight, _bias_arg(bias, weight), slot_ids,
                                         has_initial_state, cu_seqlens, a, b, A_log, dt_bias,

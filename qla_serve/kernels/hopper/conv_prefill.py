@@ -64,7 +64,9 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
     FS = v["fast_steps"]
     WG = v.get("walk_gates", False)
     GP = v.get("gate_prefetch", False)
+    GR = v.get("gate_rounds", False)
     VEC, LANES = 8, HEAD_DIM // 8        # 16-byte vectors; a half-warp covers 128 channels
+    RS = LANES // U                       # steps per gate round (GATE_ROUNDS)
     silu = v["activation"] == "silu"
 
     def act(y):
@@ -235,8 +237,8 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
             for p in T.unroll(NS - 1):
                 issue_rows(X, ring, tb + p * U, tend, wk, g, c0, p)
             # (a Python constant and a uniform runtime condition: the form of this launch's gates)
-            gates_per_walk = WG and walk <= WALK_GATES_MAX_STEPS
-            step_gates = (not WG) or walk > WALK_GATES_MAX_STEPS
+            gates_per_walk = (not GR) and WG and walk <= WALK_GATES_MAX_STEPS
+            step_gates = (not GR) and ((not WG) or walk > WALK_GATES_MAX_STEPS)
             if gates_per_walk and hb < Hv:
                 load_gate_inputs(A, Bt, av, bv, tb, hb, g, walk)
             for i in T.unroll(H):
@@ -256,6 +258,14 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
                 find_sequence(Cu, Slots, HasInit, tb, seq)
             if not GP and gates_per_walk and hb < Hv:   # gates of v-head hb for the walk's tokens
                 walk_gates(A_log, dt_bias, Go, Bo, av, bv, tb, tend, hb, g, walk)
+            if GR:                               # a round's a, b; the head's A_log, dt_bias
+                ra = T.alloc_var(ab)
+                rb = T.alloc_var(ab)
+                ralog = T.alloc_var(prm)
+                rdtb = T.alloc_var(gb)
+                if hb < Hv:
+                    ralog = A_log[hb]
+                    rdtb = dt_bias[hb]
             if GP:                               # the step's a, b, A_log, dt_bias (lanes < U)
                 sa = T.alloc_var(ab)
                 sb = T.alloc_var(ab)
@@ -271,6 +281,9 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
                     sb = Bt[T.min(tg + g, ntok - 1), hb]
                     salog = A_log[hb]
                     sdtb = dt_bias[hb]
+                if GR and hb < Hv and step % RS == 0:   # the round of tokens tg..tg+LANES-1
+                    ra = A[T.min(tg + g, ntok - 1), hb]
+                    rb = Bt[T.min(tg + g, ntok - 1), hb]
                 T.ptx_wait_group(NS - 1)
                 for u in T.unroll(U):
                     for e in T.vectorized(VEC):
@@ -302,6 +315,11 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
                         else:
                             Go[tt, hb] = log_decay(T, A[tt, hb], A_log[hb], dt_bias[hb])
                             Bo[tt, hb] = sigmoid(T, Bt[tt, hb])
+                if GR and hb < Hv and (step % RS == RS - 1 or step == walk - 1):
+                    tt = tb + (step // RS) * LANES + g   # the round loaded at its first step
+                    if tt < tend:
+                        Go[tt, hb] = log_decay(T, ra, ralog, rdtb)
+                        Bo[tt, hb] = sigmoid(T, rb)
                 if GP and gates_per_walk and hb < Hv:
                     if step == 0:                # the walk's gates, their inputs loaded at its start
                         walk_gates(A_log, dt_bias, Go, Bo, av, bv, tb, tend, hb, g, walk)
