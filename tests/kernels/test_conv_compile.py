@@ -31,8 +31,12 @@ def test_conv_variant_compiles(variant, target):
         assert "__syncthreads" not in src
     if variant["op"] == "conv_spec":
         assert f"float win[{3 + variant['draft']}];" in src   # history + D draft inputs in registers
-    # conv_decode lets the decode launched as its programmatic dependent start early
-    assert ("cudaTriggerProgrammaticLaunchCompletion();" in src) == (variant["op"] == "conv_decode")
+    # conv_decode and conv_prefill let the kernel launched as their programmatic dependent (decode;
+    # the conv-state write-back's after_conv form) start early; that one waits before it reads
+    # (decode) or writes (the write-back) what the conv touches
+    assert ("cudaTriggerProgrammaticLaunchCompletion();" in src) == (variant["op"] in ("conv_decode",
+                                                                                        "conv_prefill"))
+    assert ("cudaGridDependencySynchronize();" in src) == bool(variant.get("after_conv"))
 
 
 @pytest.mark.compile
@@ -45,24 +49,19 @@ def test_verify_slots_compiles(target):
 
 @pytest.mark.compile
 @pytest.mark.parametrize("target", ["sm_90a", "sm_100a"])
-@pytest.mark.parametrize("walk_gates,prefetch,rounds", [(False, False, False), (True, False, False),
-                                                         (True, True, False), (False, False, True)])
-def test_conv_prefill_fast_steps_compile(target, walk_gates, prefetch, rounds):
+@pytest.mark.parametrize("rounds", [False, True])
+def test_conv_prefill_fast_steps_compile(target, rounds):
     """conv.FAST_STEPS's form (the default; run on the H200 by test_layer_ops_gpu.py): the warp
     vote that picks the straight-line steps, 4 CTAs per SM kept by a launch bound, still no block
-    barrier; with the gates per step or per walk (conv.WALK_GATES, the default), their loads
-    ahead of their use or not (conv.GATE_PREFETCH), or in rounds between the steps
-    (conv.GATE_ROUNDS)."""
+    barrier; with the gates in each step, or in rounds between the steps on short walks and in
+    each step on long ones (conv.GATE_ROUNDS, the default)."""
     v = C.variant("conv_prefill", HV, HK, 4, "bfloat16", "bfloat16", qk_out="float16", ab="bfloat16",
-                  param="float32", gbias="bfloat16", fast_steps=True, walk_gates=walk_gates,
-                  gate_prefetch=prefetch, gate_rounds=rounds)
-    assert v["name"].endswith(("_fs_wg" if walk_gates else "_fs") + ("_gp" if prefetch else "")
-                              + ("_gr" if rounds else ""))
+                  param="float32", gbias="bfloat16", fast_steps=True, gate_rounds=rounds)
+    assert v["name"].endswith("_fs_gr" if rounds else "_fs")
     src = C.build(v, target).get_kernel_source()
     assert "__all_sync" in src and "__launch_bounds__(128, 4)" in src and "__syncthreads" not in src
-    # the gates: in each step, or in the walk's unrolled rounds plus the steps past them, or in
-    # the rounds between the steps alone
-    assert src.count("log1pf(") == (2 if walk_gates else 1)
+    # the gates: in each step, plus (rounds) in the rounds between the steps
+    assert src.count("log1pf(") == (2 if rounds else 1)
 
 
 def test_steps_per_walk():
@@ -84,7 +83,8 @@ def test_steps_per_walk():
 def test_conv_variants_are_unique_and_checked():
     vs = C.kernel_variants(32, 16)
     names = [v["name"] for v in vs]
-    assert len(names) == len(set(names)) == 2 * 2 * 8      # io x bias x (3 prefill, state, decode, 3 spec)
+    # io x bias x (3 prefill, 2 state (plain, after_conv), decode, 3 spec)
+    assert len(names) == len(set(names)) == 2 * 2 * 9
     from qla_serve.kernels import hopper
     listed = hopper.kernel_variants(32, 16)
     assert all(v in listed for v in vs)
@@ -95,5 +95,7 @@ def test_conv_variants_are_unique_and_checked():
         C.variant("conv_decode", HV, HK, 4, "bfloat16", "int8")
     with pytest.raises(ValueError, match="draft depth"):
         C.variant("conv_spec", HV, HK, 4, "bfloat16", "bfloat16", draft=0)
+    with pytest.raises(ValueError, match="after_conv: only conv_prefill_state"):
+        C.variant("conv_decode", HV, HK, 4, "bfloat16", "bfloat16", after_conv=True)
     with pytest.raises(ValueError, match="activation"):
         C.variant("conv_decode", HV, HK, 4, "bfloat16", "bfloat16", activation="gelu")

@@ -30,7 +30,9 @@ formulas in torch; float64 truth in the layer tests):
   crosses into the next one (no per-token index tensors). Its program: conv_prefill.py.
 * ``conv_prefill_state``: the prefill's conv-state write-back, a second launch: a sequence
   spans several walks, and the walk that would write its new window cannot know that the one
-  reading its old history has read it. Grid (sequences, channel blocks).
+  reading its old history has read it. Grid (sequences, channel blocks). Its ``after_conv``
+  form is launched as the conv_prefill grid's programmatic dependent (WRITE_BACK_AFTER_CONV):
+  it loads its window while the conv runs and stores it once the conv has finished.
 * ``conv_decode``: one token per sequence: y and the shifted window (state <- [state[1:], x])
   in one pass; the output [B, dim] feeds the decode kernel (which L2-normalises q/k and
   applies the raw gates itself). A thread owns (sequence, channel), so its reads of the old
@@ -78,27 +80,21 @@ STAGES = 3
 # 2/8 x 32768 104 -> 76 us, 16 x 512 35 -> 28, 16/64 x 32768 677 -> 535. False: the checked
 # steps alone (A/B only).
 FAST_STEPS = True
-# conv_prefill's gates (variant key "walk_gates"): on walks of <= 8 steps
-# (conv_prefill.WALK_GATES_MAX_STEPS), each half-warp computes its walk's g and beta once, all
-# 16 lanes a token each per round, every round's a and b loaded at the walk's start beside its
-# first rows; longer walks and False:
-# lanes 0..GROUP-1 compute the step's GROUP tokens in every step, each step's a, b loaded right
-# before use (ncu, H200, 2/8 x 32768: that load's wait was 20% of the kernel's stall samples;
-# the gate code 9% of its instructions). H200 (conv_prefill_ab.py, bit-identical): 2/8 x 32768
-# 70.6 -> 61.9 us, 16/64 16 x 512 144 -> 129; but 16/64 x 32768 in 32-step walks 533 -> 575,
-# hence the bound.
-WALK_GATES = True
-# conv_prefill's gate loads ahead of their use (variant key "gate_prefetch"): per-step gates load
-# the step's a, b (and A_log, dt_bias) at the step's start and compute them after its conv;
-# walk gates compute after the walk's first step instead of right after its start. ncu at
-# 8a84334: the loads right before use were 38% of the stall samples at 16/64 x 32768 (per-step
-# gates, 32-step walks), 12% at 2/8 (walk gates). NOT YET RUN ON A GPU (compiled only): off.
-GATE_PREFETCH = False
-# conv_prefill's gates in rounds interleaved with the steps (variant key "gate_rounds"): on every
-# walk length, all 16 lanes of a half-warp compute a round of 16 tokens' g and beta every
-# 16 / GROUP steps, the round's a, b loaded at its first step (the rounds' latency under three
-# steps of conv). Overrides WALK_GATES and GATE_PREFETCH. NOT YET RUN ON A GPU: off.
-GATE_ROUNDS = False
+# conv_prefill's gates (variant key "gate_rounds"): on walks of <= 8 steps
+# (conv_prefill.ROUND_GATES_MAX_STEPS), all 16 lanes of a half-warp compute a round of 16
+# tokens' g and beta every 16 / GROUP steps, each round's a, b loaded at its first step (their
+# latency under three steps of conv); longer walks and False: lanes 0..GROUP-1 compute the
+# step's GROUP tokens in every step, their a, b loaded right before use (ncu, H200, 2/8 x 32768:
+# that load's wait was 20% of the kernel's stall samples, the gate code 9% of its instructions).
+# H200 (conv_prefill_ab.py, bit-identical): 2/8 x 32768 70 -> 60 us, 16/64 16 x 512 144 -> 123;
+# in 16/64's 32-step walks rounds were 7% slower than per-step gates, hence the bound. (Forms
+# before it, benchmarks/layer.md: all rounds unrolled after the walk's start, 1-2% slower; the
+# gate loads of either form issued earlier still, 1-2% slower.)
+GATE_ROUNDS = True
+# the prefill's conv-state write-back launched as the conv_prefill grid's programmatic dependent
+# (conv_prefill_state's after_conv form): its loads (ids, lengths, the new window) overlap the
+# conv's last wave, its stores wait for the conv's end. False: a plain launch after it.
+WRITE_BACK_AFTER_CONV = True
 MAX_SEQS = 1 << SEARCH_STEPS  # conv_prefill's binary search over cu_seqlens runs SEARCH_STEPS halvings
 OPS = ("conv_prefill", "conv_prefill_state", "conv_decode", "conv_spec")
 
@@ -107,16 +103,15 @@ def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weigh
             activation: str = "silu", bias: bool = True, qk_out: str | None = None,
             ab: str | None = None, param: str | None = None, gbias: str | None = None,
             draft: int = 0, stages: int = STAGES, fast_steps: bool = FAST_STEPS,
-            walk_gates: bool = WALK_GATES, gate_prefetch: bool = GATE_PREFETCH,
-            gate_rounds: bool = GATE_ROUNDS) -> dict:
+            gate_rounds: bool = GATE_ROUNDS, after_conv: bool = False) -> dict:
     """A JSON-serialisable variant description; ``name`` identifies it.
 
     io: x's dtype (and the outputs' but q/k's); state: the conv state's; weight: the conv
     weight's and bias's (default io); qk_out: conv_prefill's q/k dtype (default io); ab,
     param, gbias: conv_prefill's a/b, A_log, dt_bias dtypes; draft: conv_spec's D; stages:
     conv_prefill's cp.async ring depth (STAGES); fast_steps: its straight-line steps (FAST_STEPS);
-    walk_gates: its gates once per walk (WALK_GATES); gate_prefetch: their loads ahead of their
-    use (GATE_PREFETCH); gate_rounds: in rounds between the steps (GATE_ROUNDS)."""
+    gate_rounds: its gates in rounds between the steps (GATE_ROUNDS); after_conv:
+    conv_prefill_state's form launched as conv_prefill's programmatic dependent."""
     weight = weight or io
     if op not in OPS:
         raise ValueError(f"variant op: expected one of {OPS}, got {op!r}")
@@ -141,11 +136,14 @@ def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weigh
         if stages not in (2, 3, 4, 5, 6):
             raise ValueError(f"conv_prefill stages: expected 2..6, got {stages}")
         v.update(qk_dtype=qk_out, ab_dtype=ab, param_dtype=param, bias_dtype=gbias, stages=stages,
-                 fast_steps=bool(fast_steps), walk_gates=bool(walk_gates), gate_prefetch=bool(gate_prefetch),
-                 gate_rounds=bool(gate_rounds))
+                 fast_steps=bool(fast_steps), gate_rounds=bool(gate_rounds))
         name += (f"_qk-{qk_out}_ab-{ab}-{param}-{gbias}_st{stages}" + ("_fs" if fast_steps else "")
-                 + ("_wg" if walk_gates else "") + ("_gp" if gate_prefetch else "")
                  + ("_gr" if gate_rounds else ""))
+    if after_conv:
+        if op != "conv_prefill_state":
+            raise ValueError(f"after_conv: only conv_prefill_state has that form, got op {op!r}")
+        v["after_conv"] = True
+        name += "_pdl"
     if op == "conv_spec":
         if not (isinstance(draft, int) and 1 <= draft <= 16):
             raise ValueError(f"draft depth: expected 1..16 tokens per sequence, got {draft}")
@@ -174,9 +172,10 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
             for param, gbias in _GATE_PARAMS(io):
                 out.append(variant("conv_prefill", num_v_heads, num_k_heads, 4, io, io, qk_out="float16",
                                    ab=io, param=param, gbias=gbias, stages=STAGES, fast_steps=FAST_STEPS,
-                                   walk_gates=WALK_GATES, gate_prefetch=GATE_PREFETCH,
                                    gate_rounds=GATE_ROUNDS, **common))
-            out.append(variant("conv_prefill_state", num_v_heads, num_k_heads, 4, io, io, **common))
+            for after in (False, True):
+                out.append(variant("conv_prefill_state", num_v_heads, num_k_heads, 4, io, io,
+                                   after_conv=after, **common))
             out.append(variant("conv_decode", num_v_heads, num_k_heads, 4, io, io, **common))
             for d in (2, 3, 4):
                 out.append(variant("conv_spec", num_v_heads, num_k_heads, 4, io, io, draft=d, **common))
@@ -250,6 +249,11 @@ def _program(v: dict):
                         else:
                             if hist:
                                 win[i] = T.cast(CS[slot, c, H + p], f32)
+                    if v.get("after_conv", False):
+                        # launched as conv_prefill's programmatic dependent: the window above
+                        # (inputs and the old state, which the conv only reads) loaded while it
+                        # ran; the state is written only after it has read its histories
+                        T.pdl_sync()
                     for i in T.unroll(H):
                         CS[slot, c, i] = T.cast(win[i], sdt)
 
@@ -411,43 +415,44 @@ def conv_prefill(x, conv_state, weight, bias, slot_ids, has_initial_state, cu_se
         raise ValueError(f"slot_ids: the conv prefill kernel takes at most {MAX_SEQS} sequences, got {N}")
     hv, hk, width = v_out.shape[1], q_out.shape[1], weight.shape[1]
     if T_:
-        stages, fast, gates, prefetch, rounds = STAGES, FAST_STEPS, WALK_GATES, GATE_PREFETCH, GATE_ROUNDS
+        stages, fast, rounds = STAGES, FAST_STEPS, GATE_ROUNDS
         key = ("conv_prefill", x.device, x.dtype, conv_state.dtype, weight.dtype, q_out.dtype, a.dtype,
-               A_log.dtype, dt_bias.dtype, hv, hk, width, activation, bias is not None, stages, fast, gates,
-               prefetch, rounds)
+               A_log.dtype, dt_bias.dtype, hv, hk, width, activation, bias is not None, stages, fast, rounds)
 
         def make():
             io, sdt, wdt = _names(x, conv_state, weight)
             ab, prm, gb = gate_dtype_names(a, b, A_log, dt_bias)
             return variant("conv_prefill", hv, hk, width, io, sdt, weight=wdt, activation=activation,
                            bias=bias is not None, qk_out=_dtype_name(q_out.dtype, "q_out", _IO_DTYPES),
-                           ab=ab, param=prm, gbias=gb, stages=stages, fast_steps=fast, walk_gates=gates,
-                           gate_prefetch=prefetch, gate_rounds=rounds)
+                           ab=ab, param=prm, gbias=gb, stages=stages, fast_steps=fast, gate_rounds=rounds)
         walk = steps_per_walk(T_, 2 * hk + hv, sm_count(x.device))
         _launch_fn(key, make, x.device)(x, conv_state, weight, _bias_arg(bias, weight), slot_ids,
                                         has_initial_state, cu_seqlens, a, b, A_log, dt_bias,
                                         q_out, k_out, v_out, g_out, beta_out, walk)
     if N:
         conv_window(x, conv_state, slot_ids, has_initial_state, cu_seqlens, num_v_heads=hv, width=width,
-                    weight_dtype=weight.dtype)
+                    weight_dtype=weight.dtype, after_conv=bool(T_) and WRITE_BACK_AFTER_CONV)
 
 
 def conv_window(x, conv_state, slot_ids, has_initial_state, cu_seqlens, *, num_v_heads, width,
-                weight_dtype=None) -> None:
+                weight_dtype=None, after_conv=False) -> None:
     """conv_state[slot_ids[s], :, :W-1] <- the W-1 inputs before cu_seqlens[s+1] (from the slot's
     old window where sequence s is shorter, if has_initial_state[s]): the prefill's write-back
-    alone (the conv_prefill_state kernel), also what a prefill checkpoint's conv window is."""
+    alone (the conv_prefill_state kernel), also what a prefill checkpoint's conv window is.
+    after_conv: this launch directly follows conv_prefill's on the same stream (its
+    programmatic dependent); never after another kernel, whose writes it could read early."""
     N = slot_ids.shape[0]
     if not N:
         return
     hk = (x.shape[1] // HEAD_DIM - num_v_heads) // 2
-    key = ("conv_prefill_state", x.device, x.dtype, conv_state.dtype, num_v_heads, hk, width)
+    key = ("conv_prefill_state", x.device, x.dtype, conv_state.dtype, num_v_heads, hk, width, after_conv)
 
     def make_state():
         io = _dtype_name(x.dtype, "mixed_qkv", _IO_DTYPES)
         sdt = _dtype_name(conv_state.dtype, "conv_state", CONV_STATE_DTYPES)
         wdt = io if weight_dtype is None else _dtype_name(weight_dtype, "conv_weight", CONV_STATE_DTYPES)
-        return variant("conv_prefill_state", num_v_heads, hk, width, io, sdt, weight=wdt)
+        return variant("conv_prefill_state", num_v_heads, hk, width, io, sdt, weight=wdt,
+                       after_conv=after_conv)
     _launch_fn(key, make_state, x.device)(x, conv_state, slot_ids, has_initial_state, cu_seqlens)
 
 

@@ -9,7 +9,7 @@ For x = mixed_qkv [T, (2 Hk + Hv) 128] packed by cu_seqlens, per token t of sequ
     beta[t, h] = sigmoid(b[t, h])
 The conv state is only read here; conv.py's conv_prefill_state writes it back afterwards (a
 sequence spans several walks, and the walk that would write its new window cannot know that the
-one reading its old history has read it).
+one reading its old history has read it), launched as this grid's programmatic dependent.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
@@ -21,10 +21,10 @@ HEAD_DIM = 128
 GROUP = 4
 WALKERS = 8                   # half-warps per CTA (128 threads)
 SEARCH_STEPS = 20             # binary-search halvings over cu_seqlens: up to 2**20 sequences
-# the longest walk whose gates are computed once per walk (conv.WALK_GATES): its rounds of 16
-# gate tokens are unrolled (longer walks compute them in each step; H200: walk gates were 8%
-# slower in 16/64's 32-step walks)
-WALK_GATES_MAX_STEPS = 8
+# the longest walk whose gates are computed in rounds of 16 tokens between its steps
+# (conv.GATE_ROUNDS); longer walks compute them in each step (H200: rounds were 7% slower in
+# 16/64's 32-step walks, benchmarks/layer.md)
+ROUND_GATES_MAX_STEPS = 8
 LOG2E = 1.4426950408889634
 # Device helpers the kernel calls (T.import_source puts them before it).
 FAST_MATH_SOURCE = r"""
@@ -51,8 +51,9 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
     state. A token's sequence is tracked as the walk goes (a binary search in cu_seqlens only
     when the walk crosses into a new sequence). The row's 16 lanes reduce the q/k L2 norm by
     xor-shuffles. Half-warps of the first Hv channel blocks also compute v-head hb's gates for
-    their tokens: once per walk, 16 tokens a round, on walks of <= WALK_GATES_MAX_STEPS steps
-    (conv.WALK_GATES), else lanes 0..GROUP-1 in each step. (Forms before it: rows loaded straight into registers, 3-7% slower; 32-token tiles
+    their tokens: on walks of <= ROUND_GATES_MAX_STEPS steps (conv.GATE_ROUNDS) in rounds of
+    16 tokens, one lane a token, every 16 / GROUP steps, each round's a, b loaded at its first
+    step; else lanes 0..GROUP-1 in each step. (Forms before it: rows loaded straight into registers, 3-7% slower; 32-token tiles
     through shared memory with a block barrier per tile, slower still at 16/64;
     benchmarks/layer.md.)"""
     Hv, Hk, W = v["num_v_heads"], v["num_k_heads"], v["width"]
@@ -62,9 +63,7 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
     U = GROUP
     NS = v["stages"]
     FS = v["fast_steps"]
-    WG = v.get("walk_gates", False)
-    GP = v.get("gate_prefetch", False)
-    GR = v.get("gate_rounds", False)
+    GR = v["gate_rounds"]
     VEC, LANES = 8, HEAD_DIM // 8        # 16-byte vectors; a half-warp covers 128 channels
     RS = LANES // U                       # steps per gate round (GATE_ROUNDS)
     silu = v["activation"] == "silu"
@@ -161,31 +160,6 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
             else:
                 conv_token(CS, Qo, Ko, Vo, 2, t, tend, u, c0, hb, g, w, bias8, acc, buf, seq)
 
-    GATE_ROUNDS = WALK_GATES_MAX_STEPS * U // LANES   # a walk's rounds of 16 gate tokens
-
-    @T.macro
-    def load_gate_inputs(A, Bt, av, bv, tb, hb, g, walk):
-        # the raw a, b of the walk's gate rounds (lane g: token tb + LANES r + g), all issued at
-        # once at the walk's start (indices clamped to the last token: always in bounds)
-        for r in T.unroll(GATE_ROUNDS):
-            if r * LANES < U * walk:
-                av[r] = A[T.min(tb + r * LANES + g, ntok - 1), hb]
-                bv[r] = Bt[T.min(tb + r * LANES + g, ntok - 1), hb]
-
-    @T.macro
-    def walk_gates(A_log, dt_bias, Go, Bo, av, bv, tb, tend, hb, g, walk):
-        # v-head hb's g and beta for the half-warp's tokens [tb, tend) (a walk of <=
-        # WALK_GATES_MAX_STEPS steps), LANES tokens per round, from load_gate_inputs' a and b
-        alog = T.alloc_var(prm)
-        dtb = T.alloc_var(gb)
-        alog = A_log[hb]
-        dtb = dt_bias[hb]
-        for r in T.unroll(GATE_ROUNDS):
-            tt = tb + r * LANES + g
-            if r * LANES < U * walk and tt < tend:
-                Go[tt, hb] = log_decay(T, av[r], alog, dtb)
-                Bo[tt, hb] = sigmoid(T, bv[r])
-
     @T.macro
     def straight_step(CS, Qo, Ko, Vo, kind, tg, tend, c0, hb, g, w, bias8, acc, buf, seq):
         # one step's GROUP tokens of one kind, unchecked (FAST_STEPS: the caller's warp vote)
@@ -214,6 +188,9 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
     ):
         with T.Kernel(T.ceildiv(ntok, WALKERS * U * walk), NH, threads=128) as (bx, hb):
             T.import_source(FAST_MATH_SOURCE)
+            # the conv-state write-back (conv.py's conv_prefill_state, after_conv form) may launch
+            # now: it loads its windows while this grid runs, and stores once it has finished
+            T.pdl_trigger()
             if FS:   # the straight-line steps need 162 registers unbounded: keep 4 CTAs per SM (128)
                 T.annotate_min_blocks_per_sm(4)
             tx = T.get_thread_binding()
@@ -229,18 +206,14 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
             seq = T.alloc_local((3,), i32)      # the current sequence's start, end, history slot
             wk = tx // LANES
             ring = T.alloc_shared((NS, WALKERS, U, HEAD_DIM), io)   # per-thread pieces, see issue_rows
-            av = T.alloc_local((GATE_ROUNDS,), ab)
-            bv = T.alloc_local((GATE_ROUNDS,), ab)
             # The walk's start: every load that does not depend on its sequence first (the ring's
-            # first rows, the gates' inputs, the rows before the walk, the weights), so that their
-            # latencies overlap, then the sequence search's dependent loads.
+            # first rows, the rows before the walk, the weights), so that their latencies
+            # overlap, then the sequence search's dependent loads.
             for p in T.unroll(NS - 1):
                 issue_rows(X, ring, tb + p * U, tend, wk, g, c0, p)
             # (a Python constant and a uniform runtime condition: the form of this launch's gates)
-            gates_per_walk = (not GR) and WG and walk <= WALK_GATES_MAX_STEPS
-            step_gates = (not GR) and ((not WG) or walk > WALK_GATES_MAX_STEPS)
-            if gates_per_walk and hb < Hv:
-                load_gate_inputs(A, Bt, av, bv, tb, hb, g, walk)
+            round_gates = GR and walk <= ROUND_GATES_MAX_STEPS
+            step_gates = (not GR) or walk > ROUND_GATES_MAX_STEPS
             for i in T.unroll(H):
                 # the W - 1 rows before the walk (clamped into [0, ntok): a row before the
                 # sequence's start is never read, its taps come from the conv state)
@@ -256,32 +229,20 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
             seq[2] = -1
             if tb < ntok:
                 find_sequence(Cu, Slots, HasInit, tb, seq)
-            if not GP and gates_per_walk and hb < Hv:   # gates of v-head hb for the walk's tokens
-                walk_gates(A_log, dt_bias, Go, Bo, av, bv, tb, tend, hb, g, walk)
             if GR:                               # a round's a, b; the head's A_log, dt_bias
                 ra = T.alloc_var(ab)
                 rb = T.alloc_var(ab)
                 ralog = T.alloc_var(prm)
                 rdtb = T.alloc_var(gb)
-                if hb < Hv:
+                if round_gates and hb < Hv:
                     ralog = A_log[hb]
                     rdtb = dt_bias[hb]
-            if GP:                               # the step's a, b, A_log, dt_bias (lanes < U)
-                sa = T.alloc_var(ab)
-                sb = T.alloc_var(ab)
-                salog = T.alloc_var(prm)
-                sdtb = T.alloc_var(gb)
             for step in T.serial(walk):
                 tg = tb + step * U
                 # rows of step + NS - 1 start while this step computes; each thread reads back
                 # only the 16-byte pieces it copied itself (no barrier)
                 issue_rows(X, ring, tg + (NS - 1) * U, tend, wk, g, c0, (step + NS - 1) % NS)
-                if GP and step_gates and hb < Hv and g < U:   # used after this step's conv
-                    sa = A[T.min(tg + g, ntok - 1), hb]
-                    sb = Bt[T.min(tg + g, ntok - 1), hb]
-                    salog = A_log[hb]
-                    sdtb = dt_bias[hb]
-                if GR and hb < Hv and step % RS == 0:   # the round of tokens tg..tg+LANES-1
+                if round_gates and hb < Hv and step % RS == 0:   # the round of tokens tg..tg+LANES-1
                     ra = A[T.min(tg + g, ntok - 1), hb]
                     rb = Bt[T.min(tg + g, ntok - 1), hb]
                 T.ptx_wait_group(NS - 1)
@@ -309,20 +270,13 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
                 if step_gates and hb < Hv and g < U:   # gates of v-head hb for the step's tokens
                     tt = tg + g
                     if tt < tend:
-                        if GP:
-                            Go[tt, hb] = log_decay(T, sa, salog, sdtb)
-                            Bo[tt, hb] = sigmoid(T, sb)
-                        else:
-                            Go[tt, hb] = log_decay(T, A[tt, hb], A_log[hb], dt_bias[hb])
-                            Bo[tt, hb] = sigmoid(T, Bt[tt, hb])
-                if GR and hb < Hv and (step % RS == RS - 1 or step == walk - 1):
+                        Go[tt, hb] = log_decay(T, A[tt, hb], A_log[hb], dt_bias[hb])
+                        Bo[tt, hb] = sigmoid(T, Bt[tt, hb])
+                if round_gates and hb < Hv and (step % RS == RS - 1 or step == walk - 1):
                     tt = tb + (step // RS) * LANES + g   # the round loaded at its first step
                     if tt < tend:
                         Go[tt, hb] = log_decay(T, ra, ralog, rdtb)
                         Bo[tt, hb] = sigmoid(T, rb)
-                if GP and gates_per_walk and hb < Hv:
-                    if step == 0:                # the walk's gates, their inputs loaded at its start
-                        walk_gates(A_log, dt_bias, Go, Bo, av, bv, tb, tend, hb, g, walk)
                 for i in T.unroll(H):            # the last W - 1 rows open the next group
                     for e in T.vectorized(VEC):
                         buf[i, e] = buf[U + i, e]
