@@ -41,8 +41,8 @@ def _weights(dim, W, dtype, gen, bias):
 @pytest.mark.parametrize("dt_bias_dtype", [torch.float32, torch.bfloat16])   # bf16: vLLM's layer
 # steps per half-warp walk: 3 (sequences cross walks), 8 (two gate rounds), 32 (gates in each step)
 @pytest.mark.parametrize("walk", [None, 3, 8, 32])
-# (conv.FAST_STEPS: straight-line steps inside sequences, conv.GATE_ROUNDS: gates in rounds between
-# the steps of walks <= 8 steps)
+# (conv.FAST_STEPS: straight-line steps inside sequences, conv.GATE_ROUNDS: walks <= 8 steps run the
+# variant with the gates in rounds between the steps, longer walks (and False) the per-step gates)
 @pytest.mark.parametrize("fast,rounds", [(False, True), (True, True), (True, False)])
 def test_conv_prefill_matches_reference(hk, hv, layout, bias, dt_bias_dtype, walk, fast, rounds, monkeypatch):
     if walk is not None:   # the host's choice is 1 at this size; force a longer walk

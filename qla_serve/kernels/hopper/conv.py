@@ -51,7 +51,7 @@ heads, W, dtypes, activation and bias are static and name a variant.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
-from .conv_prefill import GROUP, HEAD_DIM, SEARCH_STEPS, WALKERS
+from .conv_prefill import GROUP, HEAD_DIM, ROUND_GATES_MAX_STEPS, SEARCH_STEPS, WALKERS
 from .conv_prefill import program as _prefill_program
 from .decode import (_GATE_DTYPES, _IO_DTYPES, _check_heads, _dtype_name,
                      compile_for, gate_dtype_names, launch_function, sm_count)
@@ -80,16 +80,16 @@ STAGES = 3
 # 2/8 x 32768 104 -> 76 us, 16 x 512 35 -> 28, 16/64 x 32768 677 -> 535. False: the checked
 # steps alone (A/B only).
 FAST_STEPS = True
-# conv_prefill's gates (variant key "gate_rounds"): on walks of <= 8 steps
-# (conv_prefill.ROUND_GATES_MAX_STEPS), all 16 lanes of a half-warp compute a round of 16
-# tokens' g and beta every 16 / GROUP steps, each round's a, b loaded at its first step (their
-# latency under three steps of conv); longer walks and False: lanes 0..GROUP-1 compute the
-# step's GROUP tokens in every step, their a, b loaded right before use (ncu, H200, 2/8 x 32768:
-# that load's wait was 20% of the kernel's stall samples, the gate code 9% of its instructions).
-# H200 (conv_prefill_ab.py, bit-identical): 2/8 x 32768 70 -> 60 us, 16/64 16 x 512 144 -> 123;
-# in 16/64's 32-step walks rounds were 7% slower than per-step gates, hence the bound. (Forms
-# before it, benchmarks/layer.md: all rounds unrolled after the walk's start, 1-2% slower; the
-# gate loads of either form issued earlier still, 1-2% slower.)
+# conv_prefill's gates (variant key "gate_rounds"): launches of walks <= 8 steps
+# (conv_prefill.ROUND_GATES_MAX_STEPS) run the variant whose half-warps compute a round of 16
+# tokens' g and beta every 16 / GROUP steps, all 16 lanes a token, each round's a, b loaded at its
+# first step (their latency under three steps of conv); longer walks and False: the variant
+# whose lanes 0..GROUP-1 compute the step's GROUP tokens in every step, their a, b loaded right
+# before use (ncu, H200, 2/8 x 32768: that load's wait was 20% of the kernel's stall samples, the
+# gate code 9% of its instructions). H200 (conv_prefill_ab.py, bit-identical): 2/8 x 32768 70 ->
+# 60 us, 16/64 16 x 512 144 -> 123; in 16/64's 32-step walks rounds were 7% slower than per-step
+# gates, and either form in one kernel behind a runtime branch on the walk 1-3% slower than each
+# alone, hence two variants (benchmarks/layer.md, with the forms before it).
 GATE_ROUNDS = True
 # the prefill's conv-state write-back launched as the conv_prefill grid's programmatic dependent
 # (conv_prefill_state's after_conv form): its loads (ids, lengths, the new window) overlap the
@@ -163,16 +163,17 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
     """What the engine layers hit with Qwen3-Next / Qwen3.5 (width 4, SiLU, bias or not, the
     conv state in the model dtype, weights in the model dtype): per model dtype, the prefill
     conv (q/k fp16 from bf16 as the layers ask; a/b in the model dtype, A_log/dt_bias as
-    _GATE_PARAMS), its state write-back, decode, and spec at D = 2..4
-    (MTP k = 1..3). Others compile on first use (same cache)."""
+    _GATE_PARAMS; both gate forms, GATE_ROUNDS), its state write-back (plain and after_conv),
+    decode, and spec at D = 2..4 (MTP k = 1..3). Others compile on first use (same cache)."""
     out = []
     for io in _IO_DTYPES:
         for has_bias in (False, True):
             common = dict(bias=has_bias)
             for param, gbias in _GATE_PARAMS(io):
-                out.append(variant("conv_prefill", num_v_heads, num_k_heads, 4, io, io, qk_out="float16",
-                                   ab=io, param=param, gbias=gbias, stages=STAGES, fast_steps=FAST_STEPS,
-                                   gate_rounds=GATE_ROUNDS, **common))
+                for rounds in sorted({False, GATE_ROUNDS}):   # short walks' gates and long walks'
+                    out.append(variant("conv_prefill", num_v_heads, num_k_heads, 4, io, io, qk_out="float16",
+                                       ab=io, param=param, gbias=gbias, stages=STAGES, fast_steps=FAST_STEPS,
+                                       gate_rounds=rounds, **common))
             for after in (False, True):
                 out.append(variant("conv_prefill_state", num_v_heads, num_k_heads, 4, io, io,
                                    after_conv=after, **common))
@@ -415,7 +416,8 @@ def conv_prefill(x, conv_state, weight, bias, slot_ids, has_initial_state, cu_se
         raise ValueError(f"slot_ids: the conv prefill kernel takes at most {MAX_SEQS} sequences, got {N}")
     hv, hk, width = v_out.shape[1], q_out.shape[1], weight.shape[1]
     if T_:
-        stages, fast, rounds = STAGES, FAST_STEPS, GATE_ROUNDS
+        walk = steps_per_walk(T_, 2 * hk + hv, sm_count(x.device))
+        stages, fast, rounds = STAGES, FAST_STEPS, GATE_ROUNDS and walk <= ROUND_GATES_MAX_STEPS
         key = ("conv_prefill", x.device, x.dtype, conv_state.dtype, weight.dtype, q_out.dtype, a.dtype,
                A_log.dtype, dt_bias.dtype, hv, hk, width, activation, bias is not None, stages, fast, rounds)
 
@@ -425,7 +427,6 @@ def conv_prefill(x, conv_state, weight, bias, slot_ids, has_initial_state, cu_se
             return variant("conv_prefill", hv, hk, width, io, sdt, weight=wdt, activation=activation,
                            bias=bias is not None, qk_out=_dtype_name(q_out.dtype, "q_out", _IO_DTYPES),
                            ab=ab, param=prm, gbias=gb, stages=stages, fast_steps=fast, gate_rounds=rounds)
-        walk = steps_per_walk(T_, 2 * hk + hv, sm_count(x.device))
         _launch_fn(key, make, x.device)(x, conv_state, weight, _bias_arg(bias, weight), slot_ids,
                                         has_initial_state, cu_seqlens, a, b, A_log, dt_bias,
                                         q_out, k_out, v_out, g_out, beta_out, walk)

@@ -21,9 +21,10 @@ HEAD_DIM = 128
 GROUP = 4
 WALKERS = 8                   # half-warps per CTA (128 threads)
 SEARCH_STEPS = 20             # binary-search halvings over cu_seqlens: up to 2**20 sequences
-# the longest walk whose gates are computed in rounds of 16 tokens between its steps
-# (conv.GATE_ROUNDS); longer walks compute them in each step (H200: rounds were 7% slower in
-# 16/64's 32-step walks, benchmarks/layer.md)
+# the longest walk the host launches with the gates in rounds between its steps (conv.GATE_ROUNDS);
+# longer walks run the variant with the gates in each step (H200: rounds were 7% slower in 16/64's
+# 32-step walks, and either form in one kernel behind a runtime branch 1-3% slower than each
+# alone; benchmarks/layer.md)
 ROUND_GATES_MAX_STEPS = 8
 LOG2E = 1.4426950408889634
 # Device helpers the kernel calls (T.import_source puts them before it).
@@ -51,9 +52,10 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
     state. A token's sequence is tracked as the walk goes (a binary search in cu_seqlens only
     when the walk crosses into a new sequence). The row's 16 lanes reduce the q/k L2 norm by
     xor-shuffles. Half-warps of the first Hv channel blocks also compute v-head hb's gates for
-    their tokens: on walks of <= ROUND_GATES_MAX_STEPS steps (conv.GATE_ROUNDS) in rounds of
-    16 tokens, one lane a token, every 16 / GROUP steps, each round's a, b loaded at its first
-    step; else lanes 0..GROUP-1 in each step. (Forms before it: rows loaded straight into registers, 3-7% slower; 32-token tiles
+    their tokens: in the variant's gate_rounds form (the host's choice for walks of <=
+    ROUND_GATES_MAX_STEPS steps, conv.GATE_ROUNDS) in rounds of 16 tokens, one lane a token,
+    every 16 / GROUP steps, each round's a, b loaded at its first step; else lanes
+    0..GROUP-1 in each step. (Forms before it: rows loaded straight into registers, 3-7% slower; 32-token tiles
     through shared memory with a block barrier per tile, slower still at 16/64;
     benchmarks/layer.md.)"""
     Hv, Hk, W = v["num_v_heads"], v["num_k_heads"], v["width"]
@@ -211,9 +213,6 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
             # overlap, then the sequence search's dependent loads.
             for p in T.unroll(NS - 1):
                 issue_rows(X, ring, tb + p * U, tend, wk, g, c0, p)
-            # (a Python constant and a uniform runtime condition: the form of this launch's gates)
-            round_gates = GR and walk <= ROUND_GATES_MAX_STEPS
-            step_gates = (not GR) or walk > ROUND_GATES_MAX_STEPS
             for i in T.unroll(H):
                 # the W - 1 rows before the walk (clamped into [0, ntok): a row before the
                 # sequence's start is never read, its taps come from the conv state)
@@ -234,7 +233,7 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
                 rb = T.alloc_var(ab)
                 ralog = T.alloc_var(prm)
                 rdtb = T.alloc_var(gb)
-                if round_gates and hb < Hv:
+                if hb < Hv:
                     ralog = A_log[hb]
                     rdtb = dt_bias[hb]
             for step in T.serial(walk):
@@ -242,7 +241,7 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
                 # rows of step + NS - 1 start while this step computes; each thread reads back
                 # only the 16-byte pieces it copied itself (no barrier)
                 issue_rows(X, ring, tg + (NS - 1) * U, tend, wk, g, c0, (step + NS - 1) % NS)
-                if round_gates and hb < Hv and step % RS == 0:   # the round of tokens tg..tg+LANES-1
+                if GR and hb < Hv and step % RS == 0:   # the round of tokens tg..tg+LANES-1
                     ra = A[T.min(tg + g, ntok - 1), hb]
                     rb = Bt[T.min(tg + g, ntok - 1), hb]
                 T.ptx_wait_group(NS - 1)
@@ -267,12 +266,12 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
                 else:
                     checked_step(CS, Qo, Ko, Vo, Cu, Slots, HasInit, tg, tend, c0, hb, g, w, bias8, acc, buf,
                                  seq)
-                if step_gates and hb < Hv and g < U:   # gates of v-head hb for the step's tokens
+                if not GR and hb < Hv and g < U:   # gates of v-head hb for the step's tokens
                     tt = tg + g
                     if tt < tend:
                         Go[tt, hb] = log_decay(T, A[tt, hb], A_log[hb], dt_bias[hb])
                         Bo[tt, hb] = sigmoid(T, Bt[tt, hb])
-                if round_gates and hb < Hv and (step % RS == RS - 1 or step == walk - 1):
+                if GR and hb < Hv and (step % RS == RS - 1 or step == walk - 1):
                     tt = tb + (step // RS) * LANES + g   # the round loaded at its first step
                     if tt < tend:
                         Go[tt, hb] = log_decay(T, ra, ralog, rdtb)
