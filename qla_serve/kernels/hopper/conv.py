@@ -250,11 +250,14 @@ def _program(v: dict):
                         else:
                             if hist:
                                 win[i] = T.cast(CS[slot, c, H + p], f32)
-                    if v.get("after_conv", False):
-                        # launched as conv_prefill's programmatic dependent: the window above
-                        # (inputs and the old state, which the conv only reads) loaded while it
-                        # ran; the state is written only after it has read its histories
-                        T.pdl_sync()
+                if v.get("after_conv", False):
+                    # launched as conv_prefill's programmatic dependent: the window above (inputs
+                    # and the old state, which the conv only reads) loaded while it ran; the state
+                    # is written only after it has read its histories. Every thread waits, padded
+                    # rows too, so that this grid never completes before the conv (the kernels
+                    # after it rely on that).
+                    T.pdl_sync()
+                if slot >= 0:
                     for i in T.unroll(H):
                         CS[slot, c, i] = T.cast(win[i], sdt)
 

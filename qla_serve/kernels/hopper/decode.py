@@ -462,6 +462,10 @@ def _program(variant: dict):
                     token((Q, Kt, Vt, Ga, Gb, A_log, dt_bias, Out, scale), ctx, i, h)
                     store_state(Pool, (slot,), h, ctx)
                 else:
+                    if AFTER_CONV:
+                        # padded rows wait too: this grid never completes before the conv (the
+                        # kernels after it rely on that, even where every row is padding)
+                        T.pdl_sync()
                     zero_rows(Out, i, 1, h, ctx)
 
         return gdn_decode
