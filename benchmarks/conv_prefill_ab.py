@@ -6,7 +6,9 @@ bit-for-bit against the first form on the same inputs and caches.
 
 A form is ``stages:walk[:flags]``: conv.STAGES (the cp.async ring depth), the steps per half-warp
 walk (a number, or "auto": conv.steps_per_walk's choice), and flags joined by "+": "fast" for
-conv.FAST_STEPS, "gr" for conv.GATE_ROUNDS (e.g. 3:auto:fast+gr, the default form). A benchmark, not a test; two rounds, forms interleaved, so that drift shows.
+conv.FAST_STEPS, "gr" for conv.GATE_ROUNDS (e.g. 3:auto:fast+gr, the default form: the rounds
+variant on walks <= 8 steps, the per-step one on longer walks). A benchmark,
+not a test; two rounds, forms interleaved, so that drift shows.
 """
 
 import argparse

@@ -62,7 +62,8 @@ ACTIVATIONS = ("silu", "none")
 # conv_prefill's walk length (steps_per_walk): short walks (<= 8 steps) while the batch gives
 # CTAS_PER_SM CTAs per SM of them, long walks (<= 32 steps) once it gives LONG_WALK_CTAS_PER_SM
 # of those (H200, benchmarks/layer.md: 16/64 x 32768 533 us at 32 steps against 590 at 8;
-# 2/8 x 32768 62 us at 8 steps, 64 at 32; with the walk gates, 8 steps beat 2 at 8192 tokens:
+# 2/8 x 32768 62 us at 8 steps, 64 at 32; with the gates once per walk (the form then), 8 steps
+# beat 2 at 8192 tokens:
 # 2/8 19.2 against 24.1 us, 16/64 16 x 512 129 against 168)
 CTAS_PER_SM = 2
 SHORT_WALK_STEPS = 8
