@@ -4,7 +4,10 @@ where the step plan's host time goes (cProfile), for the rows of `qla-serve benc
     python benchmarks/layer_profile.py --heads 2/8 --rows 1x32768,d1 [--state fp32] [--calls 20]
 
 A benchmark, not a test. Prints, per row, each kernel's mean GPU us per layer call and its
-share, then the step plan's top host functions.
+share, then the step plan's top host functions. A kernel launched as its predecessor's
+programmatic dependent (the conv-state write-back, the small-batch decode) starts before that
+one ends: its duration here includes the wait, so the kernels' sum exceeds the layer's GPU time
+(`qla-serve bench layer`'s graph replay is the layer's figure).
 """
 
 import argparse
