@@ -57,7 +57,7 @@ HEAD_DIM = 128
 # the dependent grid's state loads overlap the conv (H200, one process: 2/8 B = 1..32 and 16/32
 # B = 1 4-10% faster per layer call); with many, its early blocks sit resident at the grid sync
 # (16/32 B = 256 bf16 pool 179 -> 188 us, B = 32 26.4 -> 27.5; fp32 pools level). 0: never.
-# benchmarks/decode_after_conv_ab.py, benchmarks/layer.md.
+# benchmarks/layer_ab.py --switch gdn_layer.DECODE_AFTER_CONV_MAX_ROWS=0,1073741824; benchmarks/layer.md.
 DECODE_AFTER_CONV_MAX_ROWS = 256
 
 

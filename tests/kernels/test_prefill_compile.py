@@ -231,6 +231,56 @@ def test_vfirst_is_chosen_only_where_it_applies(monkeypatch):
     assert P._main_impl_from_env() == "vfirst", "V-first is the default"
 
 
+CHAIN_LINKS = [
+    P.prep_variant(8, 2, "bfloat16", "m", "float16", 2, pdl=True),
+    P.prep_variant(8, 2, "bfloat16", "uw", pdl=True),
+    P.main_variant(8, 2, "bfloat16", "float32", 1, "output", "vfirst", pdl=True),
+    P.main_variant(8, 2, "bfloat16", "bfloat16", 2, "maps", "vfirst", pdl=True),
+    P.main_variant(8, 2, "bfloat16", "float32", 4, "output", "v8", pdl=True),
+    P.scan_variant(8, pdl=True),
+    P.warmup_variant(8, pdl=True),
+]
+
+
+@pytest.mark.parametrize("variant", CHAIN_LINKS, ids=lambda v: v["name"])
+def test_chain_links_wait_before_they_touch_memory(variant):
+    """prefill_api.CHAIN_PDL's kernels: at the kernel's top level, outside any branch (so every
+    thread of every block runs them), the next launch is triggered and then the grid before is
+    waited for (griddepcontrol.wait); no global load or store, TMA or plain, comes before the
+    wait. Without pdl neither call is there, and the names tell the forms apart."""
+    src = P.build(variant, "sm_90a").get_kernel_source()
+    head = re.search(r'extern "C" __global__ void __launch_bounds__[^{]*\{', src)
+    assert head, "kernel definition not found"
+    body = src[head.end():]
+    params = re.findall(r"(\w+)\*\s*(?:__restrict__\s+)?(\w+)[,)]", head.group(0))
+    descs = re.findall(r"CUtensorMap (\w+)", head.group(0))
+    assert params
+    wait = body.index("cudaGridDependencySynchronize();")
+    assert body.index("cudaTriggerProgrammaticLaunchCompletion();") < wait
+    # at the body's top level (TileLang puts closed blocks before it: the TMA descriptors'
+    # prefetch, which reads the kernel's parameters, not the tensors)
+    assert body[:wait].count("{") == body[:wait].count("}"), "the wait must not be inside a branch"
+    touches = [m.start() for _, name in params for m in re.finditer(rf"\b{name}\b", body)]
+    touches += [m.start() for name in descs for m in re.finditer(rf"(?<!prefetch_tma_descriptor\(){name}\b", body)]
+    assert wait < min(touches), body[min(touches) - 200:min(touches) + 100]
+    base = {k: v for k, v in variant.items() if k != "pdl"}
+    base["name"] = variant["name"].removesuffix("_pdl")
+    src0 = P.build(base, "sm_90a").get_kernel_source()
+    assert "cudaGridDependencySynchronize" not in src0 and "cudaTriggerProgrammatic" not in src0
+
+
+def test_chain_switch_names_every_prefill_variant(monkeypatch):
+    """CHAIN_PDL decides the form of every variant kernel_variants lists (precompile and Docker
+    builds compile what the launches will ask for); each form keeps its own name."""
+    for on in (False, True):
+        monkeypatch.setattr(P, "CHAIN_PDL", on)
+        names = [v["name"] for v in P.kernel_variants(8, 2)]
+        assert all(n.endswith("_pdl") == on for n in names), names
+        assert all(v.get("pdl", False) == on for v in P.kernel_variants(8, 2))
+    assert P.scan_variant(8, pdl=False)["name"] == "gdn_prefill_cp_scan_hv8"
+    assert P.warmup_variant(8, pdl=True)["name"] == "gdn_prefill_cp_warmup_hv8_pdl"
+
+
 def test_gate_warmup_switch_from_env(monkeypatch):
     """QLA_SERVE_GATE_WARMUP: on unless set to 0; anything but 0/1 is refused by name."""
     monkeypatch.delenv("QLA_SERVE_GATE_WARMUP", raising=False)

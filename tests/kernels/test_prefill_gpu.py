@@ -41,8 +41,10 @@ def _mod():
 def _kernel_switches(monkeypatch):
     """The package defaults, whatever the environment says: gate warmup on (plans with
     cp="auto" take it, cp="exact" plans never do), the V-first stage 2 at v_split 1 and 2
-    (v_split 4 runs v8) and stage 1's heads per CTA by its rule. test_v8_main and the sanitizer
-    case switch to v8 themselves, test_prep_heads_per_cta forces the heads."""
+    (v_split 4 runs v8), stage 1's heads per CTA by its rule. The launch chain's form
+    (CHAIN_PDL) is read from no environment: the package's. test_v8_main and the sanitizer
+    case switch to v8 themselves, test_prep_heads_per_cta forces the heads,
+    test_chain_pdl_matches_plain_launches runs both chain forms."""
     monkeypatch.setattr(_mod(), "GATE_WARMUP", True)
     monkeypatch.setattr(_mod(), "MAIN_IMPL", "vfirst")
     monkeypatch.setattr(_mod(), "PREP_HEADS", 0)
@@ -529,3 +531,66 @@ def test_checkpoints(v_split, segment_chunks, cp, impl, pool_dtype, monkeypatch)
     u = torch.tensor(untouched, device="cuda")
     bits = torch.int16 if pool_dtype == torch.bfloat16 else torch.int32
     assert torch.equal(pool[u].view(bits), before[u].view(bits)), "slots outside the batch changed"
+
+
+CHAIN_CASES = [  # (lens, Hk, Hv, v_split, segment_chunks, cp, stage 2)
+    ([65, 0, 1, 700, 130], 2, 8, 1, 0, None, "vfirst"),
+    ([512] * 16, 2, 8, 2, 0, None, "vfirst"),
+    ([300, 1, 64 * 9 + 3], 2, 8, 4, 0, None, "v8"),
+    ([64 * 29 + 17, 0, 64 * 5, 1, 64 * 9, 200], 2, 8, 1, 4, "exact", "vfirst"),  # maps, scan
+    ([64 * 29 + 17, 0, 64 * 5, 1, 64 * 9, 200], 2, 8, 2, 4, "auto", "vfirst"),   # + warmup finder
+    ([32768], 2, 8, 1, 32, "auto", "vfirst"),  # the long-prompt row: every kernel of the chain busy
+    ([4096] * 4, 4, 16, 1, 0, None, "vfirst"),
+]
+
+
+@pytest.mark.parametrize("case", CHAIN_CASES, ids=lambda c: f"{len(c[0])}seq-{c[1]}-{c[2]}-vs{c[3]}-L{c[4]}-{c[6]}")
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_chain_pdl_matches_plain_launches(case, pool_dtype, monkeypatch):
+    """The launch chain as programmatic dependent launches (prefill_api.CHAIN_PDL: each kernel
+    triggers the next and waits for the one before) against the plain launches, which the
+    float64 tests above check: outputs and pool bit-identical, eagerly and in a CUDA graph
+    replayed three times (each replay from the same pool), with padded slots and poisoned slots
+    outside the batch untouched. A kernel that read its predecessor's output before the wait, or a
+    grid that completed before the one it follows, would show as a difference (or as
+    replay-to-replay variation) on these batches, the long one keeping every kernel busy."""
+    lens, Hk, Hv, vs, L, cp, impl = case
+    mod = _mod()
+    monkeypatch.setattr(mod, "MAIN_IMPL", impl)
+    gen = torch.Generator(device="cuda").manual_seed(4242 + len(lens) + vs + L)
+    q, k, v, g, beta = make_case(lens, Hk, Hv, gen=gen)
+    N = len(lens)
+    pool0 = make_pool(2 * N + 2, Hv, pool_dtype, gen)
+    slots = torch.tensor([2 * i + 1 if i % 3 != 2 else -1 for i in range(N)], dtype=torch.int32, device="cuda")
+    has = torch.tensor([i % 4 != 1 for i in range(N)], device="cuda")
+    plan = make_plan(lens, Hv, Hk, vs, L, cp)
+
+    def call(pool, out):
+        mod.prefill(q, k, v, g, beta, pool, slots, plan, has_initial_state=has, scale=HD ** -0.5, out=out)
+
+    def fresh():
+        return pool0.clone(), torch.full((sum(lens), Hv, HD), float("nan"), dtype=v.dtype, device="cuda")
+
+    monkeypatch.setattr(mod, "CHAIN_PDL", False)
+    want_pool, want_out = fresh()
+    call(want_pool, want_out)
+    monkeypatch.setattr(mod, "CHAIN_PDL", True)
+    pool, out = fresh()
+    call(pool, out)
+    bits = torch.int16 if pool_dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(out.view(torch.int16), want_out.view(torch.int16)), "eager: outputs differ"
+    assert torch.equal(pool.view(bits), want_pool.view(bits)), "eager: pool differs"
+    pool, out = fresh()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        call(pool, out)
+    torch.cuda.current_stream().wait_stream(stream)
+    for replay in range(3):
+        pool.copy_(pool0)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.view(torch.int16), want_out.view(torch.int16)), f"replay {replay}: outputs differ"
+        assert torch.equal(pool.view(bits), want_pool.view(bits)), f"replay {replay}: pool differs"

@@ -131,6 +131,15 @@ def _prep_heads_from_env() -> int:
 
 PREP_HEADS = _prep_heads_from_env()
 
+# The launch chain (prep -> [finder] -> [maps] -> [scan] -> output) as programmatic dependent
+# launches: each kernel first lets the next one launch (griddepcontrol.launch_dependents) and
+# then waits for the previous one to complete with its writes visible (griddepcontrol.wait), so
+# a launch's set-up overlaps the tail of the kernel before it instead of following it. Every
+# thread of every block waits before it reads anything, so a kernel never completes before the
+# one it follows: a chain of them keeps stream order (the conv's write-back, conv.py, is the
+# first link in a layer). Variants get the key "pdl" (names end in "_pdl").
+CHAIN_PDL = False
+
 _kernels: dict = {}
 _lock = threading.Lock()
 _fns: dict = {}  # short key -> the compiled kernel's raw launch function (raw_launch.py)
@@ -138,23 +147,33 @@ _dummies: dict = {}
 
 
 def _variant_name(v: dict) -> str:
+    pdl = "_pdl" if v.get("pdl", False) else ""
     if v["op"] == "prefill_prep":
         return (f"gdn_prefill_prep_hv{v['num_v_heads']}_hk{v['num_k_heads']}_{v['io_dtype']}"
                 + ("_m" if v.get("form", "uw") == "m" else "")
                 + (f"_qk{v['qk_dtype']}" if "qk_dtype" in v else "")
-                + (f"_heads{v['heads_per_cta']}" if "heads_per_cta" in v else ""))
+                + (f"_heads{v['heads_per_cta']}" if "heads_per_cta" in v else "") + pdl)
     return (
         f"gdn_prefill_main_hv{v['num_v_heads']}_hk{v['num_k_heads']}_{v['io_dtype']}"
         f"_pool{v['pool_dtype']}_vs{v['v_split']}" + ("_maps" if v["mode"] == "maps" else "")
-        + ("_vfirst" if v.get("impl", "v8") == "vfirst" else "")
+        + ("_vfirst" if v.get("impl", "v8") == "vfirst" else "") + pdl
     )
 
 
+def _chain(v: dict, pdl: bool | None) -> dict:
+    """Marks v a link of the launch chain (CHAIN_PDL where pdl is None); plain variants keep
+    their names (and compile caches)."""
+    if CHAIN_PDL if pdl is None else pdl:
+        v["pdl"] = True
+    return v
+
+
 def prep_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw",
-                 qk_dtype: str | None = None, heads_per_cta: int = 1) -> dict:
+                 qk_dtype: str | None = None, heads_per_cta: int = 1, pdl: bool | None = None) -> dict:
     """Stage 1; form "uw" (U0 and -Wk, for the v8 stage 2) or "m" (M, for V-first): the form
     a stage-2 kernel reads is PREP_FORM[impl]. io_dtype is v's; qk_dtype q/k's (None: v's);
-    heads_per_cta the v-heads of one CTA (form "m": a divisor of Hv / Hk)."""
+    heads_per_cta the v-heads of one CTA (form "m": a divisor of Hv / Hk); pdl a link of the
+    launch chain (None: CHAIN_PDL), as for every variant below."""
     if form not in prefill_prep.FORMS:
         raise ValueError(f"form: expected one of {prefill_prep.FORMS}, got {form!r}")
     qk_dtype = qk_dtype or io_dtype
@@ -171,7 +190,7 @@ def prep_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = 
             raise ValueError(f"heads_per_cta: {heads_per_cta} v-heads per CTA needs form 'm' and must be one of "
                              f"{PREP_HEADS_CHOICES} dividing Hv / Hk = {group} (form {form!r})")
         v["heads_per_cta"] = heads_per_cta
-    v["name"] = _variant_name(v)
+    v["name"] = _variant_name(_chain(v, pdl))
     return v
 
 
@@ -196,7 +215,7 @@ def prep_heads_per_cta(num_v_heads: int, num_k_heads: int, num_chunks: int, form
 
 
 def main_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str, v_split: int,
-                 mode: str = "output", impl: str = "v8") -> dict:
+                 mode: str = "output", impl: str = "v8", pdl: bool | None = None) -> dict:
     """Stage 2; impl "vfirst" is prefill_main_vfirst.py (v_split 1 and 2), "v8" prefill_main.py."""
     if impl not in MAIN_IMPLS:
         raise ValueError(f"impl: expected one of {MAIN_IMPLS}, got {impl!r}")
@@ -211,7 +230,7 @@ def main_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: 
     }
     if impl != "v8":  # v8 variants keep their names (and compile caches)
         v["impl"] = impl
-    v["name"] = _variant_name(v)
+    v["name"] = _variant_name(_chain(v, pdl))
     return v
 
 
@@ -223,19 +242,20 @@ def main_impl_for(v_split: int, target: str = ARCH) -> str:
     return "v8"
 
 
-def scan_variant(num_v_heads: int, rows: int = 0) -> dict:
+def scan_variant(num_v_heads: int, rows: int = 0, pdl: bool | None = None) -> dict:
     """The CP scan; rows (of X per block) 0 = chosen on the device per launch, 2/4/8 forced (for
     benchmarks only)."""
-    v = {"op": "prefill_cp_scan", "num_v_heads": num_v_heads}
+    v = _chain({"op": "prefill_cp_scan", "num_v_heads": num_v_heads}, pdl)
     if rows:
         v["rows"] = rows
-    v["name"] = f"gdn_prefill_cp_scan_hv{num_v_heads}" + (f"_rows{rows}" if rows else "")
+    v["name"] = (f"gdn_prefill_cp_scan_hv{num_v_heads}" + (f"_rows{rows}" if rows else "")
+                 + ("_pdl" if "pdl" in v else ""))
     return v
 
 
-def warmup_variant(num_v_heads: int) -> dict:
-    v = {"op": "prefill_cp_warmup", "num_v_heads": num_v_heads}
-    v["name"] = f"gdn_prefill_cp_warmup_hv{num_v_heads}"
+def warmup_variant(num_v_heads: int, pdl: bool | None = None) -> dict:
+    v = _chain({"op": "prefill_cp_warmup", "num_v_heads": num_v_heads}, pdl)
+    v["name"] = f"gdn_prefill_cp_warmup_hv{num_v_heads}" + ("_pdl" if "pdl" in v else "")
     return v
 
 
@@ -252,7 +272,8 @@ def kernel_variants(num_v_heads: int, num_k_heads: int, target: str = ARCH) -> l
     """Every compiled prefill kernel a deployment with these (per-GPU) head counts can need:
     prep per (q/k, v) dtype pair of QK_V_DTYPES, main per (v dtype, pool dtype, v_split, mode)
     (stage 2 reads q/k as fp16 whatever they came as) in the form main_impl_for
-    picks (V-first at v_split 1 and 2 unless MAIN_IMPL is "v8"). JSON-serialisable dicts."""
+    picks (V-first at v_split 1 and 2 unless MAIN_IMPL is "v8"), as chain links where CHAIN_PDL
+    is on. JSON-serialisable dicts."""
     if num_k_heads <= 0 or num_v_heads % num_k_heads:
         raise ValueError(f"num_v_heads ({num_v_heads}) must be a positive multiple of num_k_heads ({num_k_heads})")
     forms = sorted({PREP_FORM[main_impl_for(vs, target)] for vs in V_SPLITS}, reverse=True)
@@ -282,19 +303,20 @@ def build(variant: dict, target: str = ARCH):
         if kern is None:
             hv = variant["num_v_heads"]
             hk, io = variant.get("num_k_heads"), variant.get("io_dtype")
+            pdl = variant.get("pdl", False)
             if variant["op"] == "prefill_cp_scan":
-                func = prefill_scan.scan_func(hv, variant.get("rows", 0))
+                func = prefill_scan.scan_func(hv, variant.get("rows", 0), pdl)
                 cfg = prefill_scan.PASS_CONFIGS
             elif variant["op"] == "prefill_cp_warmup":
-                func, cfg = prefill_warmup.warmup_func(hv), prefill_warmup.PASS_CONFIGS
+                func, cfg = prefill_warmup.warmup_func(hv, pdl), prefill_warmup.PASS_CONFIGS
             elif variant["op"] == "prefill_prep":
                 func = prefill_prep.prep_func(hv, hk, io, variant.get("form", "uw"), variant.get("qk_dtype"),
-                                              variant.get("heads_per_cta", 1))
+                                              variant.get("heads_per_cta", 1), pdl)
                 cfg = prefill_prep.PASS_CONFIGS
             elif variant["op"] == "prefill_main":
                 kmod = prefill_main_vfirst if variant.get("impl", "v8") == "vfirst" else prefill_main
                 func, _ = kmod.main_func(hv, hk, io, variant["pool_dtype"], variant["v_split"],
-                                         variant.get("mode", "output"))
+                                         variant.get("mode", "output"), pdl)
                 cfg = kmod.PASS_CONFIGS
             else:
                 raise ValueError(f"variant['op'] must be prefill_prep, prefill_main, prefill_cp_scan or "
@@ -470,7 +492,7 @@ def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale,
     plan.scratch): every GDN layer of a step then only binds its own tensors.
     """
     key = ("hopper_prefill_launches", q.shape[0], k.shape[1], v.shape[1], q.dtype, v.dtype, pool.dtype,
-           has_initial_state is None, q.device, _stages, _target, GATE_WARMUP, MAIN_IMPL, PREP_HEADS)
+           has_initial_state is None, q.device, _stages, _target, GATE_WARMUP, MAIN_IMPL, PREP_HEADS, CHAIN_PDL)
     launches = plan.kernel_cache.get(key)
     if launches is None:
         launches = plan.kernel_cache[key] = _Launches(plan, q, k, v, pool, has_initial_state is None, _stages,
@@ -482,7 +504,8 @@ class _Launches:
     """One prefill call's launches for a plan and call shape (token count, heads, dtypes, device,
     the module switches GATE_WARMUP, MAIN_IMPL and PREP_HEADS): the kernels' raw launch functions, stage 1's
     buffers, the CP tables and workspaces, resolved once (FlashInfer's plan/run split). A call
-    binds q, k, v, g, beta, the pool, the slots, the flags, the scale and out, and launches:
+    binds q, k, v, g, beta, the pool, the slots, the flags, the scale and out, and launches
+    (each a programmatic dependent of the one before where CHAIN_PDL is on):
 
       prep -> main output                                        (plain, vsplit)
       prep -> [finder] -> maps -> [scan] -> main output          (cp; module docstring)
@@ -510,13 +533,14 @@ class _Launches:
         # Stage 2's tensor-core operands are fp16: bf16 q/k are converted once, by stage 1.
         self.half_qk = _half_qk(plan, max(self.ntok, 1), hk, dev) if qk == "bfloat16" else None
         hpc = prep_heads_per_cta(hv, hk, nchunks, form, plan.sm_count)  # the planner's (the GPU's) SMs
-        kp = _kernel(prep_variant(hv, hk, io, form, qk, hpc), (hv, hk, io, form, qk, hpc, target))
+        pdl = CHAIN_PDL
+        kp = _kernel(prep_variant(hv, hk, io, form, qk, hpc, pdl), (hv, hk, io, form, qk, hpc, pdl, target))
         self.prep = kp if nchunks > 0 and "prep" in stages else None  # stages: benchmarks time them apart
         self.output = None
         if "main" not in stages:
             return
-        self.output = _kernel(main_variant(hv, hk, io, pool_dt, vs, "output", impl),
-                              (hv, hk, io, pool_dt, vs, "output", impl, target))
+        self.output = _kernel(main_variant(hv, hk, io, pool_dt, vs, "output", impl, pdl),
+                              (hv, hk, io, pool_dt, vs, "output", impl, pdl, target))
         self.finder = self.maps_pass = self.scan = None
         if strategy != "cp":
             self.items, self.maps = _whole_sequence_items(plan, dev), _unread_maps(hv, dev)
@@ -531,16 +555,17 @@ class _Launches:
         self.warm = _unread_warmup(hv, dev)
         if self.warmup:
             self.warm = plan.scratch(("hopper_prefill_warm", hv, dev), lambda: cp.warmup(hv, dev))
-            self.finder = functools.partial(_kernel(warmup_variant(hv), (hv, "warmup", target)), self.stage1[0],
+            self.finder = functools.partial(_kernel(warmup_variant(hv, pdl), (hv, "warmup", pdl, target)),
+                                            self.stage1[0],
                                             plan.chunk_offsets, cp.cuts, *self.warm, plan.segment_chunks,
                                             max_warmup)
         if cp.maps_items.shape[0]:
             mvs = _maps_pass_split(plan, vs, impl, target)
             self.maps_items = cp.maps_items
-            self.maps_pass = _kernel(main_variant(hv, hk, io, pool_dt, mvs, "maps", impl),
-                                     (hv, hk, io, pool_dt, mvs, "maps", impl, target))
+            self.maps_pass = _kernel(main_variant(hv, hk, io, pool_dt, mvs, "maps", impl, pdl),
+                                     (hv, hk, io, pool_dt, mvs, "maps", impl, pdl, target))
             if cp.levels > 1:
-                self.scan = functools.partial(_kernel(scan_variant(hv), (hv, "scan", target)), self.maps,
+                self.scan = functools.partial(_kernel(scan_variant(hv, pdl=pdl), (hv, "scan", pdl, target)), self.maps,
                                               cp.cut_levels, self.warm[1], self.warmup, sm_count(dev))
 
     def __call__(self, q, k, v, g, beta, pool, slot_ids, has_initial_state, scale, out, checkpoints=None) -> None:

@@ -57,7 +57,7 @@ MODES = ("output", "maps")
 
 
 def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str, v_split: int,
-              mode: str = "output"):
+              mode: str = "output", pdl: bool = False):
     """Build the stage-2 PrimFunc. Symbolic: tokens, sequences, work items, pool slots and every
     stride of q/k/out/pool, so one compile serves any batch and any engine pool layout.
     q and k are fp16 (stage 1's converted copies when io is bf16, else the inputs).
@@ -83,7 +83,10 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
     instead and writes outputs from first_chunk on; w = -1 is the exact path above. The
     maps pass skips the walks of (sequence, head) pairs with need_maps[map % num_cut, h] = 0 (no
     segment of theirs takes the exact path; the initial-state copy is still made). With
-    use_warmup = 0 neither table is read."""
+    use_warmup = 0 neither table is read.
+
+    pdl: the kernel first lets the next launch of the stream start (it waits for this grid) and
+    waits for the grid before it (its writes visible): prefill_api.CHAIN_PDL."""
     if v_split not in V_SPLITS:
         raise ValueError(f"v_split must be one of {V_SPLITS}, got {v_split}")
     if mode not in MODES:
@@ -138,6 +141,9 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
         use_ckpt: T.int32,
     ):
         with T.Kernel(n_vblocks, Hv, nitem, threads=THREADS) as (vb, h, it):
+            if pdl:  # a link of the prefill's launch chain (prefill_api.CHAIN_PDL)
+                T.pdl_trigger()
+                T.pdl_sync()
             hk = h // group
             v0 = (vb % v_split) * BV  # value columns (or, for Phi blocks, the columns of Phi)
             # Two data stages, filled by the producer's TMA loads.

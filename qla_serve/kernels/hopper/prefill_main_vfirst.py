@@ -61,9 +61,9 @@ _POOL_VEC = {"float32": 4, "bfloat16": 8}
 
 
 def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str, v_split: int,
-              mode: str = "output"):
+              mode: str = "output", pdl: bool = False):
     """Build the V-first stage-2 PrimFunc: the signature and semantics of
-    prefill_main.main_func (work items, modes "output"/"maps", gate warmup), v_split 1 or 2."""
+    prefill_main.main_func (work items, modes "output"/"maps", gate warmup, pdl), v_split 1 or 2."""
     if v_split not in V_SPLITS:
         raise ValueError(f"v_split must be one of {V_SPLITS} for the V-first kernel, got {v_split}")
     if mode not in MODES:
@@ -121,6 +121,9 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
         use_ckpt: T.int32,
     ):
         with T.Kernel(n_vblocks, Hv, nitem, threads=threads) as (vb, h, it):
+            if pdl:  # a link of the prefill's launch chain (prefill_api.CHAIN_PDL)
+                T.pdl_trigger()
+                T.pdl_sync()
             # Slot strides in 16-byte vectors (checked on the host, prefill_api, as decode does):
             # the state enters and leaves as whole fragment pairs, 8 bytes per access, not 4.
             T.assume(sp0 % _POOL_VEC[pool_dtype] == 0)
