@@ -231,23 +231,21 @@ def test_vfirst_is_chosen_only_where_it_applies(monkeypatch):
     assert P._main_impl_from_env() == "vfirst", "V-first is the default"
 
 
-CHAIN_LINKS = [
-    P.prep_variant(8, 2, "bfloat16", "m", "float16", 2, pdl=True),
-    P.prep_variant(8, 2, "bfloat16", "uw", pdl=True),
-    P.main_variant(8, 2, "bfloat16", "float32", 1, "output", "vfirst", pdl=True),
+DEPENDENT_LAUNCHES = [
+    P.main_variant(8, 2, "bfloat16", "float32", 1, "maps", "vfirst", pdl=True),
     P.main_variant(8, 2, "bfloat16", "bfloat16", 2, "maps", "vfirst", pdl=True),
-    P.main_variant(8, 2, "bfloat16", "float32", 4, "output", "v8", pdl=True),
+    P.main_variant(8, 2, "bfloat16", "float32", 4, "maps", "v8", pdl=True),
     P.scan_variant(8, pdl=True),
     P.warmup_variant(8, pdl=True),
 ]
 
 
-@pytest.mark.parametrize("variant", CHAIN_LINKS, ids=lambda v: v["name"])
-def test_chain_links_wait_before_they_touch_memory(variant):
-    """prefill_api.CHAIN_PDL's kernels: at the kernel's top level, outside any branch (so every
-    thread of every block runs them), the next launch is triggered and then the grid before is
-    waited for (griddepcontrol.wait); no global load or store, TMA or plain, comes before the
-    wait. Without pdl neither call is there, and the names tell the forms apart."""
+@pytest.mark.parametrize("variant", DEPENDENT_LAUNCHES, ids=lambda v: v["name"])
+def test_dependent_launches_wait_before_they_touch_memory(variant):
+    """prefill_api.CP_PDL's kernels (the CP passes): at the kernel's top level, outside any
+    branch (so every thread of every block runs them), the next launch is triggered and then the
+    grid before is waited for (griddepcontrol.wait); no global load or store, TMA or plain, comes
+    before the wait. Without pdl neither call is there, and the names tell the forms apart."""
     src = P.build(variant, "sm_90a").get_kernel_source()
     head = re.search(r'extern "C" __global__ void __launch_bounds__[^{]*\{', src)
     assert head, "kernel definition not found"
@@ -269,14 +267,15 @@ def test_chain_links_wait_before_they_touch_memory(variant):
     assert "cudaGridDependencySynchronize" not in src0 and "cudaTriggerProgrammatic" not in src0
 
 
-def test_chain_switch_names_every_prefill_variant(monkeypatch):
-    """CHAIN_PDL decides the form of every variant kernel_variants lists (precompile and Docker
-    builds compile what the launches will ask for); each form keeps its own name."""
+def test_cp_pdl_switch_names_the_cp_passes(monkeypatch):
+    """CP_PDL decides the form of the CP passes that kernel_variants lists (the maps pass, the
+    scan, the warmup finder; precompile and Docker builds compile what the launches ask for);
+    stage 1 and the output pass are plain launches either way; each form keeps its own name."""
     for on in (False, True):
-        monkeypatch.setattr(P, "CHAIN_PDL", on)
-        names = [v["name"] for v in P.kernel_variants(8, 2)]
-        assert all(n.endswith("_pdl") == on for n in names), names
-        assert all(v.get("pdl", False) == on for v in P.kernel_variants(8, 2))
+        monkeypatch.setattr(P, "CP_PDL", on)
+        for v in P.kernel_variants(8, 2):
+            cp_pass = v["op"] in ("prefill_cp_scan", "prefill_cp_warmup") or v.get("mode") == "maps"
+            assert v.get("pdl", False) == (on and cp_pass) and v["name"].endswith("_pdl") == (on and cp_pass), v
     assert P.scan_variant(8, pdl=False)["name"] == "gdn_prefill_cp_scan_hv8"
     assert P.warmup_variant(8, pdl=True)["name"] == "gdn_prefill_cp_warmup_hv8_pdl"
 

@@ -41,10 +41,10 @@ def _mod():
 def _kernel_switches(monkeypatch):
     """The package defaults, whatever the environment says: gate warmup on (plans with
     cp="auto" take it, cp="exact" plans never do), the V-first stage 2 at v_split 1 and 2
-    (v_split 4 runs v8), stage 1's heads per CTA by its rule. The launch chain's form
-    (CHAIN_PDL) is read from no environment: the package's. test_v8_main and the sanitizer
-    case switch to v8 themselves, test_prep_heads_per_cta forces the heads,
-    test_chain_pdl_matches_plain_launches runs both chain forms."""
+    (v_split 4 runs v8), stage 1's heads per CTA by its rule. The CP passes' launch form
+    (CP_PDL) is read from no environment: the package's. test_v8_main and the sanitizer case
+    switch to v8 themselves, test_prep_heads_per_cta forces the heads,
+    test_cp_pdl_matches_plain_launches runs both launch forms."""
     monkeypatch.setattr(_mod(), "GATE_WARMUP", True)
     monkeypatch.setattr(_mod(), "MAIN_IMPL", "vfirst")
     monkeypatch.setattr(_mod(), "PREP_HEADS", 0)
@@ -533,27 +533,26 @@ def test_checkpoints(v_split, segment_chunks, cp, impl, pool_dtype, monkeypatch)
     assert torch.equal(pool[u].view(bits), before[u].view(bits)), "slots outside the batch changed"
 
 
-CHAIN_CASES = [  # (lens, Hk, Hv, v_split, segment_chunks, cp, stage 2)
-    ([65, 0, 1, 700, 130], 2, 8, 1, 0, None, "vfirst"),
-    ([512] * 16, 2, 8, 2, 0, None, "vfirst"),
-    ([300, 1, 64 * 9 + 3], 2, 8, 4, 0, None, "v8"),
+CP_CASES = [  # (lens, Hk, Hv, v_split, segment_chunks, cp, stage 2)
     ([64 * 29 + 17, 0, 64 * 5, 1, 64 * 9, 200], 2, 8, 1, 4, "exact", "vfirst"),  # maps, scan
     ([64 * 29 + 17, 0, 64 * 5, 1, 64 * 9, 200], 2, 8, 2, 4, "auto", "vfirst"),   # + warmup finder
-    ([32768], 2, 8, 1, 32, "auto", "vfirst"),  # the long-prompt row: every kernel of the chain busy
-    ([4096] * 4, 4, 16, 1, 0, None, "vfirst"),
+    ([64 * 29 + 17, 0, 64 * 5, 1, 64 * 9, 200], 2, 8, 4, 4, "auto", "v8"),
+    ([32768], 2, 8, 1, 32, "auto", "vfirst"),  # the long-prompt row: every pass busy
+    ([8192] * 4, 4, 16, 1, 16, "exact", "vfirst"),
 ]
 
 
-@pytest.mark.parametrize("case", CHAIN_CASES, ids=lambda c: f"{len(c[0])}seq-{c[1]}-{c[2]}-vs{c[3]}-L{c[4]}-{c[6]}")
+@pytest.mark.parametrize("case", CP_CASES, ids=lambda c: f"{len(c[0])}seq-{c[1]}-{c[2]}-vs{c[3]}-L{c[4]}-{c[5]}-{c[6]}")
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_chain_pdl_matches_plain_launches(case, pool_dtype, monkeypatch):
-    """The launch chain as programmatic dependent launches (prefill_api.CHAIN_PDL: each kernel
-    triggers the next and waits for the one before) against the plain launches, which the
-    float64 tests above check: outputs and pool bit-identical, eagerly and in a CUDA graph
-    replayed three times (each replay from the same pool), with padded slots and poisoned slots
-    outside the batch untouched. A kernel that read its predecessor's output before the wait, or a
-    grid that completed before the one it follows, would show as a difference (or as
-    replay-to-replay variation) on these batches, the long one keeping every kernel busy."""
+def test_cp_pdl_matches_plain_launches(case, pool_dtype, monkeypatch):
+    """The CP passes as programmatic dependent launches (prefill_api.CP_PDL: the finder, the
+    maps pass and the scan each trigger the next launch and wait for the grid before) against
+    the plain launches, which the float64 tests above check: outputs and pool bit-identical,
+    eagerly and in a CUDA graph replayed three times (each replay from the same pool), padded
+    slots and poisoned slots outside the batch included. A kernel that read its predecessor's
+    output before the wait, or a grid that completed before the one it follows, would show as a
+    difference (or as replay-to-replay variation) on these batches, the long one keeping every
+    pass busy."""
     lens, Hk, Hv, vs, L, cp, impl = case
     mod = _mod()
     monkeypatch.setattr(mod, "MAIN_IMPL", impl)
@@ -571,10 +570,10 @@ def test_chain_pdl_matches_plain_launches(case, pool_dtype, monkeypatch):
     def fresh():
         return pool0.clone(), torch.full((sum(lens), Hv, HD), float("nan"), dtype=v.dtype, device="cuda")
 
-    monkeypatch.setattr(mod, "CHAIN_PDL", False)
+    monkeypatch.setattr(mod, "CP_PDL", False)
     want_pool, want_out = fresh()
     call(want_pool, want_out)
-    monkeypatch.setattr(mod, "CHAIN_PDL", True)
+    monkeypatch.setattr(mod, "CP_PDL", True)
     pool, out = fresh()
     call(pool, out)
     bits = torch.int16 if pool_dtype == torch.bfloat16 else torch.int32

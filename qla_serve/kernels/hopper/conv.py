@@ -94,9 +94,7 @@ FAST_STEPS = True
 GATE_ROUNDS = True
 # the prefill's conv-state write-back launched as the conv_prefill grid's programmatic dependent
 # (conv_prefill_state's after_conv form): its loads (ids, lengths, the new window) overlap the
-# conv's last wave, its stores wait for the conv's end; it lets the next launch (the prefill's
-# stage 1, a programmatic dependent where prefill_api.CHAIN_PDL is on) start early in turn.
-# False: a plain launch after the conv.
+# conv's last wave, its stores wait for the conv's end. False: a plain launch after it.
 WRITE_BACK_AFTER_CONV = True
 MAX_SEQS = 1 << SEARCH_STEPS  # conv_prefill's binary search over cu_seqlens runs SEARCH_STEPS halvings
 OPS = ("conv_prefill", "conv_prefill_state", "conv_decode", "conv_spec")
@@ -238,10 +236,6 @@ def _program(v: dict):
             Cu: T.Tensor((N + 1,), i32),
         ):
             with T.Kernel(N, NH, threads=HEAD_DIM) as (s, hb):
-                if v.get("after_conv", False):
-                    # the prefill's first kernel (prefill_api.CHAIN_PDL) may launch now: it
-                    # waits for this grid, and this grid for the conv (below)
-                    T.pdl_trigger()
                 c = hb * HEAD_DIM + T.get_thread_binding()
                 slot = Slots[s]
                 win = T.alloc_local((H,), f32)

@@ -131,14 +131,17 @@ def _prep_heads_from_env() -> int:
 
 PREP_HEADS = _prep_heads_from_env()
 
-# The launch chain (prep -> [finder] -> [maps] -> [scan] -> output) as programmatic dependent
-# launches: each kernel first lets the next one launch (griddepcontrol.launch_dependents) and
-# then waits for the previous one to complete with its writes visible (griddepcontrol.wait), so
-# a launch's set-up overlaps the tail of the kernel before it instead of following it. Every
-# thread of every block waits before it reads anything, so a kernel never completes before the
-# one it follows: a chain of them keeps stream order (the conv's write-back, conv.py, is the
-# first link in a layer). Variants get the key "pdl" (names end in "_pdl").
-CHAIN_PDL = False
+# The context-parallel passes (warmup finder, maps pass, scan) as programmatic dependent
+# launches: each first lets the next launch start (griddepcontrol.launch_dependents) and then
+# waits for the grid before it to complete with its writes visible (griddepcontrol.wait), so its
+# launch and set-up overlap the tail of the kernel before instead of following it. Every thread
+# of every block waits before it touches memory, so none of them completes before the grid it
+# follows: stream order holds. Variants get the key "pdl" (names end in "_pdl"). H200, layer per
+# call (benchmarks/layer.md): 2/8 1 x 32768 287.6 -> 285.5 us, mixed 99.3 -> 97.2, 4 x 8192 255.6
+# -> 254.2. Stage 1 and the output pass stay plain launches: chained too, 2/8 16 x 512 went 65.4 ->
+# 70.0 and 4/16 16 x 512 123.4 -> 133.0 (each alone: level or slower), and TileLang drops
+# __restrict__ from a chained kernel's pointers.
+CP_PDL = True
 
 _kernels: dict = {}
 _lock = threading.Lock()
@@ -147,12 +150,12 @@ _dummies: dict = {}
 
 
 def _variant_name(v: dict) -> str:
-    pdl = "_pdl" if v.get("pdl", False) else ""
     if v["op"] == "prefill_prep":
         return (f"gdn_prefill_prep_hv{v['num_v_heads']}_hk{v['num_k_heads']}_{v['io_dtype']}"
                 + ("_m" if v.get("form", "uw") == "m" else "")
                 + (f"_qk{v['qk_dtype']}" if "qk_dtype" in v else "")
-                + (f"_heads{v['heads_per_cta']}" if "heads_per_cta" in v else "") + pdl)
+                + (f"_heads{v['heads_per_cta']}" if "heads_per_cta" in v else ""))
+    pdl = "_pdl" if v.get("pdl", False) else ""
     return (
         f"gdn_prefill_main_hv{v['num_v_heads']}_hk{v['num_k_heads']}_{v['io_dtype']}"
         f"_pool{v['pool_dtype']}_vs{v['v_split']}" + ("_maps" if v["mode"] == "maps" else "")
@@ -160,20 +163,19 @@ def _variant_name(v: dict) -> str:
     )
 
 
-def _chain(v: dict, pdl: bool | None) -> dict:
-    """Marks v a link of the launch chain (CHAIN_PDL where pdl is None); plain variants keep
-    their names (and compile caches)."""
-    if CHAIN_PDL if pdl is None else pdl:
+def _chain(v: dict, pdl: bool) -> dict:
+    """Marks v a programmatic dependent launch (CP_PDL); plain variants keep their names (and
+    compile caches)."""
+    if pdl:
         v["pdl"] = True
     return v
 
 
 def prep_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw",
-                 qk_dtype: str | None = None, heads_per_cta: int = 1, pdl: bool | None = None) -> dict:
+                 qk_dtype: str | None = None, heads_per_cta: int = 1) -> dict:
     """Stage 1; form "uw" (U0 and -Wk, for the v8 stage 2) or "m" (M, for V-first): the form
     a stage-2 kernel reads is PREP_FORM[impl]. io_dtype is v's; qk_dtype q/k's (None: v's);
-    heads_per_cta the v-heads of one CTA (form "m": a divisor of Hv / Hk); pdl a link of the
-    launch chain (None: CHAIN_PDL), as for every variant below."""
+    heads_per_cta the v-heads of one CTA (form "m": a divisor of Hv / Hk)."""
     if form not in prefill_prep.FORMS:
         raise ValueError(f"form: expected one of {prefill_prep.FORMS}, got {form!r}")
     qk_dtype = qk_dtype or io_dtype
@@ -190,7 +192,7 @@ def prep_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = 
             raise ValueError(f"heads_per_cta: {heads_per_cta} v-heads per CTA needs form 'm' and must be one of "
                              f"{PREP_HEADS_CHOICES} dividing Hv / Hk = {group} (form {form!r})")
         v["heads_per_cta"] = heads_per_cta
-    v["name"] = _variant_name(_chain(v, pdl))
+    v["name"] = _variant_name(v)
     return v
 
 
@@ -216,7 +218,9 @@ def prep_heads_per_cta(num_v_heads: int, num_k_heads: int, num_chunks: int, form
 
 def main_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str, v_split: int,
                  mode: str = "output", impl: str = "v8", pdl: bool | None = None) -> dict:
-    """Stage 2; impl "vfirst" is prefill_main_vfirst.py (v_split 1 and 2), "v8" prefill_main.py."""
+    """Stage 2; impl "vfirst" is prefill_main_vfirst.py (v_split 1 and 2), "v8" prefill_main.py;
+    pdl: a programmatic dependent launch (None: CP_PDL for the maps pass, plain for the output
+    pass)."""
     if impl not in MAIN_IMPLS:
         raise ValueError(f"impl: expected one of {MAIN_IMPLS}, got {impl!r}")
     v = {
@@ -230,7 +234,7 @@ def main_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: 
     }
     if impl != "v8":  # v8 variants keep their names (and compile caches)
         v["impl"] = impl
-    v["name"] = _variant_name(_chain(v, pdl))
+    v["name"] = _variant_name(_chain(v, (CP_PDL and mode == "maps") if pdl is None else pdl))
     return v
 
 
@@ -244,8 +248,8 @@ def main_impl_for(v_split: int, target: str = ARCH) -> str:
 
 def scan_variant(num_v_heads: int, rows: int = 0, pdl: bool | None = None) -> dict:
     """The CP scan; rows (of X per block) 0 = chosen on the device per launch, 2/4/8 forced (for
-    benchmarks only)."""
-    v = _chain({"op": "prefill_cp_scan", "num_v_heads": num_v_heads}, pdl)
+    benchmarks only); pdl: a programmatic dependent launch (None: CP_PDL), as the finder's."""
+    v = _chain({"op": "prefill_cp_scan", "num_v_heads": num_v_heads}, CP_PDL if pdl is None else pdl)
     if rows:
         v["rows"] = rows
     v["name"] = (f"gdn_prefill_cp_scan_hv{num_v_heads}" + (f"_rows{rows}" if rows else "")
@@ -254,7 +258,7 @@ def scan_variant(num_v_heads: int, rows: int = 0, pdl: bool | None = None) -> di
 
 
 def warmup_variant(num_v_heads: int, pdl: bool | None = None) -> dict:
-    v = _chain({"op": "prefill_cp_warmup", "num_v_heads": num_v_heads}, pdl)
+    v = _chain({"op": "prefill_cp_warmup", "num_v_heads": num_v_heads}, CP_PDL if pdl is None else pdl)
     v["name"] = f"gdn_prefill_cp_warmup_hv{num_v_heads}" + ("_pdl" if "pdl" in v else "")
     return v
 
@@ -272,8 +276,8 @@ def kernel_variants(num_v_heads: int, num_k_heads: int, target: str = ARCH) -> l
     """Every compiled prefill kernel a deployment with these (per-GPU) head counts can need:
     prep per (q/k, v) dtype pair of QK_V_DTYPES, main per (v dtype, pool dtype, v_split, mode)
     (stage 2 reads q/k as fp16 whatever they came as) in the form main_impl_for
-    picks (V-first at v_split 1 and 2 unless MAIN_IMPL is "v8"), as chain links where CHAIN_PDL
-    is on. JSON-serialisable dicts."""
+    picks (V-first at v_split 1 and 2 unless MAIN_IMPL is "v8"), the CP passes in CP_PDL's form.
+    JSON-serialisable dicts."""
     if num_k_heads <= 0 or num_v_heads % num_k_heads:
         raise ValueError(f"num_v_heads ({num_v_heads}) must be a positive multiple of num_k_heads ({num_k_heads})")
     forms = sorted({PREP_FORM[main_impl_for(vs, target)] for vs in V_SPLITS}, reverse=True)
@@ -311,7 +315,7 @@ def build(variant: dict, target: str = ARCH):
                 func, cfg = prefill_warmup.warmup_func(hv, pdl), prefill_warmup.PASS_CONFIGS
             elif variant["op"] == "prefill_prep":
                 func = prefill_prep.prep_func(hv, hk, io, variant.get("form", "uw"), variant.get("qk_dtype"),
-                                              variant.get("heads_per_cta", 1), pdl)
+                                              variant.get("heads_per_cta", 1))
                 cfg = prefill_prep.PASS_CONFIGS
             elif variant["op"] == "prefill_main":
                 kmod = prefill_main_vfirst if variant.get("impl", "v8") == "vfirst" else prefill_main
@@ -492,7 +496,7 @@ def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale,
     plan.scratch): every GDN layer of a step then only binds its own tensors.
     """
     key = ("hopper_prefill_launches", q.shape[0], k.shape[1], v.shape[1], q.dtype, v.dtype, pool.dtype,
-           has_initial_state is None, q.device, _stages, _target, GATE_WARMUP, MAIN_IMPL, PREP_HEADS, CHAIN_PDL)
+           has_initial_state is None, q.device, _stages, _target, GATE_WARMUP, MAIN_IMPL, PREP_HEADS, CP_PDL)
     launches = plan.kernel_cache.get(key)
     if launches is None:
         launches = plan.kernel_cache[key] = _Launches(plan, q, k, v, pool, has_initial_state is None, _stages,
@@ -505,7 +509,7 @@ class _Launches:
     the module switches GATE_WARMUP, MAIN_IMPL and PREP_HEADS): the kernels' raw launch functions, stage 1's
     buffers, the CP tables and workspaces, resolved once (FlashInfer's plan/run split). A call
     binds q, k, v, g, beta, the pool, the slots, the flags, the scale and out, and launches
-    (each a programmatic dependent of the one before where CHAIN_PDL is on):
+    (finder, maps and scan as programmatic dependents where CP_PDL is on):
 
       prep -> main output                                        (plain, vsplit)
       prep -> [finder] -> maps -> [scan] -> main output          (cp; module docstring)
@@ -533,14 +537,13 @@ class _Launches:
         # Stage 2's tensor-core operands are fp16: bf16 q/k are converted once, by stage 1.
         self.half_qk = _half_qk(plan, max(self.ntok, 1), hk, dev) if qk == "bfloat16" else None
         hpc = prep_heads_per_cta(hv, hk, nchunks, form, plan.sm_count)  # the planner's (the GPU's) SMs
-        pdl = CHAIN_PDL
-        kp = _kernel(prep_variant(hv, hk, io, form, qk, hpc, pdl), (hv, hk, io, form, qk, hpc, pdl, target))
+        kp = _kernel(prep_variant(hv, hk, io, form, qk, hpc), (hv, hk, io, form, qk, hpc, target))
         self.prep = kp if nchunks > 0 and "prep" in stages else None  # stages: benchmarks time them apart
         self.output = None
         if "main" not in stages:
             return
-        self.output = _kernel(main_variant(hv, hk, io, pool_dt, vs, "output", impl, pdl),
-                              (hv, hk, io, pool_dt, vs, "output", impl, pdl, target))
+        self.output = _kernel(main_variant(hv, hk, io, pool_dt, vs, "output", impl, False),
+                              (hv, hk, io, pool_dt, vs, "output", impl, False, target))
         self.finder = self.maps_pass = self.scan = None
         if strategy != "cp":
             self.items, self.maps = _whole_sequence_items(plan, dev), _unread_maps(hv, dev)
@@ -553,6 +556,7 @@ class _Launches:
         max_warmup = max_warmup_chunks(plan.segment_chunks)
         self.warmup = int(GATE_WARMUP and plan.cp == "auto" and cp.num_cut > 0 and max_warmup > 0)
         self.warm = _unread_warmup(hv, dev)
+        pdl = CP_PDL  # the finder, the maps pass and the scan
         if self.warmup:
             self.warm = plan.scratch(("hopper_prefill_warm", hv, dev), lambda: cp.warmup(hv, dev))
             self.finder = functools.partial(_kernel(warmup_variant(hv, pdl), (hv, "warmup", pdl, target)),

@@ -86,7 +86,8 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
     use_warmup = 0 neither table is read.
 
     pdl: the kernel first lets the next launch of the stream start (it waits for this grid) and
-    waits for the grid before it (its writes visible): prefill_api.CHAIN_PDL."""
+    waits for the grid before it (its writes visible), before it touches memory: prefill_api.CP_PDL
+    (the maps pass)."""
     if v_split not in V_SPLITS:
         raise ValueError(f"v_split must be one of {V_SPLITS}, got {v_split}")
     if mode not in MODES:
@@ -141,7 +142,7 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
         use_ckpt: T.int32,
     ):
         with T.Kernel(n_vblocks, Hv, nitem, threads=THREADS) as (vb, h, it):
-            if pdl:  # a link of the prefill's launch chain (prefill_api.CHAIN_PDL)
+            if pdl:  # a programmatic dependent launch (prefill_api.CP_PDL)
                 T.pdl_trigger()
                 T.pdl_sync()
             hk = h // group

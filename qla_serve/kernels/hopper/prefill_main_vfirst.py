@@ -121,7 +121,7 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
         use_ckpt: T.int32,
     ):
         with T.Kernel(n_vblocks, Hv, nitem, threads=threads) as (vb, h, it):
-            if pdl:  # a link of the prefill's launch chain (prefill_api.CHAIN_PDL)
+            if pdl:  # a programmatic dependent launch (prefill_api.CP_PDL)
                 T.pdl_trigger()
                 T.pdl_sync()
             # Slot strides in 16-byte vectors (checked on the host, prefill_api, as decode does):

@@ -93,7 +93,7 @@ def ctas_per_sm(form: str, heads_per_cta: int = 1) -> int:
 
 
 def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw",
-              qk_dtype: str | None = None, heads_per_cta: int = 1, pdl: bool = False):
+              qk_dtype: str | None = None, heads_per_cta: int = 1):
     """Build the stage-1 PrimFunc for (Hv, Hk, io dtype, form, q/k dtype); T (tokens), N
     (sequences) and the number of chunks are symbolic, so one compile serves every batch.
 
@@ -110,9 +110,7 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
     heads_per_cta (form "m" only; a divisor of Hv / Hk): the v-heads one CTA computes, all of
     one qk-head. The q/k tiles and Q K^T depend on the qk-head alone, so the CTA loads q/k and
     computes Q K^T once for its heads, then each head's gates, P, L, inverse and M (grid
-    Hv / heads_per_cta x chunks).
-
-    pdl: a link of the launch chain (prefill_main.main_func's pdl; prefill_api.CHAIN_PDL)."""
+    Hv / heads_per_cta x chunks)."""
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
     uw_form = form == "uw"
@@ -349,9 +347,6 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
         # v-head fastest: the Hv / Hk v-heads that share a chunk's q/k tiles run back to back
         # (L2 hits), and consecutive CTAs write adjacent workspace rows.
         with T.Kernel(Hv // hpc, nchunk, threads=128) as (hb, cid):
-            if pdl:  # a link of the prefill's launch chain (prefill_api.CHAIN_PDL)
-                T.pdl_trigger()
-                T.pdl_sync()
             # Four CTAs per SM for "uw" (<= 128 registers, <= 56 KB smem), five for "m" (<= 102
             # registers: ptxas spills 16 bytes; 33 KB): the phases of one CTA are latency-bound
             # (loads, the 16-step substitution), so other CTAs fill the gaps. Several heads per

@@ -57,7 +57,7 @@ def scan_func(num_v_heads: int, rows: int = 0, pdl: bool = False):
     (its segments minus one); num_cut = cut_levels' length (symbolic); need_maps [num_cut, Hv]
     (prefill_warmup.py) is read only when use_warmup != 0; sm_count: the GPU's SMs. rows = 0
     picks the rows per block on the device (above); 2, 4 or 8 forces them (benchmarks). pdl: a
-    link of the launch chain (prefill_main.main_func's pdl; prefill_api.CHAIN_PDL)."""
+    programmatic dependent launch (prefill_main.main_func's pdl; prefill_api.CP_PDL)."""
     if rows not in (0,) + ROW_CHOICES:
         raise ValueError(f"rows: expected 0 (chosen per launch) or one of {ROW_CHOICES}, got {rows}")
     Hv = num_v_heads
@@ -133,7 +133,7 @@ def scan_func(num_v_heads: int, rows: int = 0, pdl: bool = False):
         sm_count: T.int32,
     ):
         with T.Kernel(sm_count, threads=THREADS) as bid:
-            if pdl:  # a link of the prefill's launch chain (prefill_api.CHAIN_PDL)
+            if pdl:  # a programmatic dependent launch (prefill_api.CP_PDL)
                 T.pdl_trigger()
                 T.pdl_sync()
             phi_s = T.alloc_shared((NSTAGES, DK, DV), "float32")  # Phi_k^T[e, d], a ring

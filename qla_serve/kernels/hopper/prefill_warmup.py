@@ -49,8 +49,8 @@ PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 def warmup_func(num_v_heads: int, pdl: bool = False):
     """Build the warmup-finder PrimFunc for Hv heads. cuts[j] = (seq, num_segments, out_base):
     cut sequence j's index, its segment count, and the output-pass item of its segment 0 (its
-    segments are items out_base .. out_base + num_segments - 1, in order). pdl: a link of the
-    launch chain (prefill_main.main_func's pdl; prefill_api.CHAIN_PDL)."""
+    segments are items out_base .. out_base + num_segments - 1, in order). pdl: a
+    programmatic dependent launch (prefill_main.main_func's pdl; prefill_api.CP_PDL)."""
     Hv = num_v_heads
     nchunk = T.dynamic("nchunk")
     nseq = T.dynamic("nseq")
@@ -68,7 +68,7 @@ def warmup_func(num_v_heads: int, pdl: bool = False):
         max_warmup: T.int32,
     ):
         with T.Kernel(ncut, Hv, threads=THREADS) as (j, h):
-            if pdl:  # a link of the prefill's launch chain (prefill_api.CHAIN_PDL)
+            if pdl:  # a programmatic dependent launch (prefill_api.CP_PDL)
                 T.pdl_trigger()
                 T.pdl_sync()
             tx = T.get_thread_binding()
