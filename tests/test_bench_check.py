@@ -59,3 +59,33 @@ def test_check_reports_a_real_difference():
     rec = _check_against("flashqla", base_call, res, {"qla16": (off_by_a_bit, out, pool)}, h0)
     assert rec["qla16_vs_flashqla_o_rel"] == pytest.approx(0.01, rel=1e-3)
     assert rec["qla16_vs_flashqla_state_rel"] == 0.0
+
+
+def test_check_reruns_an_in_place_baseline_from_the_initial_states():
+    """A baseline that, like FlashInfer's prefill, writes its pool in place (bench prefill's
+    flashinfer: res["from_h0"] resets its pool to h0 and runs): its timed calls leave the pool
+    drifted, and the check must compare from h0 all the same."""
+    h0 = torch.randn(1, 2, 4, 4)
+    x = torch.randn(3)
+    qla_call, out, pool, _, _ = _stand_in(h0, x)
+    base_pool = h0.clone()
+    base_out = torch.empty_like(out)
+    res = {"o": base_out[None], "ht": base_pool.transpose(-1, -2)}
+
+    def base_call():
+        base_out.copy_(x[:, None, None] * base_pool[0].sum(-1))
+        base_pool.mul_(0.5).add_(1.0)
+
+    def from_h0():
+        base_pool.copy_(h0)
+        base_call()
+
+    res["from_h0"] = from_h0
+    for _ in range(5):  # both timed: both pools drift
+        qla_call()
+        base_call()
+    rec = _check_against("flashinfer", base_call, res, {"qla": (qla_call, out, pool)}, h0)
+    assert rec == {"qla_vs_flashinfer_o_rel": 0.0, "qla_vs_flashinfer_state_rel": 0.0}
+    del res["from_h0"]  # without the reset the baseline would run from its drifted pool
+    rec = _check_against("flashinfer", base_call, res, {"qla": (qla_call, out, pool)}, h0)
+    assert rec["qla_vs_flashinfer_o_rel"] > 0.1

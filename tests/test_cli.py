@@ -32,6 +32,21 @@ def test_usage_errors_exit_2(argv, capsys):
     assert "--" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["bench", "prefill", "--impls", "qla,flashinfr"], "--impls: unknown ['flashinfr']"),
+    (["bench", "decode", "--impls", "qla,flash-infer"], "--impls: unknown ['flash-infer']")])
+def test_bench_refuses_unknown_impls_before_touching_a_gpu(argv, message, capsys):
+    """An --impls name that no implementation has is an error naming it (exit 2), on any machine,
+    not a row of per-impl errors after the GPU work."""
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    assert code == 2
+    captured = capsys.readouterr()
+    assert message in captured.out + captured.err
+
+
 def test_info_and_demo_as_console_commands():
     """Runs the installed entry point when present, else the module (same code)."""
     info = subprocess.run([sys.executable, "-m", "qla_serve.cli", "info"], capture_output=True, text=True, timeout=120)

@@ -10,7 +10,14 @@ Implementations (one token per sequence, V-first states, pool fp32 or bf16):
 * ``fla-fused``  the same FLA op with its fused sigmoid gating (``use_gate_in_kernel``,
                  ``use_beta_sigmoid_in_kernel``) and ``use_qk_l2norm_in_kernel``: FLA 0.6's form
                  of the engines' fused sigmoid-gating recurrent update. FLA takes contiguous
-                 q/k/v and a gathered state (it has no slot indirection), prepared untimed.
+                 q/k/v and a gathered state (it has no slot indirection), prepared untimed;
+* ``flashinfer`` (opt-in) FlashInfer 0.7.2.post1's ``gated_delta_rule_decode_pretranspose``, what
+                 vLLM 0.33 runs on Hopper: raw a/b + A_log/dt_bias, q/k l2norm in the kernel,
+                 the pool read and written in place through ``initial_state_indices`` (contiguous
+                 [B, 1, H, 128] q/k/v, made untimed).
+
+With --check, each point also runs qla-fused and flashinfer once each from the same pool on slot
+set 0 and records their outputs' and new states' relative L2 difference (``check``).
 
 Per (heads, pool dtype, batch): GPU time per call under CUDA-graph replay (median over
 replays of a graph of several calls; consecutive calls use disjoint slot sets so the states
@@ -32,13 +39,17 @@ import time
 
 HD = 128
 L2_FLUSH_BYTES = 256 << 20   # footprint between reuses of a slot set (H200 L2: 50 MB)
+IMPLS = ("qla", "qla-fused", "fla", "fla-fused", "flashinfer")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", default="1,8,32,128,256,512", help="comma-separated batch sizes")
     p.add_argument("--heads", default="2/8,16/32", help="comma-separated Hk/Hv pairs (TP-local)")
     p.add_argument("--pools", default="float32,bfloat16", help="pool dtypes")
-    p.add_argument("--impls", default="qla,qla-fused,fla,fla-fused", help="implementations")
+    p.add_argument("--impls", default="qla,qla-fused,fla,fla-fused",
+                   help="implementations, among " + ",".join(IMPLS))
+    p.add_argument("--check", action="store_true",
+                   help="also compare qla-fused with flashinfer (outputs, new states) on slot set 0")
     p.add_argument("--tiles", default="", help="also time qla-fused with these kernel tiles "
                    "(e.g. bv32,bv64,bv32s-mb8; see qla_serve.kernels.hopper.decode.parse_tile)")
     p.add_argument("--replays", type=int, default=15, help="graph replays (median taken)")
@@ -124,9 +135,13 @@ class _Case:
         self.fla_h0 = [self.pool[s.long()].contiguous() for s in self.slot_sets]
         self.fla_bytes = B * hv * HD * HD * (esize + 4) + io_bytes
 
-    def call(self, impl, i, dec=None, fla=None):
+    def call(self, impl, i, dec=None, fla=None, fi=None):
         """A zero-argument callable running `impl` on slot set i."""
         slots = self.slot_sets[i % self.nsets]
+        if impl == "flashinfer":
+            return lambda: fi(self.fla_q, self.fla_k, self.fla_v, None, self.A_log, self.fla_a, self.dt_bias,
+                              self.fla_b, scale=HD ** -0.5, output=self.out.view(self.B, 1, self.hv, HD),
+                              use_qk_l2norm=True, initial_state=self.pool, initial_state_indices=slots)
         if impl == "qla":
             return lambda: dec.decode(self.qn, self.kn, self.v, self.pool, slots, g=self.g,
                                       beta=self.beta, a=None, b=None, A_log=None, dt_bias=None,
@@ -214,13 +229,22 @@ def _copy_bandwidth(torch):
 def run(args) -> int:
     if args.precompile:
         return _precompile(args)
+    unknown = [i for i in _parse(args)[3] if i not in IMPLS]
+    if unknown:
+        raise ValueError(f"bench decode: --impls: unknown {unknown}; choose from {list(IMPLS)}")
     import torch
     if not torch.cuda.is_available():
         raise RuntimeError("bench decode: needs a CUDA GPU (use --precompile TARGET without one)")
     os.environ.setdefault("FLA_FLASH_QLA", "0")
     dec = _dec()
     heads, batches, pools, impls, tiles = _parse(args)
-    fla = None
+    fla = fi = None
+    if "flashinfer" in impls or args.check:
+        try:
+            from flashinfer.gdn_decode import gated_delta_rule_decode_pretranspose as fi
+        except ImportError as exc:
+            print(f"FlashInfer not importable ({exc}); skipping flashinfer and --check")
+            impls = [i for i in impls if i != "flashinfer"]
     if any(i.startswith("fla") for i in impls):
         try:
             from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla
@@ -247,10 +271,11 @@ def run(args) -> int:
                     dec.TILE_OVERRIDE = tile
                     try:
                         nfn = max(4, case.nsets)
-                        fns = [case.call(impl, i, dec, fla) for i in range(nfn)]
+                        fns = [case.call(impl, i, dec, fla, fi) for i in range(nfn)]
                         gpu = _graph_time_us(torch, fns, args.replays)
                         host = _host_time_us(torch, fns[0], args.host_calls)
-                        nbytes = case.bytes if impl.startswith("qla") else case.fla_bytes
+                        # in place on the pool (qla, flashinfer) / gathered state in, fp32 state out (FLA)
+                        nbytes = case.fla_bytes if impl.startswith("fla-") or impl == "fla" else case.bytes
                         point["impls"][key] = {
                             "gpu_us": gpu, "host_us": host, "bytes": nbytes,
                             "tb_per_s": nbytes / gpu / 1e6,
@@ -259,6 +284,8 @@ def run(args) -> int:
                         point["impls"][key] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
                     finally:
                         dec.TILE_OVERRIDE = None
+                if args.check and fi is not None:
+                    point["check"] = _check(torch, case, dec, fi)
                 if "qla-fused" in impls:
                     try:
                         host = _host_time_us(torch, case.call("qla-ops", 0), args.host_calls)
@@ -281,11 +308,27 @@ def run(args) -> int:
     return 0
 
 
+def _check(torch, case, dec, fi) -> dict:
+    """qla-fused against flashinfer on slot set 0, each from the same pool: rel. L2 of the
+    outputs and of the set's new states (the pool is left as qla-fused wrote it)."""
+    from qla_serve.kernels.reference import rel_l2
+
+    ids = case.slot_sets[0].long()
+    before = case.pool[ids].clone()
+    case.call("flashinfer", 0, fi=fi)()
+    o_fi, s_fi = case.out.clone(), case.pool[ids].clone()
+    case.pool[ids] = before
+    case.call("qla-fused", 0, dec)()
+    return {"o_rel": rel_l2(case.out, o_fi), "state_rel": rel_l2(case.pool[ids], s_fi)}
+
+
 def _fmt_point(p):
     parts = [f"{p['num_k_heads']}/{p['num_v_heads']} {p['pool']:>8} B={p['batch']:<4} floor {p['floor_us']:.1f}us"]
     for k, r in p["impls"].items():
         parts.append(f"{k} " + (f"{r['gpu_us']:.1f}us ({100 * r['frac_copy_bw']:.0f}%) host {r['host_us']:.1f}us"
                                 if "gpu_us" in r else r["error"]))
+    if "check" in p:
+        parts.append(f"vs flashinfer: o {p['check']['o_rel']:.2e} state {p['check']['state_rel']:.2e}")
     return " | ".join(parts)
 
 

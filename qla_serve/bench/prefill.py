@@ -1,5 +1,5 @@
 """`qla-serve bench prefill`: qla_serve vs FLA 0.6 (its own Triton kernels, FLA_FLASH_QLA=0) vs
-FlashQLA 0.1.3, in one process on the same inputs.
+FlashQLA 0.1.3 vs FlashInfer 0.7.2 (optional), in one process on the same inputs.
 
 Inputs per row: bf16 q/k/v (unit-norm q/k), fp32 gates g = -exp(A_log) * softplus(x + dt_bias)
 (A_log ~ log U(1, 16), softplus(dt_bias) ~ U(0.001, 0.1)) with a quarter of the heads at g = 0,
@@ -11,6 +11,11 @@ beta ~ U(0.01, 0.99), fp32 initial states for every sequence.
     baselines take bf16 q/k, so this row is qla_serve's engine path, not the same op's inputs.
   * FLA / FlashQLA: chunk_gated_delta_rule with cu_seqlens, K-first fp32 initial states, final
     state returned (what an engine does around them: gathering the pool is not counted).
+  * flashinfer (opt-in, `--impls ...,flashinfer`; flashinfer-python 0.7.2.post1, vLLM 0.33's
+    Hopper prefill): flashinfer.gdn_prefill.chunk_gated_delta_rule as vLLM calls it, on a pool of
+    N fp32 V-first slots read and written in place through state_indices, alpha = exp(g) (its
+    gate input, made once outside the timed region as qla_serve's g is), the unit-norm q/k as
+    they are (no in-kernel L2 norm). `qla_over_flashinfer` is qla's GPU time over it.
 GPU time per call: CUDA-graph replay of `--graph-calls` calls, median of `--reps` replays.
 A baseline that cannot be captured (FLA syncs on the host) is timed by the profiler's kernel
 sum over `--reps` eager calls ("profiler" in the row): the GPU's own time, without the idle gaps
@@ -53,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", default="all", help="qk/v head pairs, e.g. 2/8,16/64 (default: all five)")
     parser.add_argument("--rows", default="all", help=f"rows among {','.join(ROWS)} (default: all)")
     parser.add_argument("--impls", default="qla,fla,flashqla",
-                        help="subset of qla,qla16,fla,flashqla (qla16: qla_serve on fp16 q/k, the engine layers' form)")
+                        help="subset of qla,qla16,fla,flashqla,flashinfer (qla16: qla_serve on fp16 q/k, the engine "
+                             "layers' form; flashinfer: FlashInfer 0.7.2's GDN prefill, if installed)")
     parser.add_argument("--v-split", default="auto", help="qla_serve v_split: auto (planner) or 1/2/4")
     parser.add_argument("--segment-chunks", default="auto",
                         help="qla_serve CP segment length in chunks: auto (planner; no cut when --v-split "
@@ -379,6 +385,38 @@ def _fla_fn(lens, data, which):
     return fn, res
 
 
+def _flashinfer_fn(lens, data):
+    """FlashInfer's chunked GDN prefill on a pool in place (see the module docstring). Returns
+    (fn, res) like _fla_fn: res["o"] [1, T, Hv, 128] and res["ht"] [N, Hv, K, V] (K-first, as
+    FLA's) are views of its output and pool; res["from_h0"] resets the pool to h0 and runs."""
+    import torch
+    from flashinfer.gdn_prefill import chunk_gated_delta_rule as f
+
+    q, k, v, g, beta, h0 = data
+    cu = torch.tensor([0] + list(_cumsum(lens)), dtype=torch.long, device=q.device)
+    alpha = torch.exp(g)
+    pool = h0.clone()  # [N, Hv, V, K]: vLLM's layout, V-first as qla_serve's pool
+    ids = torch.arange(len(lens), dtype=torch.int32, device=q.device)
+    out = torch.empty_like(v)
+    res = {"o": out[None], "ht": pool.transpose(-1, -2)}
+
+    def fn():
+        f(q, k, v, g=alpha, beta=beta, scale=128**-0.5, initial_state=pool, output_final_state=True,
+          cu_seqlens=cu, use_qk_l2norm_in_kernel=False, output=out, output_state=pool, state_indices=ids)
+
+    def from_h0():
+        pool.copy_(h0)
+        fn()
+
+    res["from_h0"] = from_h0
+    return fn, res
+
+
+BASELINES = {"fla": lambda lens, data: _fla_fn(lens, data, "fla"),
+             "flashqla": lambda lens, data: _fla_fn(lens, data, "flashqla"),
+             "flashinfer": _flashinfer_fn}
+
+
 def _check_against(base, base_fn, res, qla_runs, h0) -> dict:
     """--check: each qla_serve form's o and final state against baseline ``base``, every one run
     once more from the row's initial states h0 (the timed calls leave qla_serve's pool at a later
@@ -386,7 +424,7 @@ def _check_against(base, base_fn, res, qla_runs, h0) -> dict:
     pool V-first. Keys "<qla impl>_vs_<base>_o_rel" and "..._state_rel"."""
     from qla_serve.kernels.reference import rel_l2
 
-    base_fn()
+    res.get("from_h0", base_fn)()
     o_ref, s_ref = res["o"][0], res["ht"].transpose(-1, -2)
     rec = {}
     for impl, (fn, out, pool) in qla_runs.items():
@@ -405,6 +443,10 @@ def _cumsum(xs):
 
 
 def run(args) -> int:
+    unknown = [i for i in args.impls.split(",") if i not in QLA_IMPLS and i not in BASELINES]
+    if unknown:
+        print(f"bench prefill: --impls: unknown {unknown}; choose from {list(QLA_IMPLS) + list(BASELINES)}")
+        return 2
     os.environ.setdefault("FLA_FLASH_QLA", "0")  # FLA's own Triton kernels; FlashQLA is timed directly
     import torch
 
@@ -447,7 +489,7 @@ def run(args) -> int:
                         if args.kernels:
                             rec[f"{impl}_kernels"] = _kernel_timeline(fn, args.reps, args.graph_calls)
                     else:
-                        fn, res = _fla_fn(lens, data, impl)
+                        fn, res = BASELINES[impl](lens, data)
                     gpu, how, eager = _gpu_time_ms(fn, args.reps, args.graph_calls)
                     host, over, rounds = _host_rounds_ms(fn, args.reps, args.graph_calls, gpu)
                     rec[f"{impl}_gpu_ms"] = round(gpu, 4)
@@ -468,8 +510,9 @@ def run(args) -> int:
                 except Exception as e:  # noqa: BLE001 - a baseline failing must not hide the others
                     rec[f"{impl}_error"] = f"{type(e).__name__}: {e}"[:300]
             for impl in QLA_IMPLS:
-                if f"{impl}_gpu_ms" in rec and "flashqla_gpu_ms" in rec:
-                    rec[f"{impl}_over_flashqla"] = round(rec[f"{impl}_gpu_ms"] / rec["flashqla_gpu_ms"], 3)
+                for base in ("flashqla", "flashinfer"):
+                    if f"{impl}_gpu_ms" in rec and f"{base}_gpu_ms" in rec:
+                        rec[f"{impl}_over_{base}"] = round(rec[f"{impl}_gpu_ms"] / rec[f"{base}_gpu_ms"], 3)
             print(json.dumps(rec), flush=True)
             results.append(rec)
             del data
@@ -488,7 +531,7 @@ def run(args) -> int:
 
 
 def _markdown(results, impls):
-    ratios = [f"{i}_over_flashqla" for i in impls if i in QLA_IMPLS] if "flashqla" in impls else []
+    ratios = [f"{i}_over_{b}" for b in ("flashqla", "flashinfer") if b in impls for i in impls if i in QLA_IMPLS]
     cols = ["heads", "row", "qla_plan"] + [f"{i}_gpu_ms" for i in impls] + ratios + [
         f"{i}_host_over_gpu_us" for i in impls
     ]
