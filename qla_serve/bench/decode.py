@@ -109,7 +109,9 @@ class _Case:
         S = B * self.nsets
         self.pool = (torch.randn(S, hv, HD, HD, generator=gen, device=dev) * 0.3).to(self.pdt)
         perm = torch.randperm(S, generator=gen, device=dev).to(torch.int32)
-        self.slot_sets = [perm[i * B:(i + 1) * B].contiguous() for i in range(self.nsets)]
+        # each set its own allocation (FlashInfer's decode refuses index tensors that start
+        # mid-way into a 16-byte unit, as a B = 1 slice of one permutation does)
+        self.slot_sets = [perm[i * B:(i + 1) * B].clone() for i in range(self.nsets)]
         width = (2 * hk + hv) * HD
         proj = torch.randn(B, width, generator=gen, device=dev).to(torch.bfloat16)
         self.q = proj[:, :hk * HD].view(B, hk, HD)
@@ -127,10 +129,13 @@ class _Case:
         self.qn, self.kn = qn.contiguous(), kn.contiguous()
         self.out = torch.empty(B, hv, HD, dtype=torch.bfloat16, device=dev)
         # FLA: contiguous [B, 1, H, D] inputs and a gathered [B, Hv, V, K] state per slot set.
-        self.fla_q, self.fla_k = self.q.contiguous().unsqueeze(1), self.k.contiguous().unsqueeze(1)
+        # (copies, not .contiguous(): at B = 1 the views are contiguous already, and b's starts
+        # 2 * Hv bytes into its row, which FlashInfer's decode refuses as misaligned)
+        own = lambda t: t.clone(memory_format=torch.contiguous_format).unsqueeze(1)  # noqa: E731
+        self.fla_q, self.fla_k = own(self.q), own(self.k)
         self.fla_qn, self.fla_kn = qn.unsqueeze(1), kn.unsqueeze(1)
-        self.fla_v = self.v.contiguous().unsqueeze(1)
-        self.fla_a, self.fla_b = self.a.contiguous().unsqueeze(1), self.b.contiguous().unsqueeze(1)
+        self.fla_v = own(self.v)
+        self.fla_a, self.fla_b = own(self.a), own(self.b)
         self.fla_g, self.fla_beta = self.g.unsqueeze(1), self.beta.unsqueeze(1)
         self.fla_h0 = [self.pool[s.long()].contiguous() for s in self.slot_sets]
         self.fla_bytes = B * hv * HD * HD * (esize + 4) + io_bytes
