@@ -23,6 +23,8 @@
 #   check      prefill_check_h200.json (bench prefill --check at 2/8 and 16/64: o and final states
 #              against FLA and FlashQLA)
 #   decode     decode_h200.json, decode_h200.png (bench decode with the tile sweep)
+#   flashinfer prefill_flashinfer_h200.json, decode_flashinfer_h200.json (bench prefill and bench
+#              decode beside FlashInfer 0.7.2, --check; needs .fibundle as the layer part does)
 #   layer      layer_h200.json, layer_h200.png (bench layer --check, every default row)
 #   inputs     prefill_inputs_h200.txt (benchmarks/prefill_inputs.py)
 #   sustained  sustained_h200.txt (benchmarks/sustained.py, the 16/64 and 2/8 rows of prefill.md)
@@ -36,7 +38,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/gpu_benchmarks}; mkdir -p "$out"
 part=${PART:-all}
-parts="tests coldstart prefill check decode layer inputs sustained sweep cp-sweep maps"
+parts="tests coldstart prefill check decode flashinfer layer inputs sustained sweep cp-sweep maps"
 if [[ $part != all && " $parts " != *" $part "* ]]; then echo "PART=$part: expected one of: $parts (or all)"; exit 2; fi
 want() { [[ $part == all || $part == "$1" ]]; }
 
@@ -143,6 +145,31 @@ if want decode; then
     --tiles bv32,bv64,bv32s-mb8,bv64s-mb5,bv8w1,bv16w2,bv8w1s-mb32
   cp /tmp/decode_out/results.json "$out/decode_h200.json"; cp /tmp/decode_out/decode.png "$out/decode_h200.png"
   stamp "$out/decode_h200.json"
+fi
+
+if want flashinfer; then
+  # FlashInfer from .fibundle (make-fibundle.sh): carry site-a.tar.xz + activate.sh in one call,
+  # then this part with site-b.tar.xz + activate.sh on the same warm machine.
+  if [[ -f .fibundle/activate.sh ]]; then source .fibundle/activate.sh; fi
+  files=()
+  for group in "2/8|1x32768,1x8192,64x512,mixed8192,4x8192" "16/64|4x8192,1x32768,2048x4,1024x8"; do
+    i=${#files[@]}
+    step "bench prefill beside FlashInfer ${group%%|*}" $((T / 3)) python -m qla_serve.bench.prefill \
+      --heads "${group%%|*}" --rows "${group#*|}" --impls qla,qla16,flashqla,flashinfer --check --reps 10 \
+      --graph-calls 3 --json "/tmp/prefill_fi$i.json" | grep -v '^{'
+    files+=("/tmp/prefill_fi$i.json")
+  done
+  python - "$out/prefill_flashinfer_h200.json" "${files[@]}" <<'PY'
+import json, os, sys
+dest, *paths = sys.argv[1:]
+parts = [json.load(open(p)) for p in paths if os.path.exists(p)]
+json.dump({"device": parts[0]["device"] if parts else None,
+           "results": [r for d in parts for r in d["results"]]}, open(dest, "w"), indent=1)
+PY
+  step "bench decode beside FlashInfer" $((T / 3)) python -m qla_serve.cli bench decode --heads 2/8,16/32 \
+    --batches 1,32,64,256 --impls qla-fused,flashinfer --check --replays 10 --out /tmp/decode_fi
+  cp /tmp/decode_fi/results.json "$out/decode_flashinfer_h200.json"
+  stamp "$out/prefill_flashinfer_h200.json" "$out/decode_flashinfer_h200.json"
 fi
 
 if want layer; then
