@@ -50,17 +50,37 @@ def test_variant_compiles(variant, target):
 def test_kernel_variants_are_unique_and_json_serialisable():
     vs = dec.kernel_variants(32, 16)
     names = [v["name"] for v in vs]
-    assert len(names) == len(set(names)) == 92       # 64 decode/verify, 12 after_conv, 12 verify_slots, 4 commit
-    assert sum(v.get("after_conv", False) for v in vs) == 12
+    # 64 decode/verify, 12 after_conv, 12 verify_slots, 4 commit; the 16 + 6 decode variants with
+    # a bf16 pool again in the small-batch tile
+    assert len(names) == len(set(names)) == 114
+    assert sum(v.get("after_conv", False) for v in vs) == 18
     assert json.loads(json.dumps(vs)) == vs
     assert {v["pool_dtype"] for v in vs} == {"float32", "bfloat16"}
     assert {v["io_dtype"] for v in vs if v["op"] != "commit"} == {"bfloat16", "float16"}
     assert {v["op"] for v in vs} == {"decode", "verify", "verify_slots", "commit"}
-    assert {v["tile"] for v in vs if v["op"] != "commit"} == set(dec.DEFAULT_TILES.values())
+    assert {v["tile"] for v in vs if v["op"] != "commit"} == (set(dec.DEFAULT_TILES.values())
+                                                             | set(dec.SMALL_BATCH_TILES.values()))
     # SGLang's layers: A_log fp32 beside a dt_bias in the activation dtype, its own variant
     assert {(v["param_dtype"], v["bias_dtype"]) for v in vs if v.get("gating") == "ab"} == {
         ("float32", "float32"), ("bfloat16", "bfloat16"), ("float16", "float16"),
         ("float32", "bfloat16"), ("float32", "float16")}
+
+
+def test_small_batches_of_bf16_states_take_the_small_tile_and_precompile_lists_it():
+    """decode_tile by rows = sequences x v-heads, and every decode variant the lookup can pick
+    at any batch is in kernel_variants (a deployment's precompile covers it)."""
+    small = dec.SMALL_BATCH_TILES["bfloat16"]
+    assert dec.decode_tile("bfloat16", 1) == dec.decode_tile("bfloat16", dec.SMALL_BATCH_MAX_ROWS) == small
+    assert dec.decode_tile("bfloat16", dec.SMALL_BATCH_MAX_ROWS + 1) == dec.DEFAULT_TILES["bfloat16"]
+    assert dec.decode_tile("float32", 1) == dec.DEFAULT_TILES["float32"]
+    names = {v["name"] for v in dec.kernel_variants(HV, HK)}
+    for v in dec.kernel_variants(HV, HK):
+        if v["op"] == "decode":
+            for rows in (1, 10**6):
+                tile = dec.decode_tile(v["pool_dtype"], rows)
+                assert dec._variant("decode", HV, HK, v["io_dtype"], v["pool_dtype"], v["gating"], v["ab_dtype"],
+                                    v["param_dtype"], v["l2norm"], tile, bias=v["bias_dtype"],
+                                    after_conv=v.get("after_conv", False))["name"] in names
 
 
 def test_bad_variants_and_targets_are_rejected():

@@ -16,7 +16,9 @@ Decode is memory-bound: each live slot's [Hv, 128(V), 128(K)] state is read once
 
 The tile (:func:`parse_tile`: rows per block, warps, q/k staging, occupancy hint) is part of
 the variant; :data:`DEFAULT_TILES` holds the per-pool-dtype choice measured on the H200
-(benchmarks/decode.md: the tiles are within a few % of each other at batch >= 32).
+(benchmarks/decode.md: the tiles are within a few % of each other at batch >= 32), and
+:func:`decode_tile` the decode op's choice per call: smaller blocks for a few sequences with
+bf16 states (:data:`SMALL_BATCH_TILES`).
 
 Math (V-first state S [V, K], fp32 registers whatever the pool dtype)::
 
@@ -117,10 +119,24 @@ def parse_tile(tile: str) -> tuple[int, int, bool, int]:
 # Measured on the H200 (benchmarks/decode.md, tile sweep): no tile beats bv32 by more than 3% for fp32
 # pools; bv64 for bf16 pools at batch >= 32 (smaller tiles win ~10% at batch <= 8).
 DEFAULT_TILES = {"float32": "bv32", "bfloat16": "bv64"}
+# Decode of a few sequences with bf16 states: bv64 gives each (sequence, v-head) only two blocks,
+# so most SMs idle; blocks of 16 rows (four times as many) at 2/8 B = 1 3.8 -> 3.0 us and 16/32
+# B = 1 4.1 -> 3.4 (FlashInfer 2.8 / 3.2), but from 256 rows on bv64 is faster (2/8 B = 32: 8.0
+# vs 8.7 us). Rows = sequences x v-heads; the decode op only (benchmarks/decode.md).
+SMALL_BATCH_TILES = {"bfloat16": "bv16"}
+SMALL_BATCH_MAX_ROWS = 128
 
 
 def default_tile(pool_dtype: str) -> str:
     return DEFAULT_TILES.get(pool_dtype, "bv32")
+
+
+def decode_tile(pool_dtype: str, rows: int) -> str:
+    """The decode op's tile for a call of ``rows`` = sequences x v-heads (host metadata):
+    SMALL_BATCH_TILES[pool_dtype] up to SMALL_BATCH_MAX_ROWS rows, else the default tile."""
+    if rows <= SMALL_BATCH_MAX_ROWS and pool_dtype in SMALL_BATCH_TILES:
+        return SMALL_BATCH_TILES[pool_dtype]
+    return default_tile(pool_dtype)
 
 
 def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
@@ -131,7 +147,8 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
     the io dtype, a/b and dt_bias in the io dtype with A_log fp32 (SGLang's and vLLM's layers)}
     x l2norm {off, on} = 64 variants, each with its pool dtype's default tile; 12 after_conv
     decode variants (the layers' decode step) and 12 verify_slots variants (the vLLM layer's spec
-    step), each io x pool x the three raw-gate forms, l2norm on; plus
+    step), each io x pool x the three raw-gate forms, l2norm on; each decode variant with a
+    bf16 pool again in its small-batch tile (SMALL_BATCH_TILES: 16 + 6); plus
     4 commit variants (pool dtype x num_accepted int32/int64).
     Other gate dtype combinations and tile overrides (TILE_OVERRIDE) compile on first use
     (JIT, same cache).
@@ -153,6 +170,10 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
                                     bias=bias, after_conv=True))
                 out.append(_variant("verify_slots", num_v_heads, num_k_heads, io, pool, "ab", io,
                                     param, True, bias=bias))
+    out += [_variant("decode", num_v_heads, num_k_heads, v["io_dtype"], v["pool_dtype"], v["gating"],
+                     v["ab_dtype"], v["param_dtype"], v["l2norm"], SMALL_BATCH_TILES[v["pool_dtype"]],
+                     bias=v["bias_dtype"], after_conv=v.get("after_conv", False))
+            for v in out if v["op"] == "decode" and v["pool_dtype"] in SMALL_BATCH_TILES]
     for pool in _POOL_DTYPES:
         for acc in _ACC_DTYPES:
             out.append(_commit_variant(num_v_heads, pool, acc))
@@ -703,6 +724,8 @@ def _check_alignment(vec: int, pool, q, k, inter=None) -> None:
 def _lookup(op, q, pool, g, beta, a, b, A_log, dt_bias, l2, after_conv=False):
     pdt = pool.dtype
     tile = TILE_OVERRIDE
+    if tile is None and op == "decode":
+        tile = decode_tile(_TORCH_TO_TL.get(pdt), q.shape[0] * pool.shape[1])
     fused = g is None
     key = (op, q.device, q.dtype, pdt, fused, a.dtype if fused else None,
            A_log.dtype if fused else None, dt_bias.dtype if fused else None, bool(l2), pool.shape[1],
