@@ -86,7 +86,9 @@ def _precompile(args) -> int:
                                               ("qla-fused", "ab", io, "float32", True)):
                 if impl not in impls:
                     continue
-                for tile in [None] + (tiles if impl == "qla-fused" else []):
+                # the tile the default path picks at each batch (decode_tile), and the forced ones
+                picked = {dec.decode_tile(pdt, B * hv) for B in batches}
+                for tile in sorted(picked | (set(tiles) if impl == "qla-fused" else set())):
                     dec.build(dec._variant("decode", hv, hk, io, pdt, gating, ab, prm, l2, tile),
                               args.precompile)
                     n += 1
@@ -269,8 +271,9 @@ def run(args) -> int:
                 floor_us = case.state_bytes / bw * 1e6
                 point = {"num_k_heads": hk, "num_v_heads": hv, "pool": pdt, "batch": B,
                          "state_bytes": case.state_bytes, "floor_us": floor_us, "impls": {}}
-                variants = [(i, None) for i in impls] + [
-                    ("qla-fused", t) for t in tiles if t != dec.default_tile(pdt)]
+                # each listed tile forced, also the one the default path picks at this batch
+                # (decode_tile): its column shows what the default would be without that choice
+                variants = [(i, None) for i in impls] + [("qla-fused", t) for t in tiles]
                 for impl, tile in variants:
                     key = impl if tile is None else f"{impl}@{tile}"
                     dec.TILE_OVERRIDE = tile
