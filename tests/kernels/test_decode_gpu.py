@@ -103,6 +103,9 @@ CASES = [
     (16, 32, 20, torch.bfloat16, torch.bfloat16, "gb", False),
     (16, 64, 9, torch.float32, torch.bfloat16, "ab", False),
     (1, 1, 300, torch.float32, torch.bfloat16, "gb", False),
+    # bf16 states, <= decode.SMALL_BATCH_MAX_ROWS rows: the small-batch tile (decode_tile)
+    (2, 8, 5, torch.bfloat16, torch.bfloat16, "ab", True),
+    (16, 32, 3, torch.bfloat16, torch.float16, "ab-sglang", True),
 ]
 
 
@@ -188,7 +191,7 @@ def test_verify_intermediates_equal_sequential_decode(pdt, gating, l2):
     _check_verify(pdt, gating, l2)
 
 
-@pytest.mark.parametrize("tile", ["bv32", "bv64", "bv32s-mb8", "bv16w2", "bv8w1s-mb32"])
+@pytest.mark.parametrize("tile", ["bv32", "bv64", "bv16", "bv32s-mb8", "bv16w2", "bv8w1s-mb32"])
 def test_every_tile_shape_is_correct(tile, monkeypatch):
     """The kernel's tile (state rows per block, q/k in registers or shared memory) is a
     per-dtype tuning choice: every tile must give the same, correct results."""
