@@ -18,7 +18,10 @@ if [[ -n ${TLCACHE:-} && ! -f $tlcache ]]; then echo "TLCACHE=$tlcache: no such 
 [[ -f .gpucache/tl_tp8.tar.xz ]] && tar -xJf .gpucache/tl_tp8.tar.xz -C /tmp/tl_tp8
 export TILELANG_CACHE_DIR=/tmp/tlall
 source .devbundle/activate.sh
-# hypothesis (test_plan.py imports it) is not on the device: unpack the carried wheels.
+# hypothesis (test_plan.py imports it) is not on the device: unpack the carried wheels. They must
+# match the device's Python (3.12; a cp311 hypothesis wheel breaks pytest's collection there):
+#   pip download hypothesis sortedcontainers attrs --no-deps --python-version 3.12 \
+#       --only-binary=:all: -d .gpucache/whl
 for w in .gpucache/whl/*.whl; do [[ -f $w ]] && python -m zipfile -e "$w" /tmp/whlsite; done
 export PYTHONPATH=$PYTHONPATH:/tmp/whlsite
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
