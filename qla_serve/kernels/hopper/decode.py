@@ -120,9 +120,9 @@ def parse_tile(tile: str) -> tuple[int, int, bool, int]:
 # pools; bv64 for bf16 pools at batch >= 32 (smaller tiles win ~10% at batch <= 8).
 DEFAULT_TILES = {"float32": "bv32", "bfloat16": "bv64"}
 # Decode of a few sequences with bf16 states: bv64 gives each (sequence, v-head) only two blocks,
-# so most SMs idle; blocks of 16 rows (four times as many) at 2/8 B = 1 3.8 -> 3.0 us and 16/32
-# B = 1 4.1 -> 3.4 (FlashInfer 2.8 / 3.2), but from 256 rows on bv64 is faster (2/8 B = 32: 8.0
-# vs 8.7 us). Rows = sequences x v-heads; the decode op only (benchmarks/decode.md).
+# so most SMs idle; blocks of 16 rows (four times as many): 2/8 B = 1 3.8 -> 2.7 us, 16/32 B = 1
+# 4.0 -> 3.4 (FlashInfer 2.8 / 3.2), equal at 128 rows, and from 256 rows on bv64 is faster (2/8
+# B = 32: 7.8 vs 8.6 us). Rows = sequences x v-heads; the decode op only (benchmarks/decode.md).
 SMALL_BATCH_TILES = {"bfloat16": "bv16"}
 SMALL_BATCH_MAX_ROWS = 128
 
