@@ -53,17 +53,20 @@ def main() -> None:
         q, k, v, g, beta, h0 = B._inputs(lens, hk, hv)
         return q.half(), k.half(), v, g, beta, h0
 
+    prep_heads = prefill_api.PREP_HEADS
     prefill_api.PREP_HEADS = 1  # one v-head per CTA: a CTA is one chunk-head
-    for per_sm in (1, 2, 3, 4, 5):
-        nseq = per_sm * sms // hv
-        lens = [64] * nseq
-        fn, *_ = B._qla_fn(lens, hk, hv, data16(lens), 1, stages="prep")
-        us = B._kernel_timeline(fn, reps=10, graph_calls=5)[0]["us"]
-        ctas = nseq * hv
-        rows.append({"stage": "prep", "ctas": ctas, "ctas_per_sm": ctas / sms, "us": us,
-                     "us_per_sm_chunk_head": us * sms / ctas})
-        print(json.dumps(rows[-1]), flush=True)
-    prefill_api.PREP_HEADS = 0
+    try:
+        for per_sm in (1, 2, 3, 4, 5):
+            nseq = per_sm * sms // hv
+            lens = [64] * nseq
+            fn, *_ = B._qla_fn(lens, hk, hv, data16(lens), 1, stages="prep")
+            us = B._kernel_timeline(fn, reps=10, graph_calls=5)[0]["us"]
+            ctas = nseq * hv
+            rows.append({"stage": "prep", "ctas": ctas, "ctas_per_sm": ctas / sms, "us": us,
+                         "us_per_sm_chunk_head": us * sms / ctas})
+            print(json.dumps(rows[-1]), flush=True)
+    finally:  # stage 2's rows below take the rule's (or QLA_SERVE_PREP_HEADS's) choice again
+        prefill_api.PREP_HEADS = prep_heads
 
     nseq = sms // hv
     lengths = [int(x) for x in args.lengths.split(",")]
