@@ -7,6 +7,7 @@ is usually the innermost loop, e.g. stage 2's chunk walk.
     python benchmarks/kernel_report.py prep 2/8 bfloat16            # form uw; add "m" for form m
     python benchmarks/kernel_report.py prep 2/8 bfloat16 m float16  # fp16 q/k beside bf16 v
     python benchmarks/kernel_report.py main 2/8 bfloat16 float32 1 output vfirst
+    python benchmarks/kernel_report.py decode 2/8 float32 bv16l32     # decode: pool dtype, tile
     python benchmarks/kernel_report.py ... --json            # one JSON object instead of text
 
 The sixth session's offline findings came from these numbers: prep's 146 -> 119 registers and
@@ -35,11 +36,19 @@ sys.path.insert(0, str(ROOT))
 
 
 def build_variant(argv: list[str], target: str):
-    """argv: "prep HK/HV IO [FORM [QK]]", "main HK/HV IO POOL V_SPLIT MODE [IMPL]", "scan HV [ROWS]" or
-    "warmup HV"; the compiled kernel."""
+    """argv: "prep HK/HV IO [FORM [QK]]", "main HK/HV IO POOL V_SPLIT MODE [IMPL]", "scan HV [ROWS]",
+    "warmup HV" or "decode HK/HV POOL [TILE]" (the layers' decode: bf16 q/k/v, raw gates, l2norm);
+    the compiled kernel."""
     from qla_serve.kernels.hopper import prefill_api as P
 
     kind, heads, rest = argv[0], argv[1], argv[2:]
+    if kind == "decode" and len(rest) in (1, 2):
+        import importlib
+        D = importlib.import_module("qla_serve.kernels.hopper.decode")
+        hk, hv = (int(x) for x in heads.split("/"))
+        variant = D._variant("decode", hv, hk, "bfloat16", rest[0], "ab", "bfloat16", "float32", True,
+                             *rest[1:])
+        return variant["name"], D.build(variant, target)
     if kind in ("scan", "warmup"):
         hv = int(heads)
         variant = P.scan_variant(hv, *map(int, rest)) if kind == "scan" else P.warmup_variant(hv)
@@ -123,7 +132,8 @@ def sass_loops(cubin: Path, cuobjdump: str) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("variant", nargs="+",
-                    help="prep HK/HV IO | main HK/HV IO POOL V_SPLIT MODE [IMPL] | scan HV [ROWS] | warmup HV")
+                    help="prep HK/HV IO | main HK/HV IO POOL V_SPLIT MODE [IMPL] | scan HV [ROWS] | warmup HV "
+                         "| decode HK/HV POOL [TILE]")
     ap.add_argument("--arch", default="sm_90a")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args()

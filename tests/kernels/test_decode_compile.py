@@ -18,10 +18,13 @@ dec = importlib.import_module("qla_serve.kernels.hopper.decode")
 HV, HK = 8, 2
 
 
-# Every listed variant, plus the other tile family (q/k staged in shared memory, occupancy hint)
-# that QLA_DECODE_TILE / TILE_OVERRIDE select for benchmarks.
+# Every listed variant, plus the other tile families that QLA_DECODE_TILE / TILE_OVERRIDE select
+# for benchmarks: q/k staged in shared memory with an occupancy hint, and wider rows (16 or 32
+# lanes per state row) for both pool dtypes.
 VARIANTS = dec.kernel_variants(HV, HK) + [
-    dec._variant("decode", HV, HK, "bfloat16", "float32", "ab", "bfloat16", "float32", True, "bv32s-mb8")]
+    dec._variant("decode", HV, HK, "bfloat16", pool, "ab", "bfloat16", "float32", True, tile)
+    for pool, tile in (("float32", "bv32s-mb8"), ("float32", "bv16l32-mb12"), ("bfloat16", "bv16l32"),
+                       ("bfloat16", "bv32l16s"))]
 
 
 @pytest.mark.compile
@@ -32,7 +35,9 @@ def test_variant_compiles(variant, target):
     src = kernel.get_kernel_source()
     # The state must move in 16-byte vectors (the kernel is memory-bound): fp32 pools as
     # float4, bf16 pools as uint4 (8 x bf16). A scalar fallback would halve the bandwidth.
-    vec = "float4" if variant["pool_dtype"] == "float32" else "uint4"
+    # bf16 pools at 32 lanes per row hold 4 columns per lane: 8-byte vectors (uint2).
+    lanes = dec.parse_tile(variant["tile"])[4] if variant["op"] != "commit" else 8
+    vec = "float4" if variant["pool_dtype"] == "float32" else ("uint2" if lanes == 32 else "uint4")
     assert f"*({vec}*)(Pool" in src, "state accesses are not vectorised"
     # Batch is dynamic: one compile for every B / T (no literal batch in the launch grid).
     assert ("int B" in src) if variant["op"] == "decode" else ("int N" in src)
@@ -45,6 +50,17 @@ def test_variant_compiles(variant, target):
         c_type = {"float32": "float", "bfloat16": "bfloat16_t", "float16": "half_t"}
         assert f"const {c_type[variant['param_dtype']]}*{restrict} A_log" in src
         assert f"const {c_type[variant['bias_dtype']]}*{restrict} dt_bias" in src
+
+
+def test_tile_specs_parse_and_bad_ones_name_the_argument():
+    """parse_tile: rows, warps, q/k staging, occupancy hint, lanes per row; a thread must hold
+    whole rows (a power of two of them) and at most 64 state values."""
+    assert dec.parse_tile("bv32") == (32, 4, False, 0, 8)
+    assert dec.parse_tile("bv16l32-mb12") == (16, 4, False, 12, 32)
+    assert dec.parse_tile("bv8w1l16s") == (8, 1, True, 0, 16)
+    for bad in ("bv64w1", "bv8l32w4", "bv8w4", "bv16l4", "bv48", "bv64w1l32"):
+        with pytest.raises(ValueError, match="variant tile"):
+            dec.parse_tile(bad)
 
 
 def test_kernel_variants_are_unique_and_json_serialisable():

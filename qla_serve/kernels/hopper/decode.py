@@ -6,12 +6,15 @@ Decode is memory-bound: each live slot's [Hv, 128(V), 128(K)] state is read once
 
 * grid ``(128 // BV, Hv, B)``: one block per (V-tile of BV rows, v-head, sequence); several
   blocks per head so that batch 1 still spreads over ``Hv * 128 / BV`` blocks;
-* W warps per block (4 by default); a warp holds 4 state rows at a time, 8 lanes per row,
-  each lane 16 K-columns in 16-byte vectors (4 fp32 or 8 bf16 values) so that the 8 lanes of
-  a row read 128 (fp32) or 256 (bf16) contiguous bytes per load instruction; each thread
-  keeps ``R = BV / (4 W)`` rows x 16 columns of the state in fp32 registers;
-* per row the two dot products (S k and S q) are a 16-term local sum plus 3 xor-shuffles
-  among the row's 8 lanes; q/k l2 norms likewise (every block recomputes them: 256 bytes);
+* W warps per block (4 by default); L lanes per state row (8 by default; 16 or 32 name the
+  tile, "l<L>"), so a warp holds 32 / L state rows at a time, each lane C = 128 / L K-columns
+  in vectors of up to 16 bytes (4 fp32 or 8 bf16 values; 8 bytes for bf16 at L = 32) so that
+  the L lanes of a row read contiguous bytes per load instruction; each thread keeps
+  ``R = BV L / (32 W)`` rows x C columns of the state in fp32 registers (at most 64 values).
+  Wider rows (L = 32: 4 columns per lane) hold fewer registers per thread (q and k: C each), so
+  more blocks fit an SM and more state bytes are in flight (FlashInfer's decode layout);
+* per row the two dot products (S k and S q) are a C-term local sum plus log2(L)
+  xor-shuffles among the row's lanes; q/k l2 norms likewise (every block recomputes them: 256 bytes);
   the "s" tiles stage q/k per warp in shared memory instead of registers.
 
 The tile (:func:`parse_tile`: rows per block, warps, q/k staging, occupancy hint) is part of
@@ -54,10 +57,9 @@ import torch
 from .raw_launch import raw_function
 
 HEAD_DIM = 128
-_LANES = 8            # lanes per state row
-_COLS = 16            # K columns per lane (HEAD_DIM // _LANES)
+_LANES = 8            # lanes per state row unless the tile names another count ("l16", "l32")
 _WARPS = 4
-_ROWS_PER_WARP_STEP = 32 // _LANES   # 4 rows per warp per register row
+_MAX_STATE_REGS = 64  # state values per thread (R rows x 128 / L columns)
 
 _TORCH_TO_TL = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _POOL_DTYPES = ("float32", "bfloat16")
@@ -102,18 +104,24 @@ def _variant(op: str, hv: int, hk: int, io: str, pool: str, gating: str, ab: str
     return v
 
 
-def parse_tile(tile: str) -> tuple[int, int, bool, int]:
-    """Tile spec "bv<rows>[w<warps>][s][-mb<n>]" -> (state rows per block, warps per block,
-    q/k staged in shared memory, min-blocks-per-SM hint (0: none)). Each thread holds
-    R = rows / (4 * warps) rows (1, 2 or 4) x 16 columns of the state. E.g. "bv32s-mb8",
-    "bv8w1" (one warp, 8 rows: 16 blocks per head)."""
+def parse_tile(tile: str) -> tuple[int, int, bool, int, int]:
+    """Tile spec "bv<rows>[w<warps>][l<lanes>][s][-mb<n>]" -> (state rows per block, warps per
+    block, q/k staged in shared memory, min-blocks-per-SM hint (0: none), lanes per state row).
+    A warp covers 32 / lanes rows at a time; each thread holds R = rows * lanes / (32 * warps)
+    rows (a power of two) x 128 / lanes columns of the state, at most 64 values. E.g.
+    "bv32s-mb8", "bv8w1" (one warp, 8 rows: 16 blocks per head), "bv16l32" (a warp per row)."""
     import re
-    m = re.fullmatch(r"bv(8|16|32|64)(?:w([124]))?(s?)(?:-mb(\d+))?", str(tile))
-    if not m or int(m.group(1)) // (4 * int(m.group(2) or _WARPS)) not in (1, 2, 4) \
-            or int(m.group(1)) % (4 * int(m.group(2) or _WARPS)):
-        raise ValueError(f"variant tile: expected 'bv<rows>[w<1|2|4>][s][-mb<n>]' with rows / "
-                         f"(4 * warps) in (1, 2, 4), got {tile!r}")
-    return int(m.group(1)), int(m.group(2) or _WARPS), m.group(3) == "s", int(m.group(4) or 0)
+    m = re.fullmatch(r"bv(8|16|32|64)(?:w([124]))?(?:l(8|16|32))?(s?)(?:-mb(\d+))?", str(tile))
+    ok = bool(m)
+    if ok:
+        rows, warps, lanes = int(m.group(1)), int(m.group(2) or _WARPS), int(m.group(3) or _LANES)
+        per_thread, rem = divmod(rows * lanes, 32 * warps)
+        ok = not rem and per_thread in (1, 2, 4, 8, 16) and per_thread * HEAD_DIM // lanes <= _MAX_STATE_REGS
+    if not ok:
+        raise ValueError(f"variant tile: expected 'bv<rows>[w<1|2|4>][l<8|16|32>][s][-mb<n>]' whose "
+                         f"threads each hold 1, 2, 4, ... whole rows and at most {_MAX_STATE_REGS} "
+                         f"state values (rows * lanes / (32 * warps) rows of 128 / lanes), got {tile!r}")
+    return rows, warps, m.group(4) == "s", int(m.group(5) or 0), lanes
 
 
 # Measured on the H200 (benchmarks/decode.md, tile sweep): no tile beats bv32 by more than 3% for fp32
@@ -238,13 +246,16 @@ def _program(variant: dict):
     gdt = variant["ab_dtype"] if fused else "float32"
     prm = variant["param_dtype"] if fused else "float32"
     bias = (variant.get("bias_dtype") or prm) if fused else "float32"
-    BV, W, QK_SMEM, MIN_BLOCKS = parse_tile(variant["tile"])
+    BV, W, QK_SMEM, MIN_BLOCKS, LANES = parse_tile(variant["tile"])
     AFTER_CONV = bool(variant.get("after_conv", False))
-    R = BV // (W * _ROWS_PER_WARP_STEP)            # register rows per thread
+    COLS = HEAD_DIM // LANES                       # K columns per lane
+    RPW = 32 // LANES                              # rows per warp per register row
+    R = BV // (W * RPW)                            # register rows per thread
     NV = HEAD_DIM // BV
-    VEC = 4 if pdt == "float32" else 8             # 16-byte vectors of the state
-    NCH = _COLS // VEC                             # vector chunks per lane and row
-    CH = _LANES * VEC                              # columns covered by one chunk over 8 lanes
+    VEC = min(4 if pdt == "float32" else 8, COLS)  # state vectors: 16 bytes (8 for bf16 at L = 32)
+    NCH = COLS // VEC                              # vector chunks per lane and row
+    CH = LANES * VEC                               # columns covered by one chunk over a row's lanes
+    SHUFFLES = LANES.bit_length() - 1              # xor-shuffle levels of a row's reductions
     G = Hv // Hk
     f32 = "float32"
 
@@ -257,17 +268,17 @@ def _program(variant: dict):
     si0, si1 = T.dynamic("si0 si1")
 
     # Where this thread's state values live (plain expressions, inlined where they are used):
-    # register row r is state row row0 + 4 r; chunk c, element e of a lane is K column
-    # c * CH + lk * VEC + e (the 8 lanes of a row cover CH contiguous columns per chunk).
+    # register row r is state row row0 + RPW r; chunk c, element e of a lane is K column
+    # c * CH + lk * VEC + e (the LANES lanes of a row cover CH contiguous columns per chunk).
     def srow(row0, r):
-        return row0 + r * _ROWS_PER_WARP_STEP
+        return row0 + r * RPW
 
     def scol(c, lk, e):
         return c * CH + lk * VEC + e
 
     @T.macro
     def load_qk_regs(Q, Kt, tq, hk, lk, qv, kv, scale):
-        # q, k columns of this lane; l2norm over the 8 lanes of the row; scale folded into q.
+        # q, k columns of this lane; l2norm over the LANES lanes of the row; scale folded into q.
         for c in T.unroll(NCH):
             for e in T.vectorized(VEC):
                 qv[c * VEC + e] = T.cast(Q[tq, hk, scol(c, lk, e)], f32)
@@ -277,19 +288,19 @@ def _program(variant: dict):
             sk = T.alloc_var(f32)
             sq = 0.0
             sk = 0.0
-            for e in T.unroll(_COLS):
+            for e in T.unroll(COLS):
                 sq += qv[e] * qv[e]
                 sk += kv[e] * kv[e]
-            for m in T.unroll(3):
+            for m in T.unroll(SHUFFLES):
                 sq += T.shfl_xor(sq, 1 << m)
                 sk += T.shfl_xor(sk, 1 << m)
             rq = T.rsqrt(sq + 1e-6) * scale
             rk = T.rsqrt(sk + 1e-6)
-            for e in T.unroll(_COLS):
+            for e in T.unroll(COLS):
                 qv[e] = qv[e] * rq
                 kv[e] = kv[e] * rk
         else:
-            for e in T.unroll(_COLS):
+            for e in T.unroll(COLS):
                 qv[e] = qv[e] * scale
 
     @T.macro
@@ -347,25 +358,25 @@ def _program(variant: dict):
         for r in T.unroll(R):
             d = T.alloc_var(f32)
             d = 0.0
-            for e in T.unroll(_COLS):
+            for e in T.unroll(COLS):
                 st[r, e] = st[r, e] * gb[0]
                 if QK_SMEM:
                     d += st[r, e] * Sk[w, scol(e // VEC, lk, e % VEC)]
                 else:
                     d += st[r, e] * kv[e]
-            for m in T.unroll(3):
+            for m in T.unroll(SHUFFLES):
                 d += T.shfl_xor(d, 1 << m)
             delta = gb[1] * (T.cast(Vt[t, h, srow(row0, r)], f32) - d)
             o = T.alloc_var(f32)
             o = 0.0
-            for e in T.unroll(_COLS):
+            for e in T.unroll(COLS):
                 if QK_SMEM:
                     st[r, e] = st[r, e] + delta * Sk[w, scol(e // VEC, lk, e % VEC)]
                     o += st[r, e] * Sq[w, scol(e // VEC, lk, e % VEC)]
                 else:
                     st[r, e] = st[r, e] + delta * kv[e]
                     o += st[r, e] * qv[e]
-            for m in T.unroll(3):
+            for m in T.unroll(SHUFFLES):
                 o += T.shfl_xor(o, 1 << m)
             if lk == 0:
                 Out[t, h, srow(row0, r)] = T.cast(o, io)
@@ -387,11 +398,11 @@ def _program(variant: dict):
         T.assume(skb % VEC == 0)
         T.assume(skh % VEC == 0)
         tx = T.get_thread_binding()
-        lk = tx % _LANES
-        row0 = bv * BV + (tx // 32) * (_ROWS_PER_WARP_STEP * R) + (tx % 32) // _LANES
-        st = T.alloc_local((R, _COLS), f32)
-        qv = T.alloc_local((_COLS,), f32)
-        kv = T.alloc_local((_COLS,), f32)
+        lk = tx % LANES
+        row0 = bv * BV + (tx // 32) * (RPW * R) + (tx % 32) // LANES
+        st = T.alloc_local((R, COLS), f32)
+        qv = T.alloc_local((COLS,), f32)
+        kv = T.alloc_local((COLS,), f32)
         Sq = T.alloc_shared((W, HEAD_DIM), f32)
         Sk = T.alloc_shared((W, HEAD_DIM), f32)
         gb = T.alloc_local((2,), f32)
