@@ -192,7 +192,8 @@ def test_verify_intermediates_equal_sequential_decode(pdt, gating, l2):
 
 
 @pytest.mark.parametrize("tile", ["bv32", "bv64", "bv16", "bv32s-mb8", "bv16w2", "bv8w1s-mb32",
-                                  "bv16l32", "bv16l32-mb12", "bv8l32-mb16", "bv32l16s", "bv32l32-mb8"])
+                                  "bv16l32", "bv16l32-mb12", "bv8l32-mb16", "bv32l16s", "bv32l32-mb8",
+                                  "bv32l16", "bv32l16-cg", "bv16l32-cs"])
 def test_every_tile_shape_is_correct(tile, monkeypatch):
     """The kernel's tile (state rows per block, q/k in registers or shared memory) is a
     per-dtype tuning choice: every tile must give the same, correct results."""

@@ -104,24 +104,56 @@ def _variant(op: str, hv: int, hk: int, io: str, pool: str, gating: str, ab: str
     return v
 
 
-def parse_tile(tile: str) -> tuple[int, int, bool, int, int]:
-    """Tile spec "bv<rows>[w<warps>][l<lanes>][s][-mb<n>]" -> (state rows per block, warps per
-    block, q/k staged in shared memory, min-blocks-per-SM hint (0: none), lanes per state row).
-    A warp covers 32 / lanes rows at a time; each thread holds R = rows * lanes / (32 * warps)
-    rows (a power of two) x 128 / lanes columns of the state, at most 64 values. E.g.
-    "bv32s-mb8", "bv8w1" (one warp, 8 rows: 16 blocks per head), "bv16l32" (a warp per row)."""
+def parse_tile(tile: str) -> tuple[int, int, bool, int, int, str]:
+    """Tile spec "bv<rows>[w<warps>][l<lanes>][s][-mb<n>][-cg|-cs]" -> (state rows per block,
+    warps per block, q/k staged in shared memory, min-blocks-per-SM hint (0: none), lanes per
+    state row, cache hint of the state's loads and stores ("": none; "cg": L2 only, as
+    cp.async.cg; "cs": streaming, evict first)). A warp covers 32 / lanes rows at a time; each
+    thread holds R = rows * lanes / (32 * warps) rows (a power of two) x 128 / lanes columns of
+    the state, at most 64 values. E.g. "bv32s-mb8", "bv8w1" (one warp, 8 rows: 16 blocks per
+    head), "bv16l32" (a warp per row)."""
     import re
-    m = re.fullmatch(r"bv(8|16|32|64)(?:w([124]))?(?:l(8|16|32))?(s?)(?:-mb(\d+))?", str(tile))
+    m = re.fullmatch(r"bv(8|16|32|64)(?:w([124]))?(?:l(8|16|32))?(s?)(?:-mb(\d+))?(?:-(cg|cs))?", str(tile))
     ok = bool(m)
     if ok:
         rows, warps, lanes = int(m.group(1)), int(m.group(2) or _WARPS), int(m.group(3) or _LANES)
         per_thread, rem = divmod(rows * lanes, 32 * warps)
         ok = not rem and per_thread in (1, 2, 4, 8, 16) and per_thread * HEAD_DIM // lanes <= _MAX_STATE_REGS
     if not ok:
-        raise ValueError(f"variant tile: expected 'bv<rows>[w<1|2|4>][l<8|16|32>][s][-mb<n>]' whose "
-                         f"threads each hold 1, 2, 4, ... whole rows and at most {_MAX_STATE_REGS} "
+        raise ValueError(f"variant tile: expected 'bv<rows>[w<1|2|4>][l<8|16|32>][s][-mb<n>][-cg|-cs]' "
+                         f"whose threads each hold 1, 2, 4, ... whole rows and at most {_MAX_STATE_REGS} "
                          f"state values (rows * lanes / (32 * warps) rows of 128 / lanes), got {tile!r}")
-    return rows, warps, m.group(4) == "s", int(m.group(5) or 0), lanes
+    return rows, warps, m.group(4) == "s", int(m.group(5) or 0), lanes, m.group(6) or ""
+
+
+# The state's loads and stores with a cache hint (tile suffix "-cg" / "-cs"): CUDA's __ldcg /
+# __ldcs and __stcg / __stcs on 16-byte vectors (8-byte for bf16 at 32 lanes per row), the
+# bf16 forms converting to and from fp32 registers (round to nearest even, as the plain casts).
+STATE_IO_SOURCE = r"""
+#include <cuda_bf16.h>
+#define QLA_STATE_IO(HINT)                                                                     \
+__device__ __forceinline__ void qla_ld_state_##HINT(float* d, const float* s) {                 \
+  float4 v = __ld##HINT((const float4*)s); d[0] = v.x; d[1] = v.y; d[2] = v.z; d[3] = v.w;     \
+}                                                                                              \
+__device__ __forceinline__ void qla_st_state_##HINT(float* g, const float* s) {                 \
+  __st##HINT((float4*)g, make_float4(s[0], s[1], s[2], s[3]));                                 \
+}                                                                                              \
+template <int N> __device__ __forceinline__ void qla_ld_state_##HINT(float* d, const void* s) {\
+  __nv_bfloat162 h[N / 2];                                                                     \
+  if constexpr (N == 8) *(uint4*)h = __ld##HINT((const uint4*)s);                              \
+  else *(uint2*)h = __ld##HINT((const uint2*)s);                                               \
+  _Pragma("unroll") for (int i = 0; i < N / 2; ++i) {                                          \
+    float2 f = __bfloat1622float2(h[i]); d[2 * i] = f.x; d[2 * i + 1] = f.y; }                 \
+}                                                                                              \
+template <int N> __device__ __forceinline__ void qla_st_state_##HINT(void* g, const float* s) {\
+  __nv_bfloat162 h[N / 2];                                                                     \
+  _Pragma("unroll") for (int i = 0; i < N / 2; ++i) h[i] = __floats2bfloat162_rn(s[2 * i], s[2 * i + 1]); \
+  if constexpr (N == 8) __st##HINT((uint4*)g, *(uint4*)h);                                     \
+  else __st##HINT((uint2*)g, *(uint2*)h);                                                      \
+}
+QLA_STATE_IO(cg)
+QLA_STATE_IO(cs)
+"""
 
 
 # Measured on the H200 (benchmarks/decode.md, tile sweep): no tile beats bv32 by more than 3% for fp32
@@ -246,7 +278,8 @@ def _program(variant: dict):
     gdt = variant["ab_dtype"] if fused else "float32"
     prm = variant["param_dtype"] if fused else "float32"
     bias = (variant.get("bias_dtype") or prm) if fused else "float32"
-    BV, W, QK_SMEM, MIN_BLOCKS, LANES = parse_tile(variant["tile"])
+    BV, W, QK_SMEM, MIN_BLOCKS, LANES, HINT = parse_tile(variant["tile"])
+    HINTED = bool(HINT)
     AFTER_CONV = bool(variant.get("after_conv", False))
     COLS = HEAD_DIM // LANES                       # K columns per lane
     RPW = 32 // LANES                              # rows per warp per register row
@@ -389,6 +422,8 @@ def _program(variant: dict):
         # that the macros below take.
         if MIN_BLOCKS:
             T.annotate_min_blocks_per_sm(MIN_BLOCKS)
+        if HINTED:
+            T.import_source(STATE_IO_SOURCE)
         T.assume(sp % VEC == 0)
         if inter:
             T.assume(si0 % VEC == 0)
@@ -408,13 +443,22 @@ def _program(variant: dict):
         gb = T.alloc_local((2,), f32)
         return tx, lk, row0, st, qv, kv, Sq, Sk, gb
 
+    # fp32 state vectors go through the plain float overloads of the hinted helpers, bf16 ones
+    # through the templates (N bf16 values per vector).
+    hinted_io = (lambda op: f"qla_{op}_state_{HINT}") if pdt == "float32" else \
+        (lambda op: f"qla_{op}_state_{HINT}<{VEC}>")
+
     @T.macro
     def load_state(Pool, slot, h, ctx):
         tx, lk, row0, st, qv, kv, Sq, Sk, gb = ctx
         for r in T.unroll(R):
             for c in T.unroll(NCH):
-                for e in T.vectorized(VEC):
-                    st[r, c * VEC + e] = T.cast(Pool[slot, h, srow(row0, r), scol(c, lk, e)], f32)
+                if HINTED:
+                    T.call_extern("handle", hinted_io("ld"), T.address_of(st[r, c * VEC]),
+                                  T.address_of(Pool[slot, h, srow(row0, r), scol(c, lk, 0)]))
+                else:
+                    for e in T.vectorized(VEC):
+                        st[r, c * VEC + e] = T.cast(Pool[slot, h, srow(row0, r), scol(c, lk, e)], f32)
 
     @T.macro
     def store_state(Dst, at, h, ctx):
@@ -423,8 +467,13 @@ def _program(variant: dict):
         tx, lk, row0, st, qv, kv, Sq, Sk, gb = ctx
         for r in T.unroll(R):
             for c in T.unroll(NCH):
-                for e in T.vectorized(VEC):
-                    Dst[at + (h, srow(row0, r), scol(c, lk, e))] = T.cast(st[r, c * VEC + e], pdt)
+                if HINTED:
+                    T.call_extern("handle", hinted_io("st"),
+                                  T.address_of(Dst[at + (h, srow(row0, r), scol(c, lk, 0))]),
+                                  T.address_of(st[r, c * VEC]))
+                else:
+                    for e in T.vectorized(VEC):
+                        Dst[at + (h, srow(row0, r), scol(c, lk, e))] = T.cast(st[r, c * VEC + e], pdt)
 
     @T.macro
     def token(args, ctx, t, h):
