@@ -24,7 +24,8 @@ HV, HK = 8, 2
 VARIANTS = dec.kernel_variants(HV, HK) + [
     dec._variant("decode", HV, HK, "bfloat16", pool, "ab", "bfloat16", "float32", True, tile)
     for pool, tile in (("float32", "bv32s-mb8"), ("float32", "bv16l32-mb12"), ("bfloat16", "bv16l32"),
-                       ("bfloat16", "bv32l16s"), ("float32", "bv32l16-cg"), ("bfloat16", "bv16l32-cs"))]
+                       ("bfloat16", "bv32l16s"), ("float32", "bv32l16-cg"), ("bfloat16", "bv16l32-cs"),
+                       ("float32", "bv32l16-lcs"), ("bfloat16", "bv32l16-lcg-scs"), ("bfloat16", "bv32-swt"))]
 
 
 @pytest.mark.compile
@@ -36,12 +37,14 @@ def test_variant_compiles(variant, target):
     # The state must move in 16-byte vectors (the kernel is memory-bound): fp32 pools as
     # float4, bf16 pools as uint4 (8 x bf16). A scalar fallback would halve the bandwidth.
     # bf16 pools at 32 lanes per row hold 4 columns per lane: 8-byte vectors (uint2).
-    lanes = dec.parse_tile(variant["tile"])[4] if variant["op"] != "commit" else 8
+    tile = dec.parse_tile(variant["tile"]) if variant["op"] != "commit" else dec.parse_tile("bv32")
+    lanes = tile.lanes
     vec = "float4" if variant["pool_dtype"] == "float32" else ("uint2" if lanes == 32 else "uint4")
-    hint = dec.parse_tile(variant["tile"])[5] if variant["op"] != "commit" else ""
-    if hint:  # the state moves through the hinted vector helpers (STATE_IO_SOURCE), both ways
-        assert f"qla_ld_state_{hint}" in src and f"qla_st_state_{hint}" in src and "*)(Pool" not in src
-    else:
+    # cache hints: the state moves through STATE_IO_SOURCE's helpers that way, else as vectors
+    body = src.split('extern "C" __global__')[-1]   # the kernel, after the imported helpers
+    for way, hint in (("ld", tile.load_hint), ("st", tile.store_hint)):
+        assert (f"qla_{way}_state_{hint}" in body) == bool(hint)
+    if not (tile.load_hint or tile.store_hint):
         assert f"*({vec}*)(Pool" in src, "state accesses are not vectorised"
     # Batch is dynamic: one compile for every B / T (no literal batch in the launch grid).
     assert ("int B" in src) if variant["op"] == "decode" else ("int N" in src)
@@ -59,10 +62,13 @@ def test_variant_compiles(variant, target):
 def test_tile_specs_parse_and_bad_ones_name_the_argument():
     """parse_tile: rows, warps, q/k staging, occupancy hint, lanes per row, cache hint; a thread must hold
     whole rows (a power of two of them) and at most 64 state values."""
-    assert dec.parse_tile("bv32") == (32, 4, False, 0, 8, "")
-    assert dec.parse_tile("bv16l32-mb12") == (16, 4, False, 12, 32, "")
-    assert dec.parse_tile("bv8w1l16s-cs") == (8, 1, True, 0, 16, "cs")
-    for bad in ("bv64w1", "bv8l32w4", "bv8w4", "bv16l4", "bv48", "bv64w1l32", "bv32-ca"):
+    assert dec.parse_tile("bv32") == (32, 4, False, 0, 8, "", "")
+    assert dec.parse_tile("bv16l32-mb12") == (16, 4, False, 12, 32, "", "")
+    assert dec.parse_tile("bv8w1l16s-cs") == (8, 1, True, 0, 16, "cs", "cs")
+    assert dec.parse_tile("bv32l16-lcg-scs") == (32, 4, False, 0, 16, "cg", "cs")
+    assert dec.parse_tile("bv32-swt").store_hint == "wt" and dec.parse_tile("bv32-swt").load_hint == ""
+    for bad in ("bv64w1", "bv8l32w4", "bv8w4", "bv16l4", "bv48", "bv64w1l32", "bv32-ca", "bv32-cs-lcg",
+                "bv32-scs-lcg", "bv32-slu"):
         with pytest.raises(ValueError, match="variant tile"):
             dec.parse_tile(bad)
 

@@ -17,7 +17,8 @@ Decode is memory-bound: each live slot's [Hv, 128(V), 128(K)] state is read once
   xor-shuffles among the row's lanes; q/k l2 norms likewise (every block recomputes them: 256 bytes);
   the "s" tiles stage q/k per warp in shared memory instead of registers.
 
-The tile (:func:`parse_tile`: rows per block, warps, q/k staging, occupancy hint) is part of
+The tile (:func:`parse_tile`: rows per block, warps, lanes per row, q/k staging, occupancy
+and cache hints) is part of
 the variant; :data:`DEFAULT_TILES` holds the per-pool-dtype choice measured on the H200
 (benchmarks/decode.md: the tiles are within a few % of each other at batch >= 32), and
 :func:`decode_tile` the decode op's choice per call: smaller blocks for a few sequences with
@@ -50,7 +51,7 @@ every engine pool and for q/k views of a fused projection.
 import functools
 import os
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -104,55 +105,75 @@ def _variant(op: str, hv: int, hk: int, io: str, pool: str, gating: str, ab: str
     return v
 
 
-def parse_tile(tile: str) -> tuple[int, int, bool, int, int, str]:
-    """Tile spec "bv<rows>[w<warps>][l<lanes>][s][-mb<n>][-cg|-cs]" -> (state rows per block,
-    warps per block, q/k staged in shared memory, min-blocks-per-SM hint (0: none), lanes per
-    state row, cache hint of the state's loads and stores ("": none; "cg": L2 only, as
-    cp.async.cg; "cs": streaming, evict first)). A warp covers 32 / lanes rows at a time; each
-    thread holds R = rows * lanes / (32 * warps) rows (a power of two) x 128 / lanes columns of
-    the state, at most 64 values. E.g. "bv32s-mb8", "bv8w1" (one warp, 8 rows: 16 blocks per
-    head), "bv16l32" (a warp per row)."""
+class Tile(NamedTuple):
+    """A decode / verify tile (:func:`parse_tile`)."""
+    rows: int          # state rows per block
+    warps: int         # warps per block
+    qk_smem: bool      # q/k staged in shared memory instead of registers
+    min_blocks: int    # min-blocks-per-SM hint (0: none)
+    lanes: int         # lanes per state row
+    load_hint: str     # cache hint of the state's loads: "" (none), "cg", "cs" or "lu"
+    store_hint: str    # ... and of its stores: "" (none), "cg", "cs" or "wt"
+
+
+def parse_tile(tile: str) -> Tile:
+    """Tile spec "bv<rows>[w<warps>][l<lanes>][s][-mb<n>][-cg|-cs][-l<hint>][-s<hint>]".
+
+    A warp covers 32 / lanes rows at a time; each thread holds R = rows * lanes / (32 * warps)
+    rows (a power of two) x 128 / lanes columns of the state, at most 64 values. The cache hints
+    are CUDA's load / store qualifiers on the state's vectors: "-cs" (streaming, evict first) or
+    "-cg" (L2 only) for both, or "-l<cg|cs|lu>" and "-s<cg|cs|wt>" apart. E.g. "bv32s-mb8",
+    "bv8w1" (one warp, 8 rows: 16 blocks per head), "bv16l32" (a warp per row), "bv32l16-cs"."""
     import re
-    m = re.fullmatch(r"bv(8|16|32|64)(?:w([124]))?(?:l(8|16|32))?(s?)(?:-mb(\d+))?(?:-(cg|cs))?", str(tile))
+    m = re.fullmatch(r"bv(8|16|32|64)(?:w([124]))?(?:l(8|16|32))?(s?)(?:-mb(\d+))?"
+                     r"(?:-(cg|cs)|(?:-l(cg|cs|lu))?(?:-s(cg|cs|wt))?)", str(tile))
     ok = bool(m)
     if ok:
         rows, warps, lanes = int(m.group(1)), int(m.group(2) or _WARPS), int(m.group(3) or _LANES)
         per_thread, rem = divmod(rows * lanes, 32 * warps)
         ok = not rem and per_thread in (1, 2, 4, 8, 16) and per_thread * HEAD_DIM // lanes <= _MAX_STATE_REGS
     if not ok:
-        raise ValueError(f"variant tile: expected 'bv<rows>[w<1|2|4>][l<8|16|32>][s][-mb<n>][-cg|-cs]' "
-                         f"whose threads each hold 1, 2, 4, ... whole rows and at most {_MAX_STATE_REGS} "
-                         f"state values (rows * lanes / (32 * warps) rows of 128 / lanes), got {tile!r}")
-    return rows, warps, m.group(4) == "s", int(m.group(5) or 0), lanes, m.group(6) or ""
+        raise ValueError(f"variant tile: expected 'bv<rows>[w<1|2|4>][l<8|16|32>][s][-mb<n>]"
+                         f"[-cg|-cs|-l<cg|cs|lu>-s<cg|cs|wt>]' whose threads each hold 1, 2, 4, ... whole "
+                         f"rows and at most {_MAX_STATE_REGS} state values (rows * lanes / (32 * warps) "
+                         f"rows of 128 / lanes), got {tile!r}")
+    return Tile(rows, warps, m.group(4) == "s", int(m.group(5) or 0), lanes,
+                m.group(6) or m.group(7) or "", m.group(6) or m.group(8) or "")
 
 
-# The state's loads and stores with a cache hint (tile suffix "-cg" / "-cs"): CUDA's __ldcg /
-# __ldcs and __stcg / __stcs on 16-byte vectors (8-byte for bf16 at 32 lanes per row), the
-# bf16 forms converting to and from fp32 registers (round to nearest even, as the plain casts).
+# The state's cache-hinted loads and stores (the tile's hints): CUDA's __ld<hint> / __st<hint> on
+# 16-byte vectors (8-byte for bf16 at 32 lanes per row), the bf16 forms converting to and from
+# the fp32 registers (round to nearest even, as the plain casts). fp32 states take the plain
+# overloads, bf16 ones the templates (N values per vector).
 STATE_IO_SOURCE = r"""
 #include <cuda_bf16.h>
-#define QLA_STATE_IO(HINT)                                                                     \
-__device__ __forceinline__ void qla_ld_state_##HINT(float* d, const float* s) {                 \
-  float4 v = __ld##HINT((const float4*)s); d[0] = v.x; d[1] = v.y; d[2] = v.z; d[3] = v.w;     \
+#define QLA_STATE_LD(H)                                                                        \
+__device__ __forceinline__ void qla_ld_state_##H(float* d, const float* s) {                    \
+  float4 v = __ld##H((const float4*)s); d[0] = v.x; d[1] = v.y; d[2] = v.z; d[3] = v.w;        \
 }                                                                                              \
-__device__ __forceinline__ void qla_st_state_##HINT(float* g, const float* s) {                 \
-  __st##HINT((float4*)g, make_float4(s[0], s[1], s[2], s[3]));                                 \
-}                                                                                              \
-template <int N> __device__ __forceinline__ void qla_ld_state_##HINT(float* d, const void* s) {\
+template <int N> __device__ __forceinline__ void qla_ld_state_##H(float* d, const void* s) {   \
   __nv_bfloat162 h[N / 2];                                                                     \
-  if constexpr (N == 8) *(uint4*)h = __ld##HINT((const uint4*)s);                              \
-  else *(uint2*)h = __ld##HINT((const uint2*)s);                                               \
+  if constexpr (N == 8) *(uint4*)h = __ld##H((const uint4*)s);                                 \
+  else *(uint2*)h = __ld##H((const uint2*)s);                                                  \
   _Pragma("unroll") for (int i = 0; i < N / 2; ++i) {                                          \
     float2 f = __bfloat1622float2(h[i]); d[2 * i] = f.x; d[2 * i + 1] = f.y; }                 \
+}
+#define QLA_STATE_ST(H)                                                                        \
+__device__ __forceinline__ void qla_st_state_##H(float* g, const float* s) {                    \
+  __st##H((float4*)g, make_float4(s[0], s[1], s[2], s[3]));                                    \
 }                                                                                              \
-template <int N> __device__ __forceinline__ void qla_st_state_##HINT(void* g, const float* s) {\
+template <int N> __device__ __forceinline__ void qla_st_state_##H(void* g, const float* s) {   \
   __nv_bfloat162 h[N / 2];                                                                     \
   _Pragma("unroll") for (int i = 0; i < N / 2; ++i) h[i] = __floats2bfloat162_rn(s[2 * i], s[2 * i + 1]); \
-  if constexpr (N == 8) __st##HINT((uint4*)g, *(uint4*)h);                                     \
-  else __st##HINT((uint2*)g, *(uint2*)h);                                                      \
+  if constexpr (N == 8) __st##H((uint4*)g, *(uint4*)h);                                        \
+  else __st##H((uint2*)g, *(uint2*)h);                                                         \
 }
-QLA_STATE_IO(cg)
-QLA_STATE_IO(cs)
+QLA_STATE_LD(cg)
+QLA_STATE_LD(cs)
+QLA_STATE_LD(lu)
+QLA_STATE_ST(cg)
+QLA_STATE_ST(cs)
+QLA_STATE_ST(wt)
 """
 
 
@@ -278,8 +299,8 @@ def _program(variant: dict):
     gdt = variant["ab_dtype"] if fused else "float32"
     prm = variant["param_dtype"] if fused else "float32"
     bias = (variant.get("bias_dtype") or prm) if fused else "float32"
-    BV, W, QK_SMEM, MIN_BLOCKS, LANES, HINT = parse_tile(variant["tile"])
-    HINTED = bool(HINT)
+    BV, W, QK_SMEM, MIN_BLOCKS, LANES, LD_HINT, ST_HINT = parse_tile(variant["tile"])
+    LD_HINTED, ST_HINTED = bool(LD_HINT), bool(ST_HINT)
     AFTER_CONV = bool(variant.get("after_conv", False))
     COLS = HEAD_DIM // LANES                       # K columns per lane
     RPW = 32 // LANES                              # rows per warp per register row
@@ -422,7 +443,7 @@ def _program(variant: dict):
         # that the macros below take.
         if MIN_BLOCKS:
             T.annotate_min_blocks_per_sm(MIN_BLOCKS)
-        if HINTED:
+        if LD_HINTED or ST_HINTED:
             T.import_source(STATE_IO_SOURCE)
         T.assume(sp % VEC == 0)
         if inter:
@@ -445,16 +466,16 @@ def _program(variant: dict):
 
     # fp32 state vectors go through the plain float overloads of the hinted helpers, bf16 ones
     # through the templates (N bf16 values per vector).
-    hinted_io = (lambda op: f"qla_{op}_state_{HINT}") if pdt == "float32" else \
-        (lambda op: f"qla_{op}_state_{HINT}<{VEC}>")
+    def hinted_io(op, hint):  # STATE_IO_SOURCE's helper for this pool dtype
+        return f"qla_{op}_state_{hint}" + ("" if pdt == "float32" else f"<{VEC}>")
 
     @T.macro
     def load_state(Pool, slot, h, ctx):
         tx, lk, row0, st, qv, kv, Sq, Sk, gb = ctx
         for r in T.unroll(R):
             for c in T.unroll(NCH):
-                if HINTED:
-                    T.call_extern("handle", hinted_io("ld"), T.address_of(st[r, c * VEC]),
+                if LD_HINTED:
+                    T.call_extern("handle", hinted_io("ld", LD_HINT), T.address_of(st[r, c * VEC]),
                                   T.address_of(Pool[slot, h, srow(row0, r), scol(c, lk, 0)]))
                 else:
                     for e in T.vectorized(VEC):
@@ -467,8 +488,8 @@ def _program(variant: dict):
         tx, lk, row0, st, qv, kv, Sq, Sk, gb = ctx
         for r in T.unroll(R):
             for c in T.unroll(NCH):
-                if HINTED:
-                    T.call_extern("handle", hinted_io("st"),
+                if ST_HINTED:
+                    T.call_extern("handle", hinted_io("st", ST_HINT),
                                   T.address_of(Dst[at + (h, srow(row0, r), scol(c, lk, 0))]),
                                   T.address_of(st[r, c * VEC]))
                 else:
