@@ -84,7 +84,8 @@ def test_kernel_variants_are_unique_and_json_serialisable():
     assert {v["pool_dtype"] for v in vs} == {"float32", "bfloat16"}
     assert {v["io_dtype"] for v in vs if v["op"] != "commit"} == {"bfloat16", "float16"}
     assert {v["op"] for v in vs} == {"decode", "verify", "verify_slots", "commit"}
-    assert {v["tile"] for v in vs if v["op"] != "commit"} == (set(dec.DEFAULT_TILES.values())
+    assert {v["tile"] for v in vs if v["op"] in ("verify", "verify_slots")} == set(dec.DEFAULT_TILES.values())
+    assert {v["tile"] for v in vs if v["op"] == "decode"} == (set(dec.DECODE_TILES.values())
                                                              | set(dec.SMALL_BATCH_TILES.values()))
     # SGLang's layers: A_log fp32 beside a dt_bias in the activation dtype, its own variant
     assert {(v["param_dtype"], v["bias_dtype"]) for v in vs if v.get("gating") == "ab"} == {
@@ -97,8 +98,8 @@ def test_small_batches_of_bf16_states_take_the_small_tile_and_precompile_lists_i
     at any batch is in kernel_variants (a deployment's precompile covers it)."""
     small = dec.SMALL_BATCH_TILES["bfloat16"]
     assert dec.decode_tile("bfloat16", 1) == dec.decode_tile("bfloat16", dec.SMALL_BATCH_MAX_ROWS) == small
-    assert dec.decode_tile("bfloat16", dec.SMALL_BATCH_MAX_ROWS + 1) == dec.DEFAULT_TILES["bfloat16"]
-    assert dec.decode_tile("float32", 1) == dec.DEFAULT_TILES["float32"]
+    assert dec.decode_tile("bfloat16", dec.SMALL_BATCH_MAX_ROWS + 1) == dec.DECODE_TILES["bfloat16"]
+    assert dec.decode_tile("float32", 1) == dec.DECODE_TILES["float32"]
     names = {v["name"] for v in dec.kernel_variants(HV, HK)}
     for v in dec.kernel_variants(HV, HK):
         if v["op"] == "decode":

@@ -19,10 +19,10 @@ Decode is memory-bound: each live slot's [Hv, 128(V), 128(K)] state is read once
 
 The tile (:func:`parse_tile`: rows per block, warps, lanes per row, q/k staging, occupancy
 and cache hints) is part of
-the variant; :data:`DEFAULT_TILES` holds the per-pool-dtype choice measured on the H200
-(benchmarks/decode.md: the tiles are within a few % of each other at batch >= 32), and
-:func:`decode_tile` the decode op's choice per call: smaller blocks for a few sequences with
-bf16 states (:data:`SMALL_BATCH_TILES`).
+the variant; :data:`DECODE_TILES` and :data:`DEFAULT_TILES` hold the per-pool-dtype choices
+measured on the H200 for decode and verify (benchmarks/decode.md), and :func:`decode_tile` the
+decode op's choice per call: smaller blocks for a few sequences with bf16 states
+(:data:`SMALL_BATCH_TILES`).
 
 Math (V-first state S [V, K], fp32 registers whatever the pool dtype)::
 
@@ -87,10 +87,10 @@ def _variant(op: str, hv: int, hk: int, io: str, pool: str, gating: str, ab: str
 
     ``param`` is A_log's dtype and ``bias`` dt_bias's (default: A_log's; SGLang keeps A_log in
     fp32 beside a bf16 dt_bias). ``tile`` (see :func:`parse_tile`) defaults to the choice for
-    the pool dtype. ``after_conv`` (decode only): the layer's form, launched as the programmatic
+    the op and pool dtype (:func:`default_tile`). ``after_conv`` (decode only): the layer's form, launched as the programmatic
     dependent of its conv_decode launch (:func:`decode`).
     """
-    tile = tile or default_tile(pool)
+    tile = tile or default_tile(pool, op)
     parse_tile(tile)
     bias = bias or param
     gate = "gb" if gating == "gb" else f"ab-{ab}-{param}" + (f"-{bias}" if bias != param else "")
@@ -177,27 +177,34 @@ QLA_STATE_ST(wt)
 """
 
 
-# Measured on the H200 (benchmarks/decode.md, tile sweep): no tile beats bv32 by more than 3% for fp32
-# pools; bv64 for bf16 pools at batch >= 32 (smaller tiles win ~10% at batch <= 8).
+# Verify (and verify_slots) tiles, measured on the H200 (benchmarks/decode.md, tile sweep of cf11962):
+# no tile beat bv32 by more than 3% for fp32 pools; bv64 for bf16 pools.
 DEFAULT_TILES = {"float32": "bv32", "bfloat16": "bv64"}
-# Decode of a few sequences with bf16 states: bv64 gives each (sequence, v-head) only two blocks,
-# so most SMs idle; blocks of 16 rows (four times as many): 2/8 B = 1 3.8 -> 2.7 us, 16/32 B = 1
-# 4.0 -> 3.4 (FlashInfer 2.8 / 3.2), equal at 128 rows, and from 256 rows on bv64 is faster (2/8
-# B = 32: 7.8 vs 8.6 us). Rows = sequences x v-heads; the decode op only (benchmarks/decode.md).
-SMALL_BATCH_TILES = {"bfloat16": "bv16"}
+# Decode tiles (benchmarks/decode.md, "Wider rows and streaming stores", 2026-12-03, beside
+# FlashInfer 0.7.2 in one process): 16 lanes per state row (R rows x 8 columns per thread: fewer
+# registers, more blocks per SM) and the state's loads and stores with the streaming hint
+# (__ldcs / __stcs; the stores' hint is what counts). bf16 states, GPU us, old -> new (FlashInfer):
+# 2/8 B = 256 45.5 -> 38.8 (41.3), 16/32 B = 64 44.3 -> 37.8 (41.0), B = 256 159.0 -> 142.1 (148.8);
+# fp32 2/8 B = 64 22.0 -> 20.7 (20.9), B = 256 74.7 -> 72.7 (71.5), B = 1 2.8 -> 2.7 (3.6).
+DECODE_TILES = {"float32": "bv16l16-cs", "bfloat16": "bv32l16-cs"}
+# A decode of a few sequences with bf16 states takes blocks of 16 rows (four times as many blocks
+# as bv64, twice bv32l16's): 2/8 B = 1 2.6 us, 16/32 B = 1 3.0 (bv32l16-cs 2.7 / 3.1, FlashInfer
+# 2.6 / 3.1). Rows = sequences x v-heads; the decode op only.
+SMALL_BATCH_TILES = {"bfloat16": "bv16l16-cs"}
 SMALL_BATCH_MAX_ROWS = 128
 
 
-def default_tile(pool_dtype: str) -> str:
-    return DEFAULT_TILES.get(pool_dtype, "bv32")
+def default_tile(pool_dtype: str, op: str = "verify") -> str:
+    """A variant's tile where none is named: DECODE_TILES for the decode op, else DEFAULT_TILES."""
+    return (DECODE_TILES if op == "decode" else DEFAULT_TILES).get(pool_dtype, "bv32")
 
 
 def decode_tile(pool_dtype: str, rows: int) -> str:
     """The decode op's tile for a call of ``rows`` = sequences x v-heads (host metadata):
-    SMALL_BATCH_TILES[pool_dtype] up to SMALL_BATCH_MAX_ROWS rows, else the default tile."""
+    SMALL_BATCH_TILES[pool_dtype] up to SMALL_BATCH_MAX_ROWS rows, else DECODE_TILES[pool_dtype]."""
     if rows <= SMALL_BATCH_MAX_ROWS and pool_dtype in SMALL_BATCH_TILES:
         return SMALL_BATCH_TILES[pool_dtype]
-    return default_tile(pool_dtype)
+    return default_tile(pool_dtype, "decode")
 
 
 def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
@@ -206,7 +213,7 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
     Matrix: op {decode, verify} x io dtype {bf16, fp16} x pool {fp32, bf16} x gating
     {g/beta fp32, raw a/b in the io dtype with A_log/dt_bias fp32, a/b and A_log/dt_bias in
     the io dtype, a/b and dt_bias in the io dtype with A_log fp32 (SGLang's and vLLM's layers)}
-    x l2norm {off, on} = 64 variants, each with its pool dtype's default tile; 12 after_conv
+    x l2norm {off, on} = 64 variants, each in its op's and pool dtype's tile (default_tile); 12 after_conv
     decode variants (the layers' decode step) and 12 verify_slots variants (the vLLM layer's spec
     step), each io x pool x the three raw-gate forms, l2norm on; each decode variant with a
     bf16 pool again in its small-batch tile (SMALL_BATCH_TILES: 16 + 6); plus
