@@ -9,9 +9,9 @@ Two rounds, the values interleaved, so that drift shows.
     # the decode as the conv's programmatic dependent, never / always
     python benchmarks/layer_ab.py --switch gdn_layer.DECODE_AFTER_CONV_MAX_ROWS=0,1073741824 \
         --heads 2/8,16/32 --rows d1,d32,d256 --states fp32,bf16
-    # bf16 states: the small-batch decode tile never / up to 128 rows
-    python benchmarks/layer_ab.py --switch decode.SMALL_BATCH_MAX_ROWS=0,128 \
-        --heads 2/8,16/32 --rows d1,d8,d32 --states bf16
+    # the decode's default tiles against one forced tile (TILE_OVERRIDE: every decode and verify)
+    python benchmarks/layer_ab.py --switch "decode.TILE_OVERRIDE=None,'bv32'" \
+        --heads 16/32 --rows d64,d256 --states fp32
 
 A switch is MODULE.NAME with MODULE one of SWITCH_MODULES; its values Python literals. Every
 value's launches are resolved apart (the plans' kernel caches key on the switches they read).

@@ -79,35 +79,40 @@ def test_tile_specs_parse_and_bad_ones_name_the_argument():
 def test_kernel_variants_are_unique_and_json_serialisable():
     vs = dec.kernel_variants(32, 16)
     names = [v["name"] for v in vs]
-    # 64 decode/verify, 12 after_conv, 12 verify_slots, 4 commit; the 16 + 6 decode variants with
-    # a bf16 pool again in the small-batch tile
-    assert len(names) == len(set(names)) == 114
-    assert sum(v.get("after_conv", False) for v in vs) == 18
+    # 32 decode x 2 tiles, 32 verify, 12 after_conv decode x 2 tiles, 12 verify_slots, 4 commit
+    assert len(names) == len(set(names)) == 136
+    assert sum(v.get("after_conv", False) for v in vs) == 24
     assert json.loads(json.dumps(vs)) == vs
     assert {v["pool_dtype"] for v in vs} == {"float32", "bfloat16"}
     assert {v["io_dtype"] for v in vs if v["op"] != "commit"} == {"bfloat16", "float16"}
     assert {v["op"] for v in vs} == {"decode", "verify", "verify_slots", "commit"}
     assert {v["tile"] for v in vs if v["op"] in ("verify", "verify_slots")} == set(dec.DEFAULT_TILES.values())
-    assert {v["tile"] for v in vs if v["op"] == "decode"} == (set(dec.DECODE_TILES.values())
-                                                             | set(dec.SMALL_BATCH_TILES.values()))
+    for pool in ("float32", "bfloat16"):
+        for after_conv in (False, True):
+            assert {v["tile"] for v in vs if v["op"] == "decode" and v["pool_dtype"] == pool
+                    and v.get("after_conv", False) == after_conv} == set(dec.decode_tiles(pool, after_conv))
     # SGLang's layers: A_log fp32 beside a dt_bias in the activation dtype, its own variant
     assert {(v["param_dtype"], v["bias_dtype"]) for v in vs if v.get("gating") == "ab"} == {
         ("float32", "float32"), ("bfloat16", "bfloat16"), ("float16", "float16"),
         ("float32", "bfloat16"), ("float32", "float16")}
 
 
-def test_small_batches_of_bf16_states_take_the_small_tile_and_precompile_lists_it():
-    """decode_tile by rows = sequences x v-heads, and every decode variant the lookup can pick
-    at any batch is in kernel_variants (a deployment's precompile covers it)."""
-    small = dec.SMALL_BATCH_TILES["bfloat16"]
-    assert dec.decode_tile("bfloat16", 1) == dec.decode_tile("bfloat16", dec.SMALL_BATCH_MAX_ROWS) == small
-    assert dec.decode_tile("bfloat16", dec.SMALL_BATCH_MAX_ROWS + 1) == dec.DECODE_TILES["bfloat16"]
-    assert dec.decode_tile("float32", 1) == dec.DECODE_TILES["float32"]
+def test_the_decode_tile_follows_the_row_count_and_precompile_lists_every_pick():
+    """decode_tile by rows = sequences x v-heads (and the after_conv form), and every decode
+    variant the lookup can pick at any batch is in kernel_variants (a deployment's precompile
+    covers it)."""
+    for pool, table in dec.DECODE_TILES.items():
+        bound, first = table[0]
+        assert dec.decode_tile(pool, 1) == dec.decode_tile(pool, bound) == first
+        assert dec.decode_tile(pool, bound + 1) == table[1][1]
+        assert dec.decode_tile(pool, 10**7) == table[-1][1] and table[-1][0] is None
+    assert dec.decode_tile("bfloat16", 256, after_conv=True) == dec.AFTER_CONV_TILES["bfloat16"][-1][1]
+    assert dec.decode_tile("float32", 256, after_conv=True) == dec.decode_tile("float32", 256)
     names = {v["name"] for v in dec.kernel_variants(HV, HK)}
     for v in dec.kernel_variants(HV, HK):
         if v["op"] == "decode":
-            for rows in (1, 10**6):
-                tile = dec.decode_tile(v["pool_dtype"], rows)
+            for rows in (1, 128, 129, 256, 4096, 4097, 10**6):
+                tile = dec.decode_tile(v["pool_dtype"], rows, v.get("after_conv", False))
                 assert dec._variant("decode", HV, HK, v["io_dtype"], v["pool_dtype"], v["gating"], v["ab_dtype"],
                                     v["param_dtype"], v["l2norm"], tile, bias=v["bias_dtype"],
                                     after_conv=v.get("after_conv", False))["name"] in names

@@ -103,7 +103,7 @@ CASES = [
     (16, 32, 20, torch.bfloat16, torch.bfloat16, "gb", False),
     (16, 64, 9, torch.float32, torch.bfloat16, "ab", False),
     (1, 1, 300, torch.float32, torch.bfloat16, "gb", False),
-    # bf16 states, <= decode.SMALL_BATCH_MAX_ROWS rows: the small-batch tile (decode_tile)
+    # bf16 states, <= 128 rows: the small-batch entry of decode.DECODE_TILES (decode_tile)
     (2, 8, 5, torch.bfloat16, torch.bfloat16, "ab", True),
     (16, 32, 3, torch.bfloat16, torch.float16, "ab-sglang", True),
 ]

@@ -19,10 +19,9 @@ Decode is memory-bound: each live slot's [Hv, 128(V), 128(K)] state is read once
 
 The tile (:func:`parse_tile`: rows per block, warps, lanes per row, q/k staging, occupancy
 and cache hints) is part of
-the variant; :data:`DECODE_TILES` and :data:`DEFAULT_TILES` hold the per-pool-dtype choices
-measured on the H200 for decode and verify (benchmarks/decode.md), and :func:`decode_tile` the
-decode op's choice per call: smaller blocks for a few sequences with bf16 states
-(:data:`SMALL_BATCH_TILES`).
+the variant; :data:`DECODE_TILES` (by rows = sequences x v-heads), :data:`AFTER_CONV_TILES` and
+:data:`DEFAULT_TILES` (verify) hold the per-pool-dtype choices measured on the H200
+(benchmarks/decode.md), and :func:`decode_tile` picks the decode op's per call.
 
 Math (V-first state S [V, K], fp32 registers whatever the pool dtype)::
 
@@ -90,7 +89,7 @@ def _variant(op: str, hv: int, hk: int, io: str, pool: str, gating: str, ab: str
     the op and pool dtype (:func:`default_tile`). ``after_conv`` (decode only): the layer's form, launched as the programmatic
     dependent of its conv_decode launch (:func:`decode`).
     """
-    tile = tile or default_tile(pool, op)
+    tile = tile or default_tile(pool, op, hv, after_conv)
     parse_tile(tile)
     bias = bias or param
     gate = "gb" if gating == "gb" else f"ab-{ab}-{param}" + (f"-{bias}" if bias != param else "")
@@ -182,31 +181,54 @@ QLA_STATE_ST(wt)
 # Verify (and verify_slots) tiles, measured on the H200 (benchmarks/decode.md, tile sweep of cf11962):
 # no tile beat bv32 by more than 3% for fp32 pools; bv64 for bf16 pools.
 DEFAULT_TILES = {"float32": "bv32", "bfloat16": "bv64"}
-# Decode tiles (benchmarks/decode.md, "Wider rows and streaming stores", 2026-12-03, beside
-# FlashInfer 0.7.2 in one process): 16 lanes per state row (R rows x 8 columns per thread: fewer
-# registers, more blocks per SM) and the state's loads and stores with the streaming hint
-# (__ldcs / __stcs; the stores' hint is what counts). bf16 states, GPU us, old -> new (FlashInfer):
-# 2/8 B = 256 45.5 -> 38.8 (41.3), 16/32 B = 64 44.3 -> 37.8 (41.0), B = 256 159.0 -> 142.1 (148.8);
-# fp32 2/8 B = 64 22.0 -> 20.7 (20.9), B = 256 74.7 -> 72.7 (71.5), B = 1 2.8 -> 2.7 (3.6).
-DECODE_TILES = {"float32": "bv16l16-cs", "bfloat16": "bv32l16-cs"}
-# A decode of a few sequences with bf16 states takes blocks of 16 rows (four times as many blocks
-# as bv64, twice bv32l16's): 2/8 B = 1 2.6 us, 16/32 B = 1 3.0 (bv32l16-cs 2.7 / 3.1, FlashInfer
-# 2.6 / 3.1). Rows = sequences x v-heads; the decode op only.
-SMALL_BATCH_TILES = {"bfloat16": "bv16l16-cs"}
-SMALL_BATCH_MAX_ROWS = 128
+# Decode tiles by rows = sequences x v-heads (host metadata), per pool dtype: ((up to rows, tile),
+# ..., (None, tile)), the first entry that holds. Measured on the H200 (benchmarks/decode.md,
+# "Wider rows and streaming stores", 2026-12-03, beside FlashInfer 0.7.2 in one process): 16 lanes
+# per state row (R rows x 8 columns per thread: fewer registers, more blocks per SM) and the
+# state's loads and stores with the streaming hint (__ldcs / __stcs; the stores' hint is what
+# counts). Kernel GPU us, old tile -> new (FlashInfer): bf16 2/8 B = 256 45.5 -> 38.8 (41.3),
+# 16/32 B = 64 44.3 -> 37.8 (41.0), B = 256 159.0 -> 142.1 (148.8); fp32 2/8 B = 64 22.0 -> 20.7
+# (20.9), B = 256 74.7 -> 72.7 (71.5), B = 1 2.8 -> 2.7 (3.6). A bf16 decode of a few sequences
+# takes blocks of 16 rows: 2/8 B = 1 2.6 us, 16/32 B = 1 3.0 (FlashInfer 2.6 / 3.1). In the layer
+# (layer_ab.py, one process): fp32 16/32 d256 (8192 rows) ran 302.6 us on bv16l16-cs against 297.5
+# on bv32, so bv32 keeps the largest fp32 batches (d64, 2048 rows: 77.8 against 79.0).
+DECODE_TILES = {
+    "float32": ((4096, "bv16l16-cs"), (None, "bv32")),
+    "bfloat16": ((128, "bv16l16-cs"), (None, "bv32l16-cs")),
+}
+# The layer's decode launched as the conv's programmatic dependent (after_conv; the layer runs it up
+# to gdn_layer.DECODE_AFTER_CONV_MAX_ROWS = 256 rows): with bf16 states bv32l16-cs measured slower
+# there than bv64 (2/8 d32, 256 rows: 9.8 against 9.3 us per layer call), the kernel alone not.
+AFTER_CONV_TILES = {"bfloat16": ((128, "bv16l16-cs"), (None, "bv64"))}
 
 
-def default_tile(pool_dtype: str, op: str = "verify") -> str:
-    """A variant's tile where none is named: DECODE_TILES for the decode op, else DEFAULT_TILES."""
-    return (DECODE_TILES if op == "decode" else DEFAULT_TILES).get(pool_dtype, "bv32")
+def _decode_tile_table(pool_dtype: str, after_conv: bool) -> tuple:
+    table = AFTER_CONV_TILES if after_conv and pool_dtype in AFTER_CONV_TILES else DECODE_TILES
+    return table.get(pool_dtype, ((None, DEFAULT_TILES.get(pool_dtype, "bv32")),))
 
 
-def decode_tile(pool_dtype: str, rows: int) -> str:
-    """The decode op's tile for a call of ``rows`` = sequences x v-heads (host metadata):
-    SMALL_BATCH_TILES[pool_dtype] up to SMALL_BATCH_MAX_ROWS rows, else DECODE_TILES[pool_dtype]."""
-    if rows <= SMALL_BATCH_MAX_ROWS and pool_dtype in SMALL_BATCH_TILES:
-        return SMALL_BATCH_TILES[pool_dtype]
-    return default_tile(pool_dtype, "decode")
+def decode_tile(pool_dtype: str, rows: int, after_conv: bool = False) -> str:
+    """The decode op's tile for a call of ``rows`` = sequences x v-heads (host metadata): the
+    first entry of DECODE_TILES[pool_dtype] (AFTER_CONV_TILES for the after_conv form) whose
+    row bound holds."""
+    for max_rows, tile in _decode_tile_table(pool_dtype, after_conv):
+        if max_rows is None or rows <= max_rows:
+            return tile
+    raise AssertionError(f"decode tile table of {pool_dtype} has no open-ended last entry")
+
+
+def decode_tiles(pool_dtype: str, after_conv: bool = False) -> list[str]:
+    """Every tile :func:`decode_tile` can pick for this pool dtype and form (precompile lists
+    them all)."""
+    return [tile for _, tile in _decode_tile_table(pool_dtype, after_conv)]
+
+
+def default_tile(pool_dtype: str, op: str = "verify", num_v_heads: int = 1, after_conv: bool = False) -> str:
+    """A variant's tile where none is named: the decode op's for one sequence
+    (decode_tile(pool_dtype, num_v_heads)), DEFAULT_TILES for the others."""
+    if op == "decode":
+        return decode_tile(pool_dtype, num_v_heads, after_conv)
+    return DEFAULT_TILES.get(pool_dtype, "bv32")
 
 
 def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
@@ -215,11 +237,11 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
     Matrix: op {decode, verify} x io dtype {bf16, fp16} x pool {fp32, bf16} x gating
     {g/beta fp32, raw a/b in the io dtype with A_log/dt_bias fp32, a/b and A_log/dt_bias in
     the io dtype, a/b and dt_bias in the io dtype with A_log fp32 (SGLang's and vLLM's layers)}
-    x l2norm {off, on} = 64 variants, each in its op's and pool dtype's tile (default_tile); 12 after_conv
-    decode variants (the layers' decode step) and 12 verify_slots variants (the vLLM layer's spec
-    step), each io x pool x the three raw-gate forms, l2norm on; each decode variant with a
-    bf16 pool again in its small-batch tile (SMALL_BATCH_TILES: 16 + 6); plus
-    4 commit variants (pool dtype x num_accepted int32/int64).
+    x l2norm {off, on} = 64 variants, the decode ones in every tile decode_tile can pick (two per
+    pool dtype: 32 more), the verify ones in DEFAULT_TILES; after_conv decode variants (the
+    layers' decode step) and verify_slots variants (the vLLM layer's spec step), each io x pool x
+    the three raw-gate forms, l2norm on (after_conv in its two tiles: 24, verify_slots 12); plus
+    4 commit variants (pool dtype x num_accepted int32/int64): 136.
     Other gate dtype combinations and tile overrides (TILE_OVERRIDE) compile on first use
     (JIT, same cache).
     """
@@ -231,19 +253,17 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
                 for gating, ab, param, bias in (("gb", None, None, None), ("ab", io, "float32", None),
                                                 ("ab", io, io, None), ("ab", io, "float32", io)):
                     for l2 in (False, True):
-                        out.append(_variant(op, num_v_heads, num_k_heads, io, pool, gating, ab,
-                                            param, l2, bias=bias))
+                        for tile in (decode_tiles(pool) if op == "decode" else (None,)):
+                            out.append(_variant(op, num_v_heads, num_k_heads, io, pool, gating, ab,
+                                                param, l2, tile, bias=bias))
     for io in _IO_DTYPES:  # the engine layers' decode and spec steps: raw gates, in-kernel l2norm
         for pool in _POOL_DTYPES:
             for param, bias in (("float32", None), (io, None), ("float32", io)):
-                out.append(_variant("decode", num_v_heads, num_k_heads, io, pool, "ab", io, param, True,
-                                    bias=bias, after_conv=True))
+                for tile in decode_tiles(pool, after_conv=True):
+                    out.append(_variant("decode", num_v_heads, num_k_heads, io, pool, "ab", io, param, True,
+                                        tile, bias=bias, after_conv=True))
                 out.append(_variant("verify_slots", num_v_heads, num_k_heads, io, pool, "ab", io,
                                     param, True, bias=bias))
-    out += [_variant("decode", num_v_heads, num_k_heads, v["io_dtype"], v["pool_dtype"], v["gating"],
-                     v["ab_dtype"], v["param_dtype"], v["l2norm"], SMALL_BATCH_TILES[v["pool_dtype"]],
-                     bias=v["bias_dtype"], after_conv=v.get("after_conv", False))
-            for v in out if v["op"] == "decode" and v["pool_dtype"] in SMALL_BATCH_TILES]
     for pool in _POOL_DTYPES:
         for acc in _ACC_DTYPES:
             out.append(_commit_variant(num_v_heads, pool, acc))
@@ -828,7 +848,7 @@ def _lookup(op, q, pool, g, beta, a, b, A_log, dt_bias, l2, after_conv=False):
     pdt = pool.dtype
     tile = TILE_OVERRIDE
     if tile is None and op == "decode":
-        tile = decode_tile(_TORCH_TO_TL.get(pdt), q.shape[0] * pool.shape[1])
+        tile = decode_tile(_TORCH_TO_TL.get(pdt), q.shape[0] * pool.shape[1], after_conv)
     fused = g is None
     key = (op, q.device, q.dtype, pdt, fused, a.dtype if fused else None,
            A_log.dtype if fused else None, dt_bias.dtype if fused else None, bool(l2), pool.shape[1],
