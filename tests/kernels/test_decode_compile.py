@@ -25,8 +25,7 @@ VARIANTS = dec.kernel_variants(HV, HK) + [
     dec._variant("decode", HV, HK, "bfloat16", pool, "ab", "bfloat16", "float32", True, tile)
     for pool, tile in (("float32", "bv32s-mb8"), ("float32", "bv16l32-mb12"), ("bfloat16", "bv16l32"),
                        ("bfloat16", "bv32l16s"), ("float32", "bv32l16-cg"), ("bfloat16", "bv16l32-cs"),
-                       ("float32", "bv32l16-lcs"), ("bfloat16", "bv32l16-lcg-scs"), ("bfloat16", "bv32-swt"),
-                       ("float32", "bv16l16e-cs"))]
+                       ("float32", "bv32l16-lcs"), ("bfloat16", "bv32l16-lcg-scs"), ("bfloat16", "bv32-scs"))]
 
 
 @pytest.mark.compile
@@ -63,17 +62,15 @@ def test_variant_compiles(variant, target):
 def test_tile_specs_parse_and_bad_ones_name_the_argument():
     """parse_tile: rows, warps, q/k staging, occupancy hint, lanes per row, cache hint; a thread must hold
     whole rows (a power of two of them) and at most 64 state values."""
-    assert dec.parse_tile("bv32") == (32, 4, False, 0, 8, "", "", False)
-    assert dec.parse_tile("bv16l32-mb12") == (16, 4, False, 12, 32, "", "", False)
-    assert dec.parse_tile("bv8w1l16s-cs") == (8, 1, True, 0, 16, "cs", "cs", False)
-    assert dec.parse_tile("bv32l16e-lcg-scs") == (32, 4, False, 0, 16, "cg", "cs", True)
-    assert dec.parse_tile("bv32-swt").store_hint == "wt" and dec.parse_tile("bv32-swt").load_hint == ""
+    assert dec.parse_tile("bv32") == (32, 4, False, 0, 8, "", "")
+    assert dec.parse_tile("bv16l32-mb12") == (16, 4, False, 12, 32, "", "")
+    assert dec.parse_tile("bv8w1l16s-cs") == (8, 1, True, 0, 16, "cs", "cs")
+    assert dec.parse_tile("bv32l16-lcg-scs") == (32, 4, False, 0, 16, "cg", "cs")
+    assert dec.parse_tile("bv32-scs").store_hint == "cs" and dec.parse_tile("bv32-scs").load_hint == ""
     for bad in ("bv64w1", "bv8l32w4", "bv8w4", "bv16l4", "bv48", "bv64w1l32", "bv32-ca", "bv32-cs-lcg",
-                "bv32-scs-lcg", "bv32-slu", "bv32es"):
+                "bv32-scs-lcg", "bv32-slu", "bv32-swt", "bv32e"):
         with pytest.raises(ValueError, match="variant tile"):
             dec.parse_tile(bad)
-    with pytest.raises(ValueError, match="early stores"):
-        dec.build(dec._variant("verify", HV, HK, "bfloat16", "float32", "gb", None, None, False, "bv32e"), "sm_90a")
 
 
 def test_kernel_variants_are_unique_and_json_serialisable():

@@ -86,8 +86,8 @@ def _variant(op: str, hv: int, hk: int, io: str, pool: str, gating: str, ab: str
 
     ``param`` is A_log's dtype and ``bias`` dt_bias's (default: A_log's; SGLang keeps A_log in
     fp32 beside a bf16 dt_bias). ``tile`` (see :func:`parse_tile`) defaults to the choice for
-    the op and pool dtype (:func:`default_tile`). ``after_conv`` (decode only): the layer's form, launched as the programmatic
-    dependent of its conv_decode launch (:func:`decode`).
+    the op and pool dtype (:func:`default_tile`). ``after_conv`` (decode only): the layer's
+    form, launched as the programmatic dependent of its conv_decode launch (:func:`decode`).
     """
     tile = tile or default_tile(pool, op, hv, after_conv)
     parse_tile(tile)
@@ -112,34 +112,32 @@ class Tile(NamedTuple):
     min_blocks: int    # min-blocks-per-SM hint (0: none)
     lanes: int         # lanes per state row
     load_hint: str     # cache hint of the state's loads: "" (none), "cg", "cs" or "lu"
-    store_hint: str    # ... and of its stores: "" (none), "cg", "cs" or "wt"
-    early_store: bool  # decode: each state row stored as soon as it is updated, not all at the end
+    store_hint: str    # ... and of its stores: "" (none), "cg" or "cs"
 
 
 def parse_tile(tile: str) -> Tile:
-    """Tile spec "bv<rows>[w<warps>][l<lanes>][s][e][-mb<n>][-cg|-cs][-l<hint>][-s<hint>]".
+    """Tile spec "bv<rows>[w<warps>][l<lanes>][s][-mb<n>][-cg|-cs][-l<hint>][-s<hint>]".
 
     A warp covers 32 / lanes rows at a time; each thread holds R = rows * lanes / (32 * warps)
     rows (a power of two) x 128 / lanes columns of the state, at most 64 values. The cache hints
     are CUDA's load / store qualifiers on the state's vectors: "-cs" (streaming, evict first) or
-    "-cg" (L2 only) for both, or "-l<cg|cs|lu>" and "-s<cg|cs|wt>" apart; "e" (decode only)
-    stores each row of the state as soon as it is updated. E.g. "bv32s-mb8",
-    "bv8w1" (one warp, 8 rows: 16 blocks per head), "bv16l32" (a warp per row), "bv32l16-cs"."""
+    "-cg" (L2 only) for both, or "-l<cg|cs|lu>" and "-s<cg|cs>" apart. E.g. "bv32s-mb8", "bv8w1"
+    (one warp, 8 rows: 16 blocks per head), "bv16l32" (a warp per row), "bv32l16-cs"."""
     import re
-    m = re.fullmatch(r"bv(8|16|32|64)(?:w([124]))?(?:l(8|16|32))?(s?)(e?)(?:-mb(\d+))?"
-                     r"(?:-(cg|cs)|(?:-l(cg|cs|lu))?(?:-s(cg|cs|wt))?)", str(tile))
+    m = re.fullmatch(r"bv(8|16|32|64)(?:w([124]))?(?:l(8|16|32))?(s?)(?:-mb(\d+))?"
+                     r"(?:-(cg|cs)|(?:-l(cg|cs|lu))?(?:-s(cg|cs))?)", str(tile))
     ok = bool(m)
     if ok:
         rows, warps, lanes = int(m.group(1)), int(m.group(2) or _WARPS), int(m.group(3) or _LANES)
         per_thread, rem = divmod(rows * lanes, 32 * warps)
         ok = not rem and per_thread in (1, 2, 4, 8, 16) and per_thread * HEAD_DIM // lanes <= _MAX_STATE_REGS
     if not ok:
-        raise ValueError(f"variant tile: expected 'bv<rows>[w<1|2|4>][l<8|16|32>][s][e][-mb<n>]"
-                         f"[-cg|-cs|-l<cg|cs|lu>-s<cg|cs|wt>]' whose threads each hold 1, 2, 4, ... whole "
+        raise ValueError(f"variant tile: expected 'bv<rows>[w<1|2|4>][l<8|16|32>][s][-mb<n>]"
+                         f"[-cg|-cs|-l<cg|cs|lu>-s<cg|cs>]' whose threads each hold 1, 2, 4, ... whole "
                          f"rows and at most {_MAX_STATE_REGS} state values (rows * lanes / (32 * warps) "
                          f"rows of 128 / lanes), got {tile!r}")
-    return Tile(rows, warps, m.group(4) == "s", int(m.group(6) or 0), lanes,
-                m.group(7) or m.group(8) or "", m.group(7) or m.group(9) or "", m.group(5) == "e")
+    return Tile(rows, warps, m.group(4) == "s", int(m.group(5) or 0), lanes,
+                m.group(6) or m.group(7) or "", m.group(6) or m.group(8) or "")
 
 
 # The state's cache-hinted loads and stores (the tile's hints): CUDA's __ld<hint> / __st<hint> on
@@ -174,7 +172,6 @@ QLA_STATE_LD(cs)
 QLA_STATE_LD(lu)
 QLA_STATE_ST(cg)
 QLA_STATE_ST(cs)
-QLA_STATE_ST(wt)
 """
 
 
@@ -310,9 +307,7 @@ def _check_variant(v: dict) -> None:
                 raise ValueError(f"{what} dtype: expected one of {_GATE_DTYPES}, got {dtype}")
     elif v["gating"] != "gb":
         raise ValueError(f"variant gating: expected 'gb' or 'ab', got {v['gating']!r}")
-    if parse_tile(v["tile"]).early_store and v["op"] != "decode":
-        raise ValueError(f"variant tile: early stores ('e') are the decode op's only, got {v['tile']!r} "
-                         f"for op {v['op']!r}")
+    parse_tile(v["tile"])
 
 
 # ----------------------------------------------------------------------------------------
@@ -330,7 +325,7 @@ def _program(variant: dict):
     gdt = variant["ab_dtype"] if fused else "float32"
     prm = variant["param_dtype"] if fused else "float32"
     bias = (variant.get("bias_dtype") or prm) if fused else "float32"
-    BV, W, QK_SMEM, MIN_BLOCKS, LANES, LD_HINT, ST_HINT, EARLY_STORE = parse_tile(variant["tile"])
+    BV, W, QK_SMEM, MIN_BLOCKS, LANES, LD_HINT, ST_HINT = parse_tile(variant["tile"])
     LD_HINTED, ST_HINTED = bool(LD_HINT), bool(ST_HINT)
     AFTER_CONV = bool(variant.get("after_conv", False))
     COLS = HEAD_DIM // LANES                       # K columns per lane
@@ -436,9 +431,8 @@ def _program(variant: dict):
             gb[1] = Gb[t, h]
 
     @T.macro
-    def step(st, qv, kv, Sq, Sk, Vt, Out, t, h, row0, lk, w, gb, row_done):
-        # One token on this thread's R rows: decay, delta rule, output (lane 0 of each row);
-        # row_done(r) (a macro, or None) right after register row r is updated.
+    def step(st, qv, kv, Sq, Sk, Vt, Out, t, h, row0, lk, w, gb):
+        # One token on this thread's R rows: decay, delta rule, output (lane 0 of each row).
         # (q/k element e of this lane: qv[e] / kv[e] in registers, or column scol(e // VEC, lk,
         # e % VEC) of the warp's staged copy.)
         for r in T.unroll(R):
@@ -462,8 +456,6 @@ def _program(variant: dict):
                 else:
                     st[r, e] = st[r, e] + delta * kv[e]
                     o += st[r, e] * qv[e]
-            if row_done is not None:
-                row_done(r)
             for m in T.unroll(SHUFFLES):
                 o += T.shfl_xor(o, 1 << m)
             if lk == 0:
@@ -516,26 +508,22 @@ def _program(variant: dict):
                         st[r, c * VEC + e] = T.cast(Pool[slot, h, srow(row0, r), scol(c, lk, e)], f32)
 
     @T.macro
-    def store_row(Dst, at, h, ctx, r):
-        # This thread's register row r of the state into Dst[at + (h, ...)]: at = (slot,) of the
-        # pool or (intermediate id, token) of the intermediate buffer.
-        tx, lk, row0, st, qv, kv, Sq, Sk, gb = ctx
-        for c in T.unroll(NCH):
-            if ST_HINTED:
-                T.call_extern("handle", hinted_io("st", ST_HINT),
-                              T.address_of(Dst[at + (h, srow(row0, r), scol(c, lk, 0))]),
-                              T.address_of(st[r, c * VEC]))
-            else:
-                for e in T.vectorized(VEC):
-                    Dst[at + (h, srow(row0, r), scol(c, lk, e))] = T.cast(st[r, c * VEC + e], pdt)
-
-    @T.macro
     def store_state(Dst, at, h, ctx):
+        # This thread's rows of the state into Dst[at + (h, ...)]: at = (slot,) of the pool or
+        # (intermediate id, token) of the intermediate buffer.
+        tx, lk, row0, st, qv, kv, Sq, Sk, gb = ctx
         for r in T.unroll(R):
-            store_row(Dst, at, h, ctx, r)
+            for c in T.unroll(NCH):
+                if ST_HINTED:
+                    T.call_extern("handle", hinted_io("st", ST_HINT),
+                                  T.address_of(Dst[at + (h, srow(row0, r), scol(c, lk, 0))]),
+                                  T.address_of(st[r, c * VEC]))
+                else:
+                    for e in T.vectorized(VEC):
+                        Dst[at + (h, srow(row0, r), scol(c, lk, e))] = T.cast(st[r, c * VEC + e], pdt)
 
     @T.macro
-    def token(args, ctx, t, h, row_done=None):
+    def token(args, ctx, t, h):
         # One token t of v-head h: q/k (normalised, scaled), gates, the state update and output.
         Q, Kt, Vt, Ga, Gb, A_log, dt_bias, Out, scale = args
         tx, lk, row0, st, qv, kv, Sq, Sk, gb = ctx
@@ -544,7 +532,7 @@ def _program(variant: dict):
         else:
             load_qk_regs(Q, Kt, t, h // G, lk, qv, kv, scale)
         gates(Ga, Gb, A_log, dt_bias, t, h, gb)
-        step(st, qv, kv, Sq, Sk, Vt, Out, t, h, row0, lk, tx // 32, gb, row_done)
+        step(st, qv, kv, Sq, Sk, Vt, Out, t, h, row0, lk, tx // 32, gb)
 
     @T.macro
     def tokens(Pool, src, args, ctx, bos, n, h, Dst, keep, at):
@@ -599,12 +587,8 @@ def _program(variant: dict):
                         # (neither written by the conv) load while it runs; q/k/v, which it
                         # writes, only after it has finished and flushed.
                         T.pdl_sync()
-                    if EARLY_STORE:
-                        token((Q, Kt, Vt, Ga, Gb, A_log, dt_bias, Out, scale), ctx, i, h,
-                              lambda r: store_row(Pool, (slot,), h, ctx, r))
-                    else:
-                        token((Q, Kt, Vt, Ga, Gb, A_log, dt_bias, Out, scale), ctx, i, h)
-                        store_state(Pool, (slot,), h, ctx)
+                    token((Q, Kt, Vt, Ga, Gb, A_log, dt_bias, Out, scale), ctx, i, h)
+                    store_state(Pool, (slot,), h, ctx)
                 else:
                     if AFTER_CONV:
                         # padded rows wait too: this grid never completes before the conv (the
