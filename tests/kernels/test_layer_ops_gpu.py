@@ -7,6 +7,8 @@ bit-identical; slots that start new sequences hold NaN, which must never be read
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -194,15 +196,22 @@ def test_conv_decode_captures_in_a_graph():
 
 @pytest.mark.parametrize("B", [1, 7, 256])
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
-def test_decode_after_conv_matches_the_plain_launch(B, pool_dtype):
+def test_decode_after_conv_matches_the_plain_launch(B, pool_dtype, monkeypatch):
     """The layer's decode launched as the conv's programmatic dependent (decode.py after_conv:
     states loaded while the conv runs, q/k/v read after it) gives bit-for-bit what the plain
     launch gives on the same inputs, eagerly and over 3 replays of a captured graph (a read of
-    q/k/v before the conv finished would differ); slots outside the batch stay untouched."""
+    q/k/v before the conv finished would differ); slots outside the batch stay untouched. Both
+    launches run the after_conv form's tile (TILE_OVERRIDE): the two forms' default tiles may
+    differ (decode.AFTER_CONV_TILES), and another tile sums in another order."""
     import qla_serve
+    # (the hopper package exports a function named decode: import the module by its path)
+    decode_kernels = importlib.import_module("qla_serve.kernels.hopper.decode")
 
     gen = torch.Generator().manual_seed(B)
     hk, hv, W, S = 2, 8, 4, B + 40
+    pool_name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[pool_dtype]
+    monkeypatch.setattr(decode_kernels, "TILE_OVERRIDE",
+                        decode_kernels.decode_tile(pool_name, B * hv, after_conv=True))
     dim = (2 * hk + hv) * HEAD
     w, bv = _weights(dim, W, torch.bfloat16, gen, True)
     A_log = (torch.rand(hv, generator=gen) - 1.0).cuda()
