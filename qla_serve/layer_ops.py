@@ -99,7 +99,7 @@ def _int32(x: torch.Tensor, device) -> torch.Tensor:
 
 def gdn_layer_prefill_inputs(mixed_qkv, a, b, conv_state, slot_ids, plan, *, conv_weight,
                              conv_bias=None, activation="silu", has_initial_state=None, A_log,
-                             dt_bias, num_k_heads: int, qk_dtype=None):
+                             dt_bias, num_k_heads: int, qk_dtype=None, _trusted=False, _step_buffers=False):
     """A varlen prefill's conv over the conv state, and what :func:`qla_serve.gdn_prefill` reads.
 
     Args:
@@ -114,6 +114,11 @@ def gdn_layer_prefill_inputs(mixed_qkv, a, b, conv_state, slot_ids, plan, *, con
         has_initial_state: [N] bool or None (all True): False reads no history (zeros).
         num_k_heads: Hk (Hv comes from the plan).
         qk_dtype: q/k's dtype; None: what gdn_prefill reads best here (:func:`prefill_qk_dtype`).
+        _trusted, _step_buffers: internal (backends/gdn_layer). _trusted: metadata already
+            checked this step (ops.gdn_prefill's). _step_buffers: the outputs go to buffers the
+            plan keeps, the same tensors for every call with this plan and these dtypes: a GDN
+            layer's gdn_prefill reads them before the next layer's conv writes them (one
+            stream), and the step saves five allocations per layer.
     Returns:
         (q, k, v, g, beta): q, k [T, Hk, 128] L2-normalised (from the fp32 conv output);
         v [T, Hv, 128] in mixed_qkv's dtype; g, beta [T, Hv] fp32 (contiguous).
@@ -126,8 +131,8 @@ def gdn_layer_prefill_inputs(mixed_qkv, a, b, conv_state, slot_ids, plan, *, con
     if qk_dtype is None:
         qk_dtype = prefill_qk_dtype(mixed_qkv) or mixed_qkv.dtype
     args = (mixed_qkv, a, b, conv_state, slot_ids, conv_weight, conv_bias, has_initial_state, A_log, dt_bias)
-    seen = _checked_key(("layer_prefill", act, qk_dtype, Hk), args, (slot_ids,))
-    if seen is None or seen not in plan.kernel_cache:
+    seen = None if _trusted else _checked_key(("layer_prefill", act, qk_dtype, Hk), args, (slot_ids,))
+    if not _trusted and (seen is None or seen not in plan.kernel_cache):
         if Hk != plan.num_k_heads:
             raise ValueError(f"num_k_heads: expected the plan's {plan.num_k_heads}, got {Hk}")
         T = plan.total_tokens
@@ -157,15 +162,23 @@ def gdn_layer_prefill_inputs(mixed_qkv, a, b, conv_state, slot_ids, plan, *, con
     else:
         has_init = has_initial_state.view(torch.int8)
     a, b = _same_dtype(a, b)
-    q = torch.empty((T, Hk, V.HEAD_DIM), dtype=qk_dtype, device=dev)
-    k = torch.empty_like(q)
-    v = torch.empty((T, Hv, V.HEAD_DIM), dtype=mixed_qkv.dtype, device=dev)
-    g = torch.empty((T, Hv), dtype=torch.float32, device=dev)
-    beta = torch.empty_like(g)
+    if _step_buffers:
+        q, k, v, g, beta = plan.scratch(("layer_prefill_outputs", dev, qk_dtype, mixed_qkv.dtype, Hk, T),
+                                        lambda: _prefill_outputs(T, Hk, Hv, qk_dtype, mixed_qkv.dtype, dev))
+    else:
+        q, k, v, g, beta = _prefill_outputs(T, Hk, Hv, qk_dtype, mixed_qkv.dtype, dev)
     _run("conv_prefill", dev, mixed_qkv.dtype, mixed_qkv, conv_state, conv_weight, conv_bias,
          V.int32_index(slot_ids, dev), has_init, plan.cu_seqlens, a, b, A_log, dt_bias, activation=act,
          q_out=q, k_out=k, v_out=v, g_out=g, beta_out=beta)
     return q, k, v, g, beta
+
+
+def _prefill_outputs(T: int, Hk: int, Hv: int, qk_dtype, v_dtype, device) -> tuple:
+    """Empty q, k [T, Hk, 128] (qk_dtype), v [T, Hv, 128] (v_dtype), g, beta [T, Hv] fp32."""
+    q = torch.empty((T, Hk, V.HEAD_DIM), dtype=qk_dtype, device=device)
+    g = torch.empty((T, Hv), dtype=torch.float32, device=device)
+    return (q, torch.empty_like(q), torch.empty((T, Hv, V.HEAD_DIM), dtype=v_dtype, device=device), g,
+            torch.empty_like(g))
 
 
 def slot_ids(slots, null_slot: int, *, cu_seqlens=None) -> torch.Tensor:
@@ -246,7 +259,7 @@ def causal_conv_checkpoints(x, conv_state, slot_ids, chunks, cu_seqlens, *, widt
 
 
 def causal_conv_decode(x, conv_state, slot_ids, *, conv_weight, conv_bias=None, activation="silu",
-                       num_v_heads: int, out=None):
+                       num_v_heads: int, out=None, _trusted=False):
     """One token per sequence through the causal conv; the window shifts by one in place.
 
     Args:
@@ -254,14 +267,15 @@ def causal_conv_decode(x, conv_state, slot_ids, *, conv_weight, conv_bias=None, 
             L >= W - 1 (columns 0..W-2 are the window, oldest first); slot_ids: [B] (< 0:
             padding, zero output row, nothing read or written).
         out: optional [B, dim] in x's dtype (unit channel stride). CUDA-graph capturable.
+        _trusted: internal (backends/gdn_layer): metadata already checked this step.
     Returns:
         y [B, dim] = act(conv) in x's dtype: q | k | v for :func:`qla_serve.gdn_decode` with
         ``use_qk_l2norm=True``.
     """
     act = _activation(activation)
-    key = _checked_key(("conv_decode", act, num_v_heads), (x, conv_state, slot_ids, conv_weight, conv_bias, out),
-                       (slot_ids,))
-    if _checks_due(key):
+    key = None if _trusted else _checked_key(("conv_decode", act, num_v_heads),
+                                             (x, conv_state, slot_ids, conv_weight, conv_bias, out), (slot_ids,))
+    if not _trusted and _checks_due(key):
         dim = x.shape[-1] if isinstance(x, torch.Tensor) else 0
         if not (isinstance(num_v_heads, int) and num_v_heads > 0 and dim % V.HEAD_DIM == 0
                 and (dim // V.HEAD_DIM - num_v_heads) > 0 and (dim // V.HEAD_DIM - num_v_heads) % 2 == 0):

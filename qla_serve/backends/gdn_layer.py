@@ -47,6 +47,7 @@ import torch
 
 import qla_serve
 from qla_serve import layer_ops
+from qla_serve.ops import _checked_key
 from qla_serve.plan import PrefillPlan
 
 HEAD_DIM = 128
@@ -98,6 +99,8 @@ class StepPlan:
     null_slot: int = 0
     info: dict = dataclasses.field(default_factory=dict)   # adapter notes (logs, counters)
     _ids: dict = dataclasses.field(default_factory=dict, repr=False)
+    # layer-call metadata keys (_layer_key) whose ops passed their checks in this step
+    _checked: set = dataclasses.field(default_factory=set, repr=False)
 
     @property
     def num_prefills(self) -> int:
@@ -225,13 +228,27 @@ def ensure_kernels(device, num_v_heads: int, num_k_heads: int, io_dtype: torch.d
 
 
 def _split_qkv(x: torch.Tensor, num_k_heads: int, num_v_heads: int):
-    """[T, 2*Hk*128 + Hv*128] -> strided views q, k [T, Hk, 128], v [T, Hv, 128]."""
-    kd = num_k_heads * HEAD_DIM
-    T = x.shape[0]
-    q = x[:, :kd].reshape(T, num_k_heads, HEAD_DIM)
-    k = x[:, kd:2 * kd].reshape(T, num_k_heads, HEAD_DIM)
-    v = x[:, 2 * kd:].reshape(T, num_v_heads, HEAD_DIM)
-    return q, k, v
+    """[T, 2*Hk*128 + Hv*128] (unit channel stride) -> strided views q, k [T, Hk, 128],
+    v [T, Hv, 128]: one view into heads, three slices of it (4 torch ops, not 6: host time)."""
+    heads = x.view(x.shape[0], 2 * num_k_heads + num_v_heads, HEAD_DIM)
+    return heads[:, :num_k_heads], heads[:, num_k_heads:2 * num_k_heads], heads[:, 2 * num_k_heads:]
+
+
+def _rows(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """x[start:stop], or x itself where that is all of it (a slice is a torch op: ~3 us of host
+    time, many per layer call of a mixed step)."""
+    return x if start == 0 and stop == x.shape[0] else x[start:stop]
+
+
+def _layer_key(step: StepPlan, tensors, scalars) -> tuple | None:
+    """The metadata key of one layer call (every tensor's dtype, shape, strides, device, and
+    the non-tensor arguments): a later layer of the step with the same key hands its ops
+    arguments of the same metadata as one whose ops passed their checks, so its ops skip them
+    (``_trusted``; ~30-40 us of host time per layer call on the H200's host). None (checks on
+    every call) where the step's slot ids are on the CPU or QLA_SERVE_DEBUG=1 (ops._checked_key)."""
+    index = [x for x in (step.decode_slots, step.prefill_slots, step.spec_slots) if x is not None]
+    key = _checked_key(("gdn_layer", *scalars), tensors, index)
+    return key if key is not None and index else None
 
 
 def gdn_layer_forward(step: StepPlan, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
@@ -256,7 +273,10 @@ def gdn_layer_forward(step: StepPlan, mixed_qkv: torch.Tensor, a: torch.Tensor, 
     if T == 0:
         return
     Hv = ssm_state.shape[1]
-    x, a, b = mixed_qkv[:T], a[:T], b[:T]
+    key = _layer_key(step, (mixed_qkv, a, b, conv_weight, conv_bias, conv_state, ssm_state, A_log, dt_bias, out),
+                     (activation, scale, num_k_heads))
+    trusted = key in step._checked
+    x, a, b = _rows(mixed_qkv, 0, T), _rows(a, 0, T), _rows(b, 0, T)
     Td, Tp = step.num_decodes, step.num_prefill_tokens
     conv = dict(conv_weight=conv_weight, conv_bias=conv_bias, activation=activation)
     gates = dict(A_log=A_log, dt_bias=dt_bias)
@@ -277,6 +297,8 @@ def gdn_layer_forward(step: StepPlan, mixed_qkv: torch.Tensor, a: torch.Tensor, 
         if on_call:
             on_call("spec", step.num_spec_decodes)
         if step.non_spec_token_idx is None or (Td + Tp) == 0:
+            if key is not None:
+                step._checked.add(key)
             return
         idx = step.non_spec_token_idx
         xn, an, bn = (t.index_select(0, idx) for t in (x, a, b))
@@ -287,26 +309,31 @@ def gdn_layer_forward(step: StepPlan, mixed_qkv: torch.Tensor, a: torch.Tensor, 
 
     if Td:
         ids = step.ids("decode")
-        y = layer_ops.causal_conv_decode(xn[:Td], conv_state, ids, num_v_heads=Hv, **conv)
+        y = layer_ops.causal_conv_decode(_rows(xn, 0, Td), conv_state, ids, num_v_heads=Hv, _trusted=trusted,
+                                         **conv)
         q, k, v = _split_qkv(y, num_k_heads, Hv)
-        qla_serve.gdn_decode(q, k, v, ssm_state, ids, a=an[:Td], b=bn[:Td], use_qk_l2norm=True, scale=scale,
-                             out=out_n[:Td], _after_conv=Td * Hv <= DECODE_AFTER_CONV_MAX_ROWS, **gates)
+        qla_serve.gdn_decode(q, k, v, ssm_state, ids, a=_rows(an, 0, Td), b=_rows(bn, 0, Td), use_qk_l2norm=True,
+                             scale=scale, out=_rows(out_n, 0, Td), _after_conv=Td * Hv <= DECODE_AFTER_CONV_MAX_ROWS,
+                             _trusted=trusted, **gates)
         if on_call:
             on_call("decode", Td)
     if Tp:
         plan, ids, has_init = step.prefill_plan, step.ids("prefill"), step.prefill_has_initial_state
+        xp, ap, bp = _rows(xn, Td, Td + Tp), _rows(an, Td, Td + Tp), _rows(bn, Td, Td + Tp)
         checkpoints = None
         if step.prefill_checkpoint_chunks is not None:
             checkpoints = (step.prefill_checkpoint_chunks, step.ids("prefill_checkpoint"))
-            layer_ops.causal_conv_checkpoints(xn[Td:Td + Tp], conv_state, checkpoints[1], checkpoints[0],
+            layer_ops.causal_conv_checkpoints(xp, conv_state, checkpoints[1], checkpoints[0],
                                               plan.cu_seqlens, width=conv_weight.shape[1], num_v_heads=Hv,
                                               table=step.checkpoint_conv_table())
         q, k, v, g, beta = layer_ops.gdn_layer_prefill_inputs(
-            xn[Td:Td + Tp], an[Td:Td + Tp], bn[Td:Td + Tp], conv_state, ids, plan,
-            has_initial_state=has_init, num_k_heads=num_k_heads, **conv, **gates)
+            xp, ap, bp, conv_state, ids, plan, has_initial_state=has_init, num_k_heads=num_k_heads,
+            _trusted=trusted, _step_buffers=True, **conv, **gates)
         qla_serve.gdn_prefill(q, k, v, g, beta, ssm_state, ids, plan, has_initial_state=has_init,
-                              scale=scale, out=out_n[Td:Td + Tp], checkpoints=checkpoints)
+                              scale=scale, out=_rows(out_n, Td, Td + Tp), checkpoints=checkpoints, _trusted=trusted)
         if on_call:
             on_call("prefill", step.num_prefills)
     if out_n is not out:
         out.index_copy_(0, step.non_spec_token_idx.long(), out_n)
+    if key is not None:
+        step._checked.add(key)

@@ -303,6 +303,58 @@ def test_nonspec_mixed_batch_gpu(io_dtype, pool_dtype):
 
 @pytest.mark.gpu
 @needs_cuda
+def test_later_layers_of_a_step_skip_the_checks_gpu(monkeypatch):
+    """A step's later GDN layers (their own inputs, weights and caches, the same metadata) skip
+    their ops' metadata checks (gdn_layer._layer_key: only the layer's own key is taken) and
+    take the prefill's inputs in the step's buffers; each layer still gives bit for bit what it
+    gives as the first layer of a fresh step. A later call whose metadata differs (out in
+    another dtype) is checked again and refused by name."""
+    from qla_serve import ops
+
+    dev, io, S = "cuda", torch.bfloat16, 12
+    dec, lens, pre, init = [3, 7], [70, 33], [5, 9], [False, True]
+    T = len(dec) + sum(lens)
+    gen = torch.Generator().manual_seed(5)
+
+    def make_step():
+        return GL.make_step_plan(
+            num_actual_tokens=T, num_v_heads=HV, num_k_heads=HK, conv_width=W, device=dev,
+            decode_slots=torch.tensor(dec, dtype=torch.int32, device=dev), prefill_lens=lens,
+            prefill_slots=torch.tensor(pre, dtype=torch.int32, device=dev),
+            prefill_has_initial_state=torch.tensor(init, device=dev))
+
+    def layer(step, i, caches, out):
+        x, a, b, (w, bias, A_log, dt_bias) = inputs[i]
+        GL.gdn_layer_forward(step, x, a, b, conv_weight=w, conv_bias=bias, activation="silu",
+                             conv_state=caches[0], ssm_state=caches[1], A_log=A_log, dt_bias=dt_bias,
+                             num_k_heads=HK, out=out)
+
+    inputs = [(torch.randn(T, DIM, generator=gen).to(dev, io), torch.randn(T, HV, generator=gen).to(dev, io),
+               torch.randn(T, HV, generator=gen).to(dev, io), _weights(gen, dev)) for _ in range(3)]
+    shared = [_cache(S, torch.float32, dev, torch.Generator().manual_seed(100 + i)) for i in range(3)]
+    fresh = [_cache(S, torch.float32, dev, torch.Generator().manual_seed(100 + i)) for i in range(3)]
+    outs = [torch.full((T, HV, D_HEAD), float("nan"), dtype=io, device=dev) for _ in range(6)]
+    tensors_seen = []
+    real_metadata = ops._metadata
+    monkeypatch.setattr(ops, "_metadata", lambda x: tensors_seen.append(1) or real_metadata(x))
+    step, per_layer = make_step(), []
+    for i in range(3):
+        tensors_seen.clear()
+        layer(step, i, shared[i], outs[i])
+        per_layer.append(len(tensors_seen))
+    assert len(step._checked) == 1
+    assert per_layer[1] == per_layer[2] == 10 < per_layer[0], per_layer   # the layer's own 10 tensors
+    for i in range(3):
+        layer(make_step(), i, fresh[i], outs[3 + i])
+        assert torch.equal(outs[i], outs[3 + i]), f"layer {i}: out"
+        assert torch.equal(shared[i][1], fresh[i][1]), f"layer {i}: ssm state"
+        assert torch.equal(shared[i][0], fresh[i][0]), f"layer {i}: conv state"
+    with pytest.raises(TypeError, match="^out: expected dtype"):
+        layer(step, 0, shared[0], torch.empty(T, HV, D_HEAD, dtype=torch.float32, device=dev))
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
 def test_prefill_checkpoints_gpu(pool_dtype):
     _run_nonspec("cuda", torch.bfloat16, pool_dtype, checkpoints=True)

@@ -1,0 +1,76 @@
+"""Where one GDN layer call's host time goes (the adapters' `gdn_layer_forward`, eager).
+
+    python benchmarks/layer_host.py [--rows 2/8:d1,2/8:16x512,...] [--calls 300] [--top 25]
+
+Engines run prefill and mixed steps eagerly, so every GDN layer of such a step pays this on the
+CPU. For each row: the issue time of one call from an idle GPU (as `bench layer`'s "host issue
+us") and of back-to-back calls, the GPU time per call (events), then a cProfile of the
+back-to-back calls: the functions with the most own time.
+"""
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+DEFAULT_ROWS = "2/8:d1,2/8:d256,2/8:16x512,2/8:1x32768,2/8:d32+4x512,16/64:4x8192"
+
+
+def main() -> None:
+    import torch
+
+    from qla_serve.bench import layer as L
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--rows", default=DEFAULT_ROWS)
+    p.add_argument("--calls", type=int, default=300)
+    p.add_argument("--top", type=int, default=25)
+    args = p.parse_args()
+    for spec in args.rows.split(","):
+        heads, row_text = spec.split(":")
+        hk, hv = (int(x) for x in heads.split("/"))
+        row = L.parse_row(row_text)
+        case = L.LayerCase(hk, hv, row, torch.float32, "cuda", nsets=1)
+        step = L.qla_step(case, 0)
+        call = L.qla_call(case, step)
+        for _ in range(3):
+            call()
+        torch.cuda.synchronize()
+        idle = []
+        for _ in range(50):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            call()
+            idle.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        t0 = time.perf_counter()
+        for _ in range(args.calls):
+            call()
+        t1 = time.perf_counter()
+        b.record()
+        b.synchronize()
+        gpu_us = a.elapsed_time(b) * 1e3 / args.calls
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(args.calls):
+            call()
+        prof.disable()
+        torch.cuda.synchronize()
+        print(f"== {spec}: host issue us (idle GPU, median) {statistics.median(idle) * 1e6:.1f}; "
+              f"back-to-back {(t1 - t0) * 1e6 / args.calls:.1f} us per call; GPU-bound wall {gpu_us:.1f} us "
+              f"per call", flush=True)
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.top)
+        print("\n".join(line for line in s.getvalue().splitlines() if line.strip())[-6000:], flush=True)
+
+
+if __name__ == "__main__":
+    main()
