@@ -301,17 +301,16 @@ def test_nonspec_mixed_batch_gpu(io_dtype, pool_dtype):
     _run_nonspec("cuda", io_dtype, pool_dtype)
 
 
-@pytest.mark.gpu
-@needs_cuda
-def test_later_layers_of_a_step_skip_the_checks_gpu(monkeypatch):
+def _run_later_layers(dev, io, monkeypatch):
     """A step's later GDN layers (their own inputs, weights and caches, the same metadata) skip
-    their ops' metadata checks (gdn_layer._layer_key: only the layer's own key is taken) and
-    take the prefill's inputs in the step's buffers; each layer still gives bit for bit what it
-    gives as the first layer of a fresh step. A later call whose metadata differs (out in
-    another dtype) is checked again and refused by name."""
-    from qla_serve import ops
+    their ops' checks (gdn_layer._layer_key; counted here by the layer ops' _check_conv, which
+    the decode conv and the prefill inputs run when they check) and take the prefill's inputs in
+    the step's buffers; each layer still gives bit for bit what it gives as the first layer of a
+    fresh step. A later call whose metadata differs (out in another dtype) is checked again and
+    refused by name."""
+    from qla_serve import layer_ops
 
-    dev, io, S = "cuda", torch.bfloat16, 12
+    S = 12
     dec, lens, pre, init = [3, 7], [70, 33], [5, 9], [False, True]
     T = len(dec) + sum(lens)
     gen = torch.Generator().manual_seed(5)
@@ -334,23 +333,41 @@ def test_later_layers_of_a_step_skip_the_checks_gpu(monkeypatch):
     shared = [_cache(S, torch.float32, dev, torch.Generator().manual_seed(100 + i)) for i in range(3)]
     fresh = [_cache(S, torch.float32, dev, torch.Generator().manual_seed(100 + i)) for i in range(3)]
     outs = [torch.full((T, HV, D_HEAD), float("nan"), dtype=io, device=dev) for _ in range(6)]
-    tensors_seen = []
-    real_metadata = ops._metadata
-    monkeypatch.setattr(ops, "_metadata", lambda x: tensors_seen.append(1) or real_metadata(x))
+    checks = []
+    real_check = layer_ops._check_conv
+    monkeypatch.setattr(layer_ops, "_check_conv", lambda *args, **kw: checks.append(1) or real_check(*args, **kw))
     step, per_layer = make_step(), []
     for i in range(3):
-        tensors_seen.clear()
+        checks.clear()
         layer(step, i, shared[i], outs[i])
-        per_layer.append(len(tensors_seen))
+        per_layer.append(len(checks))
     assert len(step._checked) == 1
-    assert per_layer[1] == per_layer[2] == 10 < per_layer[0], per_layer   # the layer's own 10 tensors
+    assert per_layer == [2, 0, 0], per_layer   # the decode conv's and the prefill inputs' checks, once
     for i in range(3):
         layer(make_step(), i, fresh[i], outs[3 + i])
         assert torch.equal(outs[i], outs[3 + i]), f"layer {i}: out"
         assert torch.equal(shared[i][1], fresh[i][1]), f"layer {i}: ssm state"
         assert torch.equal(shared[i][0], fresh[i][0]), f"layer {i}: conv state"
     with pytest.raises(TypeError, match="^out: expected dtype"):
-        layer(step, 0, shared[0], torch.empty(T, HV, D_HEAD, dtype=torch.float32, device=dev))
+        layer(step, 0, shared[0], torch.empty(T, HV, D_HEAD, dtype=torch.float16, device=dev))
+
+
+def test_later_layers_of_a_step_skip_the_checks_cpu(monkeypatch):
+    """_run_later_layers on the CPU reference path. The layer key is None for a step whose slot
+    ids are on the CPU (values are checked there on every call), so this variant replaces
+    gdn_layer._layer_key by the metadata key alone (a stand-in: the real one runs in the gpu
+    variant) to walk the trusted path."""
+    from qla_serve import ops
+
+    monkeypatch.setattr(GL, "_layer_key", lambda step, tensors, scalars: ("gdn_layer", *scalars,
+                                                                          *map(ops._metadata, tensors)))
+    _run_later_layers("cpu", torch.float32, monkeypatch)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_later_layers_of_a_step_skip_the_checks_gpu(monkeypatch):
+    _run_later_layers("cuda", torch.bfloat16, monkeypatch)
 
 
 @pytest.mark.gpu
