@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from qla_serve.bench import layer as L
+from qla_serve.bench import layer_composed as C
 from qla_serve.cli import main
 
 
@@ -125,7 +126,7 @@ def test_slot_sets_and_chunk_indices():
     assert L.slot_sets_for(L.parse_row("d1"), 8, f32, 256 << 20) == L.MAX_SLOT_SETS
     assert L.slot_sets_for(L.parse_row("d256"), 32, f32, 256 << 20) == 2
     assert L.slot_sets_for(L.parse_row("d32"), 8, torch.bfloat16, 256 << 20) == 32
-    assert L.chunk_indices([70, 7, 1, 64]) == [0, 0, 0, 1, 1, 0, 2, 0, 3, 0]
+    assert C.chunk_indices([70, 7, 1, 64]) == [0, 0, 0, 1, 1, 0, 2, 0, 3, 0]
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
@@ -281,8 +282,8 @@ def fi_decode(q, k, v, state, A_log, a, dt_bias, b, scale=None, output=None, use
 def standin_ops(impl):
     conv = (fla_causal_conv1d, fla_causal_conv1d_update)
     if impl == "fla":
-        return L.ComposedOps(*conv, fla_chunk_gated_delta_rule, fla_fused_recurrent_gated_delta_rule)
-    return L.ComposedOps(*conv, fi_chunk_gated_delta_rule=fi_chunk_gated_delta_rule, fi_decode=fi_decode)
+        return C.ComposedOps(*conv, fla_chunk_gated_delta_rule, fla_fused_recurrent_gated_delta_rule)
+    return C.ComposedOps(*conv, fi_chunk_gated_delta_rule=fi_chunk_gated_delta_rule, fi_decode=fi_decode)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,7 +301,7 @@ def _calls(case, impls=("qla", "fla", "flashinfer"), ops=None):
         if impl == "qla":
             calls[impl] = L.qla_call(case, L.qla_step(case, 0))
         else:
-            calls[impl] = L.composed_call(impl, case, L.composed_step(case, 0), (ops or standin_ops)(impl))
+            calls[impl] = C.composed_call(impl, case, C.composed_step(case, 0), (ops or standin_ops)(impl))
     return calls
 
 
@@ -362,7 +363,7 @@ def test_check_sees_a_wrong_composition():
             o, ht = fla_chunk_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state.transpose(-1, -2),
                                                **kw)
             return o, ht.transpose(-1, -2)
-        return L.ComposedOps(ops.causal_conv1d, ops.causal_conv1d_update, chunk,
+        return C.ComposedOps(ops.causal_conv1d, ops.causal_conv1d_update, chunk,
                              ops.fused_recurrent_gated_delta_rule)
 
     case = _case(row="40+8")                                    # a resumed and a new prefill

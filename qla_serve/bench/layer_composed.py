@@ -1,0 +1,259 @@
+"""The baselines of `qla-serve bench layer`: the same GDN layer composed from other libraries' ops.
+
+Each composition is one engine GDN layer's core for one step on the bench's vLLM-shaped caches
+(bench/layer.py's LayerCase), decodes first, then prefills:
+
+* ``fla``: flash-linear-attention 0.6's Triton ops (``FLA_FLASH_QLA=0`` is set, so FLA runs its own
+  kernels, not FlashQLA's): ``fla.modules.convolution.causal_conv1d`` (varlen prefill, the conv
+  cache as initial state, the final state written back) and ``causal_conv1d_update`` (decode);
+  gating in torch (g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)) and
+  ``chunk_gated_delta_rule`` for prefill (cu_seqlens, ``use_qk_l2norm_in_kernel``, V-first states
+  gathered from the pool, final states scattered back); ``fused_recurrent_gated_delta_rule`` for
+  decode (FLA 0.6's fused form: gating, beta sigmoid and l2norm in the kernel, V-first state
+  gathered and scattered). FLA has no slot indirection and keeps W conv inputs per sequence where
+  vLLM keeps W-1, so the gathers, scatters and column shifts are part of the call, as in any engine
+  composing these ops. Its per-step host work (cu_seqlens and FLA's chunk indices, uploaded) is its
+  "plan host us".
+* ``flashinfer`` (only when ``flashinfer.gdn_prefill`` imports): FLA's conv as above, FlashInfer
+  0.7's GDN ops on the pool in place: ``gdn_prefill.chunk_gated_delta_rule(q, k, v, g=exp(g), beta,
+  initial_state=pool, output_state=pool, state_indices=ids, cu_seqlens, l2norm in kernel)`` after
+  zeroing the slots of new prefills (FlashInfer has no has_initial_state), and
+  ``gdn_decode.gated_delta_rule_decode_pretranspose(q, k, v, None, A_log, a, dt_bias, b,
+  initial_state=pool, initial_state_indices=ids)``.
+
+The compositions take their ops as a :class:`ComposedOps`, so tests/test_bench_layer.py runs them
+on CPU tensors with torch stand-ins for the libraries' kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from .layer import LayerCase
+
+HD = 128
+CHUNK = 64                      # FLA's chunk size (its conv and GDN chunk indices)
+
+
+@dataclasses.dataclass(frozen=True)
+class ComposedOps:
+    """The library ops a composed layer calls (FLA's, FlashInfer's, or torch stand-ins on CPU).
+
+    causal_conv1d, causal_conv1d_update: FLA's conv (conv state [N, dim, W], column c the input at
+    relative time c - W). chunk_gated_delta_rule, fused_recurrent_gated_delta_rule: FLA's GDN.
+    fi_chunk_gated_delta_rule, fi_decode: FlashInfer's gdn_prefill.chunk_gated_delta_rule and
+    gdn_decode.gated_delta_rule_decode_pretranspose (None for the fla composition).
+    """
+
+    causal_conv1d: Callable
+    causal_conv1d_update: Callable
+    chunk_gated_delta_rule: Callable | None = None
+    fused_recurrent_gated_delta_rule: Callable | None = None
+    fi_chunk_gated_delta_rule: Callable | None = None
+    fi_decode: Callable | None = None
+
+
+def fla_ops() -> ComposedOps:
+    """FLA 0.6's ops (set FLA_FLASH_QLA=0 before the first import of fla)."""
+    from fla.modules.convolution import causal_conv1d, causal_conv1d_update
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+    return ComposedOps(causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule,
+                       fused_recurrent_gated_delta_rule)
+
+
+def flashinfer_ops() -> ComposedOps:
+    """FLA's conv with FlashInfer's GDN prefill and decode."""
+    from flashinfer.gdn_decode import gated_delta_rule_decode_pretranspose
+    from flashinfer.gdn_prefill import chunk_gated_delta_rule
+
+    base = fla_ops()
+    return ComposedOps(base.causal_conv1d, base.causal_conv1d_update,
+                       fi_chunk_gated_delta_rule=chunk_gated_delta_rule,
+                       fi_decode=gated_delta_rule_decode_pretranspose)
+
+
+@dataclasses.dataclass(eq=False)
+class ComposedStep:
+    """What the composed layers share per step, built on the host from CPU lengths as an engine's
+    metadata builder would. Device tensors: decode_ids [D] / prefill_ids [Np] (long; ``*_ids32``
+    int32), has_init [Np, 1, 1] bool, cu_seqlens [Np+1] long (``cu_seqlens_cpu`` beside it),
+    chunk_indices [chunks, 2] long ((sequence, chunk) per 64-token chunk: FLA's layout), fresh_ids
+    (slots of prefills without an initial state, for FlashInfer to zero; None if none)."""
+
+    num_decodes: int
+    num_prefill_tokens: int
+    decode_ids: object = None
+    decode_ids32: object = None
+    prefill_ids: object = None
+    prefill_ids32: object = None
+    has_init: object = None
+    cu_seqlens: object = None
+    cu_seqlens_cpu: object = None
+    chunk_indices: object = None
+    fresh_ids: object = None
+
+
+def composed_step(case: LayerCase, i: int) -> ComposedStep:
+    """The composed layers' step for slot set i (host lists in, one upload per tensor)."""
+    import torch
+
+    dev, D = case.device, case.row.decodes
+    lens, has = case.row.prefill_lens, case.has_initial_state
+    ids = case.slot_sets[i]
+    up = lambda xs, dt=torch.long: torch.tensor(xs, dtype=dt).to(dev, non_blocking=True)  # noqa: E731
+    step = ComposedStep(num_decodes=D, num_prefill_tokens=sum(lens))
+    if D:
+        step.decode_ids, step.decode_ids32 = up(ids[:D]), up(ids[:D], torch.int32)
+    if lens:
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        step.prefill_ids, step.prefill_ids32 = up(ids[D:]), up(ids[D:], torch.int32)
+        step.has_init = up(has, torch.bool).view(-1, 1, 1)
+        step.cu_seqlens_cpu = torch.tensor(cu, dtype=torch.long)
+        step.cu_seqlens = step.cu_seqlens_cpu.to(dev, non_blocking=True)
+        step.chunk_indices = up(chunk_indices(lens)).view(-1, 2)
+        fresh = [s for s, h in zip(ids[D:], has) if not h]
+        step.fresh_ids = up(fresh) if fresh else None
+    return step
+
+
+def chunk_indices(lens, chunk=CHUNK) -> list[int]:
+    """FLA's chunk indices, flattened: (sequence i, chunk j of it) for every ``chunk``-token chunk."""
+    return [x for i, n in enumerate(lens) for j in range(-(-n // chunk)) for x in (i, j)]
+
+
+def _split(y, hk, hv, lead=()):
+    """q, k [*, Hk, 128], v [*, Hv, 128] views of the conv output y [*, dim] (``lead``: extra dims)."""
+    kd = hk * HD
+    shape = tuple(y.shape[:-1]) + tuple(lead)
+    return (y[..., :kd].reshape(*shape, hk, HD), y[..., kd:2 * kd].reshape(*shape, hk, HD),
+            y[..., 2 * kd:].reshape(*shape, hv, HD))
+
+
+def _conv_decode(ops, ids, x, conv_state, weight, bias):
+    """FLA's decode conv on the engine's cache: gather the W-1 history columns of each slot, prepend
+    the column FLA keeps (unused by a width-W conv), update, write the last W-1 columns back."""
+    import torch.nn.functional as F
+
+    cache = F.pad(conv_state[ids], (1, 0))                       # [B, dim, W], contiguous
+    y, cache = ops.causal_conv1d_update(x=x, cache=cache, weight=weight, bias=bias, activation="silu")
+    conv_state[ids] = cache[..., 1:].to(conv_state.dtype)
+    return y
+
+
+def _conv_prefill(ops, step, x, conv_state, weight, bias):
+    """FLA's varlen conv with each sequence's history (zero for new sequences) as initial state;
+    the final states' last W-1 columns go back to the cache."""
+    import torch
+    import torch.nn.functional as F
+
+    ids = step.prefill_ids
+    hist = torch.where(step.has_init, conv_state[ids], _zero(conv_state))
+    y, final = ops.causal_conv1d(x=x[None], weight=weight, bias=bias, initial_state=F.pad(hist, (1, 0)),
+                                 output_final_state=True, activation="silu", cu_seqlens=step.cu_seqlens,
+                                 chunk_indices=step.chunk_indices)
+    conv_state[ids] = final[..., 1:].to(conv_state.dtype)
+    return y[0]
+
+
+def _zero(like):
+    """A 0-dim zero of ``like``'s dtype and device (torch.where's other operand)."""
+    import torch
+
+    return torch.zeros((), dtype=like.dtype, device=like.device)
+
+
+def _torch_gating(a, b, A_log, dt_bias):
+    """fp32 g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b), in torch."""
+    import torch
+    import torch.nn.functional as F
+
+    g = -torch.exp(A_log.float()) * F.softplus(a.float() + dt_bias.float())
+    return g, torch.sigmoid(b.float())
+
+
+def fla_layer_forward(step: ComposedStep, mixed_qkv, a, b, *, ops: ComposedOps, conv_weight, conv_bias,
+                      conv_state, ssm_state, A_log, dt_bias, num_k_heads, out, scale=None) -> None:
+    """The GDN layer from FLA's ops: decodes ``[0, D)``, then prefills; caches updated in place."""
+    D, Tp = step.num_decodes, step.num_prefill_tokens
+    conv = (conv_state, conv_weight, conv_bias)
+    if D:
+        _fla_decode(ops, step, mixed_qkv[:D], a[:D], b[:D], conv, ssm_state, A_log, dt_bias,
+                    num_k_heads, out[:D], scale)
+    if Tp:
+        sl = slice(D, D + Tp)
+        _fla_prefill(ops, step, mixed_qkv[sl], a[sl], b[sl], conv, ssm_state, A_log, dt_bias,
+                     num_k_heads, out[sl], scale)
+
+
+def _fla_decode(ops, step, x, a, b, conv, ssm_state, A_log, dt_bias, hk, out, scale):
+    """FLA decode: conv update, then fused_recurrent_gated_delta_rule with the gating, beta sigmoid
+    and l2norm in the kernel on the gathered V-first states; final states scattered back."""
+    ids = step.decode_ids
+    y = _conv_decode(ops, ids, x, *conv)
+    q, k, v = _split(y, hk, ssm_state.shape[1], lead=(1,))          # [B, 1, H, 128]
+    o, ht = ops.fused_recurrent_gated_delta_rule(
+        q, k, v, g=a[:, None], beta=b[:, None], scale=scale, initial_state=ssm_state[ids],
+        output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+        A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True, state_v_first=True)
+    ssm_state[ids] = ht.to(ssm_state.dtype)
+    out.copy_(o[:, 0])
+
+
+def _fla_prefill(ops, step, x, a, b, conv, ssm_state, A_log, dt_bias, hk, out, scale):
+    """FLA prefill: varlen conv, torch gating, chunk_gated_delta_rule from the gathered V-first
+    states (zero for new sequences); final states scattered back."""
+    import torch
+
+    ids = step.prefill_ids
+    y = _conv_prefill(ops, step, x, *conv)
+    q, k, v = _split(y, hk, ssm_state.shape[1])
+    g, beta = _torch_gating(a, b, A_log, dt_bias)
+    h0 = torch.where(step.has_init[..., None], ssm_state[ids], _zero(ssm_state))
+    o, ht = ops.chunk_gated_delta_rule(
+        q[None], k[None], v[None], g[None], beta[None], scale=scale, initial_state=h0,
+        output_final_state=True, use_qk_l2norm_in_kernel=True, state_v_first=True,
+        cu_seqlens=step.cu_seqlens, cu_seqlens_cpu=step.cu_seqlens_cpu, chunk_indices=step.chunk_indices)
+    ssm_state[ids] = ht.to(ssm_state.dtype)
+    out.copy_(o[0])
+
+
+def flashinfer_layer_forward(step: ComposedStep, mixed_qkv, a, b, *, ops: ComposedOps, conv_weight,
+                             conv_bias, conv_state, ssm_state, A_log, dt_bias, num_k_heads, out,
+                             scale=None) -> None:
+    """The GDN layer from FLA's conv and FlashInfer's GDN ops (states read and written in the pool
+    through slot indices, in place)."""
+    import torch
+
+    D, Tp = step.num_decodes, step.num_prefill_tokens
+    hk, hv = num_k_heads, ssm_state.shape[1]
+    if D:
+        y = _conv_decode(ops, step.decode_ids, mixed_qkv[:D], conv_state, conv_weight, conv_bias)
+        q, k, v = (t.contiguous() for t in _split(y, hk, hv, lead=(1,)))
+        ops.fi_decode(q, k, v, None, A_log, a[:D, None], dt_bias, b[:D, None], scale=scale,
+                      output=out[:D].view(D, 1, hv, HD), use_qk_l2norm=True, initial_state=ssm_state,
+                      initial_state_indices=step.decode_ids32)
+    if Tp:
+        sl = slice(D, D + Tp)
+        y = _conv_prefill(ops, step, mixed_qkv[sl], conv_state, conv_weight, conv_bias)
+        q, k, v = (t.contiguous() for t in _split(y, hk, hv))
+        g, beta = _torch_gating(a[sl], b[sl], A_log, dt_bias)
+        if step.fresh_ids is not None:                             # it has no has_initial_state
+            ssm_state.index_fill_(0, step.fresh_ids, 0)
+        ops.fi_chunk_gated_delta_rule(
+            q, k, v, g=torch.exp(g), beta=beta, scale=scale, initial_state=ssm_state,
+            output_final_state=True, cu_seqlens=step.cu_seqlens, use_qk_l2norm_in_kernel=True,
+            output=out[sl], output_state=ssm_state, state_indices=step.prefill_ids32)
+
+
+COMPOSED = {"fla": fla_layer_forward, "flashinfer": flashinfer_layer_forward}
+
+
+def composed_call(impl: str, case: LayerCase, step: ComposedStep, ops: ComposedOps) -> Callable[[], None]:
+    """One layer call of the ``impl`` composition ("fla" / "flashinfer") on the case's tensors."""
+    fwd, kw = COMPOSED[impl], case.layer_kwargs()
+    return lambda: fwd(step, case.mixed_qkv, case.a, case.b, ops=ops, scale=None, **kw)
