@@ -72,7 +72,7 @@ def _parser():
 def test_arguments_defaults_and_values():
     a = _parser().parse_args([])
     assert (a.heads, a.rows, a.impls, a.states, a.prefill_states) == (
-        None, None, ["qla", "fla", "flashinfer"], ["fp32", "bf16"], ["fp32"])
+        None, None, ["qla", "fla", "flashinfer", "vllm"], ["fp32", "bf16"], ["fp32"])
     assert (a.pool, a.cp, a.check, a.json, a.plot) == ("paged", "auto", False, None, None)
     a = _parser().parse_args(["--heads", "4/16", "--rows", "mixed,d8+100", "--impls", "qla,fla",
                               "--states", "bf16", "--reps", "3", "--check", "--json", "x.json"])
@@ -279,7 +279,128 @@ def fi_decode(q, k, v, state, A_log, a, dt_bias, b, scale=None, output=None, use
     return output, initial_state
 
 
+# vLLM 0.33.0's ops (its wheel: vllm/model_executor/layers/mamba/ops/causal_conv1d.py and
+# vllm/third_party/flash_linear_attention/ops/{fused_gdn_prefill_post_conv,fused_recurrent,
+# fused_sigmoid_gating}.py): Triton kernels, GPU only, so torch stand-ins from those contracts.
+
+def _conv_row(window, weight, bias, activation):
+    """One token's conv from its W inputs [D, W] (oldest first)."""
+    return _act((window.double() * weight.double()).sum(-1) + bias.double(), activation)
+
+
+def vllm_causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, cache_indices=None,
+                          has_initial_state=None, activation="silu", metadata=None, **kw):
+    """x [D, T] (a transposed [T, D]); conv_states [S, D, W-1] read where has_initial_state (else
+    zeros) and rewritten with each sequence's last W-1 inputs; returns [D, T] like x."""
+    assert x.stride(0) == 1 and not kw, "channel-last x, no other arguments"
+    W = weight.shape[1]
+    lens = query_start_loc.diff()
+    assert metadata.nums_dict[8]["tot"] == int((-(-lens // 8)).sum()), "conv metadata"
+    assert torch.equal(metadata.batch_ptr[:metadata.nums_dict[8]["mlist_len"]].cpu(),
+                       torch.repeat_interleave(torch.arange(len(lens)), -(-lens // 8)).int()), "batch_ptr"
+    out = torch.empty_like(x)
+    for i, (bos, eos) in enumerate(_bounds(query_start_loc)):
+        slot = int(cache_indices[i])
+        hist = conv_states[slot].double() if has_initial_state[i] else torch.zeros(x.shape[0], W - 1,
+                                                                                    dtype=torch.float64)
+        full = torch.cat([hist, x[:, bos:eos].double()], 1)
+        for t in range(eos - bos):
+            out[:, bos + t] = _conv_row(full[:, t:t + W], weight, bias, activation).to(x.dtype)
+        conv_states[slot] = full[:, -(W - 1):].to(conv_states.dtype)
+    return out
+
+
+def vllm_causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, conv_state_indices=None,
+                              validate_data=False):
+    """x [B, D], one token per row; the slot's window shifts by one in place."""
+    y = torch.empty_like(x)
+    for i in range(x.shape[0]):
+        slot = int(conv_state_indices[i])
+        full = torch.cat([conv_state[slot].double(), x[i].double()[:, None]], 1)
+        y[i] = _conv_row(full, weight, bias, activation).to(x.dtype)
+        conv_state[slot] = full[:, 1:].to(conv_state.dtype)
+    return y
+
+
+def vllm_post_conv_prep(conv_output, a, b, A_log, dt_bias, num_k_heads, head_k_dim, head_v_dim,
+                        apply_l2norm=True, output_g_exp=False):
+    """[L, qkv_dim] -> q, k [L, H, K] (l2-normalised), v [L, HV, V], log-space g and beta fp32."""
+    assert apply_l2norm and not output_g_exp and conv_output.is_contiguous()
+    L_, kd = conv_output.shape[0], num_k_heads * head_k_dim
+    y = conv_output.double()
+    q = _l2(y[:, :kd].view(L_, num_k_heads, head_k_dim)).to(conv_output.dtype)
+    k = _l2(y[:, kd:2 * kd].view(L_, num_k_heads, head_k_dim)).to(conv_output.dtype)
+    v = conv_output[:, 2 * kd:].reshape(L_, -1, head_v_dim).clone()
+    g = (-torch.exp(A_log.double()) * F.softplus(a.double() + dt_bias.double())).float()
+    return q, k, v, g, torch.sigmoid(b.double()).float()
+
+
+def vllm_packed_decode(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, out, ssm_state_indices,
+                       use_qk_l2norm_in_kernel=False):
+    """One token per row from the conv output [B, qkv_dim]; V-first pool updated in place at the
+    row's slot; slot <= 0 (vLLM's null block): zero output, pool untouched."""
+    assert use_qk_l2norm_in_kernel and out.shape == (mixed_qkv.shape[0], 1) + tuple(initial_state.shape[1:3])
+    HV, V, K = initial_state.shape[1:]
+    H = (mixed_qkv.shape[1] - HV * V) // (2 * K)
+    gl = -torch.exp(A_log.double()) * F.softplus(a.double() + dt_bias.double())
+    for i in range(mixed_qkv.shape[0]):
+        slot = int(ssm_state_indices[i])
+        if slot <= 0:
+            out[i].zero_()
+            continue
+        x = mixed_qkv[i].double()
+        q, k = x[:H * K].view(1, H, K), x[H * K:2 * H * K].view(1, H, K)
+        oi, S = _recurrence(_l2(q), _l2(k), x[2 * H * K:].view(1, HV, V), gl[i:i + 1],
+                            torch.sigmoid(b[i:i + 1].double()), initial_state[slot], scale)
+        out[i] = oi.to(out.dtype)
+        initial_state[slot] = S.to(initial_state.dtype)
+    return out, initial_state
+
+
+def vllm_sigmoid_gating_update(A_log, a, b, dt_bias, q, k, v, beta=1.0, threshold=20.0, scale=None,
+                               initial_state=None, inplace_final_state=True, cu_seqlens=None,
+                               ssm_state_indices=None, num_accepted_tokens=None, use_qk_l2norm_in_kernel=False,
+                               is_kda=False):
+    """q, k [1, T, H, K], v [1, T, HV, V] packed by cu_seqlens; sequence i's state at
+    ssm_state_indices[i], updated in place; raw a, b gated in the kernel."""
+    assert inplace_final_state and use_qk_l2norm_in_kernel and num_accepted_tokens is None and q.shape[0] == 1
+    assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    gl = -torch.exp(A_log.double()) * F.softplus(a.double() + dt_bias.double())
+    o = torch.empty_like(v)
+    for i, (bos, eos) in enumerate(_bounds(cu_seqlens)):
+        s, slot = slice(bos, eos), int(ssm_state_indices[i])
+        oi, S = _recurrence(_l2(q[0, s].double()), _l2(k[0, s].double()), v[0, s], gl[s],
+                            torch.sigmoid(b[s].double()), initial_state[slot], scale)
+        o[0, s] = oi.to(o.dtype)
+        initial_state[slot] = S.to(initial_state.dtype)
+    return o, initial_state
+
+
+def vllm_fi_chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state=None,
+                                   output_final_state=False, cu_seqlens=None, use_qk_l2norm_in_kernel=False,
+                                   state_checkpoints=None, checkpoint_cu_starts=None,
+                                   checkpoint_every_n_tokens=0, use_cp="auto", backend="flashinfer"):
+    """FlashInfer's prefill as vLLM's wrapper calls it: [T, H, D] contiguous, already l2-normalised,
+    linear-space alpha, one fp32 initial state per sequence; returns (o, final states)."""
+    assert not use_qk_l2norm_in_kernel and output_final_state and state_checkpoints is None
+    assert cu_seqlens.dtype == torch.int64 and initial_state.dtype == g.dtype == beta.dtype == torch.float32
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    o, finals = torch.empty_like(v), []
+    for i, (bos, eos) in enumerate(_bounds(cu_seqlens)):
+        s = slice(bos, eos)
+        oi, S = _recurrence(q[s], k[s], v[s], torch.log(g[s].double()), beta[s], initial_state[i], scale)
+        o[s] = oi.to(o.dtype)
+        finals.append(S.float())
+    return o, torch.stack(finals)
+
+
 def standin_ops(impl):
+    if impl == "vllm":
+        return C.ComposedOps(vllm_causal_conv1d_fn, vllm_causal_conv1d_update,
+                             fi_chunk_gated_delta_rule=vllm_fi_chunk_gated_delta_rule,
+                             post_conv_prep=vllm_post_conv_prep, packed_decode=vllm_packed_decode,
+                             sigmoid_gating_update=vllm_sigmoid_gating_update)
     conv = (fla_causal_conv1d, fla_causal_conv1d_update)
     if impl == "fla":
         return C.ComposedOps(*conv, fla_chunk_gated_delta_rule, fla_fused_recurrent_gated_delta_rule)
@@ -295,13 +416,13 @@ def _case(state_dtype=torch.float32, io_dtype=torch.float32, row="d3+70+9+1+2", 
                        layout=layout)
 
 
-def _calls(case, impls=("qla", "fla", "flashinfer"), ops=None):
+def _calls(case, impls=("qla", "fla", "flashinfer", "vllm"), ops=None):
     calls = {}
     for impl in impls:
         if impl == "qla":
             calls[impl] = L.qla_call(case, L.qla_step(case, 0))
         else:
-            calls[impl] = C.composed_call(impl, case, C.composed_step(case, 0), (ops or standin_ops)(impl))
+            calls[impl] = C.composed_call(impl, case, C.composed_step(case, 0, impl), (ops or standin_ops)(impl))
     return calls
 
 
@@ -327,23 +448,31 @@ def test_composed_layers_match_qla_fp32(layout):
     snap = case.snapshot()
     rec = L.run_check(case, _calls(case))
     assert all(torch.equal(b, s) for b, s in zip(case.buffers, snap)), "run_check must restore the caches"
-    for impl in ("fla", "flashinfer"):
+    for impl in ("fla", "flashinfer", "vllm"):
         assert set(rec[impl]) == {"o_rel", "ssm_rel", "conv_rel"}, rec[impl]
         assert rec[impl]["o_rel"] < 2e-5 and rec[impl]["ssm_rel"] < 2e-5, rec[impl]
         assert rec[impl]["conv_rel"] < 1e-6, rec[impl]
 
 
+def test_composed_layers_match_qla_decode_only():
+    """A decode-only step (each composition's decode path: vLLM's takes its packed decode kernel,
+    not the conv over every row): fp32, as above."""
+    rec = L.run_check(*(lambda c: (c, _calls(c)))(_case(row="d5")))
+    for impl in ("fla", "flashinfer", "vllm"):
+        assert rec[impl]["o_rel"] < 2e-5 and rec[impl]["ssm_rel"] < 2e-5 and rec[impl]["conv_rel"] < 1e-6, rec[impl]
+
+
 def test_composed_layers_match_qla_bf16():
     """bf16 inputs, conv cache and SSM pool (the GPU rows' dtypes): the same within bf16 rounding."""
     rec = L.run_check(*(lambda c: (c, _calls(c)))(_case(torch.bfloat16, torch.bfloat16)))
-    for impl in ("fla", "flashinfer"):
+    for impl in ("fla", "flashinfer", "vllm"):
         assert max(rec[impl].values()) < 2e-2, rec[impl]
 
 
 def test_composed_layers_update_only_their_slots():
     """The composed layers write the step's slots and nothing else (other slot sets, spare slots,
     the null slot), like qla_serve's layer."""
-    for impl in ("fla", "flashinfer"):
+    for impl in ("fla", "flashinfer", "vllm"):
         case = _case(nsets=2)
         ssm0, conv0 = case.ssm_state.clone(), case.conv_state.clone()
         _calls(case, (impl,))[impl]()

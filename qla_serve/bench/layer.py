@@ -62,11 +62,12 @@ import subprocess
 import time
 from typing import Callable
 
-from .layer_composed import HD, composed_call, composed_step, fla_ops, flashinfer_ops
+from .layer_composed import HD, composed_call, composed_step, fla_ops, flashinfer_ops, vllm_ops
 
 CONV_WIDTH = 4
 NULL_SLOT = 0
-IMPLS = ("qla", "fla", "flashinfer")
+IMPLS = ("qla", "fla", "flashinfer", "vllm")
+COMPOSED_IMPLS = IMPLS[1:]
 STATE_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 PREFILL_HEADS = [(2, 8), (4, 16), (16, 64)]
 PREFILL_ROWS = ["1x32768", "1x8192", "16x512", "4x8192", "mixed"]
@@ -190,7 +191,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"(d32+4x512), or 'mixed' = {'+'.join(map(str, NAMED_ROWS['mixed']))}. Default: "
                         f"{','.join(PREFILL_ROWS)} at the prefill heads; decode {dflt}")
     p.add_argument("--impls", type=_list_of(IMPLS, "impls"), default=list(IMPLS),
-                   help="subset of qla,fla,flashinfer (default: all; an impl whose library is "
+                   help="subset of qla,fla,flashinfer,vllm (default: all; an impl whose library is "
                         "missing reports 'not installed')")
     p.add_argument("--states", type=_list_of(tuple(STATE_DTYPES), "states"), default=["fp32", "bf16"],
                    help="SSM state dtypes of decode-only rows (default fp32,bf16)")
@@ -483,7 +484,7 @@ def _steps_and_calls(impl, case, args, ops):
     """(per-step plan function of set i, the layer call of a step) for impl."""
     if impl == "qla":
         return (lambda i: qla_step(case, i, args.cp)), (lambda st: qla_call(case, st))
-    return (lambda i: composed_step(case, i)), (lambda st: composed_call(impl, case, st, ops))
+    return (lambda i: composed_step(case, i, impl)), (lambda st: composed_call(impl, case, st, ops))
 
 
 def _graph_us(fns, reps) -> dict:
@@ -534,7 +535,7 @@ def time_impl(impl, case: LayerCase, nsets: int, args, ops) -> dict:
 
 def load_ops(impls) -> tuple[dict, dict]:
     """({impl: ComposedOps}, {impl: why not}) for the composed impls asked for."""
-    loaders = {"fla": fla_ops, "flashinfer": flashinfer_ops}
+    loaders = {"fla": fla_ops, "flashinfer": flashinfer_ops, "vllm": vllm_ops}
     ops, missing = {}, {}
     for impl in impls:
         if impl in loaders:
@@ -552,7 +553,7 @@ def _first_calls(case, args, ops) -> dict:
         if impl == "qla":
             calls[impl] = qla_call(case, qla_step(case, 0, args.cp))
         elif impl in ops:
-            calls[impl] = composed_call(impl, case, composed_step(case, 0), ops[impl])
+            calls[impl] = composed_call(impl, case, composed_step(case, 0, impl), ops[impl])
     return calls
 
 
@@ -579,7 +580,7 @@ def run_point(hk, hv, row, state, args, ops, missing, device="cuda") -> dict:
             torch.cuda.synchronize()
             rec["impls"][impl] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
     q = rec["impls"].get("qla", {}).get("gpu_us")
-    for impl in ("fla", "flashinfer"):
+    for impl in COMPOSED_IMPLS:
         other = rec["impls"].get(impl, {}).get("gpu_us")
         if q and other:
             rec[f"qla_over_{impl}"] = round(q / other, 3)
@@ -651,7 +652,7 @@ def _versions(missing) -> dict:
     import importlib
 
     out = {}
-    for name in ("torch", "fla", "flashinfer", "triton"):
+    for name in ("torch", "fla", "flashinfer", "triton", "vllm"):
         try:
             out[name] = getattr(importlib.import_module(name), "__version__", "?")
         except Exception as exc:  # noqa: BLE001

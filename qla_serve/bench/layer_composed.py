@@ -20,6 +20,17 @@ Each composition is one engine GDN layer's core for one step on the bench's vLLM
   zeroing the slots of new prefills (FlashInfer has no has_initial_state), and
   ``gdn_decode.gated_delta_rule_decode_pretranspose(q, k, v, None, A_log, a, dt_bias, b,
   initial_state=pool, initial_state_indices=ids)``.
+* ``vllm`` (only where vLLM 0.33.0's ops import: on the lent H200, from the bundle
+  benchmarks/make_vllm_ops_bundle.sh extracts from vLLM's wheel): what vLLM 0.33.0's stock Qwen GDN
+  layer runs on Hopper for a step without speculative tokens, called as it calls them (its
+  vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py, cited per line below): vLLM's
+  Triton ``causal_conv1d_fn`` over every row in place on the conv cache (decodes are 1-token
+  sequences), ``fused_post_conv_prep`` (split, l2norm, gating), the decodes of a mixed step through
+  ``fused_sigmoid_gating_delta_rule_update``, the prefills through FlashInfer's
+  ``chunk_gated_delta_rule`` as vLLM's wrapper calls it (initial states gathered from the pool and
+  zeroed where new, final states scattered back); a decode-only step through
+  ``causal_conv1d_update`` and ``fused_recurrent_gated_delta_rule_packed_decode``. Without the
+  prefix caching checkpoints vLLM's default adds (the qla rows write none either).
 
 The compositions take their ops as a :class:`ComposedOps`, so tests/test_bench_layer.py runs them
 on CPU tensors with torch stand-ins for the libraries' kernels.
@@ -45,6 +56,9 @@ class ComposedOps:
     relative time c - W). chunk_gated_delta_rule, fused_recurrent_gated_delta_rule: FLA's GDN.
     fi_chunk_gated_delta_rule, fi_decode: FlashInfer's gdn_prefill.chunk_gated_delta_rule and
     gdn_decode.gated_delta_rule_decode_pretranspose (None for the fla composition).
+    For the vllm composition: causal_conv1d, causal_conv1d_update are vLLM's (conv state [S, dim,
+    W-1]); post_conv_prep, packed_decode, sigmoid_gating_update its fused_post_conv_prep,
+    fused_recurrent_gated_delta_rule_packed_decode and fused_sigmoid_gating_delta_rule_update.
     """
 
     causal_conv1d: Callable
@@ -53,6 +67,9 @@ class ComposedOps:
     fused_recurrent_gated_delta_rule: Callable | None = None
     fi_chunk_gated_delta_rule: Callable | None = None
     fi_decode: Callable | None = None
+    post_conv_prep: Callable | None = None
+    packed_decode: Callable | None = None
+    sigmoid_gating_update: Callable | None = None
 
 
 def fla_ops() -> ComposedOps:
@@ -75,13 +92,32 @@ def flashinfer_ops() -> ComposedOps:
                        fi_decode=gated_delta_rule_decode_pretranspose)
 
 
+def vllm_ops() -> ComposedOps:
+    """vLLM 0.33.0's own GDN ops and FlashInfer's prefill (benchmarks/make_vllm_ops_bundle.sh puts
+    vLLM's on the path where vLLM is not installed)."""
+    from flashinfer.gdn_prefill import chunk_gated_delta_rule
+    from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
+    from vllm.third_party.flash_linear_attention.ops import (
+        fused_post_conv_prep, fused_recurrent_gated_delta_rule_packed_decode,
+        fused_sigmoid_gating_delta_rule_update)
+
+    return ComposedOps(causal_conv1d_fn, causal_conv1d_update, fi_chunk_gated_delta_rule=chunk_gated_delta_rule,
+                       post_conv_prep=fused_post_conv_prep,
+                       packed_decode=fused_recurrent_gated_delta_rule_packed_decode,
+                       sigmoid_gating_update=fused_sigmoid_gating_delta_rule_update)
+
+
 @dataclasses.dataclass(eq=False)
 class ComposedStep:
     """What the composed layers share per step, built on the host from CPU lengths as an engine's
     metadata builder would. Device tensors: decode_ids [D] / prefill_ids [Np] (long; ``*_ids32``
     int32), has_init [Np, 1, 1] bool, cu_seqlens [Np+1] long (``cu_seqlens_cpu`` beside it),
     chunk_indices [chunks, 2] long ((sequence, chunk) per 64-token chunk: FLA's layout), fresh_ids
-    (slots of prefills without an initial state, for FlashInfer to zero; None if none)."""
+    (slots of prefills without an initial state, for FlashInfer to zero; None if none).
+    vllm only (what vLLM's GDN metadata builder hands its layer, v1/attention/backends/gdn_attn.py):
+    rows_ids32 [D+Np] int32 slots, rows_has_init [D+Np] bool, rows_qsl [D+Np+1] int32 (decodes
+    1 token each), conv_meta (its causal-conv metadata, :func:`vllm_conv_metadata`), prefill_qsl32
+    [Np+1] int32, prefill_has_init [Np] bool."""
 
     num_decodes: int
     num_prefill_tokens: int
@@ -94,10 +130,16 @@ class ComposedStep:
     cu_seqlens_cpu: object = None
     chunk_indices: object = None
     fresh_ids: object = None
+    rows_ids32: object = None
+    rows_has_init: object = None
+    rows_qsl: object = None
+    conv_meta: object = None
+    prefill_qsl32: object = None
+    prefill_has_init: object = None
 
 
-def composed_step(case: LayerCase, i: int) -> ComposedStep:
-    """The composed layers' step for slot set i (host lists in, one upload per tensor)."""
+def composed_step(case: LayerCase, i: int, impl: str = "fla") -> ComposedStep:
+    """The ``impl`` composition's step for slot set i (host lists in, one upload per tensor)."""
     import torch
 
     dev, D = case.device, case.row.decodes
@@ -118,7 +160,56 @@ def composed_step(case: LayerCase, i: int) -> ComposedStep:
         step.chunk_indices = up(chunk_indices(lens)).view(-1, 2)
         fresh = [s for s, h in zip(ids[D:], has) if not h]
         step.fresh_ids = up(fresh) if fresh else None
+    if impl == "vllm" and lens:
+        _vllm_step(step, case, ids, up)
     return step
+
+
+def _vllm_step(step: ComposedStep, case, ids, up) -> None:
+    """The fields of a step with prefills that vLLM's metadata builder makes for its layer
+    (gdn_attn.py ~515-575): every non-spec row's slot, has_initial_state (context > 0: every
+    decode and the resumed prefills) and query_start_loc, the causal conv's metadata from the host
+    copy of it, and the prefill-only cu_seqlens, rebased past the decodes."""
+    import torch
+
+    D, lens = case.row.decodes, case.row.prefill_lens
+    qsl = [0]
+    for n in [1] * D + list(lens):
+        qsl.append(qsl[-1] + n)
+    step.rows_ids32 = up(ids, torch.int32)
+    step.rows_has_init = up([True] * D + list(case.has_initial_state), torch.bool)
+    qsl_cpu = torch.tensor(qsl, dtype=torch.int32)
+    step.rows_qsl = qsl_cpu.to(case.device, non_blocking=True)
+    step.conv_meta = vllm_conv_metadata(qsl_cpu, case.device)
+    step.prefill_qsl32 = up([x - D for x in qsl[D:]], torch.int32)
+    step.prefill_has_init = step.rows_has_init[D:]
+
+
+PAD_SLOT_ID = -1              # vLLM 0.33.0's (v1/attention/backends/utils.py:54)
+
+
+def vllm_conv_metadata(query_start_loc_cpu, device):
+    """What vLLM 0.33.0's compute_causal_conv1d_metadata (v1/attention/backends/utils.py:1117-1163)
+    builds once per step for its causal_conv1d_fn (BLOCK_M 8): per sequence its 8-token blocks,
+    the sequence and block of each Triton program, padded with PAD_SLOT_ID. An object with its
+    attributes nums_dict, batch_ptr, token_chunk_offset_ptr (those causal_conv1d_fn reads)."""
+    import types
+
+    import numpy as np
+    import torch
+
+    seqlens = query_start_loc_cpu.diff()
+    nums = -(-seqlens // 8)
+    mlist = torch.from_numpy(np.repeat(np.arange(len(nums)), nums.numpy()))
+    offsets = torch.tensor([j for n in nums.tolist() for j in range(n)], dtype=torch.int32)
+    programs = max(1024, len(mlist)) * 2
+    batch_ptr = torch.full((programs,), PAD_SLOT_ID, dtype=torch.int32, device=device)
+    chunk_ptr = torch.full((programs,), PAD_SLOT_ID, dtype=torch.int32, device=device)
+    batch_ptr[:len(mlist)].copy_(mlist, non_blocking=True)
+    chunk_ptr[:len(mlist)].copy_(offsets, non_blocking=True)
+    block = {"nums": nums, "tot": int(nums.sum()), "mlist": mlist, "mlist_len": len(mlist),
+             "offsetlist": offsets, "batch_ptr": batch_ptr, "token_chunk_offset_ptr": chunk_ptr}
+    return types.SimpleNamespace(nums_dict={8: block}, batch_ptr=batch_ptr, token_chunk_offset_ptr=chunk_ptr)
 
 
 def chunk_indices(lens, chunk=CHUNK) -> list[int]:
@@ -250,10 +341,76 @@ def flashinfer_layer_forward(step: ComposedStep, mixed_qkv, a, b, *, ops: Compos
             output=out[sl], output_state=ssm_state, state_indices=step.prefill_ids32)
 
 
-COMPOSED = {"fla": fla_layer_forward, "flashinfer": flashinfer_layer_forward}
+def vllm_layer_forward(step: ComposedStep, mixed_qkv, a, b, *, ops: ComposedOps, conv_weight, conv_bias,
+                       conv_state, ssm_state, A_log, dt_bias, num_k_heads, out, scale=None) -> None:
+    """vLLM 0.33.0's stock GDN core on Hopper for a step without speculative tokens, as its
+    qwen_gdn_linear_attn.py runs it (line numbers of that file): a decode-only step in
+    _forward_core_decode_non_spec (~1981-2031), any step with prefills in _forward_core
+    (~1556-1914). ``scale``: None (vLLM's head_k_dim ** -0.5 where it passes one)."""
+    import torch
+
+    D, Tp = step.num_decodes, step.num_prefill_tokens
+    T, hk, hv = D + Tp, num_k_heads, ssm_state.shape[1]
+    x, a, b = mixed_qkv[:T], a[:T], b[:T]
+    if not Tp:
+        y = ops.causal_conv1d_update(x, conv_state, conv_weight, conv_bias, "silu",
+                                     conv_state_indices=step.decode_ids32, validate_data=False)
+        ops.packed_decode(mixed_qkv=y, a=a, b=b, A_log=A_log, dt_bias=dt_bias,
+                          scale=HD ** -0.5 if scale is None else scale, initial_state=ssm_state,
+                          out=out[:T].unsqueeze(1), ssm_state_indices=step.decode_ids32,
+                          use_qk_l2norm_in_kernel=True)
+        return
+    y = ops.causal_conv1d(x.transpose(0, 1), conv_weight, conv_bias, activation="silu", conv_states=conv_state,
+                          has_initial_state=step.rows_has_init, cache_indices=step.rows_ids32,
+                          query_start_loc=step.rows_qsl, metadata=step.conv_meta).transpose(0, 1)  # ~1657-1670
+    q, k, v, g, beta = ops.post_conv_prep(conv_output=y[D:], a=a[D:], b=b[D:], A_log=A_log, dt_bias=dt_bias,
+                                          num_k_heads=hk, head_k_dim=HD, head_v_dim=HD, apply_l2norm=True,
+                                          output_g_exp=False)                                   # ~1724-1745
+    o_decode = None
+    if D:                                                                                       # ~1777-1799
+        qd, kd, vd = _vllm_rearrange(y[:D], hk)
+        o_decode, _ = ops.sigmoid_gating_update(A_log=A_log, a=a[:D], b=b[:D], dt_bias=dt_bias, q=qd, k=kd,
+                                                v=vd, initial_state=ssm_state, inplace_final_state=True,
+                                                cu_seqlens=step.rows_qsl[:D + 1], ssm_state_indices=step.rows_ids32,
+                                                use_qk_l2norm_in_kernel=True)
+    ids = step.rows_ids32[D:]                                                                  # ~1811-1880
+    initial_state = ssm_state[ids]
+    initial_state[~step.prefill_has_init, ...] = 0
+    o_prefill, final = _vllm_flashinfer_prefill(ops, q, k, v, g, beta, initial_state, step.prefill_qsl32)
+    ssm_state[ids] = final.to(ssm_state.dtype)
+    o = o_prefill if o_decode is None else torch.cat([o_decode, o_prefill], dim=1)
+    out[:T] = o.squeeze(0)
+
+
+def _vllm_rearrange(y, hk):
+    """vLLM's rearrange_mixed_qkv (~1042-1076): q, k, v [1, L, H, 128] contiguous, through one cat."""
+    import torch
+
+    L, kd = y.shape[0], hk * HD
+    q, k, v = torch.split(y, [kd, kd, y.shape[1] - 2 * kd], dim=-1)
+    fused = torch.cat([q.reshape(-1), k.reshape(-1), v.reshape(-1)], dim=0)
+    return (fused[:L * kd].view(1, L, -1, HD), fused[L * kd:2 * L * kd].view(1, L, -1, HD),
+            fused[2 * L * kd:].view(1, L, -1, HD))
+
+
+def _vllm_flashinfer_prefill(ops, q, k, v, g, beta, initial_state, cu_seqlens):
+    """vLLM's FlashInfer prefill wrapper (~313-370), l2norm already applied (use_qk_l2norm_in_kernel
+    False, ~1828): contiguous inputs, fp32 state / g / beta, int64 cu_seqlens, alpha = exp(g)."""
+    import torch
+
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    output, final_state = ops.fi_chunk_gated_delta_rule(
+        q=q, k=k, v=v, g=torch.exp(g.to(torch.float32)), beta=beta.to(torch.float32),
+        initial_state=initial_state.to(torch.float32), output_final_state=True,
+        cu_seqlens=cu_seqlens.to(torch.int64), state_checkpoints=None, checkpoint_cu_starts=None,
+        checkpoint_every_n_tokens=0, use_cp="auto", backend="flashinfer")
+    return output.unsqueeze(0), final_state
+
+
+COMPOSED = {"fla": fla_layer_forward, "flashinfer": flashinfer_layer_forward, "vllm": vllm_layer_forward}
 
 
 def composed_call(impl: str, case: LayerCase, step: ComposedStep, ops: ComposedOps) -> Callable[[], None]:
-    """One layer call of the ``impl`` composition ("fla" / "flashinfer") on the case's tensors."""
+    """One layer call of the ``impl`` composition ("fla", "flashinfer", "vllm") on the case's tensors."""
     fwd, kw = COMPOSED[impl], case.layer_kwargs()
     return lambda: fwd(step, case.mixed_qkv, case.a, case.b, ops=ops, scale=None, **kw)
