@@ -39,10 +39,7 @@ on CPU tensors with torch stand-ins for the libraries' kernels.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Callable
-
-if TYPE_CHECKING:
-    from .layer import LayerCase
+from typing import Callable
 
 HD = 128
 CHUNK = 64                      # FLA's chunk size (its conv and GDN chunk indices)
@@ -138,8 +135,9 @@ class ComposedStep:
     prefill_has_init: object = None
 
 
-def composed_step(case: LayerCase, i: int, impl: str = "fla") -> ComposedStep:
-    """The ``impl`` composition's step for slot set i (host lists in, one upload per tensor)."""
+def composed_step(case, i: int, impl: str = "fla") -> ComposedStep:
+    """The ``impl`` composition's step for slot set i of ``case`` (a bench/layer.py LayerCase; host
+    lists in, one upload per tensor)."""
     import torch
 
     dev, D = case.device, case.row.decodes
@@ -410,7 +408,7 @@ def _vllm_flashinfer_prefill(ops, q, k, v, g, beta, initial_state, cu_seqlens):
 COMPOSED = {"fla": fla_layer_forward, "flashinfer": flashinfer_layer_forward, "vllm": vllm_layer_forward}
 
 
-def composed_call(impl: str, case: LayerCase, step: ComposedStep, ops: ComposedOps) -> Callable[[], None]:
+def composed_call(impl: str, case, step: ComposedStep, ops: ComposedOps) -> Callable[[], None]:
     """One layer call of the ``impl`` composition ("fla", "flashinfer", "vllm") on the case's tensors."""
     fwd, kw = COMPOSED[impl], case.layer_kwargs()
     return lambda: fwd(step, case.mixed_qkv, case.a, case.b, ops=ops, scale=None, **kw)
