@@ -312,12 +312,13 @@ def vllm_causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, cache_i
 
 def vllm_causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, conv_state_indices=None,
                               validate_data=False):
-    """x [B, D], one token per row; the slot's window shifts by one in place."""
-    y = torch.empty_like(x)
+    """x [B, D], one token per row; the slot's window shifts by one in place; the output is written
+    over x (vLLM's with out=None) and returned."""
+    y = x
     for i in range(x.shape[0]):
         slot = int(conv_state_indices[i])
         full = torch.cat([conv_state[slot].double(), x[i].double()[:, None]], 1)
-        y[i] = _conv_row(full, weight, bias, activation).to(x.dtype)
+        y[i] = _conv_row(full, weight, bias, activation).to(x.dtype)      # (x[i] is in full already)
         conv_state[slot] = full[:, 1:].to(conv_state.dtype)
     return y
 
@@ -457,7 +458,10 @@ def test_composed_layers_match_qla_fp32(layout):
 def test_composed_layers_match_qla_decode_only():
     """A decode-only step (each composition's decode path: vLLM's takes its packed decode kernel,
     not the conv over every row): fp32, as above."""
-    rec = L.run_check(*(lambda c: (c, _calls(c)))(_case(row="d5")))
+    case = _case(row="d5")
+    x0 = case.mixed_qkv.clone()
+    rec = L.run_check(case, _calls(case))
+    assert torch.equal(case.mixed_qkv, x0), "vLLM's conv update writes over its own copy only"
     for impl in ("fla", "flashinfer", "vllm"):
         assert rec[impl]["o_rel"] < 2e-5 and rec[impl]["ssm_rel"] < 2e-5 and rec[impl]["conv_rel"] < 1e-6, rec[impl]
 

@@ -411,4 +411,8 @@ COMPOSED = {"fla": fla_layer_forward, "flashinfer": flashinfer_layer_forward, "v
 def composed_call(impl: str, case, step: ComposedStep, ops: ComposedOps) -> Callable[[], None]:
     """One layer call of the ``impl`` composition ("fla", "flashinfer", "vllm") on the case's tensors."""
     fwd, kw = COMPOSED[impl], case.layer_kwargs()
-    return lambda: fwd(step, case.mixed_qkv, case.a, case.b, ops=ops, scale=None, **kw)
+    # vLLM's causal_conv1d_update writes its output over its input (the layer's projection, which
+    # vLLM then drops): its composition gets its own copy, so the case's inputs stay the other
+    # impls' (later calls of the same composition convolve the copy again: same work, other values)
+    x = case.mixed_qkv.clone() if impl == "vllm" else case.mixed_qkv
+    return lambda: fwd(step, x, case.a, case.b, ops=ops, scale=None, **kw)
