@@ -175,8 +175,11 @@ fi
 if want layer; then
   # FLA's Triton autotuning on every new shape makes this long: split --heads over calls if needed.
   # The FlashInfer column needs .fibundle (make-fibundle.sh): carry site-a.tar.xz + activate.sh in
-  # one call, then this part with site-b.tar.xz + activate.sh on the same warm machine.
+  # one call, then this part with site-b.tar.xz + activate.sh on the same warm machine. The vllm
+  # column (vLLM 0.33.0's stock GDN core) needs .vllmops (benchmarks/make_vllm_ops_bundle.sh):
+  # carry .vllmops/vllmops.tar.xz + .vllmops/activate.sh beside it.
   if [[ -f .fibundle/activate.sh ]]; then source .fibundle/activate.sh; fi
+  if [[ -f .vllmops/activate.sh ]]; then source .vllmops/activate.sh; fi
   step "bench layer" $T python -m qla_serve.cli bench layer --check --json "$out/layer_h200.json" \
     --plot "$out/layer_h200.png" | grep -v '^{'
   stamp "$out/layer_h200.json"
