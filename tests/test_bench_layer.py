@@ -20,6 +20,7 @@ run only on the GPU (`qla-serve bench layer --check` reports the same comparison
 from __future__ import annotations
 
 import argparse
+import math
 
 import pytest
 import torch
@@ -453,6 +454,19 @@ def test_composed_layers_match_qla_fp32(layout):
         assert set(rec[impl]) == {"o_rel", "ssm_rel", "conv_rel"}, rec[impl]
         assert rec[impl]["o_rel"] < 2e-5 and rec[impl]["ssm_rel"] < 2e-5, rec[impl]
         assert rec[impl]["conv_rel"] < 1e-6, rec[impl]
+
+
+def test_decay_draws():
+    """--decay init draws FLA's / the models' initial decay rates, A = exp(A_log) in [1, 16]; weak
+    (the default) A in [e^-1, e^0.5]; a quarter of the heads at A_log = -12 in both."""
+    weak, init = (L.LayerCase(2, 8, L.parse_row("d2"), torch.float32, "cpu", decay=d) for d in ("weak", "init"))
+    for case, lo, hi in ((weak, math.exp(-1), math.exp(0.5)), (init, 1.0, 16.0)):
+        A = torch.exp(case.A_log)
+        assert (case.A_log[:2] == -12).all() and (A[2:] >= lo).all() and (A[2:] <= hi).all()
+    assert torch.exp(init.A_log[2:]).mean() > 3 * torch.exp(weak.A_log[2:]).mean()
+    with pytest.raises(ValueError, match="^decay: expected one of"):
+        L.LayerCase(2, 8, L.parse_row("d2"), torch.float32, "cpu", decay="strong")
+    assert _parser().parse_args(["--decay", "init"]).decay == "init" and _parser().parse_args([]).decay == "weak"
 
 
 def test_composed_layers_match_qla_decode_only():

@@ -8,9 +8,12 @@ outputs into ``out``; decodes first, then prefills in the token layout. Caches a
 transposed strided view, bf16) and the SSM state ([S, Hv, 128, 128], fp32 or bf16, page stride >
 one slot); slot 0 is vLLM's null block and never used; the pool holds more slots than the batch and
 each sequence gets a random slot. Inputs are fresh random bf16 ``mixed_qkv``/``a``/``b`` (never
-zeros), fp32 ``A_log`` ~ U(-1, 0.5) and ``dt_bias`` = softplus^-1(U(0.001, 0.1)), so g =
--exp(A_log) softplus(a + dt_bias) is negative and small, with a quarter of the heads at A_log = -12
-(g ~ 0); random initial conv and SSM states; prefills alternate resumed (has_initial_state) and new.
+zeros), fp32 ``A_log`` ~ U(-1, 0.5) (``--decay weak``, the default; ``--decay init``: log U(1, 16),
+the models' initialisation) and ``dt_bias`` = softplus^-1(U(0.001, 0.1)), so g = -exp(A_log)
+softplus(a + dt_bias) is negative and small, with a quarter of the heads at A_log = -12 (g ~ 0);
+random initial conv and SSM states; prefills alternate resumed (has_initial_state) and new. The
+decay matters to qla_serve's context-parallel prefill only (weak decay: every head takes the exact
+maps pass; benchmarks/layer.md).
 
 Implementations, same inputs and caches:
 
@@ -73,6 +76,7 @@ PREFILL_HEADS = [(2, 8), (4, 16), (16, 64)]
 PREFILL_ROWS = ["1x32768", "1x8192", "16x512", "4x8192", "mixed"]
 DECODE_ROWS = {(2, 8): ["d1", "d32", "d256"], (16, 32): ["d64", "d256"]}
 NAMED_ROWS = {"mixed": (2048, 1024, 4096, 512, 512)}   # a chunked-prefill step of mixed lengths
+DECAYS = ("weak", "init")        # LayerCase's A_log draws (--decay)
 MAX_SLOT_SETS = 256             # decode graphs: at most this many calls (disjoint slot sets)
 
 
@@ -208,6 +212,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-reps", type=_argtype(_positive), default=20, help="eager calls for host time")
     p.add_argument("--plan-reps", type=_argtype(_positive), default=50, help="step plans for plan host time")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--decay", choices=DECAYS, default="weak",
+                   help="the heads' decay rates A = exp(A_log): weak, U(0.37, 1.65) (the default; every "
+                        "head keeps its past long, so qla's context-parallel passes take the exact path), "
+                        "or init, U(1, 16) (FLA's and the Qwen3-Next code's initialisation, as bench "
+                        "prefill draws; stronger decay lets qla's CP segments start cold); a quarter of "
+                        "the heads at A_log = -12 (g ~ 0) either way")
     p.add_argument("--check", action="store_true",
                    help="before timing, run every impl once from the same caches and report the max "
                         "relative L2 difference (float64) of outputs, SSM and conv states from qla's")
@@ -280,7 +290,7 @@ class LayerCase:
     """
 
     def __init__(self, hk, hv, row: Row, state_dtype, device, *, nsets=1, seed=0, io_dtype=None,
-                 layout="paged"):
+                 layout="paged", decay="weak"):
         import torch
 
         self.hk, self.hv, self.row, self.device = hk, hv, row, torch.device(device)
@@ -298,7 +308,9 @@ class LayerCase:
         self.mixed_qkv, self.a, self.b = rnd(T, self.dim).to(io), rnd(T, hv).to(io), rnd(T, hv).to(io)
         self.conv_weight = rnd(self.dim, CONV_WIDTH, scale=0.5).to(io)
         self.conv_bias = rnd(self.dim, scale=0.1).to(io)
-        self.A_log = uni(hv, -1.0, 0.5)
+        if decay not in DECAYS:
+            raise ValueError(f"decay: expected one of {DECAYS}, got {decay!r}")
+        self.A_log = uni(hv, -1.0, 0.5) if decay == "weak" else torch.log(uni(hv, 1.0, 16.0))
         self.A_log[: max(1, hv // 4)] = -12.0                     # g ~ 0: heads that barely decay
         self.dt_bias = torch.log(torch.expm1(uni(hv, 0.001, 0.1)))
         num_slots = 1 + nsets * N + max(2, N // 4)                # null slot 0, spare slots
@@ -565,7 +577,7 @@ def run_point(hk, hv, row, state, args, ops, missing, device="cuda") -> dict:
 
     sdt = getattr(torch, STATE_DTYPES[state])
     nsets = slot_sets_for(row, hv, sdt, bdec.L2_FLUSH_BYTES)
-    case = LayerCase(hk, hv, row, sdt, device, nsets=nsets, seed=args.seed, layout=args.pool)
+    case = LayerCase(hk, hv, row, sdt, device, nsets=nsets, seed=args.seed, layout=args.pool, decay=args.decay)
     rec = {"heads": f"{hk}/{hv}", "row": row.name, "state": state, "tokens": row.tokens,
            "decodes": row.decodes, "prefills": len(row.prefill_lens), "impls": {}}
     if args.check:
