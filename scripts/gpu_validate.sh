@@ -34,7 +34,10 @@ step "host time: ops vs kernel modules" 60 python benchmarks/ops_host.py 2>&1 | 
 step "host time: prefill launch by launch (raw vs adapter)" 120 python benchmarks/launch_host.py 2>&1 | tee "$out/launch_host.log"
 step "host time: planner" 40 python benchmarks/plan_host.py --iters 2000 2>&1 | tee "$out/plan_host.log"
 step "host time: step plan" 40 python benchmarks/step_plan_host.py --device cuda 2>&1 | tee "$out/step_plan_host.log"
-# One GDN layer per engine step beside FLA's (and FlashInfer's, when installed) composition;
-# FLA's Triton autotuning on every new shape can make this long: split --heads across calls.
+# One GDN layer per engine step beside FLA's composition, FlashInfer's (when .fibundle is sourced)
+# and vLLM 0.33's own ops (when .vllmops is: benchmarks/make_vllm_ops_bundle.sh; carry
+# .vllmops/vllmops.tar.xz and .vllmops/activate.sh); FLA's Triton autotuning on every new shape can
+# make this long: split --heads across calls.
+[[ -f .vllmops/activate.sh ]] && source .vllmops/activate.sh
 step "bench layer" 590 python -m qla_serve.cli bench layer --check --json "$out/layer.json" \
   --plot "$out/layer.png" 2>&1 | tee "$out/layer.log"
