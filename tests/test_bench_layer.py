@@ -457,7 +457,8 @@ def test_composed_layers_match_qla_fp32(layout):
 
 
 def test_decay_draws():
-    """--decay init draws FLA's / the models' initial decay rates, A = exp(A_log) in [1, 16]; weak
+    """--decay init draws bench prefill's decay rates, A = exp(A_log) in [1, 16] (the models' code
+    initialises A ~ U(0, 16)); weak
     (the default) A in [e^-1, e^0.5]; a quarter of the heads at A_log = -12 in both."""
     weak, init = (L.LayerCase(2, 8, L.parse_row("d2"), torch.float32, "cpu", decay=d) for d in ("weak", "init"))
     for case, lo, hi in ((weak, math.exp(-1), math.exp(0.5)), (init, 1.0, 16.0)):

@@ -9,7 +9,7 @@ transposed strided view, bf16) and the SSM state ([S, Hv, 128, 128], fp32 or bf1
 one slot); slot 0 is vLLM's null block and never used; the pool holds more slots than the batch and
 each sequence gets a random slot. Inputs are fresh random bf16 ``mixed_qkv``/``a``/``b`` (never
 zeros), fp32 ``A_log`` ~ U(-1, 0.5) (``--decay weak``, the default; ``--decay init``: log U(1, 16),
-the models' initialisation) and ``dt_bias`` = softplus^-1(U(0.001, 0.1)), so g = -exp(A_log)
+near the models' initialisation A ~ U(0, 16)) and ``dt_bias`` = softplus^-1(U(0.001, 0.1)), so g = -exp(A_log)
 softplus(a + dt_bias) is negative and small, with a quarter of the heads at A_log = -12 (g ~ 0);
 random initial conv and SSM states; prefills alternate resumed (has_initial_state) and new. The
 decay matters to qla_serve's context-parallel prefill only (weak decay: every head takes the exact
@@ -215,8 +215,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decay", choices=DECAYS, default="weak",
                    help="the heads' decay rates A = exp(A_log): weak, U(0.37, 1.65) (the default; every "
                         "head keeps its past long, so qla's context-parallel passes take the exact path), "
-                        "or init, U(1, 16) (FLA's and the Qwen3-Next code's initialisation, as bench "
-                        "prefill draws; stronger decay lets qla's CP segments start cold); a quarter of "
+                        "or init, U(1, 16) (bench prefill's draw, near the models' initialisation, A ~ U(0, "
+                        "16) in the Qwen3-Next/3.5 modeling code; stronger decay lets qla's CP segments "
+                        "start cold); a quarter of "
                         "the heads at A_log = -12 (g ~ 0) either way")
     p.add_argument("--check", action="store_true",
                    help="before timing, run every impl once from the same caches and report the max "
