@@ -1,14 +1,16 @@
 """`qla-serve bench layer` (qla_serve/bench/layer.py) on the CPU: arguments, rows, the schedule,
 the caches, the tables, and the composed baselines' math against qla_serve's own layer.
 
-The composed "fla" and "flashinfer" layers call FLA's Triton ops and FlashInfer's CUDA ops, which do
-not run on a CPU. Here they get torch stand-ins (:func:`standin_ops`) written from those libraries'
+The composed "fla", "flashinfer" and "vllm" layers call FLA's Triton ops, FlashInfer's CUDA ops and
+vLLM 0.33.0's Triton ops, which do not run on a CPU. Here they get torch stand-ins (:func:`standin_ops`) written from those libraries'
 documented contracts, read in flash-linear-attention's source (fla/modules/conv/triton/{ops,kernels}.py:
 conv state [N, D, W] whose column c holds the input at relative time c - W, the update shifting it
 by one; fla/ops/gated_delta_rule/{chunk,fused_recurrent}.py: [B, T, H, D] inputs, log-space g,
 V-first states under state_v_first, in-kernel gating/sigmoid/l2norm; fla/ops/utils/index.py:
-chunk indices) and FlashInfer's (flashinfer/gdn_prefill.py, gdn_decode.py: linear-space alpha, the
-pool read and written in place through state indices). The stand-ins check the arguments they rely
+chunk indices), FlashInfer's (flashinfer/gdn_prefill.py, gdn_decode.py: linear-space alpha, the
+pool read and written in place through state indices) and vLLM's (its wheel's mamba/ops/causal_conv1d.py
+and third_party/flash_linear_attention/ops: conv state [S, D, W-1], the conv update writing over its
+input, slot <= 0 skipped by the packed decode). The stand-ins check the arguments they rely
 on, so a composition that passes a K-first state or wrong chunk indices fails here. The recurrence in
 them is a plain float64 per-token loop, independent of qla_serve's reference.
 
