@@ -2,7 +2,7 @@
 # Builds .vllmops/: vLLM 0.33.0's own pure-Triton GDN ops, taken unmodified from the released
 # wheel, for a benchmark on a GPU machine that has torch + triton + numpy but no vLLM (and must not
 # load vLLM's compiled extension). No vLLM code is committed to this repo: everything lands in the
-# git-ignored .vllmops/ (list it in .git/info/exclude).
+# git-ignored .vllmops/ (.gitignore).
 #
 #   bash benchmarks/make_vllm_ops_bundle.sh           # from the repo root
 #   VLLM_WHEEL=/path/vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl bash benchmarks/make_vllm_ops_bundle.sh
