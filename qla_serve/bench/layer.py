@@ -65,12 +65,12 @@ import subprocess
 import time
 from typing import Callable
 
-from .layer_composed import HD, composed_call, composed_step, fla_ops, flashinfer_ops, vllm_ops
+from .layer_composed import COMPOSED, HD, LOADERS, composed_call, composed_step
 
 CONV_WIDTH = 4
 NULL_SLOT = 0
-IMPLS = ("qla", "fla", "flashinfer", "vllm")
-COMPOSED_IMPLS = IMPLS[1:]
+COMPOSED_IMPLS = tuple(COMPOSED)              # fla, flashinfer, vllm (bench/layer_composed.py)
+IMPLS = ("qla", *COMPOSED_IMPLS)
 STATE_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 PREFILL_HEADS = [(2, 8), (4, 16), (16, 64)]
 PREFILL_ROWS = ["1x32768", "1x8192", "16x512", "4x8192", "mixed"]
@@ -195,7 +195,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"(d32+4x512), or 'mixed' = {'+'.join(map(str, NAMED_ROWS['mixed']))}. Default: "
                         f"{','.join(PREFILL_ROWS)} at the prefill heads; decode {dflt}")
     p.add_argument("--impls", type=_list_of(IMPLS, "impls"), default=list(IMPLS),
-                   help="subset of qla,fla,flashinfer,vllm (default: all; an impl whose library is "
+                   help=f"subset of {','.join(IMPLS)} (default: all; an impl whose library is "
                         "missing reports 'not installed')")
     p.add_argument("--states", type=_list_of(tuple(STATE_DTYPES), "states"), default=["fp32", "bf16"],
                    help="SSM state dtypes of decode-only rows (default fp32,bf16)")
@@ -548,12 +548,11 @@ def time_impl(impl, case: LayerCase, nsets: int, args, ops) -> dict:
 
 def load_ops(impls) -> tuple[dict, dict]:
     """({impl: ComposedOps}, {impl: why not}) for the composed impls asked for."""
-    loaders = {"fla": fla_ops, "flashinfer": flashinfer_ops, "vllm": vllm_ops}
     ops, missing = {}, {}
     for impl in impls:
-        if impl in loaders:
+        if impl in LOADERS:
             try:
-                ops[impl] = loaders[impl]()
+                ops[impl] = LOADERS[impl]()
             except Exception as exc:  # noqa: BLE001 - ImportError, or a library failing to load
                 missing[impl] = f"not installed ({type(exc).__name__}: {exc})"[:300]
     return ops, missing

@@ -145,6 +145,12 @@ def composed_step(case, i: int, impl: str = "fla") -> ComposedStep:
     ids = case.slot_sets[i]
     up = lambda xs, dt=torch.long: torch.tensor(xs, dtype=dt).to(dev, non_blocking=True)  # noqa: E731
     step = ComposedStep(num_decodes=D, num_prefill_tokens=sum(lens))
+    if impl == "vllm":          # only what vLLM's builder makes: its "plan host us" is that work
+        if D:
+            step.decode_ids32 = up(ids[:D], torch.int32)
+        if lens:
+            _vllm_step(step, case, ids, up)
+        return step
     if D:
         step.decode_ids, step.decode_ids32 = up(ids[:D]), up(ids[:D], torch.int32)
     if lens:
@@ -158,8 +164,6 @@ def composed_step(case, i: int, impl: str = "fla") -> ComposedStep:
         step.chunk_indices = up(chunk_indices(lens)).view(-1, 2)
         fresh = [s for s, h in zip(ids[D:], has) if not h]
         step.fresh_ids = up(fresh) if fresh else None
-    if impl == "vllm" and lens:
-        _vllm_step(step, case, ids, up)
     return step
 
 
@@ -406,6 +410,7 @@ def _vllm_flashinfer_prefill(ops, q, k, v, g, beta, initial_state, cu_seqlens):
 
 
 COMPOSED = {"fla": fla_layer_forward, "flashinfer": flashinfer_layer_forward, "vllm": vllm_layer_forward}
+LOADERS = {"fla": fla_ops, "flashinfer": flashinfer_ops, "vllm": vllm_ops}   # the same keys: each one's ops
 
 
 def composed_call(impl: str, case, step: ComposedStep, ops: ComposedOps) -> Callable[[], None]:
