@@ -123,39 +123,13 @@ def gdn_layer_prefill_inputs(mixed_qkv, a, b, conv_state, slot_ids, plan, *, con
         (q, k, v, g, beta): q, k [T, Hk, 128] L2-normalised (from the fp32 conv output);
         v [T, Hv, 128] in mixed_qkv's dtype; g, beta [T, Hv] fp32 (contiguous).
     """
+    if not _trusted:
+        check_layer_prefill_args(mixed_qkv, a, b, conv_state, slot_ids, plan, conv_weight=conv_weight,
+                                 conv_bias=conv_bias, activation=activation, has_initial_state=has_initial_state,
+                                 A_log=A_log, dt_bias=dt_bias, num_k_heads=num_k_heads, qk_dtype=qk_dtype)
     act = _activation(activation)
-    if not isinstance(plan, PrefillPlan):
-        raise TypeError(f"plan: expected a PrefillPlan from qla_serve.plan_prefill, got {type(plan).__name__}")
     Hv, Hk = plan.num_v_heads, num_k_heads
-    dim = (2 * Hk + Hv) * V.HEAD_DIM
-    if qk_dtype is None:
-        qk_dtype = prefill_qk_dtype(mixed_qkv) or mixed_qkv.dtype
-    args = (mixed_qkv, a, b, conv_state, slot_ids, conv_weight, conv_bias, has_initial_state, A_log, dt_bias)
-    seen = None if _trusted else _checked_key(("layer_prefill", act, qk_dtype, Hk), args, (slot_ids,))
-    if not _trusted and (seen is None or seen not in plan.kernel_cache):
-        if Hk != plan.num_k_heads:
-            raise ValueError(f"num_k_heads: expected the plan's {plan.num_k_heads}, got {Hk}")
-        T = plan.total_tokens
-        _check_conv(mixed_qkv, conv_state, conv_weight, conv_bias, dim)
-        if mixed_qkv.shape[0] != T:
-            raise ValueError(f"mixed_qkv: expected the plan's {T} tokens, got {mixed_qkv.shape[0]}")
-        if T and (mixed_qkv.stride(0) * mixed_qkv.element_size() % 16 or mixed_qkv.data_ptr() % 16):
-            raise ValueError(f"mixed_qkv: the prefill conv kernel reads rows in 16-byte vectors: expected a row "
-                             f"stride of whole 16 bytes and a 16-byte aligned base, got stride(0) "
-                             f"{mixed_qkv.stride(0)}")
-        V.check_gates(T, Hv, None, None, a, b, A_log, dt_bias, allow_raw=True)
-        V.check_qk_dtype(qk_dtype if qk_dtype != mixed_qkv.dtype else None, mixed_qkv)
-        V.check_index("slot_ids", slot_ids, plan.num_seqs, conv_state.shape[0], "conv_state's slot count",
-                      unique_live=True)
-        if has_initial_state is not None:
-            V.check_dtype("has_initial_state", has_initial_state, (torch.bool,))
-            V.check_shape("has_initial_state", has_initial_state, (plan.num_seqs,))
-        if plan.device != mixed_qkv.device:
-            raise ValueError(f"plan: expected index tensors on {mixed_qkv.device}, got {plan.device}")
-        V.check_device(mixed_qkv.device, a=a, b=b, A_log=A_log, dt_bias=dt_bias, slot_ids=slot_ids,
-                       has_initial_state=has_initial_state)
-        if seen is not None:
-            plan.kernel_cache[seen] = True
+    qk_dtype = _layer_qk_dtype(mixed_qkv, qk_dtype)
     dev, T = mixed_qkv.device, mixed_qkv.shape[0]
     if has_initial_state is None:
         has_init = plan.scratch(("ones_int8", dev), lambda: torch.ones(plan.num_seqs, dtype=torch.int8, device=dev))
@@ -163,14 +137,70 @@ def gdn_layer_prefill_inputs(mixed_qkv, a, b, conv_state, slot_ids, plan, *, con
         has_init = has_initial_state.view(torch.int8)
     a, b = _same_dtype(a, b)
     if _step_buffers:
-        q, k, v, g, beta = plan.scratch(("layer_prefill_outputs", dev, qk_dtype, mixed_qkv.dtype, Hk, T),
-                                        lambda: _prefill_outputs(T, Hk, Hv, qk_dtype, mixed_qkv.dtype, dev))
+        q, k, v, g, beta = prefill_step_buffers(mixed_qkv, plan, num_k_heads=Hk, qk_dtype=qk_dtype)
     else:
         q, k, v, g, beta = _prefill_outputs(T, Hk, Hv, qk_dtype, mixed_qkv.dtype, dev)
     _run("conv_prefill", dev, mixed_qkv.dtype, mixed_qkv, conv_state, conv_weight, conv_bias,
          V.int32_index(slot_ids, dev), has_init, plan.cu_seqlens, a, b, A_log, dt_bias, activation=act,
          q_out=q, k_out=k, v_out=v, g_out=g, beta_out=beta)
     return q, k, v, g, beta
+
+
+def check_layer_prefill_args(mixed_qkv, a, b, conv_state, slot_ids, plan, *, conv_weight, conv_bias=None,
+                             activation="silu", has_initial_state=None, A_log, dt_bias, num_k_heads: int,
+                             qk_dtype=None) -> None:
+    """:func:`gdn_layer_prefill_inputs`' argument checks, without its launches: from host
+    metadata, once per plan and metadata set (kept in the plan). backends/gdn_layer runs every
+    op's checks of a layer call before its first launch (ops.check_prefill_args)."""
+    act = _activation(activation)
+    if not isinstance(plan, PrefillPlan):
+        raise TypeError(f"plan: expected a PrefillPlan from qla_serve.plan_prefill, got {type(plan).__name__}")
+    Hv, Hk = plan.num_v_heads, num_k_heads
+    dim = (2 * Hk + Hv) * V.HEAD_DIM
+    qk_dtype = _layer_qk_dtype(mixed_qkv, qk_dtype)
+    args = (mixed_qkv, a, b, conv_state, slot_ids, conv_weight, conv_bias, has_initial_state, A_log, dt_bias)
+    seen = _checked_key(("layer_prefill", act, qk_dtype, Hk), args, (slot_ids,))
+    if seen is not None and seen in plan.kernel_cache:
+        return
+    if Hk != plan.num_k_heads:
+        raise ValueError(f"num_k_heads: expected the plan's {plan.num_k_heads}, got {Hk}")
+    T = plan.total_tokens
+    _check_conv(mixed_qkv, conv_state, conv_weight, conv_bias, dim)
+    if mixed_qkv.shape[0] != T:
+        raise ValueError(f"mixed_qkv: expected the plan's {T} tokens, got {mixed_qkv.shape[0]}")
+    if T and (mixed_qkv.stride(0) * mixed_qkv.element_size() % 16 or mixed_qkv.data_ptr() % 16):
+        raise ValueError(f"mixed_qkv: the prefill conv kernel reads rows in 16-byte vectors: expected a row "
+                         f"stride of whole 16 bytes and a 16-byte aligned base, got stride(0) "
+                         f"{mixed_qkv.stride(0)}")
+    V.check_gates(T, Hv, None, None, a, b, A_log, dt_bias, allow_raw=True)
+    V.check_qk_dtype(qk_dtype if qk_dtype != mixed_qkv.dtype else None, mixed_qkv)
+    V.check_index("slot_ids", slot_ids, plan.num_seqs, conv_state.shape[0], "conv_state's slot count",
+                  unique_live=True)
+    if has_initial_state is not None:
+        V.check_dtype("has_initial_state", has_initial_state, (torch.bool,))
+        V.check_shape("has_initial_state", has_initial_state, (plan.num_seqs,))
+    if plan.device != mixed_qkv.device:
+        raise ValueError(f"plan: expected index tensors on {mixed_qkv.device}, got {plan.device}")
+    V.check_device(mixed_qkv.device, a=a, b=b, A_log=A_log, dt_bias=dt_bias, slot_ids=slot_ids,
+                   has_initial_state=has_initial_state)
+    if seen is not None:
+        plan.kernel_cache[seen] = True
+
+
+def _layer_qk_dtype(mixed_qkv, qk_dtype):
+    """The prefill inputs' q/k dtype: ``qk_dtype``, or what gdn_prefill reads best here."""
+    return qk_dtype if qk_dtype is not None else (prefill_qk_dtype(mixed_qkv) or mixed_qkv.dtype)
+
+
+def prefill_step_buffers(mixed_qkv, plan, *, num_k_heads: int, qk_dtype=None) -> tuple:
+    """The (q, k, v, g, beta) buffers :func:`gdn_layer_prefill_inputs` writes with
+    ``_step_buffers``: kept in the plan, the same tensors for every call with this plan, these
+    dtypes and ``num_k_heads`` (backends/gdn_layer asks for them ahead, to check gdn_prefill's
+    arguments before the layer's first launch)."""
+    dev, T = mixed_qkv.device, mixed_qkv.shape[0]
+    qk_dtype = _layer_qk_dtype(mixed_qkv, qk_dtype)
+    return plan.scratch(("layer_prefill_outputs", dev, qk_dtype, mixed_qkv.dtype, num_k_heads, T),
+                        lambda: _prefill_outputs(T, num_k_heads, plan.num_v_heads, qk_dtype, mixed_qkv.dtype, dev))
 
 
 def _prefill_outputs(T: int, Hk: int, Hv: int, qk_dtype, v_dtype, device) -> tuple:
@@ -224,7 +254,7 @@ def checkpoint_conv_table(slot_ids, chunks, cu_seqlens) -> tuple:
 
 
 def causal_conv_checkpoints(x, conv_state, slot_ids, chunks, cu_seqlens, *, width: int, num_v_heads: int,
-                            table=None) -> None:
+                            table=None, _trusted=False) -> None:
     """The conv side of gdn_prefill's checkpoints: conv_state[slot_ids[s], :, :W-1] <- the W-1
     raw inputs before token min(64 * chunks[s], len_s) of sequence s, for the same rows
     gdn_prefill writes an SSM checkpoint for (1 <= chunks[s] <= ceil(len_s / 64), slot >= 0).
@@ -233,18 +263,10 @@ def causal_conv_checkpoints(x, conv_state, slot_ids, chunks, cu_seqlens, *, widt
     (vLLM's checkpoint offsets are >= 64). Device ops only: the kernel is the prefill's conv-state
     write-back (conv_window) over an interleaved table, sequence s split at its checkpoint.
     ``table``: :func:`checkpoint_conv_table` of these same three tensors, when the caller keeps
-    it for a step's layers (else derived here: ~10 small launches)."""
-    key = _checked_key(("conv_checkpoints", width, num_v_heads), (x, conv_state, slot_ids, chunks, cu_seqlens),
-                       (slot_ids,))
-    if _checks_due(key):
-        N = V.index_vector("cu_seqlens", cu_seqlens) - 1
-        V.check_index("slot_ids", slot_ids, N, conv_state.shape[0], "conv_state's slot count", unique_live=True)
-        V.index_vector("chunks", chunks, N)
-        V.check_dtype("conv_state", conv_state, CONV_DTYPES)
-        if not (isinstance(width, int) and 2 <= width <= 8 and conv_state.shape[2] >= width - 1):
-            raise ValueError(f"width: expected the conv width (2..8, <= conv_state's columns + 1), got {width}")
-        V.check_device(x.device, conv_state=conv_state, slot_ids=slot_ids, chunks=chunks, cu_seqlens=cu_seqlens)
-        _passed(key)
+    it for a step's layers (else derived here: ~10 small launches). ``_trusted``: internal
+    (backends/gdn_layer), as :func:`causal_conv_spec`'s."""
+    if not _trusted:
+        check_conv_checkpoints_args(x, conv_state, slot_ids, chunks, cu_seqlens, width=width)
     N = slot_ids.shape[0]
     if not N or x.shape[0] == 0:
         return
@@ -256,6 +278,21 @@ def causal_conv_checkpoints(x, conv_state, slot_ids, chunks, cu_seqlens, *, widt
     cu_table, slots, flags = table
     _run("conv_window", x.device, x.dtype, x, conv_state, slots, flags, cu_table, num_v_heads=num_v_heads,
          width=width)
+
+
+def check_conv_checkpoints_args(x, conv_state, slot_ids, chunks, cu_seqlens, *, width: int) -> None:
+    """:func:`causal_conv_checkpoints`' argument checks, without its launch (once per metadata set)."""
+    key = _checked_key(("conv_checkpoints", width), (x, conv_state, slot_ids, chunks, cu_seqlens),
+                       (slot_ids,))
+    if _checks_due(key):
+        N = V.index_vector("cu_seqlens", cu_seqlens) - 1
+        V.check_index("slot_ids", slot_ids, N, conv_state.shape[0], "conv_state's slot count", unique_live=True)
+        V.index_vector("chunks", chunks, N)
+        V.check_dtype("conv_state", conv_state, CONV_DTYPES)
+        if not (isinstance(width, int) and 2 <= width <= 8 and conv_state.shape[2] >= width - 1):
+            raise ValueError(f"width: expected the conv width (2..8, <= conv_state's columns + 1), got {width}")
+        V.check_device(x.device, conv_state=conv_state, slot_ids=slot_ids, chunks=chunks, cu_seqlens=cu_seqlens)
+        _passed(key)
 
 
 def causal_conv_decode(x, conv_state, slot_ids, *, conv_weight, conv_bias=None, activation="silu",
@@ -272,22 +309,10 @@ def causal_conv_decode(x, conv_state, slot_ids, *, conv_weight, conv_bias=None, 
         y [B, dim] = act(conv) in x's dtype: q | k | v for :func:`qla_serve.gdn_decode` with
         ``use_qk_l2norm=True``.
     """
+    if not _trusted:
+        check_conv_decode_args(x, conv_state, slot_ids, conv_weight=conv_weight, conv_bias=conv_bias,
+                               activation=activation, num_v_heads=num_v_heads, out=out)
     act = _activation(activation)
-    key = None if _trusted else _checked_key(("conv_decode", act, num_v_heads),
-                                             (x, conv_state, slot_ids, conv_weight, conv_bias, out), (slot_ids,))
-    if not _trusted and _checks_due(key):
-        dim = x.shape[-1] if isinstance(x, torch.Tensor) else 0
-        if not (isinstance(num_v_heads, int) and num_v_heads > 0 and dim % V.HEAD_DIM == 0
-                and (dim // V.HEAD_DIM - num_v_heads) > 0 and (dim // V.HEAD_DIM - num_v_heads) % 2 == 0):
-            raise ValueError(f"num_v_heads: expected a positive count that leaves x's {dim} channels "
-                             f"two equal q/k parts of 128-channel heads, got {num_v_heads}")
-        _check_conv(x, conv_state, conv_weight, conv_bias, dim)
-        V.check_index("slot_ids", slot_ids, x.shape[0], conv_state.shape[0], "conv_state's slot count",
-                      unique_live=True)
-        V.check_device(x.device, slot_ids=slot_ids)
-        if out is not None:
-            _check_conv_out(out, x)
-        _passed(key)
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _run("conv_decode", x.device, x.dtype, x, conv_state, conv_weight, conv_bias, V.int32_index(slot_ids, x.device),
@@ -295,8 +320,31 @@ def causal_conv_decode(x, conv_state, slot_ids, *, conv_weight, conv_bias=None, 
     return out
 
 
+def check_conv_decode_args(x, conv_state, slot_ids, *, conv_weight, conv_bias=None, activation="silu",
+                           num_v_heads: int, out=None) -> None:
+    """:func:`causal_conv_decode`'s argument checks, without its launch (once per metadata set,
+    as ops.check_decode_args)."""
+    act = _activation(activation)
+    key = _checked_key(("conv_decode", act, num_v_heads), (x, conv_state, slot_ids, conv_weight, conv_bias, out),
+                       (slot_ids,))
+    if not _checks_due(key):
+        return
+    dim = x.shape[-1] if isinstance(x, torch.Tensor) else 0
+    if not (isinstance(num_v_heads, int) and num_v_heads > 0 and dim % V.HEAD_DIM == 0
+            and (dim // V.HEAD_DIM - num_v_heads) > 0 and (dim // V.HEAD_DIM - num_v_heads) % 2 == 0):
+        raise ValueError(f"num_v_heads: expected a positive count that leaves x's {dim} channels "
+                         f"two equal q/k parts of 128-channel heads, got {num_v_heads}")
+    _check_conv(x, conv_state, conv_weight, conv_bias, dim)
+    V.check_index("slot_ids", slot_ids, x.shape[0], conv_state.shape[0], "conv_state's slot count",
+                  unique_live=True)
+    V.check_device(x.device, slot_ids=slot_ids)
+    if out is not None:
+        _check_conv_out(out, x)
+    _passed(key)
+
+
 def causal_conv_spec(x, conv_state, slot_ids, num_accepted, cu_seqlens, *, conv_weight, conv_bias=None,
-                     activation="silu", num_v_heads: int, draft: int, out=None):
+                     activation="silu", num_v_heads: int, draft: int, out=None, _trusted=False):
     """A speculative step's conv over vLLM's sliding-window conv state (hopper/conv.py).
 
     Args:
@@ -308,7 +356,25 @@ def causal_conv_spec(x, conv_state, slot_ids, num_accepted, cu_seqlens, *, conv_
     Returns:
         y [Ts, dim] in x's dtype (rows of padding sequences zero; rows past cu_seqlens[N] as
         ``out`` held them, uninitialised when allocated here).
+        _trusted: internal (backends/gdn_layer): checked by :func:`check_conv_spec_args` in
+            this layer call or a matching one of the step.
     """
+    if not _trusted:
+        check_conv_spec_args(x, conv_state, slot_ids, num_accepted, cu_seqlens, conv_weight=conv_weight,
+                             conv_bias=conv_bias, activation=activation, num_v_heads=num_v_heads, draft=draft,
+                             out=out)
+    act = _activation(activation)
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _run("conv_spec", x.device, x.dtype, x, conv_state, conv_weight, conv_bias, V.int32_index(slot_ids, x.device),
+         _int32(num_accepted, x.device), _int32(cu_seqlens, x.device), num_v_heads=num_v_heads, draft=draft,
+         activation=act, out=out)
+    return out
+
+
+def check_conv_spec_args(x, conv_state, slot_ids, num_accepted, cu_seqlens, *, conv_weight, conv_bias=None,
+                         activation="silu", num_v_heads: int, draft: int, out=None) -> None:
+    """:func:`causal_conv_spec`'s argument checks, without its launch (once per metadata set)."""
     act = _activation(activation)
     key = _checked_key(("conv_spec", act, num_v_heads, draft),
                        (x, conv_state, slot_ids, num_accepted, cu_seqlens, conv_weight, conv_bias, out),
@@ -327,16 +393,10 @@ def causal_conv_spec(x, conv_state, slot_ids, num_accepted, cu_seqlens, *, conv_
         if out is not None:
             _check_conv_out(out, x)
         _passed(key)
-    if out is None:
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _run("conv_spec", x.device, x.dtype, x, conv_state, conv_weight, conv_bias, V.int32_index(slot_ids, x.device),
-         _int32(num_accepted, x.device), _int32(cu_seqlens, x.device), num_v_heads=num_v_heads, draft=draft,
-         activation=act, out=out)
-    return out
 
 
 def gdn_verify_slots(q, k, v, pool, spec_slot_ids, num_accepted, cu_seqlens, *, a, b, A_log, dt_bias,
-                     use_qk_l2norm=True, scale=None, out=None):
+                     use_qk_l2norm=True, scale=None, out=None, _trusted=False):
     """Speculative verify into per-token slots (vLLM's layout), no scratch and no commit.
 
     Sequence i starts from ``pool[spec_slot_ids[i, num_accepted[i] - 1]]``; the state after its
@@ -349,9 +409,26 @@ def gdn_verify_slots(q, k, v, pool, spec_slot_ids, num_accepted, cu_seqlens, *, 
         pool: [S, Hv, 128, 128] fp32/bf16; spec_slot_ids: [N, D] int32 (unit column stride);
         num_accepted: [N] int32 in 1..D for live rows.
         a, b: [T, Hv] raw gate logits; A_log, dt_bias: [Hv] (fused gating, as gdn_decode).
+        _trusted: internal (backends/gdn_layer), as :func:`causal_conv_spec`'s.
     Returns:
         o [T, Hv, 128] in q's dtype.
     """
+    if not _trusted:
+        check_verify_slots_args(q, k, v, pool, spec_slot_ids, num_accepted, cu_seqlens, a=a, b=b, A_log=A_log,
+                                dt_bias=dt_bias, use_qk_l2norm=use_qk_l2norm, scale=scale, out=out)
+    l2 = V.check_flag("use_qk_l2norm", use_qk_l2norm)
+    s = _scale(scale)
+    a, b = _same_dtype(a, b)
+    if out is None:
+        out = torch.empty((q.shape[0], v.shape[1], V.HEAD_DIM), dtype=q.dtype, device=q.device)
+    _run("verify_slots", q.device, q.dtype, q, k, v, pool, spec_slot_ids, num_accepted, cu_seqlens,
+         a=a, b=b, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm=l2, scale=s, out=out)
+    return out
+
+
+def check_verify_slots_args(q, k, v, pool, spec_slot_ids, num_accepted, cu_seqlens, *, a, b, A_log, dt_bias,
+                            use_qk_l2norm=True, scale=None, out=None) -> None:
+    """:func:`gdn_verify_slots`' argument checks, without its launch (once per metadata set)."""
     key = _checked_key("verify_slots", (q, k, v, pool, spec_slot_ids, num_accepted, cu_seqlens, a, b,
                                         A_log, dt_bias, out), (spec_slot_ids, num_accepted, cu_seqlens))
     if _checks_due(key):
@@ -379,11 +456,5 @@ def gdn_verify_slots(q, k, v, pool, spec_slot_ids, num_accepted, cu_seqlens, *, 
         if out is not None:
             V.output(out, (T, Hv, V.HEAD_DIM), q.dtype, q.device)
         _passed(key)
-    l2 = V.check_flag("use_qk_l2norm", use_qk_l2norm)
-    s = _scale(scale)
-    a, b = _same_dtype(a, b)
-    if out is None:
-        out = torch.empty((q.shape[0], v.shape[1], V.HEAD_DIM), dtype=q.dtype, device=q.device)
-    _run("verify_slots", q.device, q.dtype, q, k, v, pool, spec_slot_ids, num_accepted, cu_seqlens,
-         a=a, b=b, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm=l2, scale=s, out=out)
-    return out
+    V.check_flag("use_qk_l2norm", use_qk_l2norm)
+    _scale(scale)

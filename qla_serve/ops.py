@@ -108,14 +108,8 @@ def gdn_prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state=Non
         TileLang path they hold that sequence's outputs from a zero state (_zero_padding_rows).
     """
     if not _trusted:
-        args = (q, k, v, g, beta, pool, slot_ids, has_initial_state, out)
-        seen = None
-        if isinstance(getattr(plan, "kernel_cache", None), dict):  # (no cache: checked on every call)
-            seen = _checked_key("ops.gdn_prefill checked", args, (slot_ids,))
-        if seen is None or seen not in plan.kernel_cache:
-            _check_prefill(plan, *args)
-            if seen is not None:
-                plan.kernel_cache[seen] = True
+        check_prefill_args(q, k, v, g, beta, pool, slot_ids, plan, has_initial_state=has_initial_state,
+                           scale=scale, out=out, checkpoints=checkpoints)
     extra = {}
     if checkpoints is not None:
         extra["checkpoints"] = _checkpoint_ids(checkpoints, plan.num_seqs, pool.shape[0], q.device)
@@ -126,6 +120,25 @@ def gdn_prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state=Non
                 has_initial_state=has_initial_state, scale=_scale(scale), out=out, **extra)
     _zero_padding_rows(out, slot_ids, plan, path)
     return out
+
+
+def check_prefill_args(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state=None, scale=None, out=None,
+                       checkpoints=None) -> None:
+    """:func:`gdn_prefill`'s argument checks, without its launch: from host metadata (values
+    only where they are on the CPU), once per plan and metadata set (kept in the plan).
+    backends/gdn_layer runs every op's checks of a layer call before its first launch, so a
+    refused argument leaves every state slot as it was."""
+    args = (q, k, v, g, beta, pool, slot_ids, has_initial_state, out)
+    seen = None
+    if isinstance(getattr(plan, "kernel_cache", None), dict):  # (no cache: checked on every call)
+        seen = _checked_key("ops.gdn_prefill checked", args, (slot_ids,))
+    if seen is None or seen not in plan.kernel_cache:
+        _check_prefill(plan, *args)
+        if seen is not None:
+            plan.kernel_cache[seen] = True
+    _scale(scale)
+    if checkpoints is not None:
+        _checkpoint_ids(checkpoints, plan.num_seqs, pool.shape[0], q.device)
 
 
 def _checkpoint_ids(checkpoints, n: int, num_slots: int, device) -> tuple:
@@ -328,15 +341,9 @@ def gdn_decode(q, k, v, pool, slot_ids, *, g=None, beta=None, a=None, b=None, A_
     Returns:
         o [B, Hv, 128] in q's dtype.
     """
-    key = None if _trusted else \
-        _checked_key("decode", (q, k, v, pool, slot_ids, g, beta, a, b, A_log, dt_bias, out), (slot_ids,))
-    if not _trusted and _checks_due(key):
-        B, Hk, Hv = _check_step_inputs(q, k, v, pool, g, beta, a, b, A_log, dt_bias)
-        V.check_index("slot_ids", slot_ids, B, pool.shape[0], _SLOTS, unique_live=True)
-        V.check_device(q.device, slot_ids=slot_ids)
-        if out is not None:
-            V.output(out, (B, v.shape[1], V.HEAD_DIM), q.dtype, q.device)
-        _passed(key)
+    if not _trusted:
+        check_decode_args(q, k, v, pool, slot_ids, g=g, beta=beta, a=a, b=b, A_log=A_log, dt_bias=dt_bias,
+                          use_qk_l2norm=use_qk_l2norm, scale=scale, out=out)
     l2 = V.check_flag("use_qk_l2norm", use_qk_l2norm)
     s = _scale(scale)
     a, b = _same_dtype(a, b)
@@ -345,6 +352,22 @@ def gdn_decode(q, k, v, pool, slot_ids, *, g=None, beta=None, a=None, b=None, A_
     _run("decode", q.device, q.dtype, q, k, v, pool, V.int32_index(slot_ids, q.device), g=g, beta=beta, a=a,
          b=b, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm=l2, scale=s, out=out, after_conv=bool(_after_conv))
     return out
+
+
+def check_decode_args(q, k, v, pool, slot_ids, *, g=None, beta=None, a=None, b=None, A_log=None, dt_bias=None,
+                      use_qk_l2norm=False, scale=None, out=None) -> None:
+    """:func:`gdn_decode`'s argument checks, without its launch (as :func:`check_prefill_args`;
+    once per metadata set: _checked_steps)."""
+    key = _checked_key("decode", (q, k, v, pool, slot_ids, g, beta, a, b, A_log, dt_bias, out), (slot_ids,))
+    if _checks_due(key):
+        B, Hk, Hv = _check_step_inputs(q, k, v, pool, g, beta, a, b, A_log, dt_bias)
+        V.check_index("slot_ids", slot_ids, B, pool.shape[0], _SLOTS, unique_live=True)
+        V.check_device(q.device, slot_ids=slot_ids)
+        if out is not None:
+            V.output(out, (B, v.shape[1], V.HEAD_DIM), q.dtype, q.device)
+        _passed(key)
+    V.check_flag("use_qk_l2norm", use_qk_l2norm)
+    _scale(scale)
 
 
 def gdn_verify(q, k, v, pool, slot_ids, cu_seqlens, intermediate, intermediate_ids, *,

@@ -35,19 +35,20 @@ left as they are (the adapters hand a zeroed ``out``).
 
 Host work: :func:`make_step_plan` runs once per step with no per-token Python (the prefill plan
 from the CPU lengths); :func:`gdn_layer_forward` syncs nothing and, past the first layer of a
-step, neither re-derives slot ids nor re-checks argument metadata.
+step, neither re-derives slot ids nor re-checks argument metadata. Where it checks, it runs
+every op's checks before its first launch: a refused argument writes no slot.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
 import qla_serve
 from qla_serve import layer_ops
-from qla_serve.ops import _checked_key
+from qla_serve.ops import _checked_key, check_decode_args, check_prefill_args
 from qla_serve.plan import PrefillPlan
 
 HEAD_DIM = 128
@@ -252,6 +253,17 @@ def _layer_key(step: StepPlan, tensors, scalars) -> tuple | None:
     return key if key is not None and index else None
 
 
+class _Layer(NamedTuple):
+    """One layer call's arguments that every op of the call shares."""
+    conv_state: torch.Tensor
+    ssm_state: torch.Tensor
+    num_k_heads: int
+    num_v_heads: int
+    scale: float | None
+    conv: dict      # conv_weight, conv_bias, activation
+    gates: dict     # A_log, dt_bias
+
+
 def gdn_layer_forward(step: StepPlan, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
                       conv_weight: torch.Tensor, conv_bias: torch.Tensor | None, activation,
                       conv_state: torch.Tensor, ssm_state: torch.Tensor, A_log: torch.Tensor,
@@ -269,6 +281,10 @@ def gdn_layer_forward(step: StepPlan, mixed_qkv: torch.Tensor, a: torch.Tensor, 
         A_log, dt_bias: [Hv]. num_k_heads: TP-local Hk.
         out: [>= T, Hv, 128] in mixed_qkv's dtype; rows of padding tokens are left as they are.
         on_call: optional callback(kind, count) for instrumentation ("decode", "prefill", "spec").
+
+    Every op's arguments are checked before the call's first launch (on the step's first layer,
+    and on a later one whose metadata differs), so an argument refused by any op leaves every
+    conv and SSM state slot as it was.
     """
     T = step.num_actual_tokens
     if T == 0:
@@ -276,65 +292,115 @@ def gdn_layer_forward(step: StepPlan, mixed_qkv: torch.Tensor, a: torch.Tensor, 
     Hv = ssm_state.shape[1]
     key = _layer_key(step, (mixed_qkv, a, b, conv_weight, conv_bias, conv_state, ssm_state, A_log, dt_bias, out),
                      (activation, scale, num_k_heads))
-    trusted = key in step._checked
+    layer = _Layer(conv_state, ssm_state, num_k_heads, Hv, scale,
+                   dict(conv_weight=conv_weight, conv_bias=conv_bias, activation=activation),
+                   dict(A_log=A_log, dt_bias=dt_bias))
     x, a, b = _rows(mixed_qkv, 0, T), _rows(a, 0, T), _rows(b, 0, T)
     Td, Tp = step.num_decodes, step.num_prefill_tokens
-    conv = dict(conv_weight=conv_weight, conv_bias=conv_bias, activation=activation)
-    gates = dict(A_log=A_log, dt_bias=dt_bias)
-
+    parts = []   # (kind, count, check, launch) in launch order; no launch before every check passed
+    xn, an, bn, out_n = x, a, b, out
     if step.num_spec_decodes:
-        idx = step.spec_token_idx
-        xs, as_, bs = (t if idx is None else t.index_select(0, idx) for t in (x, a, b))
-        o_spec = out[:T] if idx is None else torch.empty(xs.shape[0], Hv, HEAD_DIM, dtype=out.dtype,
-                                                         device=out.device)
-        ids, acc, cu = step.ids("spec"), step.ids("num_accepted"), step.ids("spec_cu_seqlens")
-        y = layer_ops.causal_conv_spec(xs, conv_state, step.ids("spec_conv"), acc, cu, num_v_heads=Hv,
-                                       draft=ids.shape[1], **conv)
-        q, k, v = _split_qkv(y, num_k_heads, Hv)
-        layer_ops.gdn_verify_slots(q, k, v, ssm_state, ids, acc, cu, a=as_, b=bs, use_qk_l2norm=True,
-                                   scale=scale, out=o_spec, **gates)
-        if idx is not None:
-            out.index_copy_(0, idx.long(), o_spec)
-        if on_call:
-            on_call("spec", step.num_spec_decodes)
-        if step.non_spec_token_idx is None or (Td + Tp) == 0:
-            if key is not None:
-                step._checked.add(key)
-            return
-        idx = step.non_spec_token_idx
-        xn, an, bn = (t.index_select(0, idx) for t in (x, a, b))
-        out_n = torch.empty(Td + Tp, Hv, HEAD_DIM, dtype=out.dtype, device=out.device)
-    else:
-        xn, an, bn = x, a, b
-        out_n = out
-
+        parts.append(("spec", step.num_spec_decodes, *_spec_ops(step, layer, x, a, b, out)))
+        if step.non_spec_token_idx is None or Td + Tp == 0:
+            Td = Tp = 0
+        else:
+            idx = step.non_spec_token_idx
+            xn, an, bn = (t.index_select(0, idx) for t in (x, a, b))
+            out_n = torch.empty(Td + Tp, Hv, HEAD_DIM, dtype=out.dtype, device=out.device)
     if Td:
-        ids = step.ids("decode")
-        y = layer_ops.causal_conv_decode(_rows(xn, 0, Td), conv_state, ids, num_v_heads=Hv, _trusted=trusted,
-                                         **conv)
-        q, k, v = _split_qkv(y, num_k_heads, Hv)
-        qla_serve.gdn_decode(q, k, v, ssm_state, ids, a=_rows(an, 0, Td), b=_rows(bn, 0, Td), use_qk_l2norm=True,
-                             scale=scale, out=_rows(out_n, 0, Td), _after_conv=Td * Hv <= DECODE_AFTER_CONV_MAX_ROWS,
-                             _trusted=trusted, **gates)
-        if on_call:
-            on_call("decode", Td)
+        parts.append(("decode", Td, *_decode_ops(step, layer, _rows(xn, 0, Td), _rows(an, 0, Td), _rows(bn, 0, Td),
+                                                 _rows(out_n, 0, Td))))
     if Tp:
-        plan, ids, has_init = step.prefill_plan, step.ids("prefill"), step.prefill_has_initial_state
-        xp, ap, bp = _rows(xn, Td, Td + Tp), _rows(an, Td, Td + Tp), _rows(bn, Td, Td + Tp)
-        checkpoints = None
-        if step.prefill_checkpoint_chunks is not None:
-            checkpoints = (step.prefill_checkpoint_chunks, step.ids("prefill_checkpoint"))
-            layer_ops.causal_conv_checkpoints(xp, conv_state, checkpoints[1], checkpoints[0],
-                                              plan.cu_seqlens, width=conv_weight.shape[1], num_v_heads=Hv,
-                                              table=step.checkpoint_conv_table())
-        q, k, v, g, beta = layer_ops.gdn_layer_prefill_inputs(
-            xp, ap, bp, conv_state, ids, plan, has_initial_state=has_init, num_k_heads=num_k_heads,
-            _trusted=trusted, _step_buffers=True, **conv, **gates)
-        qla_serve.gdn_prefill(q, k, v, g, beta, ssm_state, ids, plan, has_initial_state=has_init,
-                              scale=scale, out=_rows(out_n, Td, Td + Tp), checkpoints=checkpoints, _trusted=trusted)
+        rows = (_rows(t, Td, Td + Tp) for t in (xn, an, bn, out_n))
+        parts.append(("prefill", step.num_prefills, *_prefill_ops(step, layer, *rows)))
+    if key not in step._checked:
+        for _, _, check, _ in parts:
+            check()
+    for kind, count, _, launch in parts:
+        launch()
         if on_call:
-            on_call("prefill", step.num_prefills)
+            on_call(kind, count)
     if out_n is not out:
         out.index_copy_(0, step.non_spec_token_idx.long(), out_n)
     if key is not None:
         step._checked.add(key)
+
+
+def _spec_ops(step: StepPlan, layer: _Layer, x, a, b, out) -> tuple:
+    """(check, launch) of the step's spec decodes: their conv over vLLM's sliding window, then the
+    verify into per-token slots. x, a, b, out: the call's first T rows; the spec tokens are at
+    ``step.spec_token_idx`` (None: all of them)."""
+    idx, T = step.spec_token_idx, step.num_actual_tokens
+    xs, as_, bs = (t if idx is None else t.index_select(0, idx) for t in (x, a, b))
+    o = _rows(out, 0, T) if idx is None else torch.empty(xs.shape[0], layer.num_v_heads, HEAD_DIM,
+                                                           dtype=out.dtype, device=out.device)
+    ids, acc, cu = step.ids("spec"), step.ids("num_accepted"), step.ids("spec_cu_seqlens")
+    y = torch.empty(xs.shape, dtype=xs.dtype, device=xs.device)
+    q, k, v = _split_qkv(y, layer.num_k_heads, layer.num_v_heads)
+    conv_args = (xs, layer.conv_state, step.ids("spec_conv"), acc, cu)
+    conv_kw = dict(num_v_heads=layer.num_v_heads, draft=ids.shape[1], out=y, **layer.conv)
+    verify_args = (q, k, v, layer.ssm_state, ids, acc, cu)
+    verify_kw = dict(a=as_, b=bs, use_qk_l2norm=True, scale=layer.scale, out=o, **layer.gates)
+
+    def check():
+        layer_ops.check_conv_spec_args(*conv_args, **conv_kw)
+        layer_ops.check_verify_slots_args(*verify_args, **verify_kw)
+
+    def launch():
+        layer_ops.causal_conv_spec(*conv_args, **conv_kw, _trusted=True)
+        layer_ops.gdn_verify_slots(*verify_args, **verify_kw, _trusted=True)
+        if idx is not None:
+            out.index_copy_(0, idx.long(), o)
+    return check, launch
+
+
+def _decode_ops(step: StepPlan, layer: _Layer, x, a, b, out) -> tuple:
+    """(check, launch) of the step's decodes (x, a, b, out: their rows): the conv with its window
+    shift, then gdn_decode on its q | k | v with the raw gates and the in-kernel L2 norm."""
+    ids = step.ids("decode")
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    q, k, v = _split_qkv(y, layer.num_k_heads, layer.num_v_heads)
+    conv_args, conv_kw = (x, layer.conv_state, ids), dict(num_v_heads=layer.num_v_heads, out=y, **layer.conv)
+    decode_args = (q, k, v, layer.ssm_state, ids)
+    decode_kw = dict(a=a, b=b, use_qk_l2norm=True, scale=layer.scale, out=out, **layer.gates)
+
+    def check():
+        layer_ops.check_conv_decode_args(*conv_args, **conv_kw)
+        check_decode_args(*decode_args, **decode_kw)
+
+    def launch():
+        layer_ops.causal_conv_decode(*conv_args, **conv_kw, _trusted=True)
+        qla_serve.gdn_decode(*decode_args, **decode_kw, _trusted=True,
+                             _after_conv=x.shape[0] * layer.num_v_heads <= DECODE_AFTER_CONV_MAX_ROWS)
+    return check, launch
+
+
+def _prefill_ops(step: StepPlan, layer: _Layer, x, a, b, out) -> tuple:
+    """(check, launch) of the step's prefills (x, a, b, out: their rows): with checkpoints their
+    conv windows, then the conv with the conv-state write-back, split, L2 norm and gates into the
+    step's buffers, then gdn_prefill with the step's plan."""
+    plan, ids, has_init = step.prefill_plan, step.ids("prefill"), step.prefill_has_initial_state
+    q, k, v, g, beta = layer_ops.prefill_step_buffers(x, plan, num_k_heads=layer.num_k_heads)
+    checkpoints = None
+    if step.prefill_checkpoint_chunks is not None:
+        checkpoints = (step.prefill_checkpoint_chunks, step.ids("prefill_checkpoint"))
+        windows_args = (x, layer.conv_state, checkpoints[1], checkpoints[0], plan.cu_seqlens)
+        width = layer.conv["conv_weight"].shape[1]
+    inputs_args = (x, a, b, layer.conv_state, ids, plan)
+    inputs_kw = dict(has_initial_state=has_init, num_k_heads=layer.num_k_heads, **layer.conv, **layer.gates)
+    core_args = (q, k, v, g, beta, layer.ssm_state, ids, plan)
+    core_kw = dict(has_initial_state=has_init, scale=layer.scale, out=out, checkpoints=checkpoints)
+
+    def check():
+        if checkpoints is not None:
+            layer_ops.check_conv_checkpoints_args(*windows_args, width=width)
+        layer_ops.check_layer_prefill_args(*inputs_args, **inputs_kw)
+        check_prefill_args(*core_args, **core_kw)
+
+    def launch():
+        if checkpoints is not None:
+            layer_ops.causal_conv_checkpoints(*windows_args, width=width, num_v_heads=layer.num_v_heads,
+                                              table=step.checkpoint_conv_table(), _trusted=True)
+        layer_ops.gdn_layer_prefill_inputs(*inputs_args, **inputs_kw, _trusted=True, _step_buffers=True)
+        qla_serve.gdn_prefill(*core_args, **core_kw, _trusted=True)
+    return check, launch

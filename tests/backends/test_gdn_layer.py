@@ -290,6 +290,64 @@ def test_prefill_lens_must_match_slots():
                           prefill_slots=torch.tensor([1, 2], dtype=torch.int32))
 
 
+# A step's batch (spec rows of D = 2 tokens) and one argument that only a later op of the layer
+# call checks: the core's (scale, out) or the prefill's (has_initial_state) after a conv or a
+# decode that an earlier op launches.
+_REFUSED = [("decode", "scale"), ("decode", "out"), ("mixed", "has_initial_state"), ("mixed", "scale"),
+            ("checkpoints", "scale"), ("spec", "scale"), ("spec", "out"), ("spec+prefill", "has_initial_state")]
+
+
+def _refused_call(device, kind, bad, monkeypatch):
+    """A layer call with one bad argument raises, naming it, before any launch: the whole conv
+    and SSM caches stay bit-identical (before, a conv or a decode launched ahead of the op that
+    refused the argument had already written the batch's slots)."""
+    from qla_serve import ops
+
+    monkeypatch.setattr(ops, "_checked_steps", {})    # decode/verify keep passed keys process-wide
+    gen = torch.Generator().manual_seed(9)
+    spec = kind.startswith("spec")
+    conv, ssm = _cache(16, torch.float32, device, gen, spec_cols=1 if spec else 0)
+    w, bias, A_log, dt_bias = _weights(gen, device)
+    i32 = dict(dtype=torch.int32, device=device)
+    kw = dict(num_v_heads=HV, num_k_heads=HK, conv_width=W, device=device)
+    lens, T = [], 0
+    if kind in ("decode", "mixed"):
+        kw.update(decode_slots=torch.tensor([3, 7], **i32))
+        T += 2
+    if kind in ("mixed", "checkpoints", "spec+prefill"):
+        lens = [70] if kind == "checkpoints" else [5, 9]
+        kw.update(prefill_lens=lens, prefill_slots=torch.tensor([5, 9][:len(lens)], **i32),
+                  prefill_has_initial_state=torch.tensor([False, True][:len(lens)], device=device))
+        T += sum(lens)
+    if kind == "checkpoints":
+        kw.update(prefill_checkpoint_chunks=[1], prefill_checkpoint_slots=torch.tensor([10], **i32))
+    if spec:
+        Ts = 3
+        kw.update(spec_slots=torch.tensor([[1, 2], [11, 12]], **i32), spec_cu_seqlens=torch.tensor([0, 2, 3], **i32),
+                  num_accepted=torch.tensor([1, 2], **i32), num_spec_tokens=Ts)
+        if lens:
+            kw.update(spec_token_idx=torch.arange(Ts, **i32), non_spec_token_idx=torch.arange(Ts, Ts + T, **i32))
+        T += Ts
+    if bad == "has_initial_state":
+        kw["prefill_has_initial_state"] = kw["prefill_has_initial_state"].to(torch.int32)
+    step = GL.make_step_plan(num_actual_tokens=T, **kw)
+    x = torch.randn(T, DIM, generator=gen).to(device)
+    a, b = (torch.randn(T, HV, generator=gen).to(device) for _ in range(2))
+    out = torch.zeros(T, HV, D_HEAD, dtype=torch.float16 if bad == "out" else torch.float32, device=device)
+    conv0, ssm0 = conv.clone(), ssm.clone()
+    with pytest.raises((TypeError, ValueError), match=f"^{bad}: "):
+        GL.gdn_layer_forward(step, x, a, b, conv_weight=w, conv_bias=bias, activation="silu", conv_state=conv,
+                             ssm_state=ssm, A_log=A_log, dt_bias=dt_bias, num_k_heads=HK, out=out,
+                             scale=float("nan") if bad == "scale" else None)
+    assert torch.equal(conv, conv0), "conv state written before the refusal"
+    assert torch.equal(ssm, ssm0), "SSM state written before the refusal"
+
+
+@pytest.mark.parametrize("kind,bad", _REFUSED)
+def test_a_refused_argument_writes_no_slot_cpu(kind, bad, monkeypatch):
+    _refused_call("cpu", kind, bad, monkeypatch)
+
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -371,6 +429,13 @@ def test_later_layers_of_a_step_skip_the_checks_cpu(monkeypatch):
 @needs_cuda
 def test_later_layers_of_a_step_skip_the_checks_gpu(monkeypatch):
     _run_later_layers("cuda", torch.bfloat16, monkeypatch)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("kind,bad", _REFUSED)
+def test_a_refused_argument_writes_no_slot_gpu(kind, bad, monkeypatch):
+    _refused_call("cuda", kind, bad, monkeypatch)
 
 
 @pytest.mark.gpu
