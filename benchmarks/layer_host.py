@@ -1,11 +1,13 @@
 """Where one GDN layer call's host time goes (the adapters' `gdn_layer_forward`, eager).
 
-    python benchmarks/layer_host.py [--rows 2/8:d1,2/8:16x512,...] [--calls 300] [--top 25]
+    python benchmarks/layer_host.py [--rows 2/8:d1,2/8:16x512,...] [--calls 300] [--top 25] [--first-layer]
 
 Engines run prefill and mixed steps eagerly, so every GDN layer of such a step pays this on the
 CPU. For each row: the issue time of one call from an idle GPU (as `bench layer`'s "host issue
 us") and of back-to-back calls, the GPU time per call (events), then a cProfile of the
-back-to-back calls: the functions with the most own time.
+back-to-back calls: the functions with the most own time. ``--first-layer``: every call as a
+step's first GDN layer (its metadata not yet checked this step: the ops' checks run, from their
+process-wide tables where those hold the metadata); default: a step's later layers.
 """
 
 import argparse
@@ -31,6 +33,7 @@ def main() -> None:
     p.add_argument("--rows", default=DEFAULT_ROWS)
     p.add_argument("--calls", type=int, default=300)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--first-layer", action="store_true")
     args = p.parse_args()
     for spec in args.rows.split(","):
         heads, row_text = spec.split(":")
@@ -39,6 +42,12 @@ def main() -> None:
         case = L.LayerCase(hk, hv, row, torch.float32, "cuda", nsets=1)
         step = L.qla_step(case, 0)
         call = L.qla_call(case, step)
+        if args.first_layer:
+            later = call
+
+            def call():
+                step._checked.clear()
+                later()
         for _ in range(3):
             call()
         torch.cuda.synchronize()
