@@ -99,7 +99,7 @@ def _int32(x: torch.Tensor, device) -> torch.Tensor:
 
 def gdn_layer_prefill_inputs(mixed_qkv, a, b, conv_state, slot_ids, plan, *, conv_weight,
                              conv_bias=None, activation="silu", has_initial_state=None, A_log,
-                             dt_bias, num_k_heads: int, qk_dtype=None, _trusted=False, _step_buffers=False):
+                             dt_bias, num_k_heads: int, qk_dtype=None, _trusted=False, _outputs=None):
     """A varlen prefill's conv over the conv state, and what :func:`qla_serve.gdn_prefill` reads.
 
     Args:
@@ -114,11 +114,9 @@ def gdn_layer_prefill_inputs(mixed_qkv, a, b, conv_state, slot_ids, plan, *, con
         has_initial_state: [N] bool or None (all True): False reads no history (zeros).
         num_k_heads: Hk (Hv comes from the plan).
         qk_dtype: q/k's dtype; None: what gdn_prefill reads best here (:func:`prefill_qk_dtype`).
-        _trusted, _step_buffers: internal (backends/gdn_layer). _trusted: metadata already
-            checked this step (ops.gdn_prefill's). _step_buffers: the outputs go to buffers the
-            plan keeps, the same tensors for every call with this plan and these dtypes: a GDN
-            layer's gdn_prefill reads them before the next layer's conv writes them (one
-            stream), and the step saves five allocations per layer.
+        _trusted, _outputs: internal (backends/gdn_layer). _trusted: metadata already
+            checked this step (ops.gdn_prefill's). _outputs: the five output tensors, from
+            :func:`prefill_step_buffers` (qk_dtype: their q's dtype).
     Returns:
         (q, k, v, g, beta): q, k [T, Hk, 128] L2-normalised (from the fp32 conv output);
         v [T, Hv, 128] in mixed_qkv's dtype; g, beta [T, Hv] fp32 (contiguous).
@@ -136,8 +134,8 @@ def gdn_layer_prefill_inputs(mixed_qkv, a, b, conv_state, slot_ids, plan, *, con
     else:
         has_init = has_initial_state.view(torch.int8)
     a, b = _same_dtype(a, b)
-    if _step_buffers:
-        q, k, v, g, beta = prefill_step_buffers(mixed_qkv, plan, num_k_heads=Hk, qk_dtype=qk_dtype)
+    if _outputs is not None:
+        q, k, v, g, beta = _outputs
     else:
         q, k, v, g, beta = _prefill_outputs(T, Hk, Hv, qk_dtype, mixed_qkv.dtype, dev)
     _run("conv_prefill", dev, mixed_qkv.dtype, mixed_qkv, conv_state, conv_weight, conv_bias,
@@ -193,10 +191,11 @@ def _layer_qk_dtype(mixed_qkv, qk_dtype):
 
 
 def prefill_step_buffers(mixed_qkv, plan, *, num_k_heads: int, qk_dtype=None) -> tuple:
-    """The (q, k, v, g, beta) buffers :func:`gdn_layer_prefill_inputs` writes with
-    ``_step_buffers``: kept in the plan, the same tensors for every call with this plan, these
-    dtypes and ``num_k_heads`` (backends/gdn_layer asks for them ahead, to check gdn_prefill's
-    arguments before the layer's first launch)."""
+    """(q, k, v, g, beta) output buffers for :func:`gdn_layer_prefill_inputs` (its
+    ``_outputs``) kept in the plan: the same tensors for every call with this plan, these dtypes
+    and ``num_k_heads``. backends/gdn_layer's layers share them: a layer's gdn_prefill reads them
+    before the next layer's conv writes them (one stream), and a step saves five allocations per
+    layer."""
     dev, T = mixed_qkv.device, mixed_qkv.shape[0]
     qk_dtype = _layer_qk_dtype(mixed_qkv, qk_dtype)
     return plan.scratch(("layer_prefill_outputs", dev, qk_dtype, mixed_qkv.dtype, num_k_heads, T),

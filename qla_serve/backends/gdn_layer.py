@@ -297,26 +297,25 @@ def gdn_layer_forward(step: StepPlan, mixed_qkv: torch.Tensor, a: torch.Tensor, 
                    dict(A_log=A_log, dt_bias=dt_bias))
     x, a, b = _rows(mixed_qkv, 0, T), _rows(a, 0, T), _rows(b, 0, T)
     Td, Tp = step.num_decodes, step.num_prefill_tokens
-    parts = []   # (kind, count, check, launch) in launch order; no launch before every check passed
+    checks = key not in step._checked
+    parts = []   # (kind, count, launch) in launch order: every op's checks ran while they were built
     xn, an, bn, out_n = x, a, b, out
     if step.num_spec_decodes:
-        parts.append(("spec", step.num_spec_decodes, *_spec_ops(step, layer, x, a, b, out)))
+        parts.append(("spec", step.num_spec_decodes, _spec_ops(step, layer, x, a, b, out, checks)))
         if step.non_spec_token_idx is None or Td + Tp == 0:
             Td = Tp = 0
         else:
             idx = step.non_spec_token_idx
-            xn, an, bn = (t.index_select(0, idx) for t in (x, a, b))
+            xn, an, bn = x.index_select(0, idx), a.index_select(0, idx), b.index_select(0, idx)
             out_n = torch.empty(Td + Tp, Hv, HEAD_DIM, dtype=out.dtype, device=out.device)
     if Td:
-        parts.append(("decode", Td, *_decode_ops(step, layer, _rows(xn, 0, Td), _rows(an, 0, Td), _rows(bn, 0, Td),
-                                                 _rows(out_n, 0, Td))))
+        parts.append(("decode", Td, _decode_ops(step, layer, _rows(xn, 0, Td), _rows(an, 0, Td), _rows(bn, 0, Td),
+                                                _rows(out_n, 0, Td), checks)))
     if Tp:
-        rows = (_rows(t, Td, Td + Tp) for t in (xn, an, bn, out_n))
-        parts.append(("prefill", step.num_prefills, *_prefill_ops(step, layer, *rows)))
-    if key not in step._checked:
-        for _, _, check, _ in parts:
-            check()
-    for kind, count, _, launch in parts:
+        parts.append(("prefill", step.num_prefills, _prefill_ops(
+            step, layer, _rows(xn, Td, Td + Tp), _rows(an, Td, Td + Tp), _rows(bn, Td, Td + Tp),
+            _rows(out_n, Td, Td + Tp), checks)))
+    for kind, count, launch in parts:
         launch()
         if on_call:
             on_call(kind, count)
@@ -326,81 +325,82 @@ def gdn_layer_forward(step: StepPlan, mixed_qkv: torch.Tensor, a: torch.Tensor, 
         step._checked.add(key)
 
 
-def _spec_ops(step: StepPlan, layer: _Layer, x, a, b, out) -> tuple:
-    """(check, launch) of the step's spec decodes: their conv over vLLM's sliding window, then the
+def _spec_ops(step: StepPlan, layer: _Layer, x, a, b, out, checks: bool):
+    """The launch of the step's spec decodes: their conv over vLLM's sliding window, then the
     verify into per-token slots. x, a, b, out: the call's first T rows; the spec tokens are at
-    ``step.spec_token_idx`` (None: all of them)."""
-    idx, T = step.spec_token_idx, step.num_actual_tokens
-    xs, as_, bs = (t if idx is None else t.index_select(0, idx) for t in (x, a, b))
-    o = _rows(out, 0, T) if idx is None else torch.empty(xs.shape[0], layer.num_v_heads, HEAD_DIM,
-                                                           dtype=out.dtype, device=out.device)
-    ids, acc, cu = step.ids("spec"), step.ids("num_accepted"), step.ids("spec_cu_seqlens")
+    ``step.spec_token_idx`` (None: all of them). ``checks``: their ops' checks run here, before
+    any launch, on the arguments the launch takes."""
+    conv_state, ssm_state, Hk, Hv, scale, conv, gates = layer
+    idx = step.spec_token_idx
+    if idx is None:
+        xs, as_, bs, o = x, a, b, _rows(out, 0, step.num_actual_tokens)
+    else:
+        xs, as_, bs = x.index_select(0, idx), a.index_select(0, idx), b.index_select(0, idx)
+        o = torch.empty(xs.shape[0], Hv, HEAD_DIM, dtype=out.dtype, device=out.device)
+    ids, acc, cu, conv_ids = step.ids("spec"), step.ids("num_accepted"), step.ids("spec_cu_seqlens"), step.ids("spec_conv")
+    draft = ids.shape[1]
     y = torch.empty(xs.shape, dtype=xs.dtype, device=xs.device)
-    q, k, v = _split_qkv(y, layer.num_k_heads, layer.num_v_heads)
-    conv_args = (xs, layer.conv_state, step.ids("spec_conv"), acc, cu)
-    conv_kw = dict(num_v_heads=layer.num_v_heads, draft=ids.shape[1], out=y, **layer.conv)
-    verify_args = (q, k, v, layer.ssm_state, ids, acc, cu)
-    verify_kw = dict(a=as_, b=bs, use_qk_l2norm=True, scale=layer.scale, out=o, **layer.gates)
-
-    def check():
-        layer_ops.check_conv_spec_args(*conv_args, **conv_kw)
-        layer_ops.check_verify_slots_args(*verify_args, **verify_kw)
+    q, k, v = _split_qkv(y, Hk, Hv)
+    if checks:
+        layer_ops.check_conv_spec_args(xs, conv_state, conv_ids, acc, cu, num_v_heads=Hv, draft=draft, out=y, **conv)
+        layer_ops.check_verify_slots_args(q, k, v, ssm_state, ids, acc, cu, a=as_, b=bs, use_qk_l2norm=True,
+                                          scale=scale, out=o, **gates)
 
     def launch():
-        layer_ops.causal_conv_spec(*conv_args, **conv_kw, _trusted=True)
-        layer_ops.gdn_verify_slots(*verify_args, **verify_kw, _trusted=True)
+        layer_ops.causal_conv_spec(xs, conv_state, conv_ids, acc, cu, num_v_heads=Hv, draft=draft, out=y,
+                                   _trusted=True, **conv)
+        layer_ops.gdn_verify_slots(q, k, v, ssm_state, ids, acc, cu, a=as_, b=bs, use_qk_l2norm=True, scale=scale,
+                                   out=o, _trusted=True, **gates)
         if idx is not None:
             out.index_copy_(0, idx.long(), o)
-    return check, launch
+    return launch
 
 
-def _decode_ops(step: StepPlan, layer: _Layer, x, a, b, out) -> tuple:
-    """(check, launch) of the step's decodes (x, a, b, out: their rows): the conv with its window
-    shift, then gdn_decode on its q | k | v with the raw gates and the in-kernel L2 norm."""
+def _decode_ops(step: StepPlan, layer: _Layer, x, a, b, out, checks: bool):
+    """The launch of the step's decodes (x, a, b, out: their rows): the conv with its window
+    shift, then gdn_decode on its q | k | v with the raw gates and the in-kernel L2 norm.
+    ``checks``: as :func:`_spec_ops`'."""
+    conv_state, ssm_state, Hk, Hv, scale, conv, gates = layer
     ids = step.ids("decode")
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    q, k, v = _split_qkv(y, layer.num_k_heads, layer.num_v_heads)
-    conv_args, conv_kw = (x, layer.conv_state, ids), dict(num_v_heads=layer.num_v_heads, out=y, **layer.conv)
-    decode_args = (q, k, v, layer.ssm_state, ids)
-    decode_kw = dict(a=a, b=b, use_qk_l2norm=True, scale=layer.scale, out=out, **layer.gates)
-
-    def check():
-        layer_ops.check_conv_decode_args(*conv_args, **conv_kw)
-        check_decode_args(*decode_args, **decode_kw)
+    q, k, v = _split_qkv(y, Hk, Hv)
+    if checks:
+        layer_ops.check_conv_decode_args(x, conv_state, ids, num_v_heads=Hv, out=y, **conv)
+        check_decode_args(q, k, v, ssm_state, ids, a=a, b=b, use_qk_l2norm=True, scale=scale, out=out, **gates)
 
     def launch():
-        layer_ops.causal_conv_decode(*conv_args, **conv_kw, _trusted=True)
-        qla_serve.gdn_decode(*decode_args, **decode_kw, _trusted=True,
-                             _after_conv=x.shape[0] * layer.num_v_heads <= DECODE_AFTER_CONV_MAX_ROWS)
-    return check, launch
+        layer_ops.causal_conv_decode(x, conv_state, ids, num_v_heads=Hv, out=y, _trusted=True, **conv)
+        qla_serve.gdn_decode(q, k, v, ssm_state, ids, a=a, b=b, use_qk_l2norm=True, scale=scale, out=out,
+                             _trusted=True, _after_conv=x.shape[0] * Hv <= DECODE_AFTER_CONV_MAX_ROWS, **gates)
+    return launch
 
 
-def _prefill_ops(step: StepPlan, layer: _Layer, x, a, b, out) -> tuple:
-    """(check, launch) of the step's prefills (x, a, b, out: their rows): with checkpoints their
+def _prefill_ops(step: StepPlan, layer: _Layer, x, a, b, out, checks: bool):
+    """The launch of the step's prefills (x, a, b, out: their rows): with checkpoints their
     conv windows, then the conv with the conv-state write-back, split, L2 norm and gates into the
-    step's buffers, then gdn_prefill with the step's plan."""
+    step's buffers, then gdn_prefill with the step's plan. ``checks``: as :func:`_spec_ops`'."""
+    conv_state, ssm_state, Hk, Hv, scale, conv, gates = layer
     plan, ids, has_init = step.prefill_plan, step.ids("prefill"), step.prefill_has_initial_state
-    q, k, v, g, beta = layer_ops.prefill_step_buffers(x, plan, num_k_heads=layer.num_k_heads)
-    checkpoints = None
+    buffers = layer_ops.prefill_step_buffers(x, plan, num_k_heads=Hk)
+    q, k, v, g, beta = buffers
+    ck = None
     if step.prefill_checkpoint_chunks is not None:
-        checkpoints = (step.prefill_checkpoint_chunks, step.ids("prefill_checkpoint"))
-        windows_args = (x, layer.conv_state, checkpoints[1], checkpoints[0], plan.cu_seqlens)
-        width = layer.conv["conv_weight"].shape[1]
-    inputs_args = (x, a, b, layer.conv_state, ids, plan)
-    inputs_kw = dict(has_initial_state=has_init, num_k_heads=layer.num_k_heads, **layer.conv, **layer.gates)
-    core_args = (q, k, v, g, beta, layer.ssm_state, ids, plan)
-    core_kw = dict(has_initial_state=has_init, scale=layer.scale, out=out, checkpoints=checkpoints)
-
-    def check():
-        if checkpoints is not None:
-            layer_ops.check_conv_checkpoints_args(*windows_args, width=width)
-        layer_ops.check_layer_prefill_args(*inputs_args, **inputs_kw)
-        check_prefill_args(*core_args, **core_kw)
+        ck = (step.prefill_checkpoint_chunks, step.ids("prefill_checkpoint"))
+        width = conv["conv_weight"].shape[1]
+    if checks:
+        if ck is not None:
+            layer_ops.check_conv_checkpoints_args(x, conv_state, ck[1], ck[0], plan.cu_seqlens, width=width)
+        layer_ops.check_layer_prefill_args(x, a, b, conv_state, ids, plan, has_initial_state=has_init,
+                                           num_k_heads=Hk, qk_dtype=q.dtype, **conv, **gates)
+        check_prefill_args(q, k, v, g, beta, ssm_state, ids, plan, has_initial_state=has_init, scale=scale, out=out,
+                           checkpoints=ck)
 
     def launch():
-        if checkpoints is not None:
-            layer_ops.causal_conv_checkpoints(*windows_args, width=width, num_v_heads=layer.num_v_heads,
-                                              table=step.checkpoint_conv_table(), _trusted=True)
-        layer_ops.gdn_layer_prefill_inputs(*inputs_args, **inputs_kw, _trusted=True, _step_buffers=True)
-        qla_serve.gdn_prefill(*core_args, **core_kw, _trusted=True)
-    return check, launch
+        if ck is not None:
+            layer_ops.causal_conv_checkpoints(x, conv_state, ck[1], ck[0], plan.cu_seqlens, width=width,
+                                              num_v_heads=Hv, table=step.checkpoint_conv_table(), _trusted=True)
+        layer_ops.gdn_layer_prefill_inputs(x, a, b, conv_state, ids, plan, has_initial_state=has_init, num_k_heads=Hk,
+                                           qk_dtype=q.dtype, _trusted=True, _outputs=buffers, **conv, **gates)
+        qla_serve.gdn_prefill(q, k, v, g, beta, ssm_state, ids, plan, has_initial_state=has_init, scale=scale,
+                              out=out, checkpoints=ck, _trusted=True)
+    return launch
