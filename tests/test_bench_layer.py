@@ -10,7 +10,10 @@ V-first states under state_v_first, in-kernel gating/sigmoid/l2norm; fla/ops/uti
 chunk indices), FlashInfer's (flashinfer/gdn_prefill.py, gdn_decode.py: linear-space alpha, the
 pool read and written in place through state indices) and vLLM's (its wheel's mamba/ops/causal_conv1d.py
 and third_party/flash_linear_attention/ops: conv state [S, D, W-1], the conv update writing over its
-input, slot <= 0 skipped by the packed decode). The stand-ins check the arguments they rely
+input, slot <= 0 skipped by the packed decode). The "sglang" and "sglang_qla" decode steps call
+SGLang 0.5.23's Triton ops: its kernels/ops/mamba/causal_conv1d_triton.py update has vLLM's
+contract but returns a new tensor (x left alone), and its fla/fused_recurrent.py packed decode is
+vLLM's, so they take the vLLM stand-ins. The stand-ins check the arguments they rely
 on, so a composition that passes a K-first state or wrong chunk indices fails here. The recurrence in
 them is a plain float64 per-token loop, independent of qla_serve's reference.
 
@@ -399,7 +402,17 @@ def vllm_fi_chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initi
     return o, torch.stack(finals)
 
 
+def sglang_causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, conv_state_indices=None,
+                                validate_data=False):
+    """SGLang's update: vLLM's contract, output in a new tensor (x is not written)."""
+    return vllm_causal_conv1d_update(x.clone(), conv_state, weight, bias, activation, conv_state_indices)
+
+
 def standin_ops(impl):
+    if impl == "sglang":
+        return C.ComposedOps(None, sglang_causal_conv1d_update, packed_decode=vllm_packed_decode)
+    if impl == "sglang_qla":
+        return C.ComposedOps(None, sglang_causal_conv1d_update)
     if impl == "vllm":
         return C.ComposedOps(vllm_causal_conv1d_fn, vllm_causal_conv1d_update,
                              fi_chunk_gated_delta_rule=vllm_fi_chunk_gated_delta_rule,
@@ -481,6 +494,36 @@ def test_composed_layers_match_qla_decode_only():
     assert torch.equal(case.mixed_qkv, x0), "vLLM's conv update writes over its own copy only"
     for impl in ("fla", "flashinfer", "vllm"):
         assert rec[impl]["o_rel"] < 2e-5 and rec[impl]["ssm_rel"] < 2e-5 and rec[impl]["conv_rel"] < 1e-6, rec[impl]
+
+
+@pytest.mark.parametrize("state_dtype,io_dtype,tol", [(torch.float32, torch.float32, 2e-5),
+                                                       (torch.bfloat16, torch.bfloat16, 2e-2)])
+def test_sglang_decode_steps_match_qla(state_dtype, io_dtype, tol):
+    """SGLang's decode step, with its own decode and with qla_serve's SGLang kernel, on SGLang's cache
+    layout (conv [S, dim, W-1] window-contiguous), against qla's layer on the same layout; neither
+    writes outside the step's slots nor over the layer's input."""
+    case = _case(state_dtype, io_dtype, row="d5", layout="sglang")
+    assert case.conv_state.is_contiguous() and case.conv_state.shape[1:] == (case.dim, L.CONV_WIDTH - 1)
+    x0, ssm0, conv0 = case.mixed_qkv.clone(), case.ssm_state.clone(), case.conv_state.clone()
+    rec = L.run_check(case, _calls(case, ("qla", "sglang", "sglang_qla")))
+    for impl in ("sglang", "sglang_qla"):
+        assert max(rec[impl].values()) < tol, (impl, rec[impl])
+    assert torch.equal(case.mixed_qkv, x0)
+    _calls(case, ("sglang_qla",))["sglang_qla"]()
+    live = set(case.slot_sets[0])
+    for s in range(case.ssm_state.shape[0]):
+        same = torch.equal(case.ssm_state[s], ssm0[s]) and torch.equal(case.conv_state[s], conv0[s])
+        assert same == (s not in live), s
+
+
+def test_sglang_impls_refuse_what_they_do_not_compose():
+    """Prefill rows and vLLM's paged pool: a clear error each (recorded per impl by the bench)."""
+    with pytest.raises(NotImplementedError, match="^sglang: decode-only rows"):
+        _calls(_case(row="d2+40", layout="sglang"), ("sglang",))["sglang"]()
+    with pytest.raises(ValueError, match=r"^sglang_qla: runs on SGLang's cache layout \(--pool sglang\)"):
+        _calls(_case(row="d2"), ("sglang_qla",))
+    assert "sglang" not in _parser().parse_args([]).impls
+    assert _parser().parse_args(["--impls", "qla,sglang", "--pool", "sglang"]).impls == ["qla", "sglang"]
 
 
 def test_composed_layers_match_qla_bf16():

@@ -26,6 +26,8 @@ Implementations, same inputs and caches:
   "plan host us" column; the derivation's GPU time is the JSON's ``step_ids_gpu_us``.
 * ``fla``, ``flashinfer``, ``vllm``: the same layer composed from other libraries' ops
   (bench/layer_composed.py says exactly which and how each is called).
+* ``sglang``, ``sglang_qla`` (decode-only rows, ``--pool sglang``): SGLang 0.5.23's decode step,
+  with its own decode or with qla_serve's SGLang kernel after SGLang's conv (layer_composed.py).
 
 Timing (GPU, the same helpers as ``bench prefill`` / ``bench decode``):
 
@@ -65,12 +67,15 @@ import subprocess
 import time
 from typing import Callable
 
-from .layer_composed import COMPOSED, HD, LOADERS, composed_call, composed_step
+from .layer_composed import COMPOSED, HD, LOADERS, SGLANG_LAYOUT_IMPLS, composed_call, composed_step
 
 CONV_WIDTH = 4
 NULL_SLOT = 0
-COMPOSED_IMPLS = tuple(COMPOSED)              # fla, flashinfer, vllm (bench/layer_composed.py)
+COMPOSED_IMPLS = tuple(COMPOSED)              # fla, flashinfer, vllm, sglang, sglang_qla (bench/layer_composed.py)
 IMPLS = ("qla", *COMPOSED_IMPLS)
+# --impls' default: the sglang impls run decode-only rows on --pool sglang, not the default rows
+DEFAULT_IMPLS = tuple(i for i in IMPLS if i not in SGLANG_LAYOUT_IMPLS)
+POOLS = ("paged", "compact", "sglang")
 STATE_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 PREFILL_HEADS = [(2, 8), (4, 16), (16, 64)]
 PREFILL_ROWS = ["1x32768", "1x8192", "16x512", "4x8192", "mixed"]
@@ -194,16 +199,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="rows, comma-separated: NxL, L+L+..., dB (B decodes), combined with '+' "
                         f"(d32+4x512), or 'mixed' = {'+'.join(map(str, NAMED_ROWS['mixed']))}. Default: "
                         f"{','.join(PREFILL_ROWS)} at the prefill heads; decode {dflt}")
-    p.add_argument("--impls", type=_list_of(IMPLS, "impls"), default=list(IMPLS),
-                   help=f"subset of {','.join(IMPLS)} (default: all; an impl whose library is "
-                        "missing reports 'not installed')")
+    p.add_argument("--impls", type=_list_of(IMPLS, "impls"), default=list(DEFAULT_IMPLS),
+                   help=f"subset of {','.join(IMPLS)} (default: {','.join(DEFAULT_IMPLS)}; an impl whose "
+                        "library is missing reports 'not installed'; sglang and sglang_qla take "
+                        "decode-only rows with --pool sglang)")
     p.add_argument("--states", type=_list_of(tuple(STATE_DTYPES), "states"), default=["fp32", "bf16"],
                    help="SSM state dtypes of decode-only rows (default fp32,bf16)")
     p.add_argument("--prefill-states", type=_list_of(tuple(STATE_DTYPES), "prefill-states"),
                    default=["fp32"], help="SSM state dtypes of rows with prefills (default fp32)")
-    p.add_argument("--pool", choices=("paged", "compact"), default="paged",
+    p.add_argument("--pool", choices=POOLS, default="paged",
                    help="cache layout: paged (vLLM: conv and SSM state in one page per slot, page "
-                        "stride > slot) or compact (separate contiguous tensors)")
+                        "stride > slot), compact (separate contiguous tensors) or sglang (SGLang's "
+                        "mamba pool: conv [S, dim, W-1] window-contiguous, SSM [S, Hv, 128, 128]; the "
+                        "sglang impls run on it only)")
     p.add_argument("--cp", choices=("auto", "exact", "off"), default="auto",
                    help="qla_serve's planner cp mode (make_step_plan's cp)")
     p.add_argument("--reps", type=_argtype(_positive), default=20, help="graph replays (median taken)")
@@ -264,10 +272,16 @@ def make_caches(num_slots, dim, hv, state_dtype, conv_dtype, device, layout="pag
     """(conv_state [S, dim, W-1], ssm_state [S, Hv, 128, 128], backing buffers). ``paged``: vLLM's
     layout, one uint8 page per slot holding the conv state (stored [W-1, dim], seen transposed) and,
     256-byte aligned after it, the SSM state; the page stride exceeds both. ``compact``: a
-    transposed contiguous conv tensor and a contiguous SSM tensor."""
+    transposed contiguous conv tensor and a contiguous SSM tensor. ``sglang``: SGLang 0.5.23's
+    mamba pool (srt/mem_cache/memory_pool.py:722-729): a contiguous conv tensor, the window axis
+    innermost, and a contiguous SSM tensor."""
     import torch
 
     h = CONV_WIDTH - 1
+    if layout == "sglang":
+        conv = torch.zeros(num_slots, dim, h, dtype=conv_dtype, device=device)
+        ssm = torch.zeros(num_slots, hv, HD, HD, dtype=state_dtype, device=device)
+        return conv, ssm, [conv, ssm]
     if layout == "compact":
         conv_raw = torch.zeros(num_slots, h, dim, dtype=conv_dtype, device=device)
         ssm = torch.zeros(num_slots, hv, HD, HD, dtype=state_dtype, device=device)
@@ -294,7 +308,7 @@ class LayerCase:
                  layout="paged", decay="weak"):
         import torch
 
-        self.hk, self.hv, self.row, self.device = hk, hv, row, torch.device(device)
+        self.hk, self.hv, self.row, self.device, self.layout = hk, hv, row, torch.device(device), layout
         io = io_dtype or torch.bfloat16
         gen = torch.Generator(device=self.device).manual_seed(seed)
         self.dim = (2 * hk + hv) * HD

@@ -31,6 +31,18 @@ Each composition is one engine GDN layer's core for one step on the bench's vLLM
   zeroed where new, final states scattered back); a decode-only step through
   ``causal_conv1d_update`` and ``fused_recurrent_gated_delta_rule_packed_decode``. Without the
   prefix caching checkpoints vLLM's default adds (the qla rows write none either).
+* ``sglang`` and ``sglang_qla`` (decode-only steps, on SGLang's cache layout ``--pool sglang``; only
+  where SGLang 0.5.23's Triton ops import: on the lent H200 from benchmarks/make_sglang_ops_bundle.sh):
+  SGLang's GDN decode step on CUDA from the split's ``mixed_qkv`` (Qwen3-Next's route; its
+  srt/layers/attention/linear/gdn_backend.py, cited per line below): its Triton
+  ``causal_conv1d_update`` over the conv state, then ``sglang``: its default backend's
+  ``fused_recurrent_gated_delta_rule_packed_decode`` (what SGLang runs without qla_serve);
+  ``sglang_qla``: qla_serve's SGLang kernel (backends/sglang/kernel.py, its ``decode``) on the conv
+  output's q | k | v views (what SGLang runs with ``--linear-attn-backend flashqla``). Beside
+  ``qla`` on the same layout (the conv and decode both qla_serve's, as the vLLM adapter runs them),
+  the two say whether taking SGLang's conv over pays. Qwen3.5's default decode fuses the split
+  into that conv (``fused_qkvzba_causal_conv1d_update_contiguous``, from the projections, not
+  ``mixed_qkv``): not composed here.
 
 The compositions take their ops as a :class:`ComposedOps`, so tests/test_bench_layer.py runs them
 on CPU tensors with torch stand-ins for the libraries' kernels.
@@ -87,6 +99,22 @@ def flashinfer_ops() -> ComposedOps:
     return ComposedOps(base.causal_conv1d, base.causal_conv1d_update,
                        fi_chunk_gated_delta_rule=chunk_gated_delta_rule,
                        fi_decode=gated_delta_rule_decode_pretranspose)
+
+
+def sglang_ops() -> ComposedOps:
+    """SGLang 0.5.23's Triton decode conv and its default backend's packed decode
+    (benchmarks/make_sglang_ops_bundle.sh puts them on the path where SGLang is not installed)."""
+    from sglang.kernels.ops.attention.fla.fused_recurrent import fused_recurrent_gated_delta_rule_packed_decode
+    from sglang.kernels.ops.mamba.causal_conv1d_triton import causal_conv1d_update
+
+    return ComposedOps(None, causal_conv1d_update, packed_decode=fused_recurrent_gated_delta_rule_packed_decode)
+
+
+def sglang_qla_ops() -> ComposedOps:
+    """SGLang 0.5.23's Triton decode conv; the decode is qla_serve's SGLang kernel."""
+    from sglang.kernels.ops.mamba.causal_conv1d_triton import causal_conv1d_update
+
+    return ComposedOps(None, causal_conv1d_update)
 
 
 def vllm_ops() -> ComposedOps:
@@ -355,12 +383,8 @@ def vllm_layer_forward(step: ComposedStep, mixed_qkv, a, b, *, ops: ComposedOps,
     T, hk, hv = D + Tp, num_k_heads, ssm_state.shape[1]
     x, a, b = mixed_qkv[:T], a[:T], b[:T]
     if not Tp:
-        y = ops.causal_conv1d_update(x, conv_state, conv_weight, conv_bias, "silu",
-                                     conv_state_indices=step.decode_ids32, validate_data=False)
-        ops.packed_decode(mixed_qkv=y, a=a, b=b, A_log=A_log, dt_bias=dt_bias,
-                          scale=HD ** -0.5 if scale is None else scale, initial_state=ssm_state,
-                          out=out[:T].unsqueeze(1), ssm_state_indices=step.decode_ids32,
-                          use_qk_l2norm_in_kernel=True)
+        _packed_decode_step(ops, step, x, a, b, conv_state, conv_weight, conv_bias, ssm_state, A_log, dt_bias,
+                            out[:T], scale)
         return
     y = ops.causal_conv1d(x.transpose(0, 1), conv_weight, conv_bias, activation="silu", conv_states=conv_state,
                           has_initial_state=step.rows_has_init, cache_indices=step.rows_ids32,
@@ -382,6 +406,53 @@ def vllm_layer_forward(step: ComposedStep, mixed_qkv, a, b, *, ops: ComposedOps,
     ssm_state[ids] = final.to(ssm_state.dtype)
     o = o_prefill if o_decode is None else torch.cat([o_decode, o_prefill], dim=1)
     out[:T] = o.squeeze(0)
+
+
+def _packed_decode_step(ops, step, x, a, b, conv_state, conv_weight, conv_bias, ssm_state, A_log, dt_bias, out,
+                        scale) -> None:
+    """A decode-only step as vLLM 0.33 (qwen_gdn_linear_attn.py ~1981-2031) and SGLang 0.5.23
+    (gdn_backend.py forward_decode, :854-862 and :866-887) both run it: the Triton
+    ``causal_conv1d_update`` on the conv state, then ``fused_recurrent_gated_delta_rule_packed_decode``
+    from the conv output (split, l2norm and gating in the kernel)."""
+    y = ops.causal_conv1d_update(x, conv_state, conv_weight, conv_bias, "silu",
+                                 conv_state_indices=step.decode_ids32, validate_data=False)
+    ops.packed_decode(mixed_qkv=y, a=a, b=b, A_log=A_log, dt_bias=dt_bias,
+                      scale=HD ** -0.5 if scale is None else scale, initial_state=ssm_state,
+                      out=out.unsqueeze(1), ssm_state_indices=step.decode_ids32, use_qk_l2norm_in_kernel=True)
+
+
+def _decode_only(step: ComposedStep, impl: str) -> int:
+    """The step's decode count; a step with prefills is refused (``impl`` composes decodes only)."""
+    if step.num_prefill_tokens:
+        raise NotImplementedError(f"{impl}: decode-only rows (SGLang's prefill is not composed here)")
+    return step.num_decodes
+
+
+def sglang_layer_forward(step: ComposedStep, mixed_qkv, a, b, *, ops: ComposedOps, conv_weight, conv_bias,
+                         conv_state, ssm_state, A_log, dt_bias, num_k_heads, out, scale=None) -> None:
+    """SGLang 0.5.23's own decode step (its default ``--linear-attn-backend triton``, Qwen3-Next's
+    route): causal_conv1d_update, then its packed decode (supports_packed_decode, gdn_triton.py:43)."""
+    D = _decode_only(step, "sglang")
+    _packed_decode_step(ops, step, mixed_qkv[:D], a[:D], b[:D], conv_state, conv_weight, conv_bias, ssm_state,
+                        A_log, dt_bias, out[:D], scale)
+
+
+def sglang_qla_layer_forward(step: ComposedStep, mixed_qkv, a, b, *, ops: ComposedOps, conv_weight, conv_bias,
+                             conv_state, ssm_state, A_log, dt_bias, num_k_heads, out, scale=None) -> None:
+    """SGLang 0.5.23's decode step with ``--linear-attn-backend flashqla``: its Triton
+    causal_conv1d_update (gdn_backend.py:854-862), the conv output split into [1, B, H, 128] q | k | v
+    views (:889-911, the backend's supports_packed_decode False), then qla_serve's SGLang kernel's
+    ``decode`` (raw a, b; l2norm and gating in gdn_decode)."""
+    from qla_serve.backends.sglang.kernel import FlashQLAGDNKernel
+
+    D = _decode_only(step, "sglang_qla")
+    y = ops.causal_conv1d_update(mixed_qkv[:D], conv_state, conv_weight, conv_bias, "silu",
+                                 conv_state_indices=step.decode_ids32, validate_data=False)
+    q, k, v = _split(y, num_k_heads, ssm_state.shape[1])
+    o = FlashQLAGDNKernel(("decode",)).decode(q[None], k[None], v[None], a[:D], b[:D], A_log=A_log,
+                                              dt_bias=dt_bias, ssm_states=ssm_state,
+                                              cache_indices=step.decode_ids32, query_start_loc=None)
+    out[:D] = o[0]
 
 
 def _vllm_rearrange(y, hk):
@@ -409,13 +480,18 @@ def _vllm_flashinfer_prefill(ops, q, k, v, g, beta, initial_state, cu_seqlens):
     return output.unsqueeze(0), final_state
 
 
-COMPOSED = {"fla": fla_layer_forward, "flashinfer": flashinfer_layer_forward, "vllm": vllm_layer_forward}
-LOADERS = {"fla": fla_ops, "flashinfer": flashinfer_ops, "vllm": vllm_ops}   # the same keys: each one's ops
+COMPOSED = {"fla": fla_layer_forward, "flashinfer": flashinfer_layer_forward, "vllm": vllm_layer_forward,
+            "sglang": sglang_layer_forward, "sglang_qla": sglang_qla_layer_forward}
+LOADERS = {"fla": fla_ops, "flashinfer": flashinfer_ops, "vllm": vllm_ops, "sglang": sglang_ops,
+           "sglang_qla": sglang_qla_ops}   # the same keys: each one's ops
+SGLANG_LAYOUT_IMPLS = ("sglang", "sglang_qla")     # they run on SGLang's cache layout only (--pool sglang)
 
 
 def composed_call(impl: str, case, step: ComposedStep, ops: ComposedOps) -> Callable[[], None]:
-    """One layer call of the ``impl`` composition ("fla", "flashinfer", "vllm") on the case's tensors."""
+    """One layer call of the ``impl`` composition (a COMPOSED key) on the case's tensors."""
     fwd, kw = COMPOSED[impl], case.layer_kwargs()
+    if impl in SGLANG_LAYOUT_IMPLS and case.layout != "sglang":
+        raise ValueError(f"{impl}: runs on SGLang's cache layout (--pool sglang), got --pool {case.layout}")
     # vLLM's causal_conv1d_update writes its output over its input (the layer's projection, which
     # vLLM then drops): its composition gets its own copy, so the case's inputs stay the other
     # impls' (later calls of the same composition convolve the copy again: same work, other values)
