@@ -22,6 +22,11 @@ before arguments are parsed. It
      metadata, plan the extend batch once from host lengths (``extend_seq_lens_cpu``, and under
      the extra_buffer radix cache the per-request snapshot chunks from SGLang's own host track
      plan), attach it to the metadata (``forward_metadata.qla_extend``) and bind it to the kernel.
+   * AROUND ``GDNAttnBackend.forward_decode``: with flashqla's decode, a step whose ``mixed_qkv``
+     is one tensor runs its conv too on qla_serve's layer (:mod:`.decode_layer`: the conv and
+     the decode as the vLLM adapter runs them, measured 2-3x faster per layer call at small
+     batches than SGLang's conv before flashqla's decode); Qwen3.5's fused-projection tuple and
+     ReplaySSM steps go to SGLang's own forward_decode (``TAKE_OVER_DECODE_CONV`` False: all).
 
 Phase selection follows SGLang's flags: ``--linear-attn-decode-backend`` /
 ``--linear-attn-prefill-backend`` override ``--linear-attn-backend``. Verify: an explicit
@@ -45,6 +50,10 @@ GDN_BACKEND = "sglang.srt.layers.attention.linear.gdn_backend"
 TARGET_BACKEND_INIT = f"{GDN_BACKEND}.GDNAttnBackend.__init__"
 TARGET_DISPATCHER_INIT = f"{GDN_BACKEND}.GDNKernelDispatcher.__init__"
 TARGET_METADATA = f"{GDN_BACKEND}.GDNAttnBackend.init_forward_metadata"
+TARGET_FORWARD_DECODE = f"{GDN_BACKEND}.GDNAttnBackend.forward_decode"
+# flashqla's decode takes SGLang's decode conv over (decode_layer.py); False: SGLang's conv, then
+# flashqla's decode kernel (the route before; for A/B: benchmarks/layer.md "SGLang's decode step").
+TAKE_OVER_DECODE_CONV = True
 
 _registered = False
 
@@ -72,6 +81,7 @@ def register() -> None:
     HookRegistry.register(TARGET_BACKEND_INIT, _backend_init_hook, HookType.AROUND)
     HookRegistry.register(TARGET_DISPATCHER_INIT, _dispatcher_init_hook, HookType.AROUND)
     HookRegistry.register(TARGET_METADATA, _init_forward_metadata_hook, HookType.AROUND)
+    HookRegistry.register(TARGET_FORWARD_DECODE, _forward_decode_hook, HookType.AROUND)
     _registered = True
 
 
@@ -269,6 +279,19 @@ def _init_forward_metadata_hook(original, self, forward_batch, *args, **kwargs):
         self.forward_metadata.qla_extend = batch
         kernel.bind_batch(batch)
     return result
+
+
+def _forward_decode_hook(original, self, layer, forward_batch, mixed_qkv, a, b, **kwargs):
+    """flashqla's decode with SGLang's decode conv taken over (decode_layer.forward_decode) where
+    the step is plain: ``mixed_qkv`` one tensor (not Qwen3.5's fused-projection tuple) and no
+    ReplaySSM ring (refused with custom backends by SGLang itself; checked all the same)."""
+    kernel = getattr(self.kernel_dispatcher, "qla_kernel", None)
+    meta = self.forward_metadata
+    if (TAKE_OVER_DECODE_CONV and kernel is not None and self.kernel_dispatcher.decode_kernel is kernel
+            and isinstance(mixed_qkv, torch.Tensor) and meta.replayssm_write_pos is None):
+        from .decode_layer import forward_decode
+        return forward_decode(self, layer, forward_batch, mixed_qkv, a, b)
+    return original(self, layer, forward_batch, mixed_qkv, a, b, **kwargs)
 
 
 def plan_extend_batch(backend, forward_batch):

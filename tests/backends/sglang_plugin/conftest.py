@@ -39,7 +39,8 @@ def sglang_plugin():
 
     from qla_serve.backends.sglang import plugin
 
-    missing = {plugin.TARGET_BACKEND_INIT, plugin.TARGET_DISPATCHER_INIT, plugin.TARGET_METADATA} - HookRegistry._patched
+    missing = {plugin.TARGET_BACKEND_INIT, plugin.TARGET_DISPATCHER_INIT, plugin.TARGET_METADATA,
+               plugin.TARGET_FORWARD_DECODE} - HookRegistry._patched
     assert not missing, f"hooks not applied by SGLang's load_plugins: {sorted(missing)}"
     return plugin
 

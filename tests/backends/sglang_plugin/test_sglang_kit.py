@@ -76,6 +76,87 @@ def test_kit_cases_with_flashqla(gdn_kit, counted):
     assert counted["gdn_decode"] and counted["gdn_prefill"]
 
 
+def _decode_conv_calls(monkeypatch):
+    """Counts calls of SGLang's decode conv (the conftest's torch stand-in, wrapped)."""
+    import sglang.srt.layers.attention.linear.gdn_backend as gb
+
+    calls, real = [], gb.causal_conv1d_update
+
+    def counted_update(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+    monkeypatch.setattr(gb, "causal_conv1d_update", counted_update)
+    return calls
+
+
+def test_kit_decode_takes_sglangs_conv_over(gdn_kit, monkeypatch):
+    """flashqla's decode runs the conv too (decode_layer.forward_decode): SGLang's conv update is
+    not called, the kit's reference still holds (outputs and final states), and the step's slot
+    ids are derived once per forward batch, kept on SGLang's metadata object."""
+    from qla_serve.backends.gdn_layer import StepPlan
+
+    kit = gdn_kit(**FLASHQLA)
+    tc = unittest.TestCase()
+    conv_calls = _decode_conv_calls(monkeypatch)
+    decodes = [c for c in _cases(kit) if c.forward_mode.is_decode()]
+    assert decodes
+    for case in decodes:
+        kit.run_gdn_attention_case(tc, case, head_k_dim=128, head_v_dim=128, device="cpu", dtype=torch.bfloat16)
+    assert conv_calls == []
+    fixture = kit.build_gdn_attention_fixture(tc, decodes[0], head_k_dim=128, head_v_dim=128, device="cpu",
+                                              dtype=torch.bfloat16)
+    kit.run_gdn_fixture_eager(fixture)
+    meta = fixture.backend.linear_attn_backend.forward_metadata
+    assert isinstance(meta.qla_decode, StepPlan) and meta.qla_decode.decode_slots is meta.mamba_cache_indices
+
+
+def _random_conv(fixture, seed):
+    """The kit's conv is the identity without activation: give its layer random width-2 weights
+    and SiLU, and its conv states random history, so a conv that reads the wrong column, skips
+    the history or drops the activation shows."""
+    gen = torch.Generator().manual_seed(seed)
+    attn = fixture.actual_module.attn
+    attn.conv_weights = (torch.randn(attn.conv_weights.shape, generator=gen) * 0.5).to(attn.conv_weights.dtype)
+    attn.activation = "silu"
+    conv = fixture.runner.req_to_token_pool.mamba2_layer_cache(0).conv[0]
+    conv.copy_(torch.randn(conv.shape, generator=gen).to(conv.dtype))
+
+
+@pytest.mark.parametrize("case_name", ["gdn_decode_page_boundary", "gdn_decode_bsz1_nonzero_prefix"])
+def test_kit_decode_conv_taken_over_matches_sglangs(gdn_kit, monkeypatch, case_name):
+    """The same decode step with SGLang's conv (plugin.TAKE_OVER_DECODE_CONV False: its conv
+    update, then flashqla's decode kernel) and with qla_serve's (the default), from the same caches,
+    random conv weights and history: the same outputs and SSM states within bf16 rounding, the
+    same conv states bit for bit (a window shift), slots outside the batch untouched."""
+    from qla_serve.backends.sglang import plugin
+
+    kit = gdn_kit(**FLASHQLA)
+    tc = unittest.TestCase()
+    case = next(c for c in _cases(kit) if c.name == case_name)
+    results = []
+    for take_over in (False, True):
+        monkeypatch.setattr(plugin, "TAKE_OVER_DECODE_CONV", take_over)
+        conv_calls = _decode_conv_calls(monkeypatch)
+        fixture = kit.build_gdn_attention_fixture(tc, case, head_k_dim=128, head_v_dim=128, device="cpu",
+                                                  dtype=torch.bfloat16)
+        _random_conv(fixture, seed=3)
+        cache = fixture.runner.req_to_token_pool.mamba2_layer_cache(0)
+        conv0, ssm0 = cache.conv[0].clone(), cache.temporal.clone()
+        out = kit.run_gdn_fixture_eager(fixture)
+        assert bool(conv_calls) != take_over
+        live = set(kit._cache_indices(fixture).tolist())
+        results.append((out.float(), cache.conv[0].clone(), cache.temporal.clone(), conv0, ssm0, live))
+    (o_s, conv_s, ssm_s, conv0, ssm0, live), (o_q, conv_q, ssm_q, conv0_q, ssm0_q, live_q) = results
+    assert torch.equal(conv0, conv0_q) and torch.equal(ssm0, ssm0_q) and live == live_q
+    assert o_s.abs().max() > 0.01
+    torch.testing.assert_close(o_q, o_s, atol=2e-2, rtol=2e-2)
+    assert torch.equal(conv_q, conv_s)
+    torch.testing.assert_close(ssm_q, ssm_s, atol=2e-3, rtol=2e-3)
+    for slot in range(conv0.shape[0]):
+        if slot not in live:
+            assert torch.equal(conv_q[slot], conv0[slot]) and torch.equal(ssm_q[slot], ssm0[slot]), slot
+
+
 def test_kit_extend_plans_once_per_batch(gdn_kit):
     """init_forward_metadata (hooked) plans the batch; the kernel reuses that plan."""
     kit = gdn_kit(**FLASHQLA)
