@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import torch
 
 import qla_serve
+from qla_serve import layer_ops
 from qla_serve.plan import cp_from_env
 
 log = logging.getLogger("qla_serve.sglang")
@@ -62,11 +63,12 @@ HEAD_DIM = 128
 
 
 def _slots(cache_indices: torch.Tensor) -> torch.Tensor:
-    """SGLang slot ids -> qla_serve slot ids: the padding slot 0 and -1 both become -1.
+    """SGLang slot ids -> qla_serve slot ids (int32): the padding slot 0 and -1 both become -1.
 
-    One elementwise op on the device: no sync, capturable in a CUDA graph.
+    layer_ops.slot_ids with null slot 0: one launch on the TileLang path (torch.where and a fill
+    were three), no sync, capturable in a CUDA graph.
     """
-    return torch.where(cache_indices > 0, cache_indices, torch.full_like(cache_indices, -1)).to(torch.int32)
+    return layer_ops.slot_ids(cache_indices, 0)
 
 
 def _tokens(x: torch.Tensor, name: str) -> torch.Tensor:
