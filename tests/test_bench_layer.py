@@ -408,7 +408,28 @@ def sglang_causal_conv1d_update(x, conv_state, weight, bias=None, activation=Non
     return vllm_causal_conv1d_update(x.clone(), conv_state, weight, bias, activation, conv_state_indices)
 
 
+def sglang_proj_split(qkvz, ba, num_heads_qk, num_heads_v, head_qk, head_v):
+    """SGLang's fused_qkvzba_split_reshape_cat_contiguous: [q|k|v|z], [b|a] -> new mixed_qkv [T,
+    dim], z [T, Hv, 128], b, a [T, Hv]."""
+    dim = (2 * num_heads_qk * head_qk) + num_heads_v * head_v
+    return (qkvz[:, :dim].clone(), qkvz[:, dim:].reshape(-1, num_heads_v, head_v).clone(),
+            ba[:, :num_heads_v].clone(), ba[:, num_heads_v:].clone())
+
+
+def sglang_proj_conv(qkvz, ba, conv_state, conv_weight, conv_bias, conv_state_indices, *, qkv_dim, v_dim,
+                     num_v_heads, head_v_dim, activation, pad_slot_id=-1):
+    """SGLang's fused_qkvzba_causal_conv1d_update_contiguous: the split, then the conv update."""
+    assert qkvz.shape[1] == qkv_dim + v_dim and v_dim == num_v_heads * head_v_dim
+    y = vllm_causal_conv1d_update(qkvz[:, :qkv_dim].clone(), conv_state, conv_weight, conv_bias, activation,
+                                  conv_state_indices)
+    z = qkvz[:, qkv_dim:].reshape(-1, num_v_heads, head_v_dim).clone()
+    return y, z, ba[:, :num_v_heads].clone(), ba[:, num_v_heads:].clone()
+
+
 def standin_ops(impl):
+    if impl in C.PROJECTION_IMPLS:
+        return C.ComposedOps(None, None, packed_decode=vllm_packed_decode, proj_conv=sglang_proj_conv,
+                             proj_split=sglang_proj_split)
     if impl == "sglang":
         return C.ComposedOps(None, sglang_causal_conv1d_update, packed_decode=vllm_packed_decode)
     if impl == "sglang_qla":
@@ -514,6 +535,20 @@ def test_sglang_decode_steps_match_qla(state_dtype, io_dtype, tol):
     for s in range(case.ssm_state.shape[0]):
         same = torch.equal(case.ssm_state[s], ssm0[s]) and torch.equal(case.conv_state[s], conv0[s])
         assert same == (s not in live), s
+
+
+@pytest.mark.parametrize("state_dtype,io_dtype,tol", [(torch.float32, torch.float32, 2e-5),
+                                                       (torch.bfloat16, torch.bfloat16, 2e-2)])
+def test_qwen35_decode_routes_match_qla(state_dtype, io_dtype, tol):
+    """Qwen3.5's decode from the projections (qkvz = [q|k|v|z], ba = [b|a]): SGLang's fused split +
+    conv with its decode or flashqla's, and SGLang's split before qla_serve's layer, against qla's
+    layer on mixed_qkv, a, b; the projections hold exactly the case's inputs."""
+    case = _case(state_dtype, io_dtype, row="d5", layout="sglang")
+    qkvz, ba = C.qwen35_projections(case)
+    assert torch.equal(qkvz[:, :case.dim], case.mixed_qkv) and torch.equal(ba, torch.cat([case.b, case.a], 1))
+    rec = L.run_check(case, _calls(case, ("qla", *C.PROJECTION_IMPLS)))
+    for impl in C.PROJECTION_IMPLS:
+        assert max(rec[impl].values()) < tol, (impl, rec[impl])
 
 
 def test_sglang_impls_refuse_what_they_do_not_compose():

@@ -27,7 +27,8 @@ Implementations, same inputs and caches:
 * ``fla``, ``flashinfer``, ``vllm``: the same layer composed from other libraries' ops
   (bench/layer_composed.py says exactly which and how each is called).
 * ``sglang``, ``sglang_qla`` (decode-only rows, ``--pool sglang``): SGLang 0.5.23's decode step,
-  with its own decode or with qla_serve's SGLang kernel after SGLang's conv (layer_composed.py).
+  with its own decode or with qla_serve's SGLang kernel after SGLang's conv; ``sglang_fused``,
+  ``sglang_fused_qla``, ``qla_split``: the same from Qwen3.5's projections (layer_composed.py).
 
 Timing (GPU, the same helpers as ``bench prefill`` / ``bench decode``):
 
@@ -71,7 +72,7 @@ from .layer_composed import COMPOSED, HD, LOADERS, SGLANG_LAYOUT_IMPLS, composed
 
 CONV_WIDTH = 4
 NULL_SLOT = 0
-COMPOSED_IMPLS = tuple(COMPOSED)              # fla, flashinfer, vllm, sglang, sglang_qla (bench/layer_composed.py)
+COMPOSED_IMPLS = tuple(COMPOSED)              # fla, flashinfer, vllm, the sglang ones (bench/layer_composed.py)
 IMPLS = ("qla", *COMPOSED_IMPLS)
 # --impls' default: the sglang impls run decode-only rows on --pool sglang, not the default rows
 DEFAULT_IMPLS = tuple(i for i in IMPLS if i not in SGLANG_LAYOUT_IMPLS)
@@ -201,8 +202,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"{','.join(PREFILL_ROWS)} at the prefill heads; decode {dflt}")
     p.add_argument("--impls", type=_list_of(IMPLS, "impls"), default=list(DEFAULT_IMPLS),
                    help=f"subset of {','.join(IMPLS)} (default: {','.join(DEFAULT_IMPLS)}; an impl whose "
-                        "library is missing reports 'not installed'; sglang and sglang_qla take "
-                        "decode-only rows with --pool sglang)")
+                        "library is missing reports 'not installed'; the sglang ones and qla_split "
+                        "take decode-only rows with --pool sglang)")
     p.add_argument("--states", type=_list_of(tuple(STATE_DTYPES), "states"), default=["fp32", "bf16"],
                    help="SSM state dtypes of decode-only rows (default fp32,bf16)")
     p.add_argument("--prefill-states", type=_list_of(tuple(STATE_DTYPES), "prefill-states"),

@@ -40,9 +40,15 @@ Each composition is one engine GDN layer's core for one step on the bench's vLLM
   ``sglang_qla``: qla_serve's SGLang kernel (backends/sglang/kernel.py, its ``decode``) on the conv
   output's q | k | v views (what SGLang runs with ``--linear-attn-backend flashqla``). Beside
   ``qla`` on the same layout (the conv and decode both qla_serve's, as the vLLM adapter runs them),
-  the two say whether taking SGLang's conv over pays. Qwen3.5's default decode fuses the split
-  into that conv (``fused_qkvzba_causal_conv1d_update_contiguous``, from the projections, not
-  ``mixed_qkv``): not composed here.
+  the two say whether taking SGLang's conv over pays.
+* ``sglang_fused``, ``sglang_fused_qla``, ``qla_split`` (the same, for Qwen3.5's decode route: the
+  layer gets the projections, ``qkvz`` [T, dim + Hv 128] = [q | k | v | z] and ``ba`` [T, 2 Hv] =
+  [b | a], as SGLang's Qwen3.5 model hands them to forward_decode, qwen3_5.py:1012-1027):
+  ``sglang_fused``: SGLang's own, ``fused_qkvzba_causal_conv1d_update_contiguous`` (split and conv
+  in one Triton kernel, gdn_backend.py:788-799), then its packed decode; ``sglang_fused_qla``: that
+  kernel, then qla_serve's SGLang kernel ``decode`` (what flashqla runs for Qwen3.5); ``qla_split``:
+  SGLang's split alone (``fused_qkvzba_split_reshape_cat_contiguous``, its fallback at :842), then
+  qla_serve's layer (conv + decode): what taking this route's conv over would run.
 
 The compositions take their ops as a :class:`ComposedOps`, so tests/test_bench_layer.py runs them
 on CPU tensors with torch stand-ins for the libraries' kernels.
@@ -68,6 +74,8 @@ class ComposedOps:
     For the vllm composition: causal_conv1d, causal_conv1d_update are vLLM's (conv state [S, dim,
     W-1]); post_conv_prep, packed_decode, sigmoid_gating_update its fused_post_conv_prep,
     fused_recurrent_gated_delta_rule_packed_decode and fused_sigmoid_gating_delta_rule_update.
+    For the sglang compositions: causal_conv1d_update and packed_decode are SGLang's (the same
+    contracts), proj_conv / proj_split its Qwen3.5 projection kernels.
     """
 
     causal_conv1d: Callable
@@ -79,6 +87,8 @@ class ComposedOps:
     post_conv_prep: Callable | None = None
     packed_decode: Callable | None = None
     sigmoid_gating_update: Callable | None = None
+    proj_conv: Callable | None = None       # SGLang: fused_qkvzba_causal_conv1d_update_contiguous
+    proj_split: Callable | None = None      # SGLang: fused_qkvzba_split_reshape_cat_contiguous
 
 
 def fla_ops() -> ComposedOps:
@@ -115,6 +125,18 @@ def sglang_qla_ops() -> ComposedOps:
     from sglang.kernels.ops.mamba.causal_conv1d_triton import causal_conv1d_update
 
     return ComposedOps(None, causal_conv1d_update)
+
+
+def sglang_fused_ops() -> ComposedOps:
+    """SGLang 0.5.23's Qwen3.5 decode kernels: the fused split + conv, the split alone, its packed
+    decode."""
+    from sglang.kernels.ops.attention.fla.fused_recurrent import fused_recurrent_gated_delta_rule_packed_decode
+    from sglang.kernels.ops.attention.triton_gdn_fused_proj import (
+        fused_qkvzba_causal_conv1d_update_contiguous, fused_qkvzba_split_reshape_cat_contiguous)
+
+    return ComposedOps(None, None, packed_decode=fused_recurrent_gated_delta_rule_packed_decode,
+                       proj_conv=fused_qkvzba_causal_conv1d_update_contiguous,
+                       proj_split=fused_qkvzba_split_reshape_cat_contiguous)
 
 
 def vllm_ops() -> ComposedOps:
@@ -161,6 +183,7 @@ class ComposedStep:
     conv_meta: object = None
     prefill_qsl32: object = None
     prefill_has_init: object = None
+    qla: object = None          # qla_split: the gdn_layer StepPlan of the decodes (ids derived)
 
 
 def composed_step(case, i: int, impl: str = "fla") -> ComposedStep:
@@ -173,6 +196,15 @@ def composed_step(case, i: int, impl: str = "fla") -> ComposedStep:
     ids = case.slot_sets[i]
     up = lambda xs, dt=torch.long: torch.tensor(xs, dtype=dt).to(dev, non_blocking=True)  # noqa: E731
     step = ComposedStep(num_decodes=D, num_prefill_tokens=sum(lens))
+    if impl == "qla_split":
+        from qla_serve.backends import gdn_layer
+
+        step.decode_ids32 = up(ids[:D], torch.int32)
+        step.qla = gdn_layer.make_step_plan(num_actual_tokens=D, num_v_heads=case.hv, num_k_heads=case.hk,
+                                            conv_width=case.conv_weight.shape[1], device=dev,
+                                            decode_slots=step.decode_ids32)
+        step.qla.ids("decode")    # once per step, outside the layer call (as the qla rows' step)
+        return step
     if impl == "vllm":          # only what vLLM's builder makes: its "plan host us" is that work
         if D:
             step.decode_ids32 = up(ids[:D], torch.int32)
@@ -455,6 +487,57 @@ def sglang_qla_layer_forward(step: ComposedStep, mixed_qkv, a, b, *, ops: Compos
     out[:D] = o[0]
 
 
+def _proj_conv(ops, step, proj, conv_state, conv_weight, conv_bias, hv):
+    """SGLang's fused Qwen3.5 split + conv over the decode rows: (mixed_qkv, z, b, a)."""
+    qkvz, ba = proj
+    D = step.num_decodes
+    return ops.proj_conv(qkvz[:D], ba[:D], conv_state, conv_weight, conv_bias, step.decode_ids32,
+                         qkv_dim=conv_weight.shape[0], v_dim=hv * HD, num_v_heads=hv, head_v_dim=HD,
+                         activation="silu")
+
+
+def sglang_fused_layer_forward(step: ComposedStep, proj, _a, _b, *, ops: ComposedOps, conv_weight, conv_bias,
+                               conv_state, ssm_state, A_log, dt_bias, num_k_heads, out, scale=None) -> None:
+    """SGLang 0.5.23's own Qwen3.5 decode step: the fused split + conv, then its packed decode.
+    ``proj``: (qkvz, ba) (a and b come out of the split)."""
+    D = _decode_only(step, "sglang_fused")
+    y, _z, b, a = _proj_conv(ops, step, proj, conv_state, conv_weight, conv_bias, ssm_state.shape[1])
+    ops.packed_decode(mixed_qkv=y, a=a, b=b, A_log=A_log, dt_bias=dt_bias, scale=HD ** -0.5 if scale is None else scale,
+                      initial_state=ssm_state, out=out[:D].unsqueeze(1), ssm_state_indices=step.decode_ids32,
+                      use_qk_l2norm_in_kernel=True)
+
+
+def sglang_fused_qla_layer_forward(step: ComposedStep, proj, _a, _b, *, ops: ComposedOps, conv_weight, conv_bias,
+                                   conv_state, ssm_state, A_log, dt_bias, num_k_heads, out, scale=None) -> None:
+    """SGLang's Qwen3.5 decode step with flashqla: the fused split + conv, then qla_serve's SGLang
+    kernel ``decode`` on the conv output's views (the route backends/sglang/decode_layer.py leaves
+    to SGLang)."""
+    from qla_serve.backends.sglang.kernel import FlashQLAGDNKernel
+
+    D = _decode_only(step, "sglang_fused_qla")
+    y, _z, b, a = _proj_conv(ops, step, proj, conv_state, conv_weight, conv_bias, ssm_state.shape[1])
+    q, k, v = _split(y, num_k_heads, ssm_state.shape[1])
+    o = FlashQLAGDNKernel(("decode",)).decode(q[None], k[None], v[None], a, b, A_log=A_log, dt_bias=dt_bias,
+                                              ssm_states=ssm_state, cache_indices=step.decode_ids32,
+                                              query_start_loc=None)
+    out[:D] = o[0]
+
+
+def qla_split_layer_forward(step: ComposedStep, proj, _a, _b, *, ops: ComposedOps, conv_weight, conv_bias,
+                            conv_state, ssm_state, A_log, dt_bias, num_k_heads, out, scale=None) -> None:
+    """Qwen3.5's decode step with the conv taken over: SGLang's split alone, then qla_serve's layer
+    (gdn_layer_forward: conv, then the dependent decode) on the step's plan."""
+    from qla_serve.backends import gdn_layer
+
+    D = _decode_only(step, "qla_split")
+    qkvz, ba = proj
+    hv = ssm_state.shape[1]
+    y, _z, b, a = ops.proj_split(qkvz[:D], ba[:D], num_k_heads, hv, HD, HD)
+    gdn_layer.gdn_layer_forward(step.qla, y, a, b, conv_weight=conv_weight, conv_bias=conv_bias, activation="silu",
+                                conv_state=conv_state, ssm_state=ssm_state, A_log=A_log, dt_bias=dt_bias,
+                                num_k_heads=num_k_heads, out=out[:D], scale=scale)
+
+
 def _vllm_rearrange(y, hk):
     """vLLM's rearrange_mixed_qkv (~1042-1076): q, k, v [1, L, H, 128] contiguous, through one cat."""
     import torch
@@ -481,10 +564,15 @@ def _vllm_flashinfer_prefill(ops, q, k, v, g, beta, initial_state, cu_seqlens):
 
 
 COMPOSED = {"fla": fla_layer_forward, "flashinfer": flashinfer_layer_forward, "vllm": vllm_layer_forward,
-            "sglang": sglang_layer_forward, "sglang_qla": sglang_qla_layer_forward}
+            "sglang": sglang_layer_forward, "sglang_qla": sglang_qla_layer_forward,
+            "sglang_fused": sglang_fused_layer_forward, "sglang_fused_qla": sglang_fused_qla_layer_forward,
+            "qla_split": qla_split_layer_forward}
 LOADERS = {"fla": fla_ops, "flashinfer": flashinfer_ops, "vllm": vllm_ops, "sglang": sglang_ops,
-           "sglang_qla": sglang_qla_ops}   # the same keys: each one's ops
-SGLANG_LAYOUT_IMPLS = ("sglang", "sglang_qla")     # they run on SGLang's cache layout only (--pool sglang)
+           "sglang_qla": sglang_qla_ops, "sglang_fused": sglang_fused_ops, "sglang_fused_qla": sglang_fused_ops,
+           "qla_split": sglang_fused_ops}   # the same keys: each one's ops
+PROJECTION_IMPLS = ("sglang_fused", "sglang_fused_qla", "qla_split")   # take Qwen3.5's (qkvz, ba)
+# they run on SGLang's cache layout only (--pool sglang)
+SGLANG_LAYOUT_IMPLS = ("sglang", "sglang_qla", *PROJECTION_IMPLS)
 
 
 def composed_call(impl: str, case, step: ComposedStep, ops: ComposedOps) -> Callable[[], None]:
@@ -496,4 +584,18 @@ def composed_call(impl: str, case, step: ComposedStep, ops: ComposedOps) -> Call
     # vLLM then drops): its composition gets its own copy, so the case's inputs stay the other
     # impls' (later calls of the same composition convolve the copy again: same work, other values)
     x = case.mixed_qkv.clone() if impl == "vllm" else case.mixed_qkv
+    if impl in PROJECTION_IMPLS:
+        proj = qwen35_projections(case)
+        return lambda: fwd(step, proj, None, None, ops=ops, scale=None, **kw)
     return lambda: fwd(step, x, case.a, case.b, ops=ops, scale=None, **kw)
+
+
+def qwen35_projections(case):
+    """Qwen3.5's decode inputs as SGLang's model hands them over: qkvz = [q | k | v | z] (the case's
+    mixed_qkv and a random z of Hv * 128 channels) and ba = [b | a], each one contiguous tensor."""
+    import torch
+
+    gen = torch.Generator(device=case.device).manual_seed(7)
+    T = case.mixed_qkv.shape[0]
+    z = torch.randn(T, case.hv * HD, generator=gen, device=case.device).to(case.mixed_qkv.dtype)
+    return torch.cat([case.mixed_qkv, z], 1), torch.cat([case.b, case.a], 1)
