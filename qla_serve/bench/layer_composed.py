@@ -38,9 +38,10 @@ Each composition is one engine GDN layer's core for one step on the bench's vLLM
   ``causal_conv1d_update`` over the conv state, then ``sglang``: its default backend's
   ``fused_recurrent_gated_delta_rule_packed_decode`` (what SGLang runs without qla_serve);
   ``sglang_qla``: qla_serve's SGLang kernel (backends/sglang/kernel.py, its ``decode``) on the conv
-  output's q | k | v views (what SGLang runs with ``--linear-attn-backend flashqla``). Beside
-  ``qla`` on the same layout (the conv and decode both qla_serve's, as the vLLM adapter runs them),
-  the two say whether taking SGLang's conv over pays.
+  output's q | k | v views (what SGLang ran with ``--linear-attn-backend flashqla`` before the
+  plugin took this conv over; ``plugin.TAKE_OVER_DECODE_CONV`` off). Beside ``qla`` on the same
+  layout (the conv and decode both qla_serve's: what the plugin runs now), the two say whether
+  taking SGLang's conv over pays.
 * ``sglang_fused``, ``sglang_fused_qla``, ``qla_split`` (the same, for Qwen3.5's decode route: the
   layer gets the projections, ``qkvz`` [T, dim + Hv 128] = [q | k | v | z] and ``ba`` [T, 2 Hv] =
   [b | a], as SGLang's Qwen3.5 model hands them to forward_decode, qwen3_5.py:1012-1027):
@@ -184,6 +185,7 @@ class ComposedStep:
     prefill_qsl32: object = None
     prefill_has_init: object = None
     qla: object = None          # qla_split: the gdn_layer StepPlan of the decodes (ids derived)
+    kernel: object = None       # sglang_qla, sglang_fused_qla: flashqla's SGLang kernel, its ids bound
 
 
 def composed_step(case, i: int, impl: str = "fla") -> ComposedStep:
@@ -204,6 +206,15 @@ def composed_step(case, i: int, impl: str = "fla") -> ComposedStep:
                                             conv_width=case.conv_weight.shape[1], device=dev,
                                             decode_slots=step.decode_ids32)
         step.qla.ids("decode")    # once per step, outside the layer call (as the qla rows' step)
+        return step
+    if impl in ("sglang_qla", "sglang_fused_qla"):
+        from qla_serve import layer_ops
+        from qla_serve.backends.sglang.kernel import FlashQLAGDNKernel
+
+        step.decode_ids32 = up(ids[:D], torch.int32)
+        step.kernel = FlashQLAGDNKernel(("decode",))
+        # the plugin's forward_decode hook binds the batch's ids, derived once per step
+        step.kernel.bind_decode_ids(step.decode_ids32, layer_ops.slot_ids(step.decode_ids32, 0))
         return step
     if impl == "vllm":          # only what vLLM's builder makes: its "plan host us" is that work
         if D:
@@ -474,14 +485,13 @@ def sglang_qla_layer_forward(step: ComposedStep, mixed_qkv, a, b, *, ops: Compos
     """SGLang 0.5.23's decode step with ``--linear-attn-backend flashqla``: its Triton
     causal_conv1d_update (gdn_backend.py:854-862), the conv output split into [1, B, H, 128] q | k | v
     views (:889-911, the backend's supports_packed_decode False), then qla_serve's SGLang kernel's
-    ``decode`` (raw a, b; l2norm and gating in gdn_decode)."""
-    from qla_serve.backends.sglang.kernel import FlashQLAGDNKernel
-
+    ``decode`` (raw a, b; l2norm and gating in gdn_decode) with the step's slot ids bound once, as
+    the plugin's hook binds them (``plugin.TAKE_OVER_DECODE_CONV`` off)."""
     D = _decode_only(step, "sglang_qla")
     y = ops.causal_conv1d_update(mixed_qkv[:D], conv_state, conv_weight, conv_bias, "silu",
                                  conv_state_indices=step.decode_ids32, validate_data=False)
     q, k, v = _split(y, num_k_heads, ssm_state.shape[1])
-    o = FlashQLAGDNKernel(("decode",)).decode(q[None], k[None], v[None], a[:D], b[:D], A_log=A_log,
+    o = step.kernel.decode(q[None], k[None], v[None], a[:D], b[:D], A_log=A_log,
                                               dt_bias=dt_bias, ssm_states=ssm_state,
                                               cache_indices=step.decode_ids32, query_start_loc=None)
     out[:D] = o[0]
@@ -510,14 +520,12 @@ def sglang_fused_layer_forward(step: ComposedStep, proj, _a, _b, *, ops: Compose
 def sglang_fused_qla_layer_forward(step: ComposedStep, proj, _a, _b, *, ops: ComposedOps, conv_weight, conv_bias,
                                    conv_state, ssm_state, A_log, dt_bias, num_k_heads, out, scale=None) -> None:
     """SGLang's Qwen3.5 decode step with flashqla: the fused split + conv, then qla_serve's SGLang
-    kernel ``decode`` on the conv output's views (the route backends/sglang/decode_layer.py leaves
-    to SGLang)."""
-    from qla_serve.backends.sglang.kernel import FlashQLAGDNKernel
-
+    kernel ``decode`` on the conv output's views, the step's slot ids bound once (the route
+    backends/sglang/decode_layer.py leaves to SGLang)."""
     D = _decode_only(step, "sglang_fused_qla")
     y, _z, b, a = _proj_conv(ops, step, proj, conv_state, conv_weight, conv_bias, ssm_state.shape[1])
     q, k, v = _split(y, num_k_heads, ssm_state.shape[1])
-    o = FlashQLAGDNKernel(("decode",)).decode(q[None], k[None], v[None], a, b, A_log=A_log, dt_bias=dt_bias,
+    o = step.kernel.decode(q[None], k[None], v[None], a, b, A_log=A_log, dt_bias=dt_bias,
                                               ssm_states=ssm_state, cache_indices=step.decode_ids32,
                                               query_start_loc=None)
     out[:D] = o[0]

@@ -16,8 +16,9 @@ before this hook, took 8.9-10.1 us at one request where qla_serve's conv + decod
 Qwen3.5's decode hands ``mixed_qkv`` as the projections' ``(qkvz, ba)`` tuple (SGLang's default
 there, ``SGLANG_ENABLE_GDN_DECODE_FUSED_PROJ_CONV``): SGLang splits and convolves them in one
 Triton kernel (``fused_qkvzba_causal_conv1d_update_contiguous``). Those steps stay on SGLang's
-forward_decode (its fused conv, then flashqla's ``decode``): taking them over would add a split
-launch, not measured yet.
+forward_decode (its fused conv, then flashqla's ``decode`` with the slot ids of :func:`step_ids`):
+SGLang's split alone, then qla_serve's conv and decode, measured faster only at one request (2/8
+fp32 5.8 against 6.6 us) and 1-2% slower from 32 requests on (benchmarks/layer.md).
 """
 
 from __future__ import annotations
@@ -52,6 +53,17 @@ def forward_decode(backend, layer, forward_batch, mixed_qkv: torch.Tensor, a: to
                                 out=out[0], scale=layer.head_k_dim ** -0.5)
     backend._track_mamba_state_decode(forward_batch, conv_states, ssm_states, cache_indices, layer.layer_id)
     return out
+
+
+def step_ids(backend, layer) -> tuple:
+    """(SGLang's cache_indices of this forward batch, qla_serve's int32 ids of them: 0 and -1 ->
+    -1), from the batch's decode StepPlan (derived once per batch, as in :func:`forward_decode`)."""
+    meta = backend.forward_metadata
+    ssm_states = backend.req_to_token_pool.mamba2_layer_cache(layer.layer_id).temporal
+    cache_indices = meta.mamba_cache_indices
+    step = _decode_step(meta, cache_indices, cache_indices.shape[0], ssm_states.shape[1], layer.num_k_heads,
+                        layer.conv_weights.shape[1], cache_indices.device)
+    return cache_indices, step.ids("decode")
 
 
 def _decode_step(meta, cache_indices: torch.Tensor, B: int, Hv: int, Hk: int, W: int, device) -> gdn_layer.StepPlan:

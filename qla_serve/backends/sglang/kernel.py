@@ -197,6 +197,7 @@ class FlashQLAGDNKernel(LinearAttnKernelBase):
         self.phases = tuple(phases)
         self._batch: ExtendBatch | None = None
         self._warned_unplanned = False
+        self._decode_ids: tuple | None = None     # (SGLang's cache_indices, the ops' ids of them)
 
     # ------------------------------------------------------------------ per-batch plan
     def bind_batch(self, batch: ExtendBatch | None) -> None:
@@ -220,13 +221,21 @@ class FlashQLAGDNKernel(LinearAttnKernelBase):
         return self._batch
 
     # ------------------------------------------------------------------ decode
+    def bind_decode_ids(self, cache_indices: torch.Tensor, ids: torch.Tensor) -> None:
+        """The forward batch's slot ids for ``cache_indices``, derived once per batch by the
+        plugin's forward_decode hook (decode_layer.step_ids): :meth:`decode` takes them when SGLang
+        hands it that same tensor, instead of mapping the ids again in every GDN layer."""
+        self._decode_ids = (cache_indices, ids)
+
     def decode(self, q, k, v, a, b, *, A_log, dt_bias, ssm_states, cache_indices, query_start_loc,
                **kwargs):
         """One token per request; returns [1, B, Hv, 128] in q's dtype. Graph-capturable."""
         q3, k3, v3 = _tokens(q, "q"), _tokens(k, "k"), _tokens(v, "v")
         B, Hv = v3.shape[0], v3.shape[1]
         out = torch.empty(1, B, Hv, HEAD_DIM, dtype=q3.dtype, device=q3.device)
-        qla_serve.gdn_decode(q3, k3, v3, ssm_states, _slots(cache_indices),
+        bound = self._decode_ids
+        slots = bound[1] if bound is not None and bound[0] is cache_indices else _slots(cache_indices)
+        qla_serve.gdn_decode(q3, k3, v3, ssm_states, slots,
                              a=_gate2d(a, "a", B), b=_gate2d(b, "b", B), A_log=A_log, dt_bias=dt_bias,
                              use_qk_l2norm=True, out=out[0])
         return out

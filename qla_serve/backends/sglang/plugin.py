@@ -25,8 +25,10 @@ before arguments are parsed. It
    * AROUND ``GDNAttnBackend.forward_decode``: with flashqla's decode, a step whose ``mixed_qkv``
      is one tensor runs its conv too on qla_serve's layer (:mod:`.decode_layer`: the conv and
      the decode as the vLLM adapter runs them, measured 2-3x faster per layer call at small
-     batches than SGLang's conv before flashqla's decode); Qwen3.5's fused-projection tuple and
-     ReplaySSM steps go to SGLang's own forward_decode (``TAKE_OVER_DECODE_CONV`` False: all).
+     batches than SGLang's conv before flashqla's decode); Qwen3.5's fused-projection tuple goes
+     to SGLang's own forward_decode (its fused split + conv, then the kernel class's decode with
+     the batch's slot ids derived once), ReplaySSM steps untouched (``TAKE_OVER_DECODE_CONV``
+     False: every step SGLang's conv).
 
 Phase selection follows SGLang's flags: ``--linear-attn-decode-backend`` /
 ``--linear-attn-prefill-backend`` override ``--linear-attn-backend``. Verify: an explicit
@@ -283,14 +285,17 @@ def _init_forward_metadata_hook(original, self, forward_batch, *args, **kwargs):
 
 def _forward_decode_hook(original, self, layer, forward_batch, mixed_qkv, a, b, **kwargs):
     """flashqla's decode with SGLang's decode conv taken over (decode_layer.forward_decode) where
-    the step is plain: ``mixed_qkv`` one tensor (not Qwen3.5's fused-projection tuple) and no
-    ReplaySSM ring (refused with custom backends by SGLang itself; checked all the same)."""
+    the step is plain: ``mixed_qkv`` one tensor and no ReplaySSM ring (refused with custom backends
+    by SGLang itself; checked all the same). Qwen3.5's fused-projection tuple keeps SGLang's fused
+    split + conv, its decode taking the batch's slot ids derived once (decode_layer.step_ids)."""
     kernel = getattr(self.kernel_dispatcher, "qla_kernel", None)
-    meta = self.forward_metadata
-    if (TAKE_OVER_DECODE_CONV and kernel is not None and self.kernel_dispatcher.decode_kernel is kernel
-            and isinstance(mixed_qkv, torch.Tensor) and meta.replayssm_write_pos is None):
-        from .decode_layer import forward_decode
-        return forward_decode(self, layer, forward_batch, mixed_qkv, a, b)
+    if kernel is None or self.kernel_dispatcher.decode_kernel is not kernel \
+            or self.forward_metadata.replayssm_write_pos is not None:
+        return original(self, layer, forward_batch, mixed_qkv, a, b, **kwargs)
+    from . import decode_layer
+    if TAKE_OVER_DECODE_CONV and isinstance(mixed_qkv, torch.Tensor):
+        return decode_layer.forward_decode(self, layer, forward_batch, mixed_qkv, a, b)
+    kernel.bind_decode_ids(*decode_layer.step_ids(self, layer))
     return original(self, layer, forward_batch, mixed_qkv, a, b, **kwargs)
 
 

@@ -157,6 +157,66 @@ def test_kit_decode_conv_taken_over_matches_sglangs(gdn_kit, monkeypatch, case_n
             assert torch.equal(conv_q[slot], conv0[slot]) and torch.equal(ssm_q[slot], ssm0[slot]), slot
 
 
+def _split_contiguous(qkvz, ba, num_heads_qk, num_heads_v, head_qk, head_v):
+    """Torch stand-in for SGLang's Triton fused_qkvzba_split_reshape_cat_contiguous (GPU-only: SGLang
+    imports it only on CUDA): [q|k|v|z], [b|a] -> mixed_qkv, z [T, Hv, 128], b, a."""
+    dim = 2 * num_heads_qk * head_qk + num_heads_v * head_v
+    return (qkvz[:, :dim].contiguous(), qkvz[:, dim:].reshape(-1, num_heads_v, head_v).contiguous(),
+            ba[:, :num_heads_v].contiguous(), ba[:, num_heads_v:].contiguous())
+
+
+def test_kit_qwen35_projection_decode_keeps_sglangs_conv(gdn_kit, monkeypatch):
+    """Qwen3.5's decode hands forward_decode the projections' (qkvz, ba) tuple: the hook leaves it to
+    SGLang's forward_decode (on a GPU its fused split + conv; on this CPU machine its fallback, the
+    split then the conv update: both stand in as torch here, as the conftest's conv), whose
+    flashqla ``decode`` takes the batch's slot ids derived once (no per-layer mapping). The result
+    and the caches equal those of the same step handed over as one mixed_qkv tensor with
+    TAKE_OVER_DECODE_CONV off (SGLang's conv, flashqla's decode, the same bound ids), bit for bit."""
+    import sglang.srt.layers.attention.linear.gdn_backend as gb
+
+    from qla_serve.backends.sglang import kernel as K
+    from qla_serve.backends.sglang import plugin
+
+    monkeypatch.setattr(gb, "can_use_fused_qkvzba_causal_conv1d_update_contiguous",
+                        lambda *a, **kw: (False, "CPU stand-in"), raising=False)
+    monkeypatch.setattr(gb, "fused_qkvzba_split_reshape_cat_contiguous", _split_contiguous, raising=False)
+    per_layer_maps = []
+    real_slots = K._slots
+    monkeypatch.setattr(K, "_slots", lambda ids: per_layer_maps.append(1) or real_slots(ids))
+    kit = gdn_kit(**FLASHQLA)
+    tc = unittest.TestCase()
+    case = next(c for c in _cases(kit) if c.name == "gdn_decode_page_boundary")
+    results = []
+    for route in ("tuple", "tensor"):
+        monkeypatch.setattr(plugin, "TAKE_OVER_DECODE_CONV", route == "tuple")
+        fixture = kit.build_gdn_attention_fixture(tc, case, head_k_dim=128, head_v_dim=128, device="cpu",
+                                                  dtype=torch.bfloat16)
+        _random_conv(fixture, seed=4)
+        linear, attn = fixture.backend.linear_attn_backend, fixture.actual_module.attn
+        z = torch.randn(fixture.mixed_qkv.shape[0], attn.num_v_heads * 128,
+                        generator=torch.Generator().manual_seed(5)).to(fixture.mixed_qkv.dtype)
+        linear.init_forward_metadata(fixture.forward_batch)
+        with torch.no_grad():
+            if route == "tuple":
+                out, z_out = linear.forward_decode(
+                    layer=attn, forward_batch=fixture.forward_batch,
+                    mixed_qkv=(torch.cat([fixture.mixed_qkv, z], 1), torch.cat([fixture.b, fixture.a], 1)),
+                    a=None, b=None)
+                assert torch.equal(z_out.reshape(z.shape), z)
+            else:
+                out = linear.forward_decode(layer=attn, forward_batch=fixture.forward_batch,
+                                            mixed_qkv=fixture.mixed_qkv, a=fixture.a, b=fixture.b)
+        cache = fixture.runner.req_to_token_pool.mamba2_layer_cache(0)
+        results.append((out, cache.conv[0].clone(), cache.temporal.clone()))
+        if route == "tuple":
+            assert per_layer_maps == [], "the tuple route mapped the slot ids in the layer"
+            assert linear.kernel_dispatcher.decode_kernel._decode_ids[0] is linear.forward_metadata.mamba_cache_indices
+    assert per_layer_maps == [], "SGLang's conv route (TAKE_OVER_DECODE_CONV off) takes the bound ids too"
+    (o_t, conv_t, ssm_t), (o_m, conv_m, ssm_m) = results
+    assert o_t.abs().max() > 0.01
+    assert torch.equal(o_t, o_m) and torch.equal(conv_t, conv_m) and torch.equal(ssm_t, ssm_m)
+
+
 def test_kit_extend_plans_once_per_batch(gdn_kit):
     """init_forward_metadata (hooked) plans the batch; the kernel reuses that plan."""
     kit = gdn_kit(**FLASHQLA)
