@@ -491,9 +491,8 @@ def sglang_qla_layer_forward(step: ComposedStep, mixed_qkv, a, b, *, ops: Compos
     y = ops.causal_conv1d_update(mixed_qkv[:D], conv_state, conv_weight, conv_bias, "silu",
                                  conv_state_indices=step.decode_ids32, validate_data=False)
     q, k, v = _split(y, num_k_heads, ssm_state.shape[1])
-    o = step.kernel.decode(q[None], k[None], v[None], a[:D], b[:D], A_log=A_log,
-                                              dt_bias=dt_bias, ssm_states=ssm_state,
-                                              cache_indices=step.decode_ids32, query_start_loc=None)
+    o = step.kernel.decode(q[None], k[None], v[None], a[:D], b[:D], A_log=A_log, dt_bias=dt_bias,
+                           ssm_states=ssm_state, cache_indices=step.decode_ids32, query_start_loc=None)
     out[:D] = o[0]
 
 
@@ -525,9 +524,8 @@ def sglang_fused_qla_layer_forward(step: ComposedStep, proj, _a, _b, *, ops: Com
     D = _decode_only(step, "sglang_fused_qla")
     y, _z, b, a = _proj_conv(ops, step, proj, conv_state, conv_weight, conv_bias, ssm_state.shape[1])
     q, k, v = _split(y, num_k_heads, ssm_state.shape[1])
-    o = step.kernel.decode(q[None], k[None], v[None], a, b, A_log=A_log, dt_bias=dt_bias,
-                                              ssm_states=ssm_state, cache_indices=step.decode_ids32,
-                                              query_start_loc=None)
+    o = step.kernel.decode(q[None], k[None], v[None], a, b, A_log=A_log, dt_bias=dt_bias, ssm_states=ssm_state,
+                           cache_indices=step.decode_ids32, query_start_loc=None)
     out[:D] = o[0]
 
 
