@@ -198,15 +198,8 @@ def parse(*args, **kwargs):
 EOF
 
 # Manifest: what is SGLang's (byte for byte) and what is ours.
-{
-  echo "# qla_serve bundle of SGLang $VERSION GDN decode ops, built by benchmarks/make_sglang_ops_bundle.sh"
-  echo "# wheel $(basename "$wheel") sha256 $(sha256sum "$wheel" | cut -d' ' -f1)"
-  echo "# extracted unmodified from the wheel:"
-  printf '%s\n' "${EXTRACT[@]}" sglang/LICENSE
-  echo "# qla_serve stubs:"
-  (cd "$OUTDIR/site" && grep -rl --include="*.py" "^# qla_serve stub" sglang | sort)
-  echo "fallback/packaging/{__init__,version}.py (only without a real packaging)"
-} > "$S/QLA_SERVE_BUNDLE.txt"
+write_manifest "$OUTDIR" sglang "SGLang $VERSION GDN decode ops" \
+  "fallback/packaging/{__init__,version}.py (only without a real packaging)" "${EXTRACT[@]}"
 
 # ---------------------------------------------------------------- 4. closure check (no triton needed)
 # Every sglang.* import reached at import time must resolve inside site/; nothing may import

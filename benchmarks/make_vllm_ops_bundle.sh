@@ -274,15 +274,8 @@ def rearrange(*args, **kwargs):
 EOF
 
 # Manifest: what is vLLM's (byte for byte) and what is ours.
-{
-  echo "# qla_serve bundle of vLLM $VERSION GDN ops, built by benchmarks/make_vllm_ops_bundle.sh"
-  echo "# wheel $(basename "$wheel") sha256 $(sha256sum "$wheel" | cut -d' ' -f1)"
-  echo "# extracted unmodified from the wheel:"
-  printf '%s\n' "${EXTRACT[@]}" vllm/LICENSE
-  echo "# qla_serve stubs:"
-  (cd "$OUTDIR/site" && grep -rl --include="*.py" "^# qla_serve stub" vllm | sort)
-  echo "fallback/einops/__init__.py (only without a real einops)"
-} > "$S/QLA_SERVE_BUNDLE.txt"
+write_manifest "$OUTDIR" vllm "vLLM $VERSION GDN ops" \
+  "fallback/einops/__init__.py (only without a real einops)" "${EXTRACT[@]}"
 
 # ---------------------------------------------------------------- 4. pack + activate.sh
 pack_bundle "$OUTDIR" vllmops

@@ -58,6 +58,24 @@ print(f"extracted {len(names)} files from the wheel, each matching its RECORD sh
 PY
 }
 
+# write_manifest OUTDIR PKG WHAT FALLBACK_NOTE FILE...
+#   OUTDIR/site/PKG/QLA_SERVE_BUNDLE.txt: what in the bundle is PKG's (FILE..., byte for byte from
+#   $WHEEL, and its license) and what is ours (the files headed "# qla_serve stub", FALLBACK_NOTE).
+write_manifest() {
+  local outdir=$1 pkg=$2 what=$3 fallback=$4 script
+  shift 4
+  script=$(basename "${BASH_SOURCE[1]}")
+  {
+    echo "# qla_serve bundle of $what, built by benchmarks/$script"
+    echo "# wheel $(basename "$WHEEL") sha256 $(sha256sum "$WHEEL" | cut -d' ' -f1)"
+    echo "# extracted unmodified from the wheel:"
+    printf '%s\n' "$@" "$pkg/LICENSE"
+    echo "# qla_serve stubs:"
+    (cd "$outdir/site" && grep -rl --include="*.py" "^# qla_serve stub" "$pkg" | sort)
+    echo "$fallback"
+  } > "$outdir/site/$pkg/QLA_SERVE_BUNDLE.txt"
+}
+
 # pack_bundle OUTDIR NAME
 #   OUTDIR/NAME.tar.xz of OUTDIR/site and OUTDIR/fallback, no __pycache__, the same bytes for the
 #   same files.
