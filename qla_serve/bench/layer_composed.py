@@ -39,7 +39,7 @@ Each composition is one engine GDN layer's core for one step on the bench's vLLM
   ``fused_recurrent_gated_delta_rule_packed_decode`` (what SGLang runs without qla_serve);
   ``sglang_qla``: qla_serve's SGLang kernel (backends/sglang/kernel.py, its ``decode``) on the conv
   output's q | k | v views (what SGLang ran with ``--linear-attn-backend flashqla`` before the
-  plugin took this conv over; ``plugin.TAKE_OVER_DECODE_CONV`` off). Beside ``qla`` on the same
+  plugin took this conv over; ``QLA_SERVE_SGLANG_DECODE_CONV=0``). Beside ``qla`` on the same
   layout (the conv and decode both qla_serve's: what the plugin runs now), the two say whether
   taking SGLang's conv over pays.
 * ``sglang_fused``, ``sglang_fused_qla``, ``qla_split`` (the same, for Qwen3.5's decode route: the
@@ -486,7 +486,7 @@ def sglang_qla_layer_forward(step: ComposedStep, mixed_qkv, a, b, *, ops: Compos
     causal_conv1d_update (gdn_backend.py:854-862), the conv output split into [1, B, H, 128] q | k | v
     views (:889-911, the backend's supports_packed_decode False), then qla_serve's SGLang kernel's
     ``decode`` (raw a, b; l2norm and gating in gdn_decode) with the step's slot ids bound once, as
-    the plugin's hook binds them (``plugin.TAKE_OVER_DECODE_CONV`` off)."""
+    the plugin's hook binds them (``QLA_SERVE_SGLANG_DECODE_CONV=0``)."""
     D = _decode_only(step, "sglang_qla")
     y = ops.causal_conv1d_update(mixed_qkv[:D], conv_state, conv_weight, conv_bias, "silu",
                                  conv_state_indices=step.decode_ids32, validate_data=False)

@@ -27,8 +27,8 @@ before arguments are parsed. It
      the decode as the vLLM adapter runs them, measured 2-3x faster per layer call at small
      batches than SGLang's conv before flashqla's decode); Qwen3.5's fused-projection tuple goes
      to SGLang's own forward_decode (its fused split + conv, then the kernel class's decode with
-     the batch's slot ids derived once), ReplaySSM steps untouched (``TAKE_OVER_DECODE_CONV``
-     False: every step SGLang's conv).
+     the batch's slot ids derived once), ReplaySSM steps untouched
+     (``QLA_SERVE_SGLANG_DECODE_CONV=0``: every step SGLang's conv).
 
 Phase selection follows SGLang's flags: ``--linear-attn-decode-backend`` /
 ``--linear-attn-prefill-backend`` override ``--linear-attn-backend``. Verify: an explicit
@@ -53,9 +53,12 @@ TARGET_BACKEND_INIT = f"{GDN_BACKEND}.GDNAttnBackend.__init__"
 TARGET_DISPATCHER_INIT = f"{GDN_BACKEND}.GDNKernelDispatcher.__init__"
 TARGET_METADATA = f"{GDN_BACKEND}.GDNAttnBackend.init_forward_metadata"
 TARGET_FORWARD_DECODE = f"{GDN_BACKEND}.GDNAttnBackend.forward_decode"
-# flashqla's decode takes SGLang's decode conv over (decode_layer.py); False: SGLang's conv, then
-# flashqla's decode kernel (the route before; for A/B: benchmarks/layer.md "SGLang's decode step").
-TAKE_OVER_DECODE_CONV = True
+ENV_DECODE_CONV = "QLA_SERVE_SGLANG_DECODE_CONV"
+# Whether flashqla's decode takes SGLang's decode conv over (decode_layer.py): $QLA_SERVE_SGLANG_
+# DECODE_CONV, 1 (default) or 0 (SGLang's conv, then flashqla's decode kernel: the route before,
+# for A/B, benchmarks/layer.md "SGLang's decode step", or as a way back). Read once per process
+# (None: not yet); the start-up checks refuse another value.
+TAKE_OVER_DECODE_CONV: bool | None = None
 
 _registered = False
 
@@ -144,6 +147,11 @@ def startup_problems(phases: dict[str, bool], *, ssm_shape, ssm_dtype, device) -
         return []
     problems = []
     flag = "--linear-attn-backend flashqla"
+    if "decode" in wanted:
+        try:
+            decode_conv_from_env()
+        except ValueError as exc:
+            problems.append(str(exc))
     if len(ssm_shape) != 5 or tuple(ssm_shape[-2:]) != (128, 128):
         problems.append(f"{flag}: qla_serve's GDN kernels need key/value head dim 128; this model's "
                         f"state pool is {list(ssm_shape)} ([layers, slots, Hv, V, K])")
@@ -176,6 +184,23 @@ def startup_problems(phases: dict[str, bool], *, ssm_shape, ssm_dtype, device) -
                             "pick another --linear-attn-*-backend for this phase, or set "
                             "QLA_SERVE_OP_PATH=fla|reference to run qla_serve's slower paths on purpose")
     return problems
+
+
+def decode_conv_from_env(environ=None) -> bool:
+    """``$QLA_SERVE_SGLANG_DECODE_CONV``: 1 (the default) or 0; another value is a ValueError
+    naming the variable, never a silent default."""
+    value = (os.environ if environ is None else environ).get(ENV_DECODE_CONV, "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV_DECODE_CONV}: expected 1 (flashqla's decode runs SGLang's decode conv too) "
+                         f"or 0 (SGLang's conv, then flashqla's decode), got {value!r}")
+    return value == "1"
+
+
+def _take_over_decode_conv() -> bool:
+    global TAKE_OVER_DECODE_CONV
+    if TAKE_OVER_DECODE_CONV is None:
+        TAKE_OVER_DECODE_CONV = decode_conv_from_env()
+    return TAKE_OVER_DECODE_CONV
 
 
 def _full_prefill_graph() -> bool:
@@ -293,7 +318,7 @@ def _forward_decode_hook(original, self, layer, forward_batch, mixed_qkv, a, b, 
             or self.forward_metadata.replayssm_write_pos is not None:
         return original(self, layer, forward_batch, mixed_qkv, a, b, **kwargs)
     from . import decode_layer
-    if TAKE_OVER_DECODE_CONV and isinstance(mixed_qkv, torch.Tensor):
+    if _take_over_decode_conv() and isinstance(mixed_qkv, torch.Tensor):
         return decode_layer.forward_decode(self, layer, forward_batch, mixed_qkv, a, b)
     kernel.bind_decode_ids(*decode_layer.step_ids(self, layer))
     return original(self, layer, forward_batch, mixed_qkv, a, b, **kwargs)

@@ -124,7 +124,7 @@ def _random_conv(fixture, seed):
 
 @pytest.mark.parametrize("case_name", ["gdn_decode_page_boundary", "gdn_decode_bsz1_nonzero_prefix"])
 def test_kit_decode_conv_taken_over_matches_sglangs(gdn_kit, monkeypatch, case_name):
-    """The same decode step with SGLang's conv (plugin.TAKE_OVER_DECODE_CONV False: its conv
+    """The same decode step with SGLang's conv (QLA_SERVE_SGLANG_DECODE_CONV=0, plugin.TAKE_OVER_DECODE_CONV False: its conv
     update, then flashqla's decode kernel) and with qla_serve's (the default), from the same caches,
     random conv weights and history: the same outputs and SSM states within bf16 rounding, the
     same conv states bit for bit (a window shift), slots outside the batch untouched."""
