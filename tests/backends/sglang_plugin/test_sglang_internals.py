@@ -142,6 +142,34 @@ def test_backend_call_sites():
     assert "requires the Triton linear-attention prefill" in inspect.getsource(gdn_backend.validate_gdn_mis_backend)
 
 
+def test_forward_decode_hook_points():
+    """What the forward_decode hook (plugin.py, decode_layer.py) relies on: the method's parameters,
+    its conv call (the one the hook replaces) and the Qwen3.5 tuple route it leaves, the track-save
+    it calls after the layer, and a new ForwardMetadata object per forward batch (the decode step
+    plan is kept on it)."""
+    from sglang.srt.layers.attention import hybrid_linear_attn_backend as h
+    from sglang.srt.layers.attention.linear import gdn_backend
+    from sglang.srt.layers.radix_linear_attention import RadixLinearAttention
+
+    fd = gdn_backend.GDNAttnBackend.forward_decode
+    assert _params(fd) == ["self", "layer", "forward_batch", "mixed_qkv", "a", "b", "kwargs"]
+    src = inspect.getsource(fd)
+    for line in ("conv_states = layer_cache.conv[0]", "ssm_states = layer_cache.temporal",
+                 "cache_indices = self.forward_metadata.mamba_cache_indices",
+                 "replayssm_write_pos = self.forward_metadata.replayssm_write_pos",
+                 "if isinstance(mixed_qkv, tuple):", "mixed_qkv = causal_conv1d_update(",
+                 "conv_state_indices=cache_indices,", "cache_indices=cache_indices,",
+                 "return (core_attn_out, z) if return_z else core_attn_out"):
+        assert line in src, line
+    assert _params(h.MambaAttnBackendBase._track_mamba_state_decode) == [
+        "self", "forward_batch", "conv_states", "ssm_states", "cache_indices", "layer_id"]
+    base = inspect.getsource(h.MambaAttnBackendBase)
+    assert "self.forward_metadata = self._forward_metadata(forward_batch)" in base
+    assert base.count("self.forward_metadata = ") >= 3      # eager, capture and replay: a new object each
+    for name in ("layer_id", "conv_weights", "bias", "activation", "A_log", "dt_bias", "num_k_heads", "head_k_dim"):
+        assert name in _params(RadixLinearAttention.__init__), name
+
+
 def test_prefill_cuda_graph_contract():
     """SGLang's default prefill graph on CUDA is breakable; it breaks out at every GDN layer
     (GDNAttnBackend does not declare in-graph extend) and, for backends without captured
