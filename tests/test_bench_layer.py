@@ -304,6 +304,19 @@ def vllm_causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, cache_i
     assert metadata.nums_dict[8]["tot"] == int((-(-lens // 8)).sum()), "conv metadata"
     assert torch.equal(metadata.batch_ptr[:metadata.nums_dict[8]["mlist_len"]].cpu(),
                        torch.repeat_interleave(torch.arange(len(lens)), -(-lens // 8)).int()), "batch_ptr"
+    return _varlen_conv(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, activation)
+
+
+def sglang_causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, seq_lens_cpu, cache_indices=None,
+                            has_initial_state=None, activation="silu", **kw):
+    """SGLang's Triton causal_conv1d_fn (kernels/ops/mamba/causal_conv1d_triton.py): vLLM's contract,
+    with the host lengths instead of a metadata table."""
+    assert not kw and list(seq_lens_cpu) == query_start_loc.diff().tolist(), "seq_lens_cpu"
+    return _varlen_conv(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, activation)
+
+
+def _varlen_conv(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, activation):
+    W = weight.shape[1]
     out = torch.empty_like(x)
     for i, (bos, eos) in enumerate(_bounds(query_start_loc)):
         slot = int(cache_indices[i])
@@ -426,6 +439,20 @@ def sglang_proj_conv(qkvz, ba, conv_state, conv_weight, conv_bias, conv_state_in
     return y, z, ba[:, :num_v_heads].clone(), ba[:, num_v_heads:].clone()
 
 
+def sglang_qkv_split(mixed_qkv, num_q_heads, num_k_heads, num_v_heads, head_q, head_k, head_v):
+    """SGLang's fused_qkv_split_gdn_prefill: [T, q|k|v] -> contiguous q, k, v [1, T, H, D]."""
+    T, qd, kd = mixed_qkv.shape[0], num_q_heads * head_q, num_k_heads * head_k
+    return (mixed_qkv[:, :qd].reshape(1, T, num_q_heads, head_q).clone(),
+            mixed_qkv[:, qd:qd + kd].reshape(1, T, num_k_heads, head_k).clone(),
+            mixed_qkv[:, qd + kd:].reshape(1, T, num_v_heads, head_v).clone())
+
+
+def sglang_gating(A_log, a, b, dt_bias):
+    """SGLang's fused_gdn_gating: fp32 g, beta [1, T, Hv]."""
+    g = -torch.exp(A_log.double()) * F.softplus(a.double() + dt_bias.double())
+    return g.float()[None], torch.sigmoid(b.double()).float()[None]
+
+
 def standin_ops(impl):
     if impl in C.PROJECTION_IMPLS:
         return C.ComposedOps(None, None, packed_decode=vllm_packed_decode, proj_conv=sglang_proj_conv,
@@ -433,7 +460,8 @@ def standin_ops(impl):
     if impl == "sglang":
         return C.ComposedOps(None, sglang_causal_conv1d_update, packed_decode=vllm_packed_decode)
     if impl == "sglang_qla":
-        return C.ComposedOps(None, sglang_causal_conv1d_update)
+        return C.ComposedOps(sglang_causal_conv1d_fn, sglang_causal_conv1d_update, qkv_split=sglang_qkv_split,
+                             gating=sglang_gating)
     if impl == "vllm":
         return C.ComposedOps(vllm_causal_conv1d_fn, vllm_causal_conv1d_update,
                              fi_chunk_gated_delta_rule=vllm_fi_chunk_gated_delta_rule,
@@ -551,10 +579,25 @@ def test_qwen35_decode_routes_match_qla(state_dtype, io_dtype, tol):
         assert max(rec[impl].values()) < tol, (impl, rec[impl])
 
 
+@pytest.mark.parametrize("state_dtype,io_dtype,tol", [(torch.float32, torch.float32, 2e-5),
+                                                       (torch.bfloat16, torch.bfloat16, 2e-2)])
+def test_sglang_extend_with_flashqla_matches_qla(state_dtype, io_dtype, tol):
+    """SGLang's extend with flashqla (its conv, split and gating, then the kernel class's extend on its
+    batch plan) on prefill-only rows: resumed and new requests of 70, 9, 1 and 2 tokens, against qla's
+    layer on the same layout; outputs, SSM and conv states."""
+    case = _case(state_dtype, io_dtype, row="70+9+1+2", layout="sglang")
+    rec = L.run_check(case, _calls(case, ("qla", "sglang_qla")))
+    assert max(rec["sglang_qla"].values()) < tol, rec["sglang_qla"]
+
+
 def test_sglang_impls_refuse_what_they_do_not_compose():
-    """Prefill rows and vLLM's paged pool: a clear error each (recorded per impl by the bench)."""
+    """Prefill rows for SGLang's own (its FlashInfer prefill wrapper is not composed), mixed rows
+    for sglang_qla (SGLang runs decodes and extends apart), vLLM's paged pool: a clear error each
+    (recorded per impl by the bench)."""
     with pytest.raises(NotImplementedError, match="^sglang: decode-only rows"):
         _calls(_case(row="d2+40", layout="sglang"), ("sglang",))["sglang"]()
+    with pytest.raises(NotImplementedError, match="^sglang_qla: decode-only or prefill-only rows"):
+        _calls(_case(row="d2+40", layout="sglang"), ("sglang_qla",))["sglang_qla"]()
     with pytest.raises(ValueError, match=r"^sglang_qla: runs on SGLang's cache layout \(--pool sglang\)"):
         _calls(_case(row="d2"), ("sglang_qla",))
     assert "sglang" not in _parser().parse_args([]).impls

@@ -42,6 +42,15 @@ Each composition is one engine GDN layer's core for one step on the bench's vLLM
   plugin took this conv over; ``QLA_SERVE_SGLANG_DECODE_CONV=0``). Beside ``qla`` on the same
   layout (the conv and decode both qla_serve's: what the plugin runs now), the two say whether
   taking SGLang's conv over pays.
+  On prefill-only rows ``sglang_qla`` is SGLang's extend with flashqla (forward_extend,
+  gdn_backend.py:948-1200): its Triton ``causal_conv1d_fn`` over the transposed rows (:919-941,
+  has_initial_state = prefix > 0), ``fused_qkv_split_gdn_prefill`` (q, k, v [1, T, H, 128] copies;
+  torch views where the qkv width exceeds 8192, :1078-1102), ``fused_gdn_gating`` (fp32 g, beta),
+  then qla_serve's SGLang kernel ``extend`` (L2 norm, then gdn_prefill) on its batch plan (new
+  requests' SSM slots zeroed in the call: SGLang zeroes them when it allocates them); beside
+  ``qla`` on the same layout it says whether taking the extend conv over pays. (SGLang's own SM90
+  extend runs FlashInfer's prefill through its own wrapper: not composed.) Mixed rows: SGLang
+  runs decodes and extends as separate batches, so they are refused.
 * ``sglang_fused``, ``sglang_fused_qla``, ``qla_split`` (the same, for Qwen3.5's decode route: the
   layer gets the projections, ``qkvz`` [T, dim + Hv 128] = [q | k | v | z] and ``ba`` [T, 2 Hv] =
   [b | a], as SGLang's Qwen3.5 model hands them to forward_decode, qwen3_5.py:1012-1027):
@@ -90,6 +99,8 @@ class ComposedOps:
     sigmoid_gating_update: Callable | None = None
     proj_conv: Callable | None = None       # SGLang: fused_qkvzba_causal_conv1d_update_contiguous
     proj_split: Callable | None = None      # SGLang: fused_qkvzba_split_reshape_cat_contiguous
+    qkv_split: Callable | None = None       # SGLang: fused_qkv_split_gdn_prefill
+    gating: Callable | None = None          # SGLang: fused_gdn_gating
 
 
 def fla_ops() -> ComposedOps:
@@ -122,10 +133,14 @@ def sglang_ops() -> ComposedOps:
 
 
 def sglang_qla_ops() -> ComposedOps:
-    """SGLang 0.5.23's Triton decode conv; the decode is qla_serve's SGLang kernel."""
-    from sglang.kernels.ops.mamba.causal_conv1d_triton import causal_conv1d_update
+    """SGLang 0.5.23's Triton decode and extend convs, its prefill split and gating; the core is
+    qla_serve's SGLang kernel."""
+    from sglang.kernels.ops.attention.linear.fused_gdn_gating import fused_gdn_gating
+    from sglang.kernels.ops.attention.triton_gdn_fused_proj import fused_qkv_split_gdn_prefill
+    from sglang.kernels.ops.mamba.causal_conv1d_triton import causal_conv1d_fn, causal_conv1d_update
 
-    return ComposedOps(None, causal_conv1d_update)
+    return ComposedOps(causal_conv1d_fn, causal_conv1d_update, qkv_split=fused_qkv_split_gdn_prefill,
+                       gating=fused_gdn_gating)
 
 
 def sglang_fused_ops() -> ComposedOps:
@@ -186,6 +201,7 @@ class ComposedStep:
     prefill_has_init: object = None
     qla: object = None          # qla_split: the gdn_layer StepPlan of the decodes (ids derived)
     kernel: object = None       # sglang_qla, sglang_fused_qla: flashqla's SGLang kernel, its ids bound
+    seq_lens_cpu: object = None  # sglang_qla extend: the host lengths SGLang's conv takes
 
 
 def composed_step(case, i: int, impl: str = "fla") -> ComposedStep:
@@ -209,12 +225,22 @@ def composed_step(case, i: int, impl: str = "fla") -> ComposedStep:
         return step
     if impl in ("sglang_qla", "sglang_fused_qla"):
         from qla_serve import layer_ops
-        from qla_serve.backends.sglang.kernel import FlashQLAGDNKernel
+        from qla_serve.backends.sglang.kernel import ExtendBatch, FlashQLAGDNKernel
 
-        step.decode_ids32 = up(ids[:D], torch.int32)
-        step.kernel = FlashQLAGDNKernel(("decode",))
-        # the plugin's forward_decode hook binds the batch's ids, derived once per step
-        step.kernel.bind_decode_ids(step.decode_ids32, layer_ops.slot_ids(step.decode_ids32, 0))
+        step.kernel = FlashQLAGDNKernel(("decode", "prefill"))
+        if D:
+            step.decode_ids32 = up(ids[:D], torch.int32)
+            # the plugin's forward_decode hook binds the batch's ids, derived once per step
+            step.kernel.bind_decode_ids(step.decode_ids32, layer_ops.slot_ids(step.decode_ids32, 0))
+        if lens:                # what SGLang's metadata and the plugin's plan hook hand the extend
+            step.prefill_ids32 = up(ids[D:], torch.int32)
+            step.prefill_qsl32 = up([sum(lens[:i]) for i in range(len(lens) + 1)], torch.int32)
+            step.prefill_has_init = up(has, torch.bool)
+            step.seq_lens_cpu = list(lens)
+            fresh = [s for s, h in zip(ids[D:], has) if not h]
+            step.fresh_ids = up(fresh) if fresh else None
+            step.kernel.bind_batch(ExtendBatch(query_start_loc=step.prefill_qsl32, seq_lens=tuple(lens),
+                                               num_tokens=sum(lens)))
         return step
     if impl == "vllm":          # only what vLLM's builder makes: its "plan host us" is that work
         if D:
@@ -487,13 +513,48 @@ def sglang_qla_layer_forward(step: ComposedStep, mixed_qkv, a, b, *, ops: Compos
     views (:889-911, the backend's supports_packed_decode False), then qla_serve's SGLang kernel's
     ``decode`` (raw a, b; l2norm and gating in gdn_decode) with the step's slot ids bound once, as
     the plugin's hook binds them (``QLA_SERVE_SGLANG_DECODE_CONV=0``)."""
-    D = _decode_only(step, "sglang_qla")
+    if step.num_prefill_tokens:
+        _sglang_qla_extend(step, mixed_qkv, a, b, ops=ops, conv_weight=conv_weight, conv_bias=conv_bias,
+                           conv_state=conv_state, ssm_state=ssm_state, A_log=A_log, dt_bias=dt_bias,
+                           num_k_heads=num_k_heads, out=out)
+        return
+    D = step.num_decodes
     y = ops.causal_conv1d_update(mixed_qkv[:D], conv_state, conv_weight, conv_bias, "silu",
                                  conv_state_indices=step.decode_ids32, validate_data=False)
     q, k, v = _split(y, num_k_heads, ssm_state.shape[1])
     o = step.kernel.decode(q[None], k[None], v[None], a[:D], b[:D], A_log=A_log, dt_bias=dt_bias,
                            ssm_states=ssm_state, cache_indices=step.decode_ids32, query_start_loc=None)
     out[:D] = o[0]
+
+
+def _sglang_qla_extend(step: ComposedStep, mixed_qkv, a, b, *, ops: ComposedOps, conv_weight, conv_bias, conv_state,
+                       ssm_state, A_log, dt_bias, num_k_heads, out) -> None:
+    """SGLang's extend with flashqla (forward_extend, the line numbers of gdn_backend.py): its
+    Triton conv over the transposed rows in place on the conv state, the fused q/k/v split, its
+    gating kernel, then qla_serve's SGLang kernel ``extend``."""
+    import torch
+
+    if step.num_decodes:
+        raise NotImplementedError("sglang_qla: decode-only or prefill-only rows (SGLang runs decodes and "
+                                  "extends as separate batches)")
+    T, hk, hv = step.num_prefill_tokens, num_k_heads, ssm_state.shape[1]
+    x = mixed_qkv[:T]
+    y = ops.causal_conv1d(x.transpose(0, 1), conv_weight, conv_bias, conv_state, step.prefill_qsl32,
+                          step.seq_lens_cpu, cache_indices=step.prefill_ids32,
+                          has_initial_state=step.prefill_has_init, activation="silu").transpose(0, 1)[:T]  # :919-941
+    if y.shape[1] <= 8192:                                                                          # :1078-1102
+        q, k, v = ops.qkv_split(y, hk, hk, hv, HD, HD, HD)
+    else:
+        q, k, v = (t.view(1, T, -1, HD) for t in torch.split(y, [hk * HD, hk * HD, hv * HD], dim=-1))
+    g, beta = ops.gating(A_log, a[:T], b[:T], dt_bias)                                              # :943-946
+    if step.fresh_ids is not None:
+        # SGLang zeroes a new request's SSM slot when it allocates it (the kernel then reads every
+        # slot): once per request for all layers there, one index_fill per layer call here
+        ssm_state.index_fill_(0, step.fresh_ids, 0)
+    o, _, _ = step.kernel.extend(q, k, v, g, beta, ssm_states=ssm_state, cache_indices=step.prefill_ids32,
+                                 query_start_loc=step.prefill_qsl32, output=out[:T].unsqueeze(0))
+    if o.data_ptr() != out.data_ptr():          # (the kernel writes into ``output`` where it can)
+        out[:T] = o[0]
 
 
 def _proj_conv(ops, step, proj, conv_state, conv_weight, conv_bias, hv):
