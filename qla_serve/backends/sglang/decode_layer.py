@@ -40,42 +40,42 @@ def forward_decode(backend, layer, forward_batch, mixed_qkv: torch.Tensor, a: to
     Returns:
         [1, B, Hv, 128] in mixed_qkv's dtype (rows of padding slots zero).
     """
-    meta = backend.forward_metadata
     cache = backend.req_to_token_pool.mamba2_layer_cache(layer.layer_id)
     conv_states, ssm_states = cache.conv[0], cache.temporal
-    cache_indices = meta.mamba_cache_indices
-    B, Hv = mixed_qkv.shape[0], ssm_states.shape[1]
-    step = _decode_step(meta, cache_indices, B, Hv, layer.num_k_heads, layer.conv_weights.shape[1], mixed_qkv.device)
-    out = torch.empty(1, B, Hv, gdn_layer.HEAD_DIM, dtype=mixed_qkv.dtype, device=mixed_qkv.device)
+    step = _decode_step(backend, layer, mixed_qkv.shape[0])
+    Hv = ssm_states.shape[1]
+    out = torch.empty(1, step.num_actual_tokens, Hv, gdn_layer.HEAD_DIM, dtype=mixed_qkv.dtype,
+                      device=mixed_qkv.device)
     gdn_layer.gdn_layer_forward(step, mixed_qkv, a, b, conv_weight=layer.conv_weights, conv_bias=layer.bias,
                                 activation=layer.activation, conv_state=conv_states, ssm_state=ssm_states,
                                 A_log=layer.A_log, dt_bias=layer.dt_bias, num_k_heads=layer.num_k_heads,
                                 out=out[0], scale=layer.head_k_dim ** -0.5)
-    backend._track_mamba_state_decode(forward_batch, conv_states, ssm_states, cache_indices, layer.layer_id)
+    backend._track_mamba_state_decode(forward_batch, conv_states, ssm_states, step.decode_slots, layer.layer_id)
     return out
 
 
 def step_ids(backend, layer) -> tuple:
     """(SGLang's cache_indices of this forward batch, qla_serve's int32 ids of them: 0 and -1 ->
     -1), from the batch's decode StepPlan (derived once per batch, as in :func:`forward_decode`)."""
+    step = _decode_step(backend, layer, backend.forward_metadata.mamba_cache_indices.shape[0])
+    return step.decode_slots, step.ids("decode")
+
+
+def _decode_step(backend, layer, B: int) -> gdn_layer.StepPlan:
+    """The forward batch's decode StepPlan for ``B`` rows over SGLang's ``mamba_cache_indices``
+    (``decode_slots``): made by its first GDN layer, kept on SGLang's per-batch metadata (a new
+    object per forward batch, eager, captured or replayed: MambaAttnBackendBase assigns
+    ``forward_metadata`` anew in every init_forward_metadata* method), so every later layer reuses
+    its slot ids. SGLang's slot 0 (a reserved dummy) and -1 (graph padding) are both padding:
+    never read or written. Under a captured decode graph the ids' derivation is part of the graph
+    and re-reads SGLang's persistent index buffer at every replay."""
     meta = backend.forward_metadata
-    ssm_states = backend.req_to_token_pool.mamba2_layer_cache(layer.layer_id).temporal
     cache_indices = meta.mamba_cache_indices
-    step = _decode_step(meta, cache_indices, cache_indices.shape[0], ssm_states.shape[1], layer.num_k_heads,
-                        layer.conv_weights.shape[1], cache_indices.device)
-    return cache_indices, step.ids("decode")
-
-
-def _decode_step(meta, cache_indices: torch.Tensor, B: int, Hv: int, Hk: int, W: int, device) -> gdn_layer.StepPlan:
-    """The forward batch's decode StepPlan: made by its first GDN layer, kept on SGLang's per-batch
-    metadata (a new object per forward batch, eager, captured or replayed: MambaAttnBackendBase
-    assigns ``forward_metadata`` anew in every init_forward_metadata* method), so every later
-    layer reuses its slot ids. SGLang's slot 0 (a reserved dummy) and -1 (graph padding) are both
-    padding: never read or written. Under a captured decode graph the ids' derivation is part of
-    the graph and re-reads SGLang's persistent index buffer at every replay."""
     step = getattr(meta, "qla_decode", None)
     if step is None or step.decode_slots is not cache_indices or step.num_actual_tokens != B:
-        step = gdn_layer.make_step_plan(num_actual_tokens=B, num_v_heads=Hv, num_k_heads=Hk,
-                                        conv_width=W, device=device, decode_slots=cache_indices, null_slot=0)
+        Hv = backend.req_to_token_pool.mamba2_layer_cache(layer.layer_id).temporal.shape[1]
+        step = gdn_layer.make_step_plan(num_actual_tokens=B, num_v_heads=Hv, num_k_heads=layer.num_k_heads,
+                                        conv_width=layer.conv_weights.shape[1], device=cache_indices.device,
+                                        decode_slots=cache_indices, null_slot=0)
         meta.qla_decode = step
     return step
