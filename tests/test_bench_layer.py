@@ -433,10 +433,9 @@ def sglang_proj_conv(qkvz, ba, conv_state, conv_weight, conv_bias, conv_state_in
                      num_v_heads, head_v_dim, activation, pad_slot_id=-1):
     """SGLang's fused_qkvzba_causal_conv1d_update_contiguous: the split, then the conv update."""
     assert qkvz.shape[1] == qkv_dim + v_dim and v_dim == num_v_heads * head_v_dim
-    y = vllm_causal_conv1d_update(qkvz[:, :qkv_dim].clone(), conv_state, conv_weight, conv_bias, activation,
-                                  conv_state_indices)
-    z = qkvz[:, qkv_dim:].reshape(-1, num_v_heads, head_v_dim).clone()
-    return y, z, ba[:, :num_v_heads].clone(), ba[:, num_v_heads:].clone()
+    num_heads_qk = (qkv_dim - v_dim) // (2 * head_v_dim)          # (q/k heads have the v heads' dim)
+    x, z, b, a = sglang_proj_split(qkvz, ba, num_heads_qk, num_v_heads, head_v_dim, head_v_dim)
+    return vllm_causal_conv1d_update(x, conv_state, conv_weight, conv_bias, activation, conv_state_indices), z, b, a
 
 
 def sglang_qkv_split(mixed_qkv, num_q_heads, num_k_heads, num_v_heads, head_q, head_k, head_v):
