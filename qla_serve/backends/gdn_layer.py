@@ -160,7 +160,7 @@ def make_step_plan(*, num_actual_tokens: int, num_v_heads: int, num_k_heads: int
                    num_accepted=None, num_spec_tokens: int = 0, spec_token_idx=None,
                    non_spec_token_idx=None, null_slot: int = 0, cp: str = "auto",
                    reuse: StepPlan | None = None, prefill_checkpoint_chunks: Sequence[int] | None = None,
-                   prefill_checkpoint_slots=None) -> StepPlan:
+                   prefill_checkpoint_slots=None, prefill_plan: PrefillPlan | None = None) -> StepPlan:
     """Build the step's plan: the prefill plan from CPU ``prefill_lens``; nothing per token.
 
     ``num_v_heads``/``num_k_heads`` are the TP-local GDN heads. Every tensor argument is the
@@ -172,6 +172,8 @@ def make_step_plan(*, num_actual_tokens: int, num_v_heads: int, num_k_heads: int
     ``prefill_checkpoint_slots`` (device engine ids): each prefill's state and conv window after
     64 * chunks tokens also go to that slot (gdn_prefill's checkpoints; vLLM's align-mode prefix
     caching). One small upload per step that has them.
+    ``prefill_plan``: a PrefillPlan the adapter already holds for exactly these lengths and heads
+    (SGLang's, made once per forward batch: backends/sglang/kernel.ExtendBatch), taken as it is.
     """
     device = torch.device(device)
     plan = None
@@ -179,7 +181,14 @@ def make_step_plan(*, num_actual_tokens: int, num_v_heads: int, num_k_heads: int
         if prefill_slots.shape[0] != len(prefill_lens):
             raise ValueError(f"prefill_lens: expected one length per prefill slot "
                              f"({prefill_slots.shape[0]}), got {len(prefill_lens)}")
-        if reuse is not None and reuse.prefill_plan is not None \
+        if prefill_plan is not None:
+            if (prefill_plan.seq_lens, prefill_plan.num_v_heads, prefill_plan.num_k_heads) \
+                    != (tuple(prefill_lens), num_v_heads, num_k_heads):
+                raise ValueError(f"prefill_plan: planned for lengths {prefill_plan.seq_lens[:8]} at "
+                                 f"{prefill_plan.num_k_heads}/{prefill_plan.num_v_heads} heads, the step has "
+                                 f"{tuple(prefill_lens)[:8]} at {num_k_heads}/{num_v_heads}")
+            plan = prefill_plan
+        elif reuse is not None and reuse.prefill_plan is not None \
                 and reuse.prefill_plan.seq_lens == tuple(prefill_lens):
             plan = reuse.prefill_plan
         else:

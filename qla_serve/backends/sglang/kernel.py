@@ -104,6 +104,8 @@ class ExtendBatch:
     track_chunks: extra_buffer prefix tracking, per request: snapshot the state after this many
         ``chunk_size``-token chunks of the extend (-1: no snapshot); None when not tracking.
     split: the two-pass layout for tracked batches (:class:`TrackSplit`), built on first use.
+    step: the StepPlan of the extend step with its conv taken over (extend_layer.py), built by
+        the first GDN layer that runs it.
     """
 
     query_start_loc: torch.Tensor
@@ -114,6 +116,7 @@ class ExtendBatch:
     track_chunks: tuple | None = None
     chunk_size: int = 64
     split: "TrackSplit | None" = None
+    step: object = None
 
     def split_for(self, num_v_heads: int, num_k_heads: int) -> "TrackSplit":
         sp = self.split

@@ -29,6 +29,12 @@ before arguments are parsed. It
      to SGLang's own forward_decode (its fused split + conv, then the kernel class's decode with
      the batch's slot ids derived once), ReplaySSM steps untouched
      (``QLA_SERVE_SGLANG_DECODE_CONV=0``: every step SGLang's conv).
+   * AROUND ``GDNAttnBackend.forward_extend``: with flashqla's extend, a plain extend step (planned
+     from host lengths, ``mixed_qkv`` one tensor, no extra_buffer tracking, contiguous pools) runs
+     its conv, split and gating on qla_serve's layer too (:mod:`.extend_layer`: measured
+     0.64-0.78x the GPU time of SGLang's conv, split and gating before flashqla's kernel); other
+     extends (target verify, multi-item scoring, tracked batches) go to SGLang's forward_extend
+     (``QLA_SERVE_SGLANG_EXTEND_CONV=0``: every extend SGLang's conv).
 
 Phase selection follows SGLang's flags: ``--linear-attn-decode-backend`` /
 ``--linear-attn-prefill-backend`` override ``--linear-attn-backend``. Verify: an explicit
@@ -53,12 +59,16 @@ TARGET_BACKEND_INIT = f"{GDN_BACKEND}.GDNAttnBackend.__init__"
 TARGET_DISPATCHER_INIT = f"{GDN_BACKEND}.GDNKernelDispatcher.__init__"
 TARGET_METADATA = f"{GDN_BACKEND}.GDNAttnBackend.init_forward_metadata"
 TARGET_FORWARD_DECODE = f"{GDN_BACKEND}.GDNAttnBackend.forward_decode"
+TARGET_FORWARD_EXTEND = f"{GDN_BACKEND}.GDNAttnBackend.forward_extend"
 ENV_DECODE_CONV = "QLA_SERVE_SGLANG_DECODE_CONV"
-# Whether flashqla's decode takes SGLang's decode conv over (decode_layer.py): $QLA_SERVE_SGLANG_
-# DECODE_CONV, 1 (default) or 0 (SGLang's conv, then flashqla's decode kernel: the route before,
-# for A/B, benchmarks/layer.md "SGLang's decode step", or as a way back). Read once per process
-# (None: not yet); the start-up checks refuse another value.
+ENV_EXTEND_CONV = "QLA_SERVE_SGLANG_EXTEND_CONV"
+# Whether flashqla's decode / extend takes SGLang's conv over (decode_layer.py, extend_layer.py):
+# $QLA_SERVE_SGLANG_DECODE_CONV / $QLA_SERVE_SGLANG_EXTEND_CONV, 1 (default) or 0 (SGLang's conv,
+# then flashqla's kernel: the route before, for A/B, benchmarks/layer.md "SGLang's decode step" /
+# "SGLang's extend step", or as a way back). Read once per process (None: not yet); the start-up
+# checks refuse another value.
 TAKE_OVER_DECODE_CONV: bool | None = None
+TAKE_OVER_EXTEND_CONV: bool | None = None
 
 _registered = False
 
@@ -87,6 +97,7 @@ def register() -> None:
     HookRegistry.register(TARGET_DISPATCHER_INIT, _dispatcher_init_hook, HookType.AROUND)
     HookRegistry.register(TARGET_METADATA, _init_forward_metadata_hook, HookType.AROUND)
     HookRegistry.register(TARGET_FORWARD_DECODE, _forward_decode_hook, HookType.AROUND)
+    HookRegistry.register(TARGET_FORWARD_EXTEND, _forward_extend_hook, HookType.AROUND)
     _registered = True
 
 
@@ -147,11 +158,12 @@ def startup_problems(phases: dict[str, bool], *, ssm_shape, ssm_dtype, device) -
         return []
     problems = []
     flag = "--linear-attn-backend flashqla"
-    if "decode" in wanted:
-        try:
-            decode_conv_from_env()
-        except ValueError as exc:
-            problems.append(str(exc))
+    for phase, name in (("decode", ENV_DECODE_CONV), ("prefill", ENV_EXTEND_CONV)):
+        if phase in wanted:
+            try:
+                conv_takeover_from_env(name)
+            except ValueError as exc:
+                problems.append(str(exc))
     if len(ssm_shape) != 5 or tuple(ssm_shape[-2:]) != (128, 128):
         problems.append(f"{flag}: qla_serve's GDN kernels need key/value head dim 128; this model's "
                         f"state pool is {list(ssm_shape)} ([layers, slots, Hv, V, K])")
@@ -186,21 +198,29 @@ def startup_problems(phases: dict[str, bool], *, ssm_shape, ssm_dtype, device) -
     return problems
 
 
-def decode_conv_from_env(environ=None) -> bool:
-    """``$QLA_SERVE_SGLANG_DECODE_CONV``: 1 (the default) or 0; another value is a ValueError
-    naming the variable, never a silent default."""
-    value = (os.environ if environ is None else environ).get(ENV_DECODE_CONV, "1").strip()
+def conv_takeover_from_env(name: str, environ=None) -> bool:
+    """``$QLA_SERVE_SGLANG_DECODE_CONV`` / ``$QLA_SERVE_SGLANG_EXTEND_CONV`` (``name``): 1 (the
+    default) or 0; another value is a ValueError naming the variable, never a silent default."""
+    value = (os.environ if environ is None else environ).get(name, "1").strip()
     if value not in ("0", "1"):
-        raise ValueError(f"{ENV_DECODE_CONV}: expected 1 (flashqla's decode runs SGLang's decode conv too) "
-                         f"or 0 (SGLang's conv, then flashqla's decode), got {value!r}")
+        step = "decode" if name == ENV_DECODE_CONV else "extend"
+        raise ValueError(f"{name}: expected 1 (flashqla's {step} runs SGLang's {step} conv too) "
+                         f"or 0 (SGLang's conv, then flashqla's {step}), got {value!r}")
     return value == "1"
 
 
 def _take_over_decode_conv() -> bool:
     global TAKE_OVER_DECODE_CONV
     if TAKE_OVER_DECODE_CONV is None:
-        TAKE_OVER_DECODE_CONV = decode_conv_from_env()
+        TAKE_OVER_DECODE_CONV = conv_takeover_from_env(ENV_DECODE_CONV)
     return TAKE_OVER_DECODE_CONV
+
+
+def _take_over_extend_conv() -> bool:
+    global TAKE_OVER_EXTEND_CONV
+    if TAKE_OVER_EXTEND_CONV is None:
+        TAKE_OVER_EXTEND_CONV = conv_takeover_from_env(ENV_EXTEND_CONV)
+    return TAKE_OVER_EXTEND_CONV
 
 
 def _full_prefill_graph() -> bool:
@@ -322,6 +342,27 @@ def _forward_decode_hook(original, self, layer, forward_batch, mixed_qkv, a, b, 
         return decode_layer.forward_decode(self, layer, forward_batch, mixed_qkv, a, b)
     kernel.bind_decode_ids(*decode_layer.step_ids(self, layer))
     return original(self, layer, forward_batch, mixed_qkv, a, b, **kwargs)
+
+
+def _forward_extend_hook(original, self, layer, forward_batch, mixed_qkv, a, b, **kwargs):
+    """flashqla's extend with SGLang's conv, split and gating taken over (extend_layer.forward_extend)
+    where the step is plain: planned from host lengths by the metadata hook (so not a target verify
+    or multi-item scoring), ``mixed_qkv`` one tensor, no extra_buffer tracking (SGLang copies conv
+    windows before its conv and reads the kernel's state snapshot) and contiguous pools (SGLang
+    gathers a page-major envelope pool into copies). Every other extend: SGLang's forward_extend."""
+    kernel = getattr(self.kernel_dispatcher, "qla_kernel", None)
+    meta = self.forward_metadata
+    batch = getattr(meta, "qla_extend", None)
+    if kernel is None or self.kernel_dispatcher.extend_kernel is not kernel or batch is None \
+            or batch.query_start_loc is not meta.query_start_loc or not _take_over_extend_conv() \
+            or not isinstance(mixed_qkv, torch.Tensor) or meta.has_mamba_track_mask:
+        return original(self, layer, forward_batch, mixed_qkv, a, b, **kwargs)
+    cache = self.req_to_token_pool.mamba2_layer_cache(layer.layer_id)
+    if not (cache.conv[0].is_contiguous() and cache.temporal.is_contiguous()):
+        return original(self, layer, forward_batch, mixed_qkv, a, b, **kwargs)
+    from . import extend_layer
+    return extend_layer.forward_extend(self, layer, forward_batch, mixed_qkv, a, b, batch,
+                                       output=kwargs.get("linear_attn_output"))
 
 
 def plan_extend_batch(backend, forward_batch):

@@ -163,21 +163,26 @@ def test_startup_refuses_full_prefill_cuda_graphs(sglang_plugin, graph):
     assert decode_only == []           # a triton prefill is SGLang's own business
 
 
-def test_decode_conv_switch(sglang_plugin, monkeypatch):
-    """$QLA_SERVE_SGLANG_DECODE_CONV: 1 (default) takes SGLang's decode conv over, 0 keeps it; any
-    other value is named in the start-up problems of a flashqla decode (and only then)."""
+@pytest.mark.parametrize("phase", ["decode", "prefill"])
+def test_conv_takeover_switch(sglang_plugin, monkeypatch, phase):
+    """$QLA_SERVE_SGLANG_DECODE_CONV / $QLA_SERVE_SGLANG_EXTEND_CONV: 1 (default) takes SGLang's
+    decode / extend conv over, 0 keeps it; any other value is named in the start-up problems of a
+    flashqla decode / prefill (and only then)."""
     from sglang.srt.runtime_context import get_context
 
-    env = sglang_plugin.ENV_DECODE_CONV
-    assert sglang_plugin.decode_conv_from_env({}) is True
-    assert sglang_plugin.decode_conv_from_env({env: "0"}) is False
+    env = sglang_plugin.ENV_DECODE_CONV if phase == "decode" else sglang_plugin.ENV_EXTEND_CONV
+    assert sglang_plugin.conv_takeover_from_env(env, {}) is True
+    assert sglang_plugin.conv_takeover_from_env(env, {env: "0"}) is False
     with pytest.raises(ValueError, match=f"^{env}: expected 1 .* got 'yes'"):
-        sglang_plugin.decode_conv_from_env({env: "yes"})
+        sglang_plugin.conv_takeover_from_env(env, {env: "yes"})
     monkeypatch.setenv(env, "yes")
     kw = dict(ssm_shape=(3, 9, 4, 128, 128), ssm_dtype=torch.float32, device="cpu")
     with get_context().override_server_args(linear_attn_backend="flashqla"):
-        problems = sglang_plugin.startup_problems(sglang_plugin.requested_phases(), **kw)
+        both = sglang_plugin.startup_problems(sglang_plugin.requested_phases(), **kw)
     with get_context().override_server_args(linear_attn_backend="triton", linear_attn_prefill_backend="flashqla"):
         prefill_only = sglang_plugin.startup_problems(sglang_plugin.requested_phases(), **kw)
-    assert len(problems) == 1 and problems[0].startswith(f"{env}: expected 1") and prefill_only == []
-
+    with get_context().override_server_args(linear_attn_backend="triton", linear_attn_decode_backend="flashqla"):
+        decode_only = sglang_plugin.startup_problems(sglang_plugin.requested_phases(), **kw)
+    assert len(both) == 1 and both[0].startswith(f"{env}: expected 1")
+    mine, other = (decode_only, prefill_only) if phase == "decode" else (prefill_only, decode_only)
+    assert mine == both and other == []

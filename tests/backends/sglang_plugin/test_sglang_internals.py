@@ -170,6 +170,36 @@ def test_forward_decode_hook_points():
         assert name in _params(RadixLinearAttention.__init__), name
 
 
+def test_forward_extend_hook_points():
+    """What the forward_extend hook (plugin.py, extend_layer.py) relies on: the method's parameters
+    and the SGLang output buffer it may write into (radix_linear_attention.py), the conv, split and
+    gating it replaces, the steps it leaves (verify, MIS, extra_buffer tracking, the page-major
+    gather), where the conv reads its history (extend_prefix_lens > 0) and its conv cache."""
+    from sglang.srt.layers import radix_linear_attention as rla
+    from sglang.srt.layers.attention.linear import gdn_backend
+
+    fe = gdn_backend.GDNAttnBackend.forward_extend
+    assert _params(fe) == ["self", "layer", "forward_batch", "mixed_qkv", "a", "b", "kwargs"]
+    src = inspect.getsource(fe)
+    for line in ("conv_states = mamba_cache_params.conv[0]", "ssm_states = mamba_cache_params.temporal",
+                 "cache_indices = forward_metadata.mamba_cache_indices",
+                 "query_start_loc = forward_metadata.query_start_loc",
+                 "if self.mis_metadata is not None:", "if is_target_verify:",
+                 "if forward_metadata.has_mamba_track_mask:", "needs_state_gather = (",
+                 "mixed_qkv = self._convolve_prefill(", "query, key, value = fused_qkv_split_gdn_prefill(",
+                 "g, beta = self._prefill_gates(layer, a, b)", 'output=kwargs.get("linear_attn_output"),',
+                 "return core_attn_out"):
+        assert line in src, line
+    conv = inspect.getsource(gdn_backend.GDNAttnBackend._convolve_prefill)
+    assert "has_initial_state=forward_batch.extend_prefix_lens > 0," in conv
+    assert "activation=layer.activation," in conv
+    assert "fused_gdn_gating(layer.A_log, a, b, layer.dt_bias)" in inspect.getsource(
+        gdn_backend.GDNAttnBackend._prefill_gates)
+    impl = inspect.getsource(rla._linear_attention_with_output_impl)
+    assert "logical_output = output[:, :real_num_tokens]" in impl
+    assert "linear_attn_output=logical_output," in impl
+
+
 def test_prefill_cuda_graph_contract():
     """SGLang's default prefill graph on CUDA is breakable; it breaks out at every GDN layer
     (GDNAttnBackend does not declare in-graph extend) and, for backends without captured

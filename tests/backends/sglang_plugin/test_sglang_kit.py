@@ -76,17 +76,21 @@ def test_kit_cases_with_flashqla(gdn_kit, counted):
     assert counted["gdn_decode"] and counted["gdn_prefill"]
 
 
-def _decode_conv_calls(monkeypatch):
-    """Counts calls of SGLang's decode conv (the conftest's torch stand-in, wrapped)."""
+def _sglang_calls(monkeypatch, *names):
+    """Counts calls of SGLang's ops ``names`` in gdn_backend (the conftest's torch stand-ins, wrapped)."""
     import sglang.srt.layers.attention.linear.gdn_backend as gb
 
-    calls, real = [], gb.causal_conv1d_update
-
-    def counted_update(*a, **kw):
-        calls.append(1)
-        return real(*a, **kw)
-    monkeypatch.setattr(gb, "causal_conv1d_update", counted_update)
+    calls = []
+    for name in names:
+        def counted(*a, _real=getattr(gb, name), _name=name, **kw):
+            calls.append(_name)
+            return _real(*a, **kw)
+        monkeypatch.setattr(gb, name, counted)
     return calls
+
+
+def _decode_conv_calls(monkeypatch):
+    return _sglang_calls(monkeypatch, "causal_conv1d_update")
 
 
 def test_kit_decode_takes_sglangs_conv_over(gdn_kit, monkeypatch):
@@ -110,6 +114,31 @@ def test_kit_decode_takes_sglangs_conv_over(gdn_kit, monkeypatch):
     assert isinstance(meta.qla_decode, StepPlan) and meta.qla_decode.decode_slots is meta.mamba_cache_indices
 
 
+def test_kit_extend_takes_sglangs_conv_over(gdn_kit, monkeypatch):
+    """flashqla's extend runs the conv, split and gating too (extend_layer.forward_extend): SGLang's
+    causal_conv1d_fn and fused_gdn_gating are not called, the kit's reference holds on every extend
+    case (outputs and final states), and the step's plan is made once per forward batch on the
+    metadata hook's ExtendBatch (its PrefillPlan, SGLang's slot ids)."""
+    from qla_serve.backends.gdn_layer import StepPlan
+
+    kit = gdn_kit(**FLASHQLA)
+    tc = unittest.TestCase()
+    calls = _sglang_calls(monkeypatch, "causal_conv1d_fn", "fused_gdn_gating")
+    extends = [c for c in _cases(kit) if not c.forward_mode.is_decode()]
+    assert len(extends) >= 5
+    for case in extends:
+        kit.run_gdn_attention_case(tc, case, head_k_dim=128, head_v_dim=128, device="cpu", dtype=torch.bfloat16)
+    assert calls == []
+    fixture = kit.build_gdn_attention_fixture(tc, extends[0], head_k_dim=128, head_v_dim=128, device="cpu",
+                                              dtype=torch.bfloat16)
+    kit.run_gdn_fixture_eager(fixture)
+    meta = fixture.backend.linear_attn_backend.forward_metadata
+    step = meta.qla_extend.step
+    assert isinstance(step, StepPlan) and step.prefill_plan is meta.qla_extend.plan
+    assert step.num_actual_tokens == sum(extends[0].extend_lens)
+    assert torch.equal(step.prefill_slots, meta.mamba_cache_indices[:len(extends[0].extend_lens)])
+
+
 def _random_conv(fixture, seed):
     """The kit's conv is the identity without activation: give its layer random width-2 weights
     and SiLU, and its conv states random history, so a conv that reads the wrong column, skips
@@ -122,21 +151,54 @@ def _random_conv(fixture, seed):
     conv.copy_(torch.randn(conv.shape, generator=gen).to(conv.dtype))
 
 
-@pytest.mark.parametrize("case_name", ["gdn_decode_page_boundary", "gdn_decode_bsz1_nonzero_prefix"])
-def test_kit_decode_conv_taken_over_matches_sglangs(gdn_kit, monkeypatch, case_name):
-    """The same decode step with SGLang's conv (QLA_SERVE_SGLANG_DECODE_CONV=0, plugin.TAKE_OVER_DECODE_CONV False: its conv
-    update, then flashqla's decode kernel) and with qla_serve's (the default), from the same caches,
-    random conv weights and history: the same outputs and SSM states within bf16 rounding, the
-    same conv states bit for bit (a window shift), slots outside the batch untouched."""
+def _layer_oracle(kit, fixture, case, conv0, ssm0):
+    """float64 of the kit layer's step from the caches before it: per request, the conv over its
+    history (read only when it has a prefix) and its tokens, SiLU, the gates, the recurrence from
+    its SSM slot. Returns (o [T, Hv, 128], {slot: final state})."""
+    import torch.nn.functional as F
+
+    import _sglang_cases as C
+
+    attn = fixture.actual_module.attn
+    slots = kit._cache_indices(fixture).tolist()
+    lens = case.extend_lens or (1,) * len(slots)
+    x, w = fixture.mixed_qkv.double(), attn.conv_weights.double()
+    ys, start = [], 0
+    for n, s, prefix in zip(lens, slots, case.prefix_lens):
+        hist = conv0[s].double() if prefix > 0 else x.new_zeros(x.shape[1], w.shape[1] - 1)
+        full = torch.cat([hist, x[start:start + n].T], 1)
+        ys.append(F.silu(F.conv1d(full[None], w[:, None], groups=x.shape[1])[0]).T)
+        start += n
+    y = torch.cat(ys)
+    kd = case.num_k_heads * 128
+    q, k = (y[:, j:j + kd].view(1, -1, case.num_k_heads, 128) for j in (0, kd))
+    v = y[:, 2 * kd:].view(1, -1, case.num_v_heads, 128)
+    g, beta = C.gating64(fixture.a, fixture.b, attn.A_log.detach(), attn.dt_bias.detach())
+    return C.oracle(q, k, v, g, beta, list(lens), slots, ssm0)
+
+
+@pytest.mark.parametrize("case_name", ["gdn_decode_page_boundary", "gdn_decode_bsz1_nonzero_prefix",
+                                       "gdn_extend_ragged_page_boundary", "gdn_extend_page_size_1",
+                                       "gdn_extend_cross_page_boundary"])
+def test_kit_conv_taken_over_matches_sglangs(gdn_kit, monkeypatch, case_name):
+    """The same decode or extend step with SGLang's conv (plugin.TAKE_OVER_DECODE_CONV /
+    TAKE_OVER_EXTEND_CONV False, as $QLA_SERVE_SGLANG_*_CONV=0 sets them: its conv, split and gating,
+    then flashqla's kernel class) and with qla_serve's (the default), from the same caches, random
+    conv weights and history: the same conv states bit for bit (the windows are input rows), slots
+    outside the batch untouched, and outputs and SSM states against a float64 oracle of the layer
+    within 1e-2, no further from it than SGLang's route (which rounds its conv output to bf16)."""
+    import _sglang_cases as C
     from qla_serve.backends.sglang import plugin
 
     kit = gdn_kit(**FLASHQLA)
     tc = unittest.TestCase()
     case = next(c for c in _cases(kit) if c.name == case_name)
+    decode = case.forward_mode.is_decode()
+    switch = "TAKE_OVER_DECODE_CONV" if decode else "TAKE_OVER_EXTEND_CONV"
     results = []
     for take_over in (False, True):
-        monkeypatch.setattr(plugin, "TAKE_OVER_DECODE_CONV", take_over)
-        conv_calls = _decode_conv_calls(monkeypatch)
+        monkeypatch.setattr(plugin, switch, take_over)
+        conv_calls = _sglang_calls(monkeypatch, "causal_conv1d_update" if decode else "causal_conv1d_fn")
         fixture = kit.build_gdn_attention_fixture(tc, case, head_k_dim=128, head_v_dim=128, device="cpu",
                                                   dtype=torch.bfloat16)
         _random_conv(fixture, seed=3)
@@ -145,13 +207,14 @@ def test_kit_decode_conv_taken_over_matches_sglangs(gdn_kit, monkeypatch, case_n
         out = kit.run_gdn_fixture_eager(fixture)
         assert bool(conv_calls) != take_over
         live = set(kit._cache_indices(fixture).tolist())
-        results.append((out.float(), cache.conv[0].clone(), cache.temporal.clone(), conv0, ssm0, live))
-    (o_s, conv_s, ssm_s, conv0, ssm0, live), (o_q, conv_q, ssm_q, conv0_q, ssm0_q, live_q) = results
+        o64, finals = _layer_oracle(kit, fixture, case, conv0, ssm0)
+        errors = [C.rel(out[0], o64)] + [C.rel(cache.temporal[s], finals[s]) for s in sorted(finals)]
+        results.append((errors, cache.conv[0].clone(), cache.temporal.clone(), conv0, ssm0, live))
+    (err_s, conv_s, ssm_s, conv0, ssm0, live), (err_q, conv_q, ssm_q, conv0_q, ssm0_q, live_q) = results
     assert torch.equal(conv0, conv0_q) and torch.equal(ssm0, ssm0_q) and live == live_q
-    assert o_s.abs().max() > 0.01
-    torch.testing.assert_close(o_q, o_s, atol=2e-2, rtol=2e-2)
+    assert len(err_q) > 1 and max(err_q) < 1e-2, err_q
+    assert all(q <= 1.25 * s + 1e-4 for q, s in zip(err_q, err_s)), (err_q, err_s)
     assert torch.equal(conv_q, conv_s)
-    torch.testing.assert_close(ssm_q, ssm_s, atol=2e-3, rtol=2e-3)
     for slot in range(conv0.shape[0]):
         if slot not in live:
             assert torch.equal(conv_q[slot], conv0[slot]) and torch.equal(ssm_q[slot], ssm0[slot]), slot
@@ -233,13 +296,28 @@ def test_kit_extend_plans_once_per_batch(gdn_kit):
     assert linear.kernel_dispatcher.extend_kernel._warned_unplanned is False
 
 
-def test_kit_catches_a_wrong_kernel(gdn_kit, monkeypatch):
-    """Control: the kit's reference does fail a kernel that is wrong (here: no q/k L2 norm)."""
+@pytest.mark.parametrize("take_over", [False, True])
+def test_kit_catches_a_wrong_kernel(gdn_kit, monkeypatch, take_over):
+    """Control: the kit's reference does fail an extend that is wrong (q not L2-normalised), on
+    either route: SGLang's conv, then the kernel class (its q/k normalisation made a no-op), or
+    qla_serve's layer (its prefill inputs' q doubled after the norm)."""
+    from qla_serve import layer_ops
     from qla_serve.backends.sglang import kernel as K
+    from qla_serve.backends.sglang import plugin
 
     kit = gdn_kit(**FLASHQLA)
-    # the kernel class normalises q/k through qla_serve.gdn_prefill_inputs: make that a no-op
-    monkeypatch.setattr(K.qla_serve, "gdn_prefill_inputs", lambda q, k, *gates, **kw: (q.contiguous(), k.contiguous(), None, None))
+    monkeypatch.setattr(plugin, "TAKE_OVER_EXTEND_CONV", take_over)
+    if take_over:
+        real = layer_ops.gdn_layer_prefill_inputs
+
+        def q_doubled(*a, **kw):
+            real(*a, **kw)
+            kw["_outputs"][0].mul_(2)
+        monkeypatch.setattr(layer_ops, "gdn_layer_prefill_inputs", q_doubled)
+    else:
+        # the kernel class normalises q/k through qla_serve.gdn_prefill_inputs: make that a no-op
+        monkeypatch.setattr(K.qla_serve, "gdn_prefill_inputs",
+                            lambda q, k, *gates, **kw: (q.contiguous(), k.contiguous(), None, None))
     case = next(c for c in _cases(kit) if c.name == "gdn_extend_zero_prefix_input_page_edges")
     with pytest.raises(AssertionError):
         kit.run_gdn_attention_case(unittest.TestCase(), case, head_k_dim=128, head_v_dim=128,
