@@ -57,7 +57,7 @@ rm -rf "$OUTDIR/site" "$OUTDIR/fallback" "$OUTDIR/sglops.tar.xz" "$OUTDIR/activa
 mkdir -p "$OUTDIR/site" "$OUTDIR/fallback"
 
 # ---------------------------------------------------------------- 2. extract the closure
-# Import-time closure of the four target modules (module-level imports, followed by hand from
+# Import-time closure of the five target modules (module-level imports, followed by hand from
 # SGLang 0.5.23's source and re-checked by step 4 below). sglang/srt, sglang/kernels/ops/attention/fla
 # have no __init__.py in the wheel (namespace packages) and get none here either.
 KOPS=sglang/kernels/ops
@@ -71,6 +71,7 @@ EXTRACT=(
   $KOPS/attention/linear/__init__.py              # docstring only
   $KOPS/attention/linear/fused_gdn_gating.py      # triton + torch only
   $KOPS/attention/fla/fused_recurrent.py          # packed decode (the Triton backend's decode)
+  $KOPS/attention/fla/l2norm.py                   # gdn_prefill_qkv_prepare_fwd (FlashInfer extend's q/k norm)
   $KOPS/attention/fla/op.py
   $KOPS/attention/fla/utils.py                    # imports packaging (fallback below) and torch_release
 )
@@ -267,6 +268,7 @@ PY
 # ---------------------------------------------------------------- 5. pack + activate.sh
 IMPORTS="sglang.kernels.ops.attention.triton_gdn_fused_proj, sglang.kernels.ops.mamba.causal_conv1d_triton"
 IMPORTS+=", sglang.kernels.ops.attention.fla.fused_recurrent, sglang.kernels.ops.attention.linear.fused_gdn_gating"
+IMPORTS+=", sglang.kernels.ops.attention.fla.l2norm"
 pack_bundle "$OUTDIR" sglops
 write_activate "$OUTDIR" sglops SGLANG_OPS_BUNDLE_READY packaging.version "$IMPORTS" \
   SGLang "SGLang $VERSION GDN decode ops without SGLang / sgl_kernel installed"

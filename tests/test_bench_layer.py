@@ -446,6 +446,30 @@ def sglang_qkv_split(mixed_qkv, num_q_heads, num_k_heads, num_v_heads, head_q, h
             mixed_qkv[:, qd + kd:].reshape(1, T, num_v_heads, head_v).clone())
 
 
+def sglang_fi_chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state=None,
+                                     output_final_state=False, cu_seqlens=None, use_qk_l2norm_in_kernel=False,
+                                     output=None, output_state=None, state_checkpoints=None,
+                                     checkpoint_cu_starts=None, checkpoint_every_n_tokens=0):
+    """FlashInfer's prefill as SGLang's SM90 wrapper calls it (kernels/gdn_flashinfer.py:566-582):
+    [T, H, D] already l2-normalised, linear-space alpha, one fp32 initial state per sequence, the
+    output and final states written into ``output`` / ``output_state``."""
+    assert not use_qk_l2norm_in_kernel and output_final_state and state_checkpoints is None
+    assert cu_seqlens.dtype == torch.int64 and initial_state.dtype == g.dtype == beta.dtype == torch.float32
+    assert output_state.shape == initial_state.shape and output.shape == v.shape
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    for i, (bos, eos) in enumerate(_bounds(cu_seqlens)):
+        s = slice(bos, eos)
+        oi, S = _recurrence(q[s], k[s], v[s], torch.log(g[s].double()), beta[s], initial_state[i], scale)
+        output[s] = oi.to(output.dtype)
+        output_state[i] = S.float()
+    return output, output_state
+
+
+def sglang_qk_prepare(q, k, v):
+    """SGLang's gdn_prefill_qkv_prepare_fwd: L2-normalised q, k (in q's dtype) and v, [T, H, D]."""
+    return _l2(q.double()).to(q.dtype), _l2(k.double()).to(k.dtype), v
+
+
 def sglang_gating(A_log, a, b, dt_bias):
     """SGLang's fused_gdn_gating: fp32 g, beta [1, T, Hv]."""
     g = -torch.exp(A_log.double()) * F.softplus(a.double() + dt_bias.double())
@@ -457,7 +481,9 @@ def standin_ops(impl):
         return C.ComposedOps(None, None, packed_decode=vllm_packed_decode, proj_conv=sglang_proj_conv,
                              proj_split=sglang_proj_split)
     if impl == "sglang":
-        return C.ComposedOps(None, sglang_causal_conv1d_update, packed_decode=vllm_packed_decode)
+        return C.ComposedOps(sglang_causal_conv1d_fn, sglang_causal_conv1d_update, packed_decode=vllm_packed_decode,
+                             qkv_split=sglang_qkv_split, gating=sglang_gating, qk_prepare=sglang_qk_prepare,
+                             fi_chunk_gated_delta_rule=sglang_fi_chunk_gated_delta_rule)
     if impl == "sglang_qla":
         return C.ComposedOps(sglang_causal_conv1d_fn, sglang_causal_conv1d_update, qkv_split=sglang_qkv_split,
                              gating=sglang_gating)
@@ -580,20 +606,33 @@ def test_qwen35_decode_routes_match_qla(state_dtype, io_dtype, tol):
 
 @pytest.mark.parametrize("state_dtype,io_dtype,tol", [(torch.float32, torch.float32, 2e-5),
                                                        (torch.bfloat16, torch.bfloat16, 2e-2)])
-def test_sglang_extend_with_flashqla_matches_qla(state_dtype, io_dtype, tol):
+def test_sglang_extends_match_qla(state_dtype, io_dtype, tol):
     """SGLang's extend with flashqla (its conv, split and gating, then the kernel class's extend on its
-    batch plan) on prefill-only rows: resumed and new requests of 70, 9, 1 and 2 tokens, against qla's
-    layer on the same layout; outputs, SSM and conv states."""
+    batch plan) and SGLang's own (the same, then FlashInfer's prefill through its SM90 wrapper) on
+    prefill-only rows: resumed and new requests of 70, 9, 1 and 2 tokens, against qla's layer on
+    the same layout; outputs, SSM and conv states."""
     case = _case(state_dtype, io_dtype, row="70+9+1+2", layout="sglang")
-    rec = L.run_check(case, _calls(case, ("qla", "sglang_qla")))
-    assert max(rec["sglang_qla"].values()) < tol, rec["sglang_qla"]
+    rec = L.run_check(case, _calls(case, ("qla", "sglang_qla", "sglang")))
+    for impl in ("sglang_qla", "sglang"):
+        assert max(rec[impl].values()) < tol, (impl, rec[impl])
+
+
+def test_sglang_extend_without_flashinfer_is_refused():
+    """SGLang's own extend runs FlashInfer's prefill (its SM90 default): where FlashInfer does not
+    import, its rows are refused by name, not run another way."""
+    case = _case(row="40+3", layout="sglang")
+    import dataclasses
+
+    ops = dataclasses.replace(standin_ops("sglang"), fi_chunk_gated_delta_rule=None)
+    with pytest.raises(NotImplementedError, match="^sglang on prefill rows: needs FlashInfer"):
+        _calls(case, ("sglang",), ops=lambda impl: ops)["sglang"]()
 
 
 def test_sglang_impls_refuse_what_they_do_not_compose():
     """Prefill rows for SGLang's own (its FlashInfer prefill wrapper is not composed), mixed rows
     for sglang_qla (SGLang runs decodes and extends apart), vLLM's paged pool: a clear error each
     (recorded per impl by the bench)."""
-    with pytest.raises(NotImplementedError, match="^sglang: decode-only rows"):
+    with pytest.raises(NotImplementedError, match="^sglang: decode-only or prefill-only rows"):
         _calls(_case(row="d2+40", layout="sglang"), ("sglang",))["sglang"]()
     with pytest.raises(NotImplementedError, match="^sglang_qla: decode-only or prefill-only rows"):
         _calls(_case(row="d2+40", layout="sglang"), ("sglang_qla",))["sglang_qla"]()

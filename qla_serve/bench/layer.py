@@ -26,9 +26,10 @@ Implementations, same inputs and caches:
   "plan host us" column; the derivation's GPU time is the JSON's ``step_ids_gpu_us``.
 * ``fla``, ``flashinfer``, ``vllm``: the same layer composed from other libraries' ops
   (bench/layer_composed.py says exactly which and how each is called).
-* ``sglang``, ``sglang_qla`` (decode-only rows, ``--pool sglang``): SGLang 0.5.23's decode step,
-  with its own decode or with qla_serve's SGLang kernel after SGLang's conv; ``sglang_fused``,
-  ``sglang_fused_qla``, ``qla_split``: the same from Qwen3.5's projections (layer_composed.py).
+* ``sglang``, ``sglang_qla`` (decode-only or prefill-only rows, ``--pool sglang``): SGLang 0.5.23's
+  decode or extend step, with its own core (packed decode; FlashInfer's prefill) or with qla_serve's
+  SGLang kernel after SGLang's conv; ``sglang_fused``, ``sglang_fused_qla``, ``qla_split``: the
+  decode from Qwen3.5's projections (layer_composed.py).
 
 Timing (GPU, the same helpers as ``bench prefill`` / ``bench decode``):
 
@@ -203,7 +204,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--impls", type=_list_of(IMPLS, "impls"), default=list(DEFAULT_IMPLS),
                    help=f"subset of {','.join(IMPLS)} (default: {','.join(DEFAULT_IMPLS)}; an impl whose "
                         "library is missing reports 'not installed'; the sglang ones and qla_split "
-                        "take decode-only rows with --pool sglang)")
+                        "run with --pool sglang, sglang and sglang_qla on decode-only or prefill-only "
+                        "rows, the others on decode-only rows)")
     p.add_argument("--states", type=_list_of(tuple(STATE_DTYPES), "states"), default=["fp32", "bf16"],
                    help="SSM state dtypes of decode-only rows (default fp32,bf16)")
     p.add_argument("--prefill-states", type=_list_of(tuple(STATE_DTYPES), "prefill-states"),

@@ -31,26 +31,28 @@ Each composition is one engine GDN layer's core for one step on the bench's vLLM
   zeroed where new, final states scattered back); a decode-only step through
   ``causal_conv1d_update`` and ``fused_recurrent_gated_delta_rule_packed_decode``. Without the
   prefix caching checkpoints vLLM's default adds (the qla rows write none either).
-* ``sglang`` and ``sglang_qla`` (decode-only steps, on SGLang's cache layout ``--pool sglang``; only
-  where SGLang 0.5.23's Triton ops import: on the lent H200 from benchmarks/make_sglang_ops_bundle.sh):
-  SGLang's GDN decode step on CUDA from the split's ``mixed_qkv`` (Qwen3-Next's route; its
-  srt/layers/attention/linear/gdn_backend.py, cited per line below): its Triton
+* ``sglang`` and ``sglang_qla`` (on SGLang's cache layout ``--pool sglang``; only where SGLang
+  0.5.23's Triton ops import: on the lent H200 from benchmarks/make_sglang_ops_bundle.sh).
+  Decode-only rows: SGLang's GDN decode step on CUDA from the split's ``mixed_qkv`` (Qwen3-Next's
+  route; its srt/layers/attention/linear/gdn_backend.py, cited per line below): its Triton
   ``causal_conv1d_update`` over the conv state, then ``sglang``: its default backend's
   ``fused_recurrent_gated_delta_rule_packed_decode`` (what SGLang runs without qla_serve);
   ``sglang_qla``: qla_serve's SGLang kernel (backends/sglang/kernel.py, its ``decode``) on the conv
   output's q | k | v views (what SGLang ran with ``--linear-attn-backend flashqla`` before the
-  plugin took this conv over; ``QLA_SERVE_SGLANG_DECODE_CONV=0``). Beside ``qla`` on the same
-  layout (the conv and decode both qla_serve's: what the plugin runs now), the two say whether
-  taking SGLang's conv over pays.
-  On prefill-only rows ``sglang_qla`` is SGLang's extend with flashqla (forward_extend,
-  gdn_backend.py:948-1200): its Triton ``causal_conv1d_fn`` over the transposed rows (:919-941,
-  has_initial_state = prefix > 0), ``fused_qkv_split_gdn_prefill`` (q, k, v [1, T, H, 128] copies;
-  torch views where the qkv width exceeds 8192, :1078-1102), ``fused_gdn_gating`` (fp32 g, beta),
-  then qla_serve's SGLang kernel ``extend`` (L2 norm, then gdn_prefill) on its batch plan (new
-  requests' SSM slots zeroed in the call: SGLang zeroes them when it allocates them); beside
-  ``qla`` on the same layout it says whether taking the extend conv over pays. (SGLang's own SM90
-  extend runs FlashInfer's prefill through its own wrapper: not composed.) Mixed rows: SGLang
-  runs decodes and extends as separate batches, so they are refused.
+  plugin took this conv over; ``QLA_SERVE_SGLANG_DECODE_CONV=0``).
+  Prefill-only rows: SGLang's extend (forward_extend, gdn_backend.py:948-1228): its Triton
+  ``causal_conv1d_fn`` over the transposed rows (:919-941, has_initial_state = prefix > 0),
+  ``fused_qkv_split_gdn_prefill`` (q, k, v [1, T, H, 128] copies; torch views where the qkv width
+  exceeds 8192, :1078-1102), ``fused_gdn_gating`` (fp32 g, beta), new requests' SSM slots zeroed
+  (SGLang zeroes them when it allocates them: the same bytes per layer), then ``sglang``: its
+  SM90 default, FlashInfer's prefill through its wrapper (kernels/gdn_flashinfer.py:481-596: q/k
+  L2 norm by its Triton prepare, alpha = exp(g), the slots' states gathered as fp32, final states
+  copied back; only where FlashInfer 0.7.2 imports), or ``sglang_qla``: qla_serve's SGLang kernel
+  ``extend`` (L2 norm, then gdn_prefill) on its batch plan (what flashqla ran before the plugin
+  took the extend conv over; ``QLA_SERVE_SGLANG_EXTEND_CONV=0``). Mixed rows: SGLang runs decodes
+  and extends as separate batches, so they are refused.
+  Beside ``qla`` on the same layout (qla_serve's layer: what the plugin runs for flashqla's plain
+  decode and extend steps now).
 * ``sglang_fused``, ``sglang_fused_qla``, ``qla_split`` (the same, for Qwen3.5's decode route: the
   layer gets the projections, ``qkvz`` [T, dim + Hv 128] = [q | k | v | z] and ``ba`` [T, 2 Hv] =
   [b | a], as SGLang's Qwen3.5 model hands them to forward_decode, qwen3_5.py:1012-1027):
@@ -101,6 +103,7 @@ class ComposedOps:
     proj_split: Callable | None = None      # SGLang: fused_qkvzba_split_reshape_cat_contiguous
     qkv_split: Callable | None = None       # SGLang: fused_qkv_split_gdn_prefill
     gating: Callable | None = None          # SGLang: fused_gdn_gating
+    qk_prepare: Callable | None = None      # SGLang: gdn_prefill_qkv_prepare_fwd (FlashInfer extend's l2norm)
 
 
 def fla_ops() -> ComposedOps:
@@ -124,12 +127,23 @@ def flashinfer_ops() -> ComposedOps:
 
 
 def sglang_ops() -> ComposedOps:
-    """SGLang 0.5.23's Triton decode conv and its default backend's packed decode
-    (benchmarks/make_sglang_ops_bundle.sh puts them on the path where SGLang is not installed)."""
+    """SGLang 0.5.23's own ops (benchmarks/make_sglang_ops_bundle.sh puts them on the path where
+    SGLang is not installed): for decode its Triton conv update and its default backend's packed
+    decode; for extend its Triton conv, split, gating and q/k norm, and FlashInfer's prefill (its
+    default on SM90, gdn_backend.py:191-236) where FlashInfer imports (else None: the extend rows
+    are refused by name)."""
     from sglang.kernels.ops.attention.fla.fused_recurrent import fused_recurrent_gated_delta_rule_packed_decode
+    from sglang.kernels.ops.attention.fla.l2norm import gdn_prefill_qkv_prepare_fwd
     from sglang.kernels.ops.mamba.causal_conv1d_triton import causal_conv1d_update
 
-    return ComposedOps(None, causal_conv1d_update, packed_decode=fused_recurrent_gated_delta_rule_packed_decode)
+    try:
+        from flashinfer.gdn_prefill import chunk_gated_delta_rule
+    except ImportError:
+        chunk_gated_delta_rule = None
+    extend = sglang_qla_ops()
+    return ComposedOps(extend.causal_conv1d, causal_conv1d_update, fi_chunk_gated_delta_rule=chunk_gated_delta_rule,
+                       packed_decode=fused_recurrent_gated_delta_rule_packed_decode, qkv_split=extend.qkv_split,
+                       gating=extend.gating, qk_prepare=gdn_prefill_qkv_prepare_fwd)
 
 
 def sglang_qla_ops() -> ComposedOps:
@@ -223,6 +237,10 @@ def composed_step(case, i: int, impl: str = "fla") -> ComposedStep:
                                             decode_slots=step.decode_ids32)
         step.qla.ids("decode")    # once per step, outside the layer call (as the qla rows' step)
         return step
+    if impl == "sglang" and lens:   # SGLang's own extend: its metadata's ids, query_start_loc, lengths
+        _sglang_extend_step(step, ids[D:], lens, has, up)
+        step.decode_ids32 = up(ids[:D], torch.int32) if D else None
+        return step
     if impl in ("sglang_qla", "sglang_fused_qla"):
         from qla_serve import layer_ops
         from qla_serve.backends.sglang.kernel import ExtendBatch, FlashQLAGDNKernel
@@ -233,12 +251,7 @@ def composed_step(case, i: int, impl: str = "fla") -> ComposedStep:
             # the plugin's forward_decode hook binds the batch's ids, derived once per step
             step.kernel.bind_decode_ids(step.decode_ids32, layer_ops.slot_ids(step.decode_ids32, 0))
         if lens:                # what SGLang's metadata and the plugin's plan hook hand the extend
-            step.prefill_ids32 = up(ids[D:], torch.int32)
-            step.prefill_qsl32 = up([sum(lens[:i]) for i in range(len(lens) + 1)], torch.int32)
-            step.prefill_has_init = up(has, torch.bool)
-            step.seq_lens_cpu = list(lens)
-            fresh = [s for s, h in zip(ids[D:], has) if not h]
-            step.fresh_ids = up(fresh) if fresh else None
+            _sglang_extend_step(step, ids[D:], lens, has, up)
             step.kernel.bind_batch(ExtendBatch(query_start_loc=step.prefill_qsl32, seq_lens=tuple(lens),
                                                num_tokens=sum(lens)))
         return step
@@ -262,6 +275,20 @@ def composed_step(case, i: int, impl: str = "fla") -> ComposedStep:
         fresh = [s for s, h in zip(ids[D:], has) if not h]
         step.fresh_ids = up(fresh) if fresh else None
     return step
+
+
+def _sglang_extend_step(step: ComposedStep, ids, lens, has, up) -> None:
+    """What SGLang's metadata hands an extend (slot ids, query_start_loc int32, extend_prefix_lens
+    > 0, the host lengths its conv takes) and the slots of new requests, which SGLang zeroes when
+    it allocates them (every layer's slot: the same bytes per layer as zeroing them here)."""
+    import torch
+
+    step.prefill_ids32 = up(ids, torch.int32)
+    step.prefill_qsl32 = up([sum(lens[:i]) for i in range(len(lens) + 1)], torch.int32)
+    step.prefill_has_init = up(has, torch.bool)
+    step.seq_lens_cpu = list(lens)
+    fresh = [s for s, h in zip(ids, has) if not h]
+    step.fresh_ids = up(fresh) if fresh else None
 
 
 def _vllm_step(step: ComposedStep, case, ids, up) -> None:
@@ -499,11 +526,45 @@ def _decode_only(step: ComposedStep, impl: str) -> int:
 
 def sglang_layer_forward(step: ComposedStep, mixed_qkv, a, b, *, ops: ComposedOps, conv_weight, conv_bias,
                          conv_state, ssm_state, A_log, dt_bias, num_k_heads, out, scale=None) -> None:
-    """SGLang 0.5.23's own decode step (its default ``--linear-attn-backend triton``, Qwen3-Next's
-    route): causal_conv1d_update, then its packed decode (supports_packed_decode, gdn_triton.py:43)."""
-    D = _decode_only(step, "sglang")
+    """SGLang 0.5.23's own step (its default ``--linear-attn-backend triton``, Qwen3-Next's route):
+    a decode step causal_conv1d_update, then its packed decode (supports_packed_decode,
+    gdn_triton.py:43); an extend its conv, split and gating (forward_extend), then FlashInfer's
+    prefill as its SM90 default runs it (kernels/gdn_flashinfer.py:481-596)."""
+    if step.num_prefill_tokens:
+        if step.num_decodes:
+            raise NotImplementedError("sglang: decode-only or prefill-only rows (SGLang runs decodes and "
+                                      "extends as separate batches)")
+        q, k, v, g, beta = _sglang_extend_inputs(step, mixed_qkv, a, b, ops=ops, conv_weight=conv_weight,
+                                                 conv_bias=conv_bias, conv_state=conv_state, ssm_state=ssm_state,
+                                                 A_log=A_log, dt_bias=dt_bias, num_k_heads=num_k_heads)
+        _sglang_flashinfer_extend(step, ops, q, k, v, g, beta, ssm_state, out)
+        return
+    D = step.num_decodes
     _packed_decode_step(ops, step, mixed_qkv[:D], a[:D], b[:D], conv_state, conv_weight, conv_bias, ssm_state,
                         A_log, dt_bias, out[:D], scale)
+
+
+def _sglang_flashinfer_extend(step: ComposedStep, ops: ComposedOps, q, k, v, g, beta, ssm_state, out) -> None:
+    """SGLang's FlashInfer extend on SM90 (use_state_pool False there, gdn_flashinfer.py:207): q/k
+    L2-normalised by its Triton prepare, alpha = exp(g), the slots' states gathered as fp32 (padding
+    ids to the last slot), FlashInfer's chunk_gated_delta_rule into ``out``, the final states copied
+    back with index_copy_."""
+    import torch
+
+    if ops.fi_chunk_gated_delta_rule is None:
+        raise NotImplementedError("sglang on prefill rows: needs FlashInfer 0.7.2's gdn_prefill (SGLang's "
+                                  "SM90 default; on the lent H200: source .fibundle/activate.sh)")
+    T = step.num_prefill_tokens
+    q_fi, k_fi, v_fi = ops.qk_prepare(q[0], k[0], v[0])
+    ids = torch.where(step.prefill_ids32 >= 0, step.prefill_ids32, ssm_state.shape[0] - 1).to(torch.int64)
+    initial = ssm_state[ids].to(torch.float32)
+    final = torch.empty_like(initial)
+    ops.fi_chunk_gated_delta_rule(q=q_fi, k=k_fi, v=v_fi, g=torch.exp(g[0].to(torch.float32)),
+                                  beta=beta[0].to(torch.float32), scale=None, initial_state=initial,
+                                  output_final_state=True, cu_seqlens=step.prefill_qsl32.to(torch.int64),
+                                  use_qk_l2norm_in_kernel=False, output=out[:T], output_state=final,
+                                  state_checkpoints=None, checkpoint_cu_starts=None, checkpoint_every_n_tokens=0)
+    ssm_state.index_copy_(0, ids, final.to(ssm_state.dtype))
 
 
 def sglang_qla_layer_forward(step: ComposedStep, mixed_qkv, a, b, *, ops: ComposedOps, conv_weight, conv_bias,
@@ -527,16 +588,14 @@ def sglang_qla_layer_forward(step: ComposedStep, mixed_qkv, a, b, *, ops: Compos
     out[:D] = o[0]
 
 
-def _sglang_qla_extend(step: ComposedStep, mixed_qkv, a, b, *, ops: ComposedOps, conv_weight, conv_bias, conv_state,
-                       ssm_state, A_log, dt_bias, num_k_heads, out) -> None:
-    """SGLang's extend with flashqla (forward_extend, the line numbers of gdn_backend.py): its
-    Triton conv over the transposed rows in place on the conv state, the fused q/k/v split, its
-    gating kernel, then qla_serve's SGLang kernel ``extend``."""
+def _sglang_extend_inputs(step: ComposedStep, mixed_qkv, a, b, *, ops: ComposedOps, conv_weight, conv_bias,
+                          conv_state, ssm_state, A_log, dt_bias, num_k_heads):
+    """SGLang's forward_extend up to its kernel backend's ``extend`` (the line numbers of
+    gdn_backend.py): its Triton conv over the transposed rows in place on the conv state, the fused
+    q/k/v split, its gating kernel; new requests' SSM slots zeroed (SGLang: at allocation).
+    Returns q, k [1, T, Hk, 128], v [1, T, Hv, 128], g, beta [1, T, Hv]."""
     import torch
 
-    if step.num_decodes:
-        raise NotImplementedError("sglang_qla: decode-only or prefill-only rows (SGLang runs decodes and "
-                                  "extends as separate batches)")
     T, hk, hv = step.num_prefill_tokens, num_k_heads, ssm_state.shape[1]
     x = mixed_qkv[:T]
     y = ops.causal_conv1d(x.transpose(0, 1), conv_weight, conv_bias, conv_state, step.prefill_qsl32,
@@ -548,9 +607,22 @@ def _sglang_qla_extend(step: ComposedStep, mixed_qkv, a, b, *, ops: ComposedOps,
         q, k, v = (t.view(1, T, -1, HD) for t in torch.split(y, [hk * HD, hk * HD, hv * HD], dim=-1))
     g, beta = ops.gating(A_log, a[:T], b[:T], dt_bias)                                              # :943-946
     if step.fresh_ids is not None:
-        # SGLang zeroes a new request's SSM slot when it allocates it (the kernel then reads every
-        # slot): once per request for all layers there, one index_fill per layer call here
         ssm_state.index_fill_(0, step.fresh_ids, 0)
+    return q, k, v, g, beta
+
+
+def _sglang_qla_extend(step: ComposedStep, mixed_qkv, a, b, *, ops: ComposedOps, conv_weight, conv_bias, conv_state,
+                       ssm_state, A_log, dt_bias, num_k_heads, out) -> None:
+    """SGLang's extend with flashqla (before the plugin's forward_extend hook, or with
+    QLA_SERVE_SGLANG_EXTEND_CONV=0): SGLang's conv, split and gating, then qla_serve's SGLang
+    kernel ``extend``."""
+    if step.num_decodes:
+        raise NotImplementedError("sglang_qla: decode-only or prefill-only rows (SGLang runs decodes and "
+                                  "extends as separate batches)")
+    T = step.num_prefill_tokens
+    q, k, v, g, beta = _sglang_extend_inputs(step, mixed_qkv, a, b, ops=ops, conv_weight=conv_weight,
+                                             conv_bias=conv_bias, conv_state=conv_state, ssm_state=ssm_state,
+                                             A_log=A_log, dt_bias=dt_bias, num_k_heads=num_k_heads)
     o, _, _ = step.kernel.extend(q, k, v, g, beta, ssm_states=ssm_state, cache_indices=step.prefill_ids32,
                                  query_start_loc=step.prefill_qsl32, output=out[:T].unsqueeze(0))
     if o.data_ptr() != out.data_ptr():          # (the kernel writes into ``output`` where it can)
