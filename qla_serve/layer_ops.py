@@ -394,6 +394,63 @@ def check_conv_spec_args(x, conv_state, slot_ids, num_accepted, cu_seqlens, *, c
         _passed(key)
 
 
+def causal_conv_verify(x, conv_state, slot_ids, windows, window_ids, *, conv_weight, conv_bias=None,
+                       activation="silu", num_v_heads: int, draft: int, out=None, _trusted=False):
+    """SGLang's target-verify conv (hopper/conv.py's conv_verify): D draft tokens per sequence
+    over the slot's W - 1 column window, each token's window kept for SGLang's commit.
+
+    Args:
+        x: [N * D, dim] (rows past N * D: not read, and not written in ``out``);
+        conv_state: [S, dim, W - 1] (SGLang's layout; written: the window after the D tokens);
+        slot_ids: [N] int32 (< 0: padding, zero outputs, nothing read or written);
+        windows: [Si, D, dim, W - 1] in conv_state's dtype, SGLang's ``intermediate_conv_window``;
+            windows[window_ids[s], j] gets the window after sequence s's token j;
+        window_ids: [N] int (< 0: no windows for that sequence).
+        draft: D, SGLang's draft_token_num.
+    Returns:
+        y [N * D, dim] in x's dtype.
+        _trusted: internal (backends/sglang/verify_layer): checked by
+            :func:`check_conv_verify_args` for this metadata already.
+    """
+    if not _trusted:
+        check_conv_verify_args(x, conv_state, slot_ids, windows, window_ids, conv_weight=conv_weight,
+                               conv_bias=conv_bias, activation=activation, num_v_heads=num_v_heads,
+                               draft=draft, out=out)
+    act = _activation(activation)
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _run("conv_verify", x.device, x.dtype, x, conv_state, conv_weight, conv_bias, V.int32_index(slot_ids, x.device),
+         windows, _int32(window_ids, x.device), num_v_heads=num_v_heads, draft=draft, activation=act, out=out)
+    return out
+
+
+def check_conv_verify_args(x, conv_state, slot_ids, windows, window_ids, *, conv_weight, conv_bias=None,
+                           activation="silu", num_v_heads: int, draft: int, out=None) -> None:
+    """:func:`causal_conv_verify`'s argument checks, without its launch (once per metadata set)."""
+    act = _activation(activation)
+    key = _checked_key(("conv_verify", act, num_v_heads, draft),
+                       (x, conv_state, slot_ids, windows, window_ids, conv_weight, conv_bias, out),
+                       (slot_ids, window_ids))
+    if _checks_due(key):
+        if not (isinstance(draft, int) and 1 <= draft <= 16):
+            raise ValueError(f"draft: expected 1..16 tokens per sequence, got {draft!r}")
+        W = _check_conv(x, conv_state, conv_weight, conv_bias, x.shape[-1])
+        if conv_state.shape[2] != W - 1:
+            raise ValueError(f"conv_state: expected SGLang's [S, dim, {W - 1}] (width - 1 columns), "
+                             f"got {list(conv_state.shape)}")
+        N = slot_ids.shape[0]
+        if x.shape[0] < N * draft:
+            raise ValueError(f"mixed_qkv: expected at least {N} x {draft} draft rows, got {x.shape[0]}")
+        V.check_index("slot_ids", slot_ids, N, conv_state.shape[0], "conv_state's slot count", unique_live=True)
+        V.check_dtype("windows", windows, (conv_state.dtype,))
+        V.check_shape("windows", windows, (None, draft, x.shape[-1], W - 1))
+        V.check_index("window_ids", window_ids, N, windows.shape[0], "windows' slot count", unique_live=False)
+        V.check_device(x.device, slot_ids=slot_ids, windows=windows, window_ids=window_ids)
+        if out is not None:
+            _check_conv_out(out, x)
+        _passed(key)
+
+
 def gdn_verify_slots(q, k, v, pool, spec_slot_ids, num_accepted, cu_seqlens, *, a, b, A_log, dt_bias,
                      use_qk_l2norm=True, scale=None, out=None, _trusted=False):
     """Speculative verify into per-token slots (vLLM's layout), no scratch and no commit.

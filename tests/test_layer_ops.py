@@ -103,6 +103,74 @@ def test_spec_conv_window_and_padding():
         assert torch.equal(cs[s], cs0[s])
 
 
+def _verify_inputs(seed, D, S=9, Si=6):
+    gen, cs, w, bias = _setup(seed=seed, S=S)
+    windows = torch.randn(Si, D, DIM, W - 1, generator=gen)
+    return gen, cs, w, bias, windows
+
+
+def test_verify_conv_windows_and_padding():
+    """SGLang's target verify: D tokens per sequence from the slot's W-1 columns; the window after
+    each token to windows[window_ids[s], j], after the last to the slot; a padded row (slot -1)
+    and a row without window id write nothing of theirs; rows past N*D untouched."""
+    D = 3
+    gen, cs, w, bias, windows = _verify_inputs(4, D)
+    cs0, win0 = cs.clone(), windows.clone()
+    slots, wids = [2, -1, 6, 4], [3, 0, 1, -1]
+    x = torch.randn(4 * D + 2, DIM, generator=gen)
+    out = torch.full(x.shape, 9.0)
+    layer_ops.causal_conv_verify(x, cs, torch.tensor(slots, dtype=torch.int32), windows, torch.tensor(wids),
+                                 conv_weight=w, conv_bias=bias, num_v_heads=HV, draft=D, out=out)
+    written = set()
+    for i, (s, wid) in enumerate(zip(slots, wids)):
+        rows = slice(i * D, i * D + D)
+        if s < 0:
+            assert (out[rows] == 0).all()
+            continue
+        y, window = _naive_conv(cs0[s], x[rows], w, bias)
+        torch.testing.assert_close(out[rows].double(), y, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(cs[s].double(), window)
+        full = torch.cat([cs0[s].double(), x[rows].double().t()], dim=1)
+        if wid >= 0:
+            written.add(wid)
+            for j in range(D):
+                torch.testing.assert_close(windows[wid, j].double(), full[:, j + 1:j + W])
+    assert (out[4 * D:] == 9.0).all()
+    for s in set(range(9)) - {2, 6, 4}:
+        assert torch.equal(cs[s], cs0[s]), f"conv slot {s}"
+    for r in set(range(6)) - written:
+        assert torch.equal(windows[r], win0[r]), f"window row {r}"
+
+
+@pytest.mark.parametrize("over,match", [
+    (dict(conv_state="cols4"), "conv_state: expected SGLang's"),
+    (dict(windows="dtype"), "windows: expected dtype"),
+    (dict(windows="draft"), "windows: expected shape"),
+    (dict(window_ids=torch.tensor([0, 6])), "window_ids: expected ids < 6"),
+    (dict(slot_ids=torch.tensor([3, 3], dtype=torch.int32)), "slot_ids: expected distinct live ids"),
+    (dict(x_rows=3), "mixed_qkv: expected at least 2 x 2 draft rows"),
+    (dict(draft=0), "draft: expected 1..16"),
+])
+def test_verify_conv_bad_input(over, match):
+    D = 2
+    gen, cs, w, bias, windows = _verify_inputs(5, D)
+    if over.pop("conv_state", None):
+        cs = torch.randn(9, DIM, W, generator=gen)
+    kind = over.pop("windows", None)
+    if kind == "dtype":
+        windows = windows.to(torch.bfloat16)
+    elif kind == "draft":
+        windows = torch.randn(6, D + 1, DIM, W - 1)
+    x = torch.randn(over.pop("x_rows", 2 * D), DIM, generator=gen)
+    kw = dict(slot_ids=torch.tensor([1, 3], dtype=torch.int32), window_ids=torch.tensor([0, 1]), draft=D)
+    kw.update(over)
+    cs0, win0 = cs.clone(), windows.clone()
+    with pytest.raises((ValueError, TypeError), match=match):
+        layer_ops.causal_conv_verify(x, cs, kw["slot_ids"], windows, kw["window_ids"], conv_weight=w,
+                                     conv_bias=bias, num_v_heads=HV, draft=kw["draft"])
+    assert torch.equal(cs, cs0) and torch.equal(windows, win0)
+
+
 def _prefill_kw(**over):
     gen, cs, w, bias = _setup(seed=3)
     T = 6

@@ -141,6 +141,28 @@ def conv_spec(x, conv_state, weight, bias, slot_ids, num_accepted, cu_seqlens, *
     _write_rows(conv_state, slot_ids, ncol, torch.where(keep, window[:, :, 1:], old[:, :, :ncol]))
 
 
+def conv_verify(x, conv_state, weight, bias, slot_ids, windows, window_ids, *, num_v_heads, draft, activation,
+                out) -> None:
+    """SGLang's target verify (hopper/conv.py's conv_verify): D = draft tokens per sequence; the
+    window after each token to windows[window_ids[s], j] (ids < 0: none), after the last to the
+    slot; padding rows (slot < 0) get zero outputs and write nothing."""
+    W = weight.shape[1]
+    H, D, N = W - 1, draft, slot_ids.shape[0]
+    live = slot_ids >= 0
+    hist = _history(conv_state, slot_ids, live, H)                              # [N, dim, H]
+    xs = x.float()[:N * D].view(N, D, -1).transpose(1, 2)                      # [N, dim, D]
+    window = torch.cat([hist, xs], dim=-1)                                      # [N, dim, H + D]
+    y = sum(window[:, :, i:i + D] * weight.float()[:, i].view(1, -1, 1) for i in range(W))
+    if bias is not None:
+        y = y + bias.float().view(1, -1, 1)
+    y = torch.where(live.view(-1, 1, 1), _act(y, activation), torch.zeros_like(y))
+    out[:N * D] = y.transpose(1, 2).reshape(N * D, -1).to(out.dtype)
+    rows = (live & (window_ids >= 0)).nonzero().view(-1)
+    steps = torch.stack([window[:, :, j + 1:j + 1 + H] for j in range(D)], dim=1)  # [N, D, dim, H]
+    windows[window_ids[rows].long()] = steps[rows].to(windows.dtype)
+    _write_rows(conv_state, slot_ids, H, window[:, :, D:])
+
+
 def verify_slots(q, k, v, pool, spec_slot_ids, num_accepted, cu_seqlens, *, a, b, A_log, dt_bias,
                  use_qk_l2norm, scale, out) -> None:
     """hopper/decode.py's verify_slots, token by token: sequence i starts from

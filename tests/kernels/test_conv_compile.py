@@ -20,7 +20,7 @@ def test_conv_variant_compiles(variant, target):
     src = C.build(variant, target).get_kernel_source()
     # SiLU where it convolves: ex2.approx.ftz in the prefill, __expf in decode and spec
     assert ("qla_ex2_ftz(" in src) == (variant["op"] == "conv_prefill")
-    assert ("__expf(" in src) == (variant["op"] in ("conv_decode", "conv_spec"))
+    assert ("__expf(" in src) == (variant["op"] in ("conv_decode", "conv_spec", "conv_verify"))
     assert "int sc0, int sc1, int sc2" in src        # any conv-state strides: either layout
     if variant["op"] == "conv_prefill":
         assert "__shfl_xor_sync" in src and "half_t* __restrict__ Qo" in src   # q/k L2 norm, fp16 out
@@ -29,8 +29,10 @@ def test_conv_variant_compiles(variant, target):
         # rows through a per-thread cp.async ring, waited for STAGES - 1 steps later: no barrier
         assert "cp_async_gs_conditional<16>" in src and f"cp_async_wait<{C.STAGES - 1}>" in src
         assert "__syncthreads" not in src
-    if variant["op"] == "conv_spec":
+    if variant["op"] in ("conv_spec", "conv_verify"):
         assert f"float win[{3 + variant['draft']}];" in src   # history + D draft inputs in registers
+    if variant["op"] == "conv_verify":   # SGLang's per-draft window scratch, any strides
+        assert "int si0, int si1, int si2, int si3" in src
     # conv_decode and conv_prefill let the kernel launched as their programmatic dependent (decode;
     # the conv-state write-back's after_conv form) start early; that one waits before it reads
     # (decode) or writes (the write-back) what the conv touches
@@ -84,8 +86,9 @@ def test_conv_variants_are_unique_and_checked():
     vs = C.kernel_variants(32, 16)
     names = [v["name"] for v in vs]
     # io x bias x (3 x 2 prefill (gate params x gate forms), 2 state (plain, after_conv), decode,
-    # 3 spec)
-    assert len(names) == len(set(names)) == 2 * 2 * 12
+    # 3 spec, 3 SGLang verify)
+    assert len(names) == len(set(names)) == 2 * 2 * 15
+    assert sum(v["op"] == "conv_verify" for v in vs) == 2 * 2 * 3
     from qla_serve.kernels import hopper
     listed = hopper.kernel_variants(32, 16)
     assert all(v in listed for v in vs)
@@ -96,6 +99,8 @@ def test_conv_variants_are_unique_and_checked():
         C.variant("conv_decode", HV, HK, 4, "bfloat16", "int8")
     with pytest.raises(ValueError, match="draft depth"):
         C.variant("conv_spec", HV, HK, 4, "bfloat16", "bfloat16", draft=0)
+    with pytest.raises(ValueError, match="draft depth"):
+        C.variant("conv_verify", HV, HK, 4, "bfloat16", "bfloat16", draft=17)
     with pytest.raises(ValueError, match="after_conv: only conv_prefill_state"):
         C.variant("conv_decode", HV, HK, 4, "bfloat16", "bfloat16", after_conv=True)
     with pytest.raises(ValueError, match="activation"):

@@ -266,3 +266,45 @@ def test_decode_after_conv_matches_the_plain_launch(B, pool_dtype, monkeypatch):
     assert torch.equal(caches[True][1][untouched], before[1][untouched])
     assert torch.equal(caches[True][0][untouched], before[0][untouched])
     assert not torch.equal(caches[True][1][live], before[1][live])   # the step did run
+
+
+@pytest.mark.parametrize("D,dtype,bias", [(2, torch.bfloat16, False), (4, torch.bfloat16, True),
+                                          (3, torch.float16, True)])
+def test_conv_verify_matches_reference(D, dtype, bias):
+    """SGLang's target-verify conv: a padded row (slot -1) in the middle, a row whose window id is
+    -1, rows past N * D (their y rows keep their poison), SGLang's window scratch as a strided
+    per-layer view; the window rows and conv slots the batch does not own stay bit-identical."""
+    gen = torch.Generator().manual_seed(40 + D)
+    hk, hv, W, N, S, Si = 2, 8, 4, 9, 24, 14
+    dim = (2 * hk + hv) * HEAD
+    slots = [3, 7, -1, 12, 1, 20, 5, 9, 16]
+    wids = [0, 4, 2, -1, 13, 6, 7, 8, 1]
+    x = torch.randn(N * D + 3, dim, generator=gen).to("cuda", dtype)
+    w, bv = _weights(dim, W, dtype, gen, bias)
+    cs = _conv_cache(S, dim, W - 1, dtype, "dim_first", gen)
+    scratch = torch.randn(2, Si, D, dim, W - 1, generator=gen).to("cuda", dtype)   # [layers, ...]
+    windows, other_layer = scratch[1], scratch[0].clone()
+    ref_cs, ref_windows = cs.clone(), windows.clone()
+    cs0, win0 = cs.clone(), windows.clone()
+    ids = torch.tensor(slots, dtype=torch.int32, device="cuda")
+    wid = torch.tensor(wids, dtype=torch.int32, device="cuda")
+    y = torch.full(x.shape, 3.0, dtype=dtype, device="cuda")
+    layer_ops.causal_conv_verify(x, cs, ids, windows, wid, conv_weight=w, conv_bias=bv, num_v_heads=hv,
+                                 draft=D, out=y)
+    want = y.clone().fill_(3.0)
+    reference_conv.conv_verify(x, ref_cs, w, bv, ids, ref_windows, wid, num_v_heads=hv, draft=D,
+                               activation="silu", out=want)
+    torch.cuda.synchronize()
+    assert _rel(y[:N * D], want[:N * D]) < 4e-3 and (y[N * D:] == 3.0).all()
+    assert (y[2 * D:3 * D] == 0).all(), "padded row"
+    assert torch.equal(cs, ref_cs) and torch.equal(windows, ref_windows)   # input rows, moved
+    live = {s for s in slots if s >= 0}
+    rows = {r for s, r in zip(slots, wids) if s >= 0 and r >= 0}
+    for s in range(S):
+        if s not in live:
+            assert torch.equal(cs[s], cs0[s]), f"conv slot {s} touched"
+    for r in range(Si):
+        if r not in rows:
+            assert torch.equal(windows[r], win0[r]), f"window row {r} touched"
+    assert torch.equal(scratch[0], other_layer), "another layer's window scratch touched"
+    assert not torch.equal(windows, win0)

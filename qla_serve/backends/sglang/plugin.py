@@ -34,7 +34,10 @@ before arguments are parsed. It
      its conv, split and gating on qla_serve's layer too (:mod:`.extend_layer`: measured
      0.64-0.78x the GPU time of SGLang's conv, split and gating before flashqla's kernel); other
      extends (target verify, multi-item scoring, tracked batches) go to SGLang's forward_extend
-     (``QLA_SERVE_SGLANG_EXTEND_CONV=0``: every extend SGLang's conv).
+     (``QLA_SERVE_SGLANG_EXTEND_CONV=0``: every extend SGLang's conv). With flashqla's verify,
+     a linear-chain target verify runs its conv on qla_serve's too (:mod:`.verify_layer`: the
+     conv's per-draft windows into SGLang's intermediate conv cache, then gdn_verify;
+     ``QLA_SERVE_SGLANG_VERIFY_CONV=0``: SGLang's conv).
 
 Phase selection follows SGLang's flags: ``--linear-attn-decode-backend`` /
 ``--linear-attn-prefill-backend`` override ``--linear-attn-backend``. Verify: an explicit
@@ -62,13 +65,14 @@ TARGET_FORWARD_DECODE = f"{GDN_BACKEND}.GDNAttnBackend.forward_decode"
 TARGET_FORWARD_EXTEND = f"{GDN_BACKEND}.GDNAttnBackend.forward_extend"
 ENV_DECODE_CONV = "QLA_SERVE_SGLANG_DECODE_CONV"
 ENV_EXTEND_CONV = "QLA_SERVE_SGLANG_EXTEND_CONV"
-# Whether flashqla's decode / extend takes SGLang's conv over (decode_layer.py, extend_layer.py):
-# $QLA_SERVE_SGLANG_DECODE_CONV / $QLA_SERVE_SGLANG_EXTEND_CONV, 1 (default) or 0 (SGLang's conv,
-# then flashqla's kernel: the route before, for A/B, benchmarks/layer.md "SGLang's decode step" /
-# "SGLang's extend step", or as a way back). Read once per process (None: not yet); the start-up
-# checks refuse another value.
+ENV_VERIFY_CONV = "QLA_SERVE_SGLANG_VERIFY_CONV"
+# Whether flashqla's decode / extend / verify takes SGLang's conv over (decode_layer.py,
+# extend_layer.py, verify_layer.py): $QLA_SERVE_SGLANG_{DECODE,EXTEND,VERIFY}_CONV, 1 (default) or
+# 0 (SGLang's conv, then flashqla's kernel: the route before, for A/B, benchmarks/layer.md, or as a
+# way back). Read once per process (None: not yet); the start-up checks refuse another value.
 TAKE_OVER_DECODE_CONV: bool | None = None
 TAKE_OVER_EXTEND_CONV: bool | None = None
+TAKE_OVER_VERIFY_CONV: bool | None = None
 
 _registered = False
 
@@ -158,7 +162,7 @@ def startup_problems(phases: dict[str, bool], *, ssm_shape, ssm_dtype, device) -
         return []
     problems = []
     flag = "--linear-attn-backend flashqla"
-    for phase, name in (("decode", ENV_DECODE_CONV), ("prefill", ENV_EXTEND_CONV)):
+    for phase, name in (("decode", ENV_DECODE_CONV), ("prefill", ENV_EXTEND_CONV), ("verify", ENV_VERIFY_CONV)):
         if phase in wanted:
             try:
                 conv_takeover_from_env(name)
@@ -203,7 +207,7 @@ def conv_takeover_from_env(name: str, environ=None) -> bool:
     default) or 0; another value is a ValueError naming the variable, never a silent default."""
     value = (os.environ if environ is None else environ).get(name, "1").strip()
     if value not in ("0", "1"):
-        step = "decode" if name == ENV_DECODE_CONV else "extend"
+        step = {ENV_DECODE_CONV: "decode", ENV_EXTEND_CONV: "extend"}.get(name, "verify")
         raise ValueError(f"{name}: expected 1 (flashqla's {step} runs SGLang's {step} conv too) "
                          f"or 0 (SGLang's conv, then flashqla's {step}), got {value!r}")
     return value == "1"
@@ -221,6 +225,13 @@ def _take_over_extend_conv() -> bool:
     if TAKE_OVER_EXTEND_CONV is None:
         TAKE_OVER_EXTEND_CONV = conv_takeover_from_env(ENV_EXTEND_CONV)
     return TAKE_OVER_EXTEND_CONV
+
+
+def _take_over_verify_conv() -> bool:
+    global TAKE_OVER_VERIFY_CONV
+    if TAKE_OVER_VERIFY_CONV is None:
+        TAKE_OVER_VERIFY_CONV = conv_takeover_from_env(ENV_VERIFY_CONV)
+    return TAKE_OVER_VERIFY_CONV
 
 
 def _full_prefill_graph() -> bool:
@@ -345,17 +356,33 @@ def _forward_decode_hook(original, self, layer, forward_batch, mixed_qkv, a, b, 
 
 
 def _forward_extend_hook(original, self, layer, forward_batch, mixed_qkv, a, b, **kwargs):
-    """flashqla's extend with SGLang's conv, split and gating taken over (extend_layer.forward_extend)
-    where the step is plain: planned from host lengths by the metadata hook (so not a target verify
-    or multi-item scoring), ``mixed_qkv`` one tensor, no extra_buffer tracking (SGLang copies conv
-    windows before its conv and reads the kernel's state snapshot) and contiguous pools (SGLang
-    gathers a page-major envelope pool into copies). Every other extend: SGLang's forward_extend."""
+    """flashqla's extend and target verify with SGLang's conv (and for extend its split and
+    gating) taken over where the step is plain; every other step: SGLang's forward_extend.
+
+    Extend (extend_layer.forward_extend): planned from host lengths by the metadata hook (so not
+    a verify or multi-item scoring), ``mixed_qkv`` one tensor, no extra_buffer tracking (SGLang
+    copies conv windows before its conv and reads the kernel's state snapshot), contiguous pools
+    (SGLang gathers a page-major envelope pool into copies). Target verify
+    (verify_layer.forward_verify): flashqla's verify kernel, a linear draft chain (no
+    ``retrieve_parent_token``), no multi-item scoring, SGLang's per-draft intermediate caches
+    (not ReplaySSM's rings)."""
     kernel = getattr(self.kernel_dispatcher, "qla_kernel", None)
+    if kernel is None or not isinstance(mixed_qkv, torch.Tensor):
+        return original(self, layer, forward_batch, mixed_qkv, a, b, **kwargs)
     meta = self.forward_metadata
+    if forward_batch.forward_mode.is_target_verify():
+        if self.kernel_dispatcher.verify_kernel is kernel and _take_over_verify_conv() \
+                and meta.retrieve_parent_token is None and self.mis_metadata is None:
+            cache = self.req_to_token_pool.mamba2_layer_cache(layer.layer_id)
+            if getattr(cache, "intermediate_ssm", None) is not None \
+                    and getattr(cache, "replayssm_rawv", None) is None and getattr(cache, "replayssm_d", None) is None:
+                from . import verify_layer
+                return verify_layer.forward_verify(self, layer, forward_batch, mixed_qkv, a, b)
+        return original(self, layer, forward_batch, mixed_qkv, a, b, **kwargs)
     batch = getattr(meta, "qla_extend", None)
-    if kernel is None or self.kernel_dispatcher.extend_kernel is not kernel or batch is None \
+    if self.kernel_dispatcher.extend_kernel is not kernel or batch is None \
             or batch.query_start_loc is not meta.query_start_loc or not _take_over_extend_conv() \
-            or not isinstance(mixed_qkv, torch.Tensor) or meta.has_mamba_track_mask:
+            or meta.has_mamba_track_mask:
         return original(self, layer, forward_batch, mixed_qkv, a, b, **kwargs)
     cache = self.req_to_token_pool.mamba2_layer_cache(layer.layer_id)
     if not (cache.conv[0].is_contiguous() and cache.temporal.is_contiguous()):

@@ -23,6 +23,7 @@ verify_slots = _hopper.verify_slots
 conv_prefill = _hopper.conv_prefill
 conv_decode = _hopper.conv_decode
 conv_spec = _hopper.conv_spec
+conv_verify = _hopper.conv_verify
 conv_window = _hopper.conv_window
 slot_ids = _hopper.slot_ids
 commit_verified = _hopper.commit_verified

@@ -6,7 +6,7 @@
   a, b in one launch (what the engines' layers hand over, made into what prefill takes).
 * decode / verify / verify_slots / commit_verified (decode.py): single-token and
   speculative-verify steps (verify_slots: states straight into per-token pool slots).
-* conv_prefill / conv_decode / conv_spec (conv.py; conv_prefill's program in conv_prefill.py): the GDN layer's causal conv over the
+* conv_prefill / conv_decode / conv_spec / conv_verify (conv.py; conv_prefill's program in conv_prefill.py): the GDN layer's causal conv over the
   engine's conv state; conv_prefill also does what prefill_inputs does (split, L2 norm, gates).
 * slot_ids (slot_ids.py): an engine step's slot tensors -> the ops' int32 ids, one launch.
 
@@ -19,7 +19,7 @@ from . import decode as _decode
 from . import prefill_api as _prefill
 from . import prefill_inputs as _inputs
 from . import slot_ids as _slot_ids
-from .conv import conv_decode, conv_prefill, conv_spec, conv_window
+from .conv import conv_decode, conv_prefill, conv_spec, conv_verify, conv_window
 from .decode import commit_verified, decode, verify, verify_slots
 from .prefill_api import SUPPORTED_STRATEGIES, prefill
 from .prefill_inputs import prefill_inputs
@@ -29,7 +29,7 @@ ARCH = "sm_90a"
 TARGETS = ("sm_90a",)  # sm_100a builds come from qla_serve.kernels.blackwell
 
 __all__ = ["ARCH", "SUPPORTED_STRATEGIES", "TARGETS", "build", "commit_verified", "conv_decode",
-           "conv_prefill", "conv_spec", "conv_window", "decode", "kernel_variants", "prefill", "prefill_inputs",
+           "conv_prefill", "conv_spec", "conv_verify", "conv_window", "decode", "kernel_variants", "prefill", "prefill_inputs",
            "slot_ids", "verify", "verify_slots"]
 
 

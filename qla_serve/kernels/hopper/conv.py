@@ -43,6 +43,12 @@ formulas in torch; float64 truth in the layer tests):
   that keep their values), so that the next step resumes from any accepted token. D (the
   draft depth, spec slots' second dim) is static: a thread keeps W - 1 + D inputs in
   registers.
+* ``conv_verify``: SGLang's target verify (its causal_conv1d_update with an intermediate conv
+  window, mamba/causal_conv1d_triton.py): every sequence has D draft tokens (rows s D .. s D +
+  D - 1), its history is the slot's W - 1 columns; the window after each token j, e_s[j + 1 -
+  (W - 1) .. j], goes to ``windows[window_ids[s], j, c, :]`` (SGLang's per-request scratch, from
+  which it commits the accepted one) and the window after the last token to the slot. A
+  window id < 0 writes no windows.
 
 Padding: slot < 0 is never read or written (its sequence's conv runs from a zero history;
 decode and spec rows of padding sequences get zero outputs). Shapes are dynamic (token and
@@ -97,7 +103,7 @@ GATE_ROUNDS = True
 # conv's last wave, its stores wait for the conv's end. False: a plain launch after it.
 WRITE_BACK_AFTER_CONV = True
 MAX_SEQS = 1 << SEARCH_STEPS  # conv_prefill's binary search over cu_seqlens runs SEARCH_STEPS halvings
-OPS = ("conv_prefill", "conv_prefill_state", "conv_decode", "conv_spec")
+OPS = ("conv_prefill", "conv_prefill_state", "conv_decode", "conv_spec", "conv_verify")
 
 
 def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weight: str | None = None,
@@ -145,7 +151,7 @@ def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weigh
             raise ValueError(f"after_conv: only conv_prefill_state has that form, got op {op!r}")
         v["after_conv"] = True
         name += "_pdl"
-    if op == "conv_spec":
+    if op in ("conv_spec", "conv_verify"):
         if not (isinstance(draft, int) and 1 <= draft <= 16):
             raise ValueError(f"draft depth: expected 1..16 tokens per sequence, got {draft}")
         v["draft"] = draft
@@ -165,7 +171,8 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
     conv state in the model dtype, weights in the model dtype): per model dtype, the prefill
     conv (q/k fp16 from bf16 as the layers ask; a/b in the model dtype, A_log/dt_bias as
     _GATE_PARAMS; both gate forms, GATE_ROUNDS), its state write-back (plain and after_conv),
-    decode, and spec at D = 2..4 (MTP k = 1..3). Others compile on first use (same cache)."""
+    decode, and spec and SGLang's verify at D = 2..4 (MTP k = 1..3). Others compile on first use
+    (same cache)."""
     out = []
     for io in _IO_DTYPES:
         for has_bias in (False, True):
@@ -180,7 +187,8 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
                                    after_conv=after, **common))
             out.append(variant("conv_decode", num_v_heads, num_k_heads, 4, io, io, **common))
             for d in (2, 3, 4):
-                out.append(variant("conv_spec", num_v_heads, num_k_heads, 4, io, io, draft=d, **common))
+                for op in ("conv_spec", "conv_verify"):
+                    out.append(variant(op, num_v_heads, num_k_heads, 4, io, io, draft=d, **common))
     return out
 
 
@@ -304,6 +312,9 @@ def _program(v: dict):
 
         return gdn_conv_decode
 
+    if op == "conv_verify":
+        return _verify_program(T, v, NH, DIM, H, conv_state_t, weight_t, load_weights, act)
+
     # conv_spec
     D = v["draft"]
     Ts = T.dynamic("Ts")
@@ -353,6 +364,57 @@ def _program(v: dict):
                         Y[bos + j, c] = T.cast(0.0, io)
 
     return gdn_conv_spec
+
+
+def _verify_program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t, load_weights, act):
+    """conv_verify (module doc): grid (sequences, channel blocks), a thread per channel holding
+    the W - 1 + D inputs in registers, as conv_spec."""
+    io, sdt, wdt, has_bias, W, D = (v["io_dtype"], v["conv_state_dtype"], v["weight_dtype"], v["bias"],
+                                    v["width"], v["draft"])
+    f32, i32 = "float32", "int32"
+    N, Si, Tv = T.dynamic("N Si Tv")
+    sx0, sy0, si0, si1, si2, si3 = T.dynamic("sx0 sy0 si0 si1 si2 si3")
+
+    @T.prim_func
+    def gdn_conv_verify(
+        X: T.StridedTensor((Tv, DIM), (sx0, 1), io),
+        CS: conv_state_t(),
+        Wt: weight_t(),
+        Bias: T.Tensor((DIM,), wdt),
+        Slots: T.Tensor((N,), i32),
+        Windows: T.StridedTensor((Si, D, DIM, H), (si0, si1, si2, si3), sdt),
+        WindowIds: T.Tensor((N,), i32),
+        Y: T.StridedTensor((Tv, DIM), (sy0, 1), io),
+    ):
+        with T.Kernel(N, NH, threads=HEAD_DIM) as (s, hb):
+            c = hb * HEAD_DIM + T.get_thread_binding()
+            slot = Slots[s]
+            wid = WindowIds[s]
+            w = T.alloc_local((W,), f32)
+            bias_v = T.alloc_local((1,), f32)
+            win = T.alloc_local((H + D,), f32)
+            if slot >= 0:
+                load_weights(Wt, Bias, c, w, bias_v)
+                for j in T.unroll(H):
+                    win[j] = T.cast(CS[slot, c, j], f32)
+                for j in T.unroll(D):
+                    win[H + j] = T.cast(X[s * D + j, c], f32)
+                for j in T.unroll(D):
+                    y = T.alloc_var(f32)
+                    y = bias_v[0]
+                    for i in T.unroll(W):
+                        y += w[i] * win[j + i]
+                    Y[s * D + j, c] = T.cast(act(y), io)
+                    if wid >= 0:
+                        for i in T.unroll(H):
+                            Windows[wid, j, c, i] = T.cast(win[j + 1 + i], sdt)
+                for i in T.unroll(H):
+                    CS[slot, c, i] = T.cast(win[D + i], sdt)
+            else:
+                for j in T.unroll(D):
+                    Y[s * D + j, c] = T.cast(0.0, io)
+
+    return gdn_conv_verify
 
 
 def build(v: dict, target: str):
@@ -494,3 +556,23 @@ def conv_spec(x, conv_state, weight, bias, slot_ids, num_accepted, cu_seqlens, *
                        activation=activation, bias=bias is not None, draft=draft)
     _launch_fn(key, make, x.device)(x, conv_state, weight, _bias_arg(bias, weight), slot_ids,
                                     num_accepted, cu_seqlens, out)
+
+
+def conv_verify(x, conv_state, weight, bias, slot_ids, windows, window_ids, *, num_v_heads, draft,
+                activation, out) -> None:
+    """x [N D, dim] (D = draft tokens per sequence), conv_state [S, dim, W-1], slot_ids [N]
+    int32, windows [Si, D, dim, W-1] (the conv state's dtype), window_ids [N] int32 -> out
+    [N D, dim]; the window after each token to windows[window_ids[s], j], after the last to the
+    slot (SGLang's target verify)."""
+    if slot_ids.shape[0] == 0:
+        return
+    hk = (x.shape[1] // HEAD_DIM - num_v_heads) // 2
+    key = ("conv_verify", x.device, x.dtype, conv_state.dtype, weight.dtype, num_v_heads, hk,
+           weight.shape[1], activation, bias is not None, draft)
+
+    def make():
+        io, sdt, wdt = _names(x, conv_state, weight)
+        return variant("conv_verify", num_v_heads, hk, weight.shape[1], io, sdt, weight=wdt,
+                       activation=activation, bias=bias is not None, draft=draft)
+    _launch_fn(key, make, x.device)(x, conv_state, weight, _bias_arg(bias, weight), slot_ids,
+                                    windows, window_ids, out)

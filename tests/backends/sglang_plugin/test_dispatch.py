@@ -186,3 +186,49 @@ def test_conv_takeover_switch(sglang_plugin, monkeypatch, phase):
     assert len(both) == 1 and both[0].startswith(f"{env}: expected 1")
     mine, other = (decode_only, prefill_only) if phase == "decode" else (prefill_only, decode_only)
     assert mine == both and other == []
+
+
+def test_verify_conv_switch(sglang_plugin):
+    """$QLA_SERVE_SGLANG_VERIFY_CONV: 1 (default) or 0, another value named (it is a start-up
+    problem of a flashqla verify under speculative decoding, as the other two switches are of
+    their phases)."""
+    env = sglang_plugin.ENV_VERIFY_CONV
+    assert sglang_plugin.conv_takeover_from_env(env, {}) is True
+    assert sglang_plugin.conv_takeover_from_env(env, {env: "0"}) is False
+    with pytest.raises(ValueError, match=f"^{env}: expected 1 \\(flashqla's verify runs SGLang's verify conv"):
+        sglang_plugin.conv_takeover_from_env(env, {env: "2"})
+
+
+def _verify_hook_call(sglang_plugin, monkeypatch, *, take_over=True, parent=None, kernel_is_verify=True,
+                      replay=False, tuple_input=False):
+    """plugin._forward_extend_hook on a target-verify step: which route it takes. Stand-ins
+    (SimpleNamespace) for SGLang's backend and batch: a target-verify ForwardBatch needs SGLang's
+    speculative verify input objects, which its CPU test kit does not build for GDN."""
+    from types import SimpleNamespace
+
+    from qla_serve.backends.sglang import verify_layer
+
+    kernel = object()
+    cache = SimpleNamespace(intermediate_ssm=object(), replayssm_rawv=object() if replay else None, replayssm_d=None)
+    backend = SimpleNamespace(
+        kernel_dispatcher=SimpleNamespace(qla_kernel=kernel, verify_kernel=kernel if kernel_is_verify else object()),
+        forward_metadata=SimpleNamespace(retrieve_parent_token=parent), mis_metadata=None,
+        req_to_token_pool=SimpleNamespace(mamba2_layer_cache=lambda layer_id: cache))
+    fb = SimpleNamespace(forward_mode=SimpleNamespace(is_target_verify=lambda: True))
+    monkeypatch.setattr(sglang_plugin, "TAKE_OVER_VERIFY_CONV", take_over)
+    monkeypatch.setattr(verify_layer, "forward_verify", lambda *a, **kw: "qla")
+    x = (torch.zeros(2), torch.zeros(2)) if tuple_input else torch.zeros(2, 2)
+    return sglang_plugin._forward_extend_hook(lambda *a, **kw: "sglang", backend, SimpleNamespace(layer_id=0),
+                                              fb, x, None, None)
+
+
+def test_verify_hook_routes(sglang_plugin, monkeypatch):
+    """A plain linear-chain verify with flashqla's verify kernel runs on verify_layer; a tree
+    (retrieve_parent_token), the switch at 0, another verify kernel, ReplaySSM's ring or a tuple
+    input stay on SGLang's forward_extend."""
+    assert _verify_hook_call(sglang_plugin, monkeypatch) == "qla"
+    assert _verify_hook_call(sglang_plugin, monkeypatch, parent=torch.zeros(1)) == "sglang"
+    assert _verify_hook_call(sglang_plugin, monkeypatch, take_over=False) == "sglang"
+    assert _verify_hook_call(sglang_plugin, monkeypatch, kernel_is_verify=False) == "sglang"
+    assert _verify_hook_call(sglang_plugin, monkeypatch, replay=True) == "sglang"
+    assert _verify_hook_call(sglang_plugin, monkeypatch, tuple_input=True) == "sglang"

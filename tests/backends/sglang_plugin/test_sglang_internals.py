@@ -198,6 +198,24 @@ def test_forward_extend_hook_points():
     impl = inspect.getsource(rla._linear_attention_with_output_impl)
     assert "logical_output = output[:, :real_num_tokens]" in impl
     assert "linear_attn_output=logical_output," in impl
+    # the target-verify branch verify_layer.py replaces: its conv over D draft tokens per request
+    # with the per-draft windows into the intermediate conv cache, the rows it picks for them,
+    # then the kernel's target_verify (retrieve_parent_token: trees, left to SGLang)
+    for line in ("intermediate_state_cache = mamba_cache_params.intermediate_ssm",
+                 "mamba_cache_params.intermediate_conv_window[0]",
+                 "intermediate_state_indices = select_verify_intermediate_state_indices(",
+                 "self.verify_intermediate_state_indices,", "forward_batch.req_pool_indices,",
+                 "cache_indices[: query_start_loc.shape[0] - 1] >= 0,", "self.req_to_token_pool.size,",
+                 "batch_size = seq_len // forward_batch.spec_info.draft_token_num",
+                 "conv_state_indices=cache_indices[:batch_size],",
+                 "intermediate_conv_window=intermediate_conv_window_cache,",
+                 "intermediate_state_indices=intermediate_state_indices[:batch_size],",
+                 "retrieve_parent_token=retrieve_parent_token,", "intermediate_states_buffer=intermediate_state_cache,"):
+        assert line in src, line
+    from sglang.kernels.ops.mamba import causal_conv1d_triton as conv
+    upd = inspect.getsource(conv)
+    assert "# Save the window state after consuming this token" in upd
+    assert "# Layout: [seq(cache line), step, dim, win(K-1)]" in upd
 
 
 def test_prefill_cuda_graph_contract():
