@@ -112,7 +112,7 @@ def check(hk, hv, N, D, state_dtype, kernel) -> dict:
     o_s = sglang_qla_call(twin, layer, x, a, b, meta, N, D, kernel)()
     torch.cuda.synchronize()
     return {"o_rel": _rel(o_q.view(-1), o_s.reshape(-1)),
-            "states_rel": _rel(cache.intermediate_ssm[1:N + 1], twin.intermediate_ssm[1:N + 1]),
+            "states_rel": _rel(cache.intermediate_ssm[:N], twin.intermediate_ssm[:N]),   # rows 0..N-1: the table
             "windows_equal": bool(torch.equal(cache.intermediate_conv_window[0], twin.intermediate_conv_window[0])),
             "conv_equal": bool(torch.equal(cache.conv[0], twin.conv[0]))}
 
