@@ -395,7 +395,7 @@ def check_conv_spec_args(x, conv_state, slot_ids, num_accepted, cu_seqlens, *, c
 
 
 def causal_conv_verify(x, conv_state, slot_ids, windows, window_ids, *, conv_weight, conv_bias=None,
-                       activation="silu", num_v_heads: int, draft: int, out=None, _trusted=False):
+                       activation="silu", num_v_heads: int, draft: int, out=None):
     """SGLang's target-verify conv (hopper/conv.py's conv_verify): D draft tokens per sequence
     over the slot's W - 1 column window, each token's window kept for SGLang's commit.
 
@@ -408,14 +408,13 @@ def causal_conv_verify(x, conv_state, slot_ids, windows, window_ids, *, conv_wei
         window_ids: [N] int (< 0: no windows for that sequence).
         draft: D, SGLang's draft_token_num.
     Returns:
-        y [N * D, dim] in x's dtype.
-        _trusted: internal (backends/sglang/verify_layer): checked by
-            :func:`check_conv_verify_args` for this metadata already.
+        y [N * D, dim] in x's dtype (rows of padding sequences zero).
+    Arguments are checked once per metadata set (:func:`check_conv_verify_args`), from host
+    metadata only.
     """
-    if not _trusted:
-        check_conv_verify_args(x, conv_state, slot_ids, windows, window_ids, conv_weight=conv_weight,
-                               conv_bias=conv_bias, activation=activation, num_v_heads=num_v_heads,
-                               draft=draft, out=out)
+    check_conv_verify_args(x, conv_state, slot_ids, windows, window_ids, conv_weight=conv_weight,
+                           conv_bias=conv_bias, activation=activation, num_v_heads=num_v_heads,
+                           draft=draft, out=out)
     act = _activation(activation)
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)

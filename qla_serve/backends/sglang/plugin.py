@@ -203,7 +203,7 @@ def startup_problems(phases: dict[str, bool], *, ssm_shape, ssm_dtype, device) -
 
 
 def conv_takeover_from_env(name: str, environ=None) -> bool:
-    """``$QLA_SERVE_SGLANG_DECODE_CONV`` / ``$QLA_SERVE_SGLANG_EXTEND_CONV`` (``name``): 1 (the
+    """``$QLA_SERVE_SGLANG_DECODE_CONV`` / ``_EXTEND_CONV`` / ``_VERIFY_CONV`` (``name``): 1 (the
     default) or 0; another value is a ValueError naming the variable, never a silent default."""
     value = (os.environ if environ is None else environ).get(name, "1").strip()
     if value not in ("0", "1"):

@@ -544,18 +544,8 @@ def conv_spec(x, conv_state, weight, bias, slot_ids, num_accepted, cu_seqlens, *
     """x [Ts, dim] packed by cu_seqlens [N+1] int32 (lengths <= draft), slot_ids [N] int32
     (each sequence's conv slot), num_accepted [N] int32 -> out [Ts, dim] on the sequences'
     rows (rows past cu_seqlens[N] untouched); vLLM's sliding window updated in place."""
-    if slot_ids.shape[0] == 0:
-        return
-    hk = (x.shape[1] // HEAD_DIM - num_v_heads) // 2
-    key = ("conv_spec", x.device, x.dtype, conv_state.dtype, weight.dtype, num_v_heads, hk,
-           weight.shape[1], activation, bias is not None, draft)
-
-    def make():
-        io, sdt, wdt = _names(x, conv_state, weight)
-        return variant("conv_spec", num_v_heads, hk, weight.shape[1], io, sdt, weight=wdt,
-                       activation=activation, bias=bias is not None, draft=draft)
-    _launch_fn(key, make, x.device)(x, conv_state, weight, _bias_arg(bias, weight), slot_ids,
-                                    num_accepted, cu_seqlens, out)
+    _draft_conv("conv_spec", x, conv_state, weight, bias, slot_ids, (num_accepted, cu_seqlens),
+                num_v_heads=num_v_heads, draft=draft, activation=activation, out=out)
 
 
 def conv_verify(x, conv_state, weight, bias, slot_ids, windows, window_ids, *, num_v_heads, draft,
@@ -564,15 +554,21 @@ def conv_verify(x, conv_state, weight, bias, slot_ids, windows, window_ids, *, n
     int32, windows [Si, D, dim, W-1] (the conv state's dtype), window_ids [N] int32 -> out
     [N D, dim]; the window after each token to windows[window_ids[s], j], after the last to the
     slot (SGLang's target verify)."""
+    _draft_conv("conv_verify", x, conv_state, weight, bias, slot_ids, (windows, window_ids),
+                num_v_heads=num_v_heads, draft=draft, activation=activation, out=out)
+
+
+def _draft_conv(op, x, conv_state, weight, bias, slot_ids, extra, *, num_v_heads, draft, activation, out):
+    """conv_spec's / conv_verify's launch: the variant for D = ``draft`` draft tokens, its
+    arguments x, conv_state, weight, bias, slot_ids, then ``extra``, then out."""
     if slot_ids.shape[0] == 0:
         return
     hk = (x.shape[1] // HEAD_DIM - num_v_heads) // 2
-    key = ("conv_verify", x.device, x.dtype, conv_state.dtype, weight.dtype, num_v_heads, hk,
-           weight.shape[1], activation, bias is not None, draft)
+    key = (op, x.device, x.dtype, conv_state.dtype, weight.dtype, num_v_heads, hk, weight.shape[1], activation,
+           bias is not None, draft)
 
     def make():
         io, sdt, wdt = _names(x, conv_state, weight)
-        return variant("conv_verify", num_v_heads, hk, weight.shape[1], io, sdt, weight=wdt,
-                       activation=activation, bias=bias is not None, draft=draft)
-    _launch_fn(key, make, x.device)(x, conv_state, weight, _bias_arg(bias, weight), slot_ids,
-                                    windows, window_ids, out)
+        return variant(op, num_v_heads, hk, weight.shape[1], io, sdt, weight=wdt, activation=activation,
+                       bias=bias is not None, draft=draft)
+    _launch_fn(key, make, x.device)(x, conv_state, weight, _bias_arg(bias, weight), slot_ids, *extra, out)
