@@ -62,7 +62,8 @@ def run_python():
 # SGLang's GDN test kit (sglang/test/kits/attention_unittest/attention_methods/gdn_attention.py)
 # on CPU. Only what cannot run on a CPU machine is replaced, each by a plain torch equivalent:
 #   * gdn_backend.causal_conv1d_fn / causal_conv1d_update / fused_gdn_gating: Triton kernels
-#     (no Triton driver without a GPU) -> torch loops below, same signatures and state layout;
+#     (no Triton driver without a GPU) -> torch loops below, same signatures and state layout
+#     (the update also in its target-verify form: D tokens per row, per-token windows kept);
 #   * the kit's full-attention backend "triton" (Triton metadata kernels; no full-attention layer
 #     exists in the kit) -> SGLang's own "torch_native" backend;
 #   * torch.cuda.get/set_rng_state (CUDA-only; the kit saves and restores the RNG around its
@@ -95,22 +96,31 @@ def _torch_conv_fn(x, weight, bias=None, activation=None, conv_states=None, has_
     return out
 
 
-def _torch_conv_update(x, conv_state, weight, bias=None, activation=None, conv_state_indices=None, **_):
-    """causal_conv1d_update for one token per row: x [B, dim]; conv_state [slots, dim, W-1]."""
+def _torch_conv_update(x, conv_state, weight, bias=None, activation=None, conv_state_indices=None,
+                       intermediate_conv_window=None, intermediate_state_indices=None, **_):
+    """causal_conv1d_update: x [B, dim] (one token per row) or [B, dim, D] (target verify: D draft
+    tokens, the window after each into intermediate_conv_window[intermediate_state_indices[r], j]
+    as SGLang's Triton kernel stores it, mamba/causal_conv1d_triton.py); conv_state [slots, dim,
+    W-1] becomes the window after the last token."""
     import torch
     import torch.nn.functional as F
 
     W = weight.shape[1]
-    out = torch.zeros_like(x)
-    for r in range(x.shape[0]):
+    tokens = x if x.dim() == 3 else x[:, :, None]
+    out = torch.zeros_like(tokens)
+    for r in range(tokens.shape[0]):
         slot = int(conv_state_indices[r])
         if slot < 0:
             continue
-        full = torch.cat([conv_state[slot, :, -(W - 1):].to(x.dtype), x[r, :, None]], 1).float()
-        y = (full * weight.float()).sum(-1) + (0 if bias is None else bias.float())
-        out[r] = (F.silu(y) if activation in ("silu", "swish") else y).to(x.dtype)
-        conv_state[slot] = full[:, 1:].to(conv_state.dtype)
-    return out
+        full = torch.cat([conv_state[slot, :, -(W - 1):].to(x.dtype), tokens[r]], 1).float()
+        for j in range(tokens.shape[2]):
+            y = (full[:, j:j + W] * weight.float()).sum(-1) + (0 if bias is None else bias.float())
+            out[r, :, j] = (F.silu(y) if activation in ("silu", "swish") else y).to(x.dtype)
+            if intermediate_conv_window is not None:
+                row = int(intermediate_state_indices[r])
+                intermediate_conv_window[row, j] = full[:, j + 1:j + W].to(intermediate_conv_window.dtype)
+        conv_state[slot] = full[:, -(W - 1):].to(conv_state.dtype)
+    return out if x.dim() == 3 else out[:, :, 0]
 
 
 def _torch_gdn_gating(A_log, a, b, dt_bias):

@@ -139,6 +139,72 @@ def test_kit_extend_takes_sglangs_conv_over(gdn_kit, monkeypatch):
     assert torch.equal(step.prefill_slots, meta.mamba_cache_indices[:len(extends[0].extend_lens)])
 
 
+def _verify_case(kit, draft=3, prefix_lens=(5, 9, 12)):
+    """A target-verify case of the kit's shape (linear drafts: topk 1), one draft_token_num per request."""
+    import dataclasses
+
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    return dataclasses.replace(_cases(kit)[0], name="qla_verify", forward_mode=ForwardMode.TARGET_VERIFY,
+                               prefix_lens=prefix_lens, extend_lens=(draft,) * len(prefix_lens))
+
+
+@pytest.mark.parametrize("take_over", [True, False])
+def test_kit_target_verify(gdn_kit, monkeypatch, take_over):
+    """SGLang's own EAGLE verify runner (its spec_info, intermediate caches and scratch rows) with
+    flashqla's verify, the conv taken over (verify_layer.forward_verify; SGLang's conv update not
+    called) or not (QLA_SERVE_SGLANG_VERIFY_CONV=0: the conftest's stand-in of SGLang's update):
+    the kit's reference holds on the outputs; each request's per-draft conv windows in SGLang's
+    intermediate conv cache (at the row SGLang's select_verify_intermediate_state_indices picks)
+    and per-draft states in its intermediate SSM cache against the float64 oracle; the main SSM
+    slots untouched."""
+    import _sglang_cases as C
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+    from sglang.test.kits.attention_unittest.runner_modes import speculative_target_verify_runner as R
+
+    from qla_serve.backends.sglang import plugin
+
+    kit = gdn_kit(**FLASHQLA)
+    monkeypatch.setattr(plugin, "TAKE_OVER_VERIFY_CONV", take_over)
+    conv_calls = _sglang_calls(monkeypatch, "causal_conv1d_update")
+    D, case = 3, _verify_case(kit)
+    tc = unittest.TestCase()
+    # run_gdn_eagle_verify_case's steps, keeping the fixture to read its caches afterwards
+    fixture = kit.build_gdn_attention_fixture(tc, case, head_k_dim=128, head_v_dim=128, device="cpu",
+                                              dtype=torch.bfloat16)
+    R._prepare_gdn_verify_batch(case, fixture.forward_batch, topk=1, device="cpu")
+    inputs = kit.gdn_fixture_inputs(fixture)
+    before = kit._clone_gdn_cache(fixture)
+    expected = kit.expected_gdn_verify_output_from_inputs(fixture, case, inputs, before, topk=1)
+    cache = fixture.runner.req_to_token_pool.mamba2_layer_cache(0)
+    conv0, ssm0 = cache.conv[0].clone(), cache.temporal.clone()
+    with torch.no_grad(), forward_context(ForwardContext(attn_backend=fixture.backend)):
+        fixture.backend.init_forward_metadata(fixture.forward_batch)
+        actual = kit.run_gdn_forward(fixture, fixture.forward_batch, inputs)
+    torch.testing.assert_close(actual, expected, atol=kit.GDN_ATOL, rtol=kit.GDN_RTOL)
+    assert bool(conv_calls) != take_over
+    from sglang.srt.layers.attention.linear.utils import select_verify_intermediate_state_indices
+
+    linear = fixture.backend.linear_attn_backend
+    slots = kit._cache_indices(fixture).tolist()
+    rows = select_verify_intermediate_state_indices(
+        linear.verify_intermediate_state_indices, fixture.forward_batch.req_pool_indices,
+        torch.tensor(slots) >= 0, linear.req_to_token_pool.size)[:len(slots)].tolist()
+    if take_over:
+        assert linear.forward_metadata.qla_verify.window_ids.tolist() == rows
+    attn = fixture.reference_module
+    q, k, v = attn.split_qkv(inputs["mixed_qkv"])          # the kit's conv: the identity
+    g64, beta64 = C.gating64(inputs["a"], inputs["b"], attn.A_log.detach(), attn.dt_bias.detach())
+    _, states = C.verify_oracle(q, k, v, g64, beta64, [D] * len(slots), slots, ssm0)
+    x = inputs["mixed_qkv"]
+    for i, (s, r) in enumerate(zip(slots, rows)):
+        full = torch.cat([conv0[s].float(), x[i * D:(i + 1) * D].float().T], 1)
+        for j in range(D):
+            assert torch.equal(cache.intermediate_conv_window[0][r, j].float(), full[:, j + 1:j + 1 + full.shape[1] - D]), (i, j)
+        assert C.rel(cache.intermediate_ssm[r], states[s]) < 1e-2, f"request {i}"
+    assert torch.equal(cache.temporal, ssm0)
+
+
 def _random_conv(fixture, seed):
     """The kit's conv is the identity without activation: give its layer random width-2 weights
     and SiLU, and its conv states random history, so a conv that reads the wrong column, skips
