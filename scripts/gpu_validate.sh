@@ -41,3 +41,15 @@ step "host time: step plan" 40 python benchmarks/step_plan_host.py --device cuda
 [[ -f .vllmops/activate.sh ]] && source .vllmops/activate.sh
 step "bench layer" 590 python -m qla_serve.cli bench layer --check --json "$out/layer.json" \
   --plot "$out/layer.png" 2>&1 | tee "$out/layer.log"
+# SGLang 0.5.23's steps beside its own ops (when .sglops is carried: benchmarks/make_sglang_ops_bundle.sh;
+# carry .sglops/sglops.tar.xz and .sglops/activate.sh; SGLang's own extend also needs .fibundle,
+# in two calls: ../shared/device/README.md): decode and extend rows on its cache layout, and its
+# target verify with flashqla (the plugin's takeover against SGLang's conv).
+if [[ -f .sglops/activate.sh ]]; then
+  source .sglops/activate.sh
+  step "bench layer (SGLang)" 400 python -m qla_serve.cli bench layer --check --pool sglang --heads 2/8 \
+    --impls qla,sglang,sglang_qla --rows d1,d32,d256,16x512,1x8192 --json "$out/layer_sglang.json" \
+    2>&1 | tee "$out/layer_sglang.log"
+  step "SGLang target verify" 200 python benchmarks/sglang_verify.py --json "$out/sglang_verify.json" \
+    2>&1 | tee "$out/sglang_verify.log"
+fi
