@@ -13,7 +13,9 @@ and third_party/flash_linear_attention/ops: conv state [S, D, W-1], the conv upd
 input, slot <= 0 skipped by the packed decode). The "sglang" and "sglang_qla" decode steps call
 SGLang 0.5.23's Triton ops: its kernels/ops/mamba/causal_conv1d_triton.py update has vLLM's
 contract but returns a new tensor (x left alone), and its fla/fused_recurrent.py packed decode is
-vLLM's, so they take the vLLM stand-ins. The stand-ins check the arguments they rely
+vLLM's, so they take the vLLM stand-ins; their extends take stand-ins of SGLang's causal_conv1d_fn,
+q/k/v split, gating and q/k prepare, and of FlashInfer's prefill as SGLang's SM90 wrapper calls it
+(kernels/gdn_flashinfer.py). The stand-ins check the arguments they rely
 on, so a composition that passes a K-first state or wrong chunk indices fails here. The recurrence in
 them is a plain float64 per-token loop, independent of qla_serve's reference.
 
