@@ -57,7 +57,7 @@ rm -rf "$OUTDIR/site" "$OUTDIR/fallback" "$OUTDIR/sglops.tar.xz" "$OUTDIR/activa
 mkdir -p "$OUTDIR/site" "$OUTDIR/fallback"
 
 # ---------------------------------------------------------------- 2. extract the closure
-# Import-time closure of the five target modules (module-level imports, followed by hand from
+# Import-time closure of the six target modules (module-level imports, followed by hand from
 # SGLang 0.5.23's source and re-checked by step 4 below). sglang/srt, sglang/kernels/ops/attention/fla
 # have no __init__.py in the wheel (namespace packages) and get none here either.
 KOPS=sglang/kernels/ops
@@ -72,6 +72,7 @@ EXTRACT=(
   $KOPS/attention/linear/fused_gdn_gating.py      # triton + torch only
   $KOPS/attention/fla/fused_recurrent.py          # packed decode (the Triton backend's decode)
   $KOPS/attention/fla/l2norm.py                   # gdn_prefill_qkv_prepare_fwd (FlashInfer extend's q/k norm)
+  $KOPS/attention/linear/fused_sigmoid_gating_recurrent.py   # its Triton backend's target_verify kernel
   $KOPS/attention/fla/op.py
   $KOPS/attention/fla/utils.py                    # imports packaging (fallback below) and torch_release
 )
@@ -142,8 +143,11 @@ EOF
 cat > "$S/srt/utils/__init__.py" <<'EOF'
 # qla_serve stub, not SGLang code: stands in for sglang/srt/utils/__init__.py of SGLang 0.5.23.
 # Why: the real one star-imports sglang.srt.utils.common (3000+ lines: runtime context, platforms,
-# observability, msgspec, video decoding, ...). triton_gdn_fused_proj.py imports only is_hip.
-from sglang.srt.utils.common import get_cuda_version, is_cuda, is_hip, torch_release  # noqa: F401
+# observability, msgspec, video decoding, ...). triton_gdn_fused_proj.py imports only is_hip;
+# fused_sigmoid_gating_recurrent.py get_device_sm, is_cuda, is_gfx95_supported, is_hip and
+# is_sm90_supported.
+from sglang.srt.utils.common import (get_cuda_version, get_device_sm, is_cuda, is_gfx95_supported,  # noqa: F401
+                                     is_hip, is_sm90_supported, torch_release)
 EOF
 
 python3 - "$wheel" "$S/srt/utils/common.py" <<'PY'
@@ -153,7 +157,7 @@ import ast, sys, zipfile
 src = zipfile.ZipFile(sys.argv[1]).read("sglang/srt/utils/common.py").decode()
 lines = src.splitlines()
 tree = ast.parse(src)
-wanted = ("is_hip", "is_cuda", "get_cuda_version")
+wanted = ("is_hip", "is_cuda", "get_cuda_version", "is_gfx95_supported", "_check_cuda_device_version")
 found = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in wanted}
 if set(found) != set(wanted):
     sys.exit(f"sglang/srt/utils/common.py: missing {set(wanted) - set(found)}")
@@ -169,12 +173,17 @@ header = '''# qla_serve stub, not SGLang code: stands in for sglang/srt/utils/co
 # Why: the real module imports the runtime context, platforms, observability, msgspec, video
 # decoding, ... at import time. The bundled files need: torch_release (fla/utils.py), is_cuda
 # (kernels/jit/utils/arch.py), get_cuda_version (arch.py, lazily, SM12x only) and is_hip (through
-# sglang.srt.utils). The three functions are copied verbatim from the wheel below by
-# benchmarks/make_sglang_ops_bundle.sh. torch_release: the real module computes
+# sglang.srt.utils); fused_sigmoid_gating_recurrent.py (SGLang's Triton target verify) also
+# is_gfx95_supported, get_device_sm and is_sm90_supported. The five functions below the header are
+# copied verbatim from the wheel by benchmarks/make_sglang_ops_bundle.sh. Written here instead:
+# get_device_sm (the real one asks NVML first, then torch; both give major * 10 + minor) and
+# is_sm90_supported (the real module's lru_cache(partial(_check_cuda_device_version, [9],
+# (12, 3))), the same expression). torch_release: the real module computes
 # `packaging.version.parse(torch.__version__).release`; here the same tuple (the leading dotted
 # integers, e.g. (2, 11, 0) for 2.11.0+cu128) is parsed without `packaging`.
 import re
 from functools import lru_cache
+from typing import List, Tuple
 
 import torch
 
@@ -182,7 +191,20 @@ torch_release = tuple(int(p) for p in re.match(r"\\d+(?:\\.\\d+)*", torch.__vers
 
 
 '''
-open(sys.argv[2], "w").write(header + "\n\n\n".join(bodies) + "\n")
+footer = '''
+
+
+def get_device_sm():
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return major * 10 + minor
+    return 0
+
+
+is_sm90_supported = lru_cache(maxsize=1)(
+    lambda: _check_cuda_device_version(device_capability_majors=[9], cuda_version=(12, 3)))
+'''
+open(sys.argv[2], "w").write(header + "\n\n\n".join(bodies) + footer)
 PY
 
 mkdir -p "$OUTDIR/fallback/packaging"
@@ -268,7 +290,7 @@ PY
 # ---------------------------------------------------------------- 5. pack + activate.sh
 IMPORTS="sglang.kernels.ops.attention.triton_gdn_fused_proj, sglang.kernels.ops.mamba.causal_conv1d_triton"
 IMPORTS+=", sglang.kernels.ops.attention.fla.fused_recurrent, sglang.kernels.ops.attention.linear.fused_gdn_gating"
-IMPORTS+=", sglang.kernels.ops.attention.fla.l2norm"
+IMPORTS+=", sglang.kernels.ops.attention.fla.l2norm, sglang.kernels.ops.attention.linear.fused_sigmoid_gating_recurrent"
 pack_bundle "$OUTDIR" sglops
 write_activate "$OUTDIR" sglops SGLANG_OPS_BUNDLE_READY packaging.version "$IMPORTS" \
   SGLang "SGLang $VERSION GDN decode ops without SGLang / sgl_kernel installed"

@@ -1,4 +1,9 @@
-"""SGLang 0.5.23's target-verify step with flashqla, two routes, one GDN layer per call (H200).
+"""SGLang 0.5.23's target-verify step: its own, and two routes with flashqla, one GDN layer per call (H200).
+
+* ``sglang``: SGLang without qla_serve (its default ``--linear-attn-backend triton``; on SM90 its
+  verify stays Triton, flashinfer_gdn_prefill_default covers prefill only): its conv as below,
+  then its Triton backend's ``target_verify``, ``fused_sigmoid_gating_delta_rule_update`` with
+  ``disable_state_update`` and the intermediate SSM cache (kernels/gdn_triton.py:217-257);
 
 * ``sglang_qla``: SGLang's route (gdn_backend.py forward_extend, target verify: :1045-1062 and
   :1150-1172): its Triton ``causal_conv1d_update`` over the D draft tokens of every request with
@@ -96,6 +101,35 @@ def sglang_qla_call(cache, layer, x, a, b, meta, N, D, kernel):
     return call
 
 
+def sglang_call(cache, layer, x, a, b, meta, N, D):
+    """SGLang's forward_extend target-verify branch with its own Triton verify kernel."""
+    from sglang.kernels.ops.attention.linear.fused_sigmoid_gating_recurrent import (
+        fused_sigmoid_gating_delta_rule_update)
+    from sglang.kernels.ops.mamba.causal_conv1d_triton import causal_conv1d_update
+
+    ids = torch.arange(N + 2, dtype=torch.int32, device="cuda")     # verify_intermediate_state_indices
+    hv, hk = cache.temporal.shape[1], layer.num_k_heads
+    kd, T = hk * HD, N * D
+
+    def call():
+        ci = meta.mamba_cache_indices
+        y = causal_conv1d_update(x.view(N, D, -1).transpose(1, 2), cache.conv[0], layer.conv_weights, layer.bias,
+                                 layer.activation, conv_state_indices=ci[:N],
+                                 intermediate_conv_window=cache.intermediate_conv_window[0],
+                                 intermediate_state_indices=ids[:N], retrieve_next_token=None,
+                                 retrieve_next_sibling=None, retrieve_parent_token=None)
+        y = y.transpose(1, 2).view(T, -1)
+        q, k, v = torch.split(y, [kd, kd, hv * HD], dim=-1)
+        return fused_sigmoid_gating_delta_rule_update(
+            A_log=layer.A_log, dt_bias=layer.dt_bias, q=q.view(1, T, hk, HD), k=k.view(1, T, hk, HD),
+            v=v.view(1, T, hv, HD), a=a, b=b, initial_state_source=cache.temporal, initial_state_indices=ci,
+            cu_seqlens=meta.query_start_loc, use_qk_l2norm_in_kernel=True, softplus_beta=1.0,
+            softplus_threshold=20.0, is_kda=False, disable_state_update=True,
+            intermediate_states_buffer=cache.intermediate_ssm, intermediate_state_indices=ids, cache_steps=D,
+            retrieve_parent_token=None)
+    return call
+
+
 def _rel(x, y):
     return float((x.double() - y.double()).norm() / y.double().norm().clamp_min(1e-30))
 
@@ -108,30 +142,38 @@ def check(hk, hv, N, D, state_dtype, kernel) -> dict:
     twin = SimpleNamespace(conv=[cache.conv[0].clone()], temporal=cache.temporal.clone(),
                            intermediate_ssm=cache.intermediate_ssm.clone(),
                            intermediate_conv_window=[cache.intermediate_conv_window[0].clone()])
+    own = SimpleNamespace(conv=[twin.conv[0].clone()], temporal=twin.temporal.clone(),
+                          intermediate_ssm=twin.intermediate_ssm.clone(),
+                          intermediate_conv_window=[twin.intermediate_conv_window[0].clone()])
     o_q = qla_call(cache, layer, x, a, b, meta, fb, N)()
     o_s = sglang_qla_call(twin, layer, x, a, b, meta, N, D, kernel)()
+    o_own = sglang_call(own, layer, x, a, b, meta, N, D)()
     torch.cuda.synchronize()
     return {"o_rel": _rel(o_q.view(-1), o_s.reshape(-1)),
             "states_rel": _rel(cache.intermediate_ssm[:N], twin.intermediate_ssm[:N]),   # rows 0..N-1: the table
             "windows_equal": bool(torch.equal(cache.intermediate_conv_window[0], twin.intermediate_conv_window[0])),
-            "conv_equal": bool(torch.equal(cache.conv[0], twin.conv[0]))}
+            "conv_equal": bool(torch.equal(cache.conv[0], twin.conv[0])),
+            "own_o_rel": _rel(o_q.view(-1), o_own.reshape(-1)),
+            "own_states_rel": _rel(cache.intermediate_ssm[:N], own.intermediate_ssm[:N])}
 
 
 def time_point(hk, hv, N, D, state_dtype, layers, reps, kernel) -> dict:
     gen = torch.Generator().manual_seed(2)
     x, a, b, meta, fb = make_batch(hk, hv, N, D, gen)
     rec = {}
-    for impl in ("qla", "sglang_qla"):
+    for impl in ("qla", "sglang_qla", "sglang"):
         fns = []
         for _ in range(layers):
             cache, layer = make_layer(hk, hv, N, D, state_dtype, gen)
             fns.append(qla_call(cache, layer, x, a, b, meta, fb, N) if impl == "qla"
-                       else sglang_qla_call(cache, layer, x, a, b, meta, N, D, kernel))
+                       else sglang_qla_call(cache, layer, x, a, b, meta, N, D, kernel) if impl == "sglang_qla"
+                       else sglang_call(cache, layer, x, a, b, meta, N, D))
         fns[0]()              # the step's first layer: qla derives the batch's ids here (once per step)
         gpu = bdec._graph_time_us(torch, fns, reps)
         host = statistics.median(bdec._host_time_us(torch, fns[1], 20) for _ in range(3))
         rec[impl] = {"gpu_us": round(gpu, 2), "host_issue_us": round(host, 1)}
-    rec["qla_over_sglang_qla"] = round(rec["qla"]["gpu_us"] / rec["sglang_qla"]["gpu_us"], 3)
+    for impl in ("sglang_qla", "sglang"):
+        rec[f"qla_over_{impl}"] = round(rec["qla"]["gpu_us"] / rec[impl]["gpu_us"], 3)
     return rec
 
 
@@ -148,9 +190,10 @@ def main() -> int:
     kernel = FlashQLAGDNKernel(("verify",))
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     rows = []
-    print("| heads | requests | draft | state | qla GPU us | SGLang conv + flashqla GPU us | qla / before | "
-          "host issue us qla / before | check o / states / windows / conv |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| heads | requests | draft | state | qla GPU us | SGLang conv + flashqla GPU us | SGLang's own GPU us | "
+          "qla / before | qla / own | host issue us qla / before / own | check o / states / windows / conv | "
+          "own o / states |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for heads in args.heads.split(","):
         hk, hv = map(int, heads.split("/"))
         for N in map(int, args.batches.split(",")):
@@ -160,9 +203,11 @@ def main() -> int:
                     t = time_point(hk, hv, N, D, dtypes[st], args.layers, args.reps, kernel)
                     rows.append({"heads": heads, "requests": N, "draft": D, "state": st, **t, "check": ck})
                     print(f"| {heads} | {N} | {D} | {st} | {t['qla']['gpu_us']:.1f} | {t['sglang_qla']['gpu_us']:.1f} | "
-                          f"{t['qla_over_sglang_qla']:.2f} | {t['qla']['host_issue_us']:.0f} / "
-                          f"{t['sglang_qla']['host_issue_us']:.0f} | {ck['o_rel']:.1e} / {ck['states_rel']:.1e} / "
-                          f"{ck['windows_equal']} / {ck['conv_equal']} |", flush=True)
+                          f"{t['sglang']['gpu_us']:.1f} | {t['qla_over_sglang_qla']:.2f} | {t['qla_over_sglang']:.2f} | "
+                          f"{t['qla']['host_issue_us']:.0f} / {t['sglang_qla']['host_issue_us']:.0f} / "
+                          f"{t['sglang']['host_issue_us']:.0f} | {ck['o_rel']:.1e} / {ck['states_rel']:.1e} / "
+                          f"{ck['windows_equal']} / {ck['conv_equal']} | {ck['own_o_rel']:.1e} / "
+                          f"{ck['own_states_rel']:.1e} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(0), "commit": _commit(), "rows": rows}, f, indent=1)
