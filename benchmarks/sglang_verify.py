@@ -76,8 +76,10 @@ def qla_call(cache, layer, x, a, b, meta, fb, N):
     return lambda: verify_layer.forward_verify(backend, layer, fb, x, a, b, select_rows=_select_rows)
 
 
-def sglang_qla_call(cache, layer, x, a, b, meta, N, D, kernel):
-    """SGLang's forward_extend target-verify branch with flashqla's kernel class."""
+def _sglang_route(cache, layer, x, meta, N, D, verify):
+    """SGLang's forward_extend target-verify branch: its conv update over the D draft tokens with
+    the intermediate conv window (:1045-1062), the output's strided q | k | v views, then
+    ``verify(q, k, v, ids)`` (the kernel backend's target_verify; ids: the scratch rows)."""
     from sglang.kernels.ops.mamba.causal_conv1d_triton import causal_conv1d_update
 
     ids = torch.arange(N + 2, dtype=torch.int32, device="cuda")     # verify_intermediate_state_indices
@@ -93,41 +95,33 @@ def sglang_qla_call(cache, layer, x, a, b, meta, N, D, kernel):
                                  retrieve_next_sibling=None, retrieve_parent_token=None)
         y = y.transpose(1, 2).view(T, -1)
         q, k, v = torch.split(y, [kd, kd, hv * HD], dim=-1)
-        return kernel.target_verify(layer.A_log, layer.dt_bias, q.view(1, T, hk, HD), k.view(1, T, hk, HD),
-                                    v.view(1, T, hv, HD), a, b, ssm_states=cache.temporal, cache_indices=ci,
-                                    query_start_loc=meta.query_start_loc,
+        return verify(q.view(1, T, hk, HD), k.view(1, T, hk, HD), v.view(1, T, hv, HD), ids)
+    return call
+
+
+def sglang_qla_call(cache, layer, x, a, b, meta, N, D, kernel):
+    """SGLang's target verify with flashqla's kernel class (the route before the takeover)."""
+    def verify(q, k, v, ids):
+        return kernel.target_verify(layer.A_log, layer.dt_bias, q, k, v, a, b, ssm_states=cache.temporal,
+                                    cache_indices=meta.mamba_cache_indices, query_start_loc=meta.query_start_loc,
                                     intermediate_states_buffer=cache.intermediate_ssm, intermediate_state_indices=ids,
                                     cache_steps=D, retrieve_parent_token=None)
-    return call
+    return _sglang_route(cache, layer, x, meta, N, D, verify)
 
 
 def sglang_call(cache, layer, x, a, b, meta, N, D):
-    """SGLang's forward_extend target-verify branch with its own Triton verify kernel."""
+    """SGLang's target verify with its own Triton verify kernel (kernels/gdn_triton.py:236-257)."""
     from sglang.kernels.ops.attention.linear.fused_sigmoid_gating_recurrent import (
         fused_sigmoid_gating_delta_rule_update)
-    from sglang.kernels.ops.mamba.causal_conv1d_triton import causal_conv1d_update
 
-    ids = torch.arange(N + 2, dtype=torch.int32, device="cuda")     # verify_intermediate_state_indices
-    hv, hk = cache.temporal.shape[1], layer.num_k_heads
-    kd, T = hk * HD, N * D
-
-    def call():
-        ci = meta.mamba_cache_indices
-        y = causal_conv1d_update(x.view(N, D, -1).transpose(1, 2), cache.conv[0], layer.conv_weights, layer.bias,
-                                 layer.activation, conv_state_indices=ci[:N],
-                                 intermediate_conv_window=cache.intermediate_conv_window[0],
-                                 intermediate_state_indices=ids[:N], retrieve_next_token=None,
-                                 retrieve_next_sibling=None, retrieve_parent_token=None)
-        y = y.transpose(1, 2).view(T, -1)
-        q, k, v = torch.split(y, [kd, kd, hv * HD], dim=-1)
+    def verify(q, k, v, ids):
         return fused_sigmoid_gating_delta_rule_update(
-            A_log=layer.A_log, dt_bias=layer.dt_bias, q=q.view(1, T, hk, HD), k=k.view(1, T, hk, HD),
-            v=v.view(1, T, hv, HD), a=a, b=b, initial_state_source=cache.temporal, initial_state_indices=ci,
-            cu_seqlens=meta.query_start_loc, use_qk_l2norm_in_kernel=True, softplus_beta=1.0,
-            softplus_threshold=20.0, is_kda=False, disable_state_update=True,
-            intermediate_states_buffer=cache.intermediate_ssm, intermediate_state_indices=ids, cache_steps=D,
-            retrieve_parent_token=None)
-    return call
+            A_log=layer.A_log, dt_bias=layer.dt_bias, q=q, k=k, v=v, a=a, b=b, initial_state_source=cache.temporal,
+            initial_state_indices=meta.mamba_cache_indices, cu_seqlens=meta.query_start_loc,
+            use_qk_l2norm_in_kernel=True, softplus_beta=1.0, softplus_threshold=20.0, is_kda=False,
+            disable_state_update=True, intermediate_states_buffer=cache.intermediate_ssm,
+            intermediate_state_indices=ids, cache_steps=D, retrieve_parent_token=None)
+    return _sglang_route(cache, layer, x, meta, N, D, verify)
 
 
 def _rel(x, y):
