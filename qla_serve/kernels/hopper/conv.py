@@ -369,8 +369,7 @@ def _program(v: dict):
 def _verify_program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t, load_weights, act):
     """conv_verify (module doc): grid (sequences, channel blocks), a thread per channel holding
     the W - 1 + D inputs in registers, as conv_spec."""
-    io, sdt, wdt, has_bias, W, D = (v["io_dtype"], v["conv_state_dtype"], v["weight_dtype"], v["bias"],
-                                    v["width"], v["draft"])
+    io, sdt, wdt, W, D = v["io_dtype"], v["conv_state_dtype"], v["weight_dtype"], v["width"], v["draft"]
     f32, i32 = "float32", "int32"
     N, Si, Tv = T.dynamic("N Si Tv")
     sx0, sy0, si0, si1, si2, si3 = T.dynamic("sx0 sy0 si0 si1 si2 si3")
