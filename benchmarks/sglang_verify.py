@@ -72,8 +72,8 @@ def make_batch(hk, hv, N, D, gen):
 def qla_call(cache, layer, x, a, b, meta, fb, N):
     backend = SimpleNamespace(forward_metadata=meta,
                               verify_intermediate_state_indices=torch.arange(N + 2, dtype=torch.int32, device="cuda"),
-                              req_to_token_pool=SimpleNamespace(mamba2_layer_cache=lambda i: cache, size=N + 1))
-    return lambda: verify_layer.forward_verify(backend, layer, fb, x, a, b, select_rows=_select_rows)
+                              req_to_token_pool=SimpleNamespace(size=N + 1))
+    return lambda: verify_layer.forward_verify(backend, layer, fb, x, a, b, cache, select_rows=_select_rows)
 
 
 def _sglang_route(cache, layer, x, meta, N, D, verify):

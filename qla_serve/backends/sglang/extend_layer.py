@@ -33,7 +33,7 @@ from .kernel import ExtendBatch
 
 
 def forward_extend(backend, layer, forward_batch, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                   batch: ExtendBatch, output: torch.Tensor | None = None) -> torch.Tensor:
+                   batch: ExtendBatch, cache, output: torch.Tensor | None = None) -> torch.Tensor:
     """One extend step of one GDN layer, as SGLang's ``forward_extend`` returns it.
 
     Args:
@@ -45,11 +45,12 @@ def forward_extend(backend, layer, forward_batch, mixed_qkv: torch.Tensor, a: to
         mixed_qkv: [T, dim] projected q | k | v before the conv; a, b: [T, Hv] raw gate logits.
             Rows past the batch's ``num_tokens`` are SGLang's physical padding.
         batch: the forward batch's :class:`~.kernel.ExtendBatch` (plugin.plan_extend_batch).
+        cache: this layer's slice of SGLang's mamba pool (``mamba2_layer_cache(layer_id)``, which
+            builds a new object per call: the hook fetches it once and hands it over).
         output: SGLang's ``linear_attn_output`` [1, T, Hv, 128] to write into, when it is one.
     Returns:
         [1, T, Hv, 128] in mixed_qkv's dtype (padding rows zero).
     """
-    cache = backend.req_to_token_pool.mamba2_layer_cache(layer.layer_id)
     conv_states, ssm_states = cache.conv[0], cache.temporal
     T, Hv = mixed_qkv.shape[0], ssm_states.shape[1]
     step = _extend_step(backend, forward_batch, layer, batch, Hv)

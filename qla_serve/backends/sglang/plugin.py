@@ -377,7 +377,7 @@ def _forward_extend_hook(original, self, layer, forward_batch, mixed_qkv, a, b, 
             if getattr(cache, "intermediate_ssm", None) is not None \
                     and getattr(cache, "replayssm_rawv", None) is None and getattr(cache, "replayssm_d", None) is None:
                 from . import verify_layer
-                return verify_layer.forward_verify(self, layer, forward_batch, mixed_qkv, a, b)
+                return verify_layer.forward_verify(self, layer, forward_batch, mixed_qkv, a, b, cache)
         return original(self, layer, forward_batch, mixed_qkv, a, b, **kwargs)
     batch = getattr(meta, "qla_extend", None)
     if self.kernel_dispatcher.extend_kernel is not kernel or batch is None \
@@ -388,7 +388,7 @@ def _forward_extend_hook(original, self, layer, forward_batch, mixed_qkv, a, b, 
     if not (cache.conv[0].is_contiguous() and cache.temporal.is_contiguous()):
         return original(self, layer, forward_batch, mixed_qkv, a, b, **kwargs)
     from . import extend_layer
-    return extend_layer.forward_extend(self, layer, forward_batch, mixed_qkv, a, b, batch,
+    return extend_layer.forward_extend(self, layer, forward_batch, mixed_qkv, a, b, batch, cache,
                                        output=kwargs.get("linear_attn_output"))
 
 

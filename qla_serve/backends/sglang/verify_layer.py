@@ -37,7 +37,7 @@ class VerifyStep:
 
 
 def forward_verify(backend, layer, forward_batch, mixed_qkv: torch.Tensor, a: torch.Tensor,
-                   b: torch.Tensor, *, select_rows=None) -> torch.Tensor:
+                   b: torch.Tensor, cache, *, select_rows=None) -> torch.Tensor:
     """One target-verify step of one GDN layer, as SGLang's ``forward_extend`` returns it.
 
     Args:
@@ -45,12 +45,13 @@ def forward_verify(backend, layer, forward_batch, mixed_qkv: torch.Tensor, a: to
         layer: the ``RadixLinearAttention``.
         forward_batch: SGLang's ``ForwardBatch`` (``spec_info.draft_token_num``).
         mixed_qkv: [N * D, dim] projected q | k | v before the conv; a, b: [N * D, Hv] raw gates.
+        cache: this layer's ``SpeculativeState`` (``mamba2_layer_cache(layer_id)``, fetched once by
+            the hook: SGLang builds a new object per call).
         select_rows: SGLang's ``select_verify_intermediate_state_indices`` (None: imported from
             SGLang; tests on a machine without SGLang pass a stand-in).
     Returns:
         [1, N * D, Hv, 128] in mixed_qkv's dtype (rows of padding requests zero).
     """
-    cache = backend.req_to_token_pool.mamba2_layer_cache(layer.layer_id)
     step = _verify_step(backend, forward_batch, mixed_qkv.shape[0], select_rows)
     N, D, Hk = step.num_seqs, step.draft, layer.num_k_heads
     Hv = cache.temporal.shape[1]

@@ -2,10 +2,11 @@
 taken over) on SGLang-shaped objects, against a float64 oracle of the conv and the recurrence.
 
 No SGLang here: ``backend``, ``layer`` and ``forward_batch`` are stand-ins (SimpleNamespace) with
-exactly the attributes extend_layer reads from SGLang 0.5.23's ``GDNAttnBackend``,
-``RadixLinearAttention`` and ``ForwardBatch`` (the conv cache ``[size+1, dim, W-1]``, window
-innermost; the temporal pool ``[size+1, Hv, 128, 128]``; ``forward_metadata.mamba_cache_indices``
-int32; ``extend_prefix_lens`` int32 on the device), because SGLang's GPU build cannot run on the
+exactly the attributes extend_layer reads from SGLang 0.5.23's ``GDNAttnBackend``
+(``forward_metadata.mamba_cache_indices`` int32), ``RadixLinearAttention``, ``ForwardBatch``
+(``extend_prefix_lens`` int32 on the device) and the layer's pool slice the hook hands over
+(``mamba2_layer_cache``'s object: the conv cache ``[size+1, dim, W-1]``, window innermost; the
+temporal pool ``[size+1, Hv, 128, 128]``), because SGLang's GPU build cannot run on the
 lent H200 and its CPU import needs .venv-sglang; the real backend drives the same function on the
 CPU in test_sglang_kit.py. The CPU variant runs qla_serve's reference path, the gpu variants
 (H200) its TileLang kernels.
@@ -82,14 +83,13 @@ def _run(dev, Hk, Hv, pool_dtype, seed):
     qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
     meta = SimpleNamespace(mamba_cache_indices=torch.tensor(slots, dtype=torch.int32, device=dev),
                            query_start_loc=qsl)
-    backend = SimpleNamespace(forward_metadata=meta,
-                              req_to_token_pool=SimpleNamespace(mamba2_layer_cache=lambda i: caches[i]))
+    backend = SimpleNamespace(forward_metadata=meta)
     fb = SimpleNamespace(extend_prefix_lens=torch.tensor(prefix, dtype=torch.int32, device=dev))
     batch = ExtendBatch(query_start_loc=qsl, seq_lens=lens, num_tokens=n)
     outs = []
     for i, lay in enumerate(layers):
         given = torch.full((1, T, Hv, C.D), 7.0, dtype=torch.bfloat16, device=dev) if i == 0 else None
-        out = extend_layer.forward_extend(backend, lay, fb, x, a, b, batch, output=given)
+        out = extend_layer.forward_extend(backend, lay, fb, x, a, b, batch, caches[lay.layer_id], output=given)
         assert out.shape == (1, T, Hv, C.D) and out.dtype == x.dtype
         assert given is None or out is given
         outs.append(out)

@@ -2,11 +2,12 @@
 SGLang-shaped objects, against a float64 oracle of the conv windows and the per-draft states.
 
 No SGLang here: ``backend``, ``layer`` and ``forward_batch`` are stand-ins (SimpleNamespace) with
-exactly the attributes verify_layer reads from SGLang 0.5.23's ``GDNAttnBackend`` (its pool's
+exactly the attributes verify_layer reads from SGLang 0.5.23's ``GDNAttnBackend``
+(``verify_intermediate_state_indices``, ``req_to_token_pool.size``; ``forward_metadata`` with
+``mamba_cache_indices`` and ``query_start_loc``), the layer's pool slice the hook hands over (its
 ``SpeculativeState``: conv ``[size+1, dim, W-1]``, temporal ``[size+1, Hv, 128, 128]``,
 ``intermediate_ssm [size+1, D, Hv, 128, 128]``, ``intermediate_conv_window[0] [size+1, D, dim,
-W-1]``; ``verify_intermediate_state_indices``; ``forward_metadata`` with ``mamba_cache_indices``
-and ``query_start_loc``), ``RadixLinearAttention`` and ``ForwardBatch`` (``spec_info.
+W-1]``), ``RadixLinearAttention`` and ``ForwardBatch`` (``spec_info.
 draft_token_num``), and SGLang's ``select_verify_intermediate_state_indices`` in its default
 mode (the per-position table) as a stand-in, because SGLang's GPU build cannot run on the lent
 H200. The CPU variant runs qla_serve's reference path, the gpu variants (H200) its TileLang
@@ -49,13 +50,13 @@ def _setup(dev, Hk, Hv, pool_dtype, D, slots, seed):
     return cache, layer, x, a, b
 
 
-def _backend(cache, slots, D, dev):
+def _backend(slots, D, dev):
     N = len(slots)
     meta = SimpleNamespace(mamba_cache_indices=torch.tensor(slots, dtype=torch.int32, device=dev),
                            query_start_loc=torch.arange(0, (N + 1) * D, D, dtype=torch.int32, device=dev))
     backend = SimpleNamespace(forward_metadata=meta, verify_intermediate_state_indices=torch.arange(
                                   30, dtype=torch.int32, device=dev),
-                              req_to_token_pool=SimpleNamespace(mamba2_layer_cache=lambda layer_id: cache, size=23))
+                              req_to_token_pool=SimpleNamespace(size=23))
     fb = SimpleNamespace(spec_info=SimpleNamespace(draft_token_num=D),
                          req_pool_indices=torch.arange(N, dtype=torch.int64, device=dev))
     return backend, fb
@@ -88,8 +89,8 @@ def _run(dev, Hk, Hv, pool_dtype, D, seed):
     cache, layer, x, a, b = _setup(dev, Hk, Hv, pool_dtype, D, slots, seed)
     conv0, ssm0 = cache.conv[0].clone(), cache.temporal.clone()
     iconv0, issm0 = cache.intermediate_conv_window[0].clone(), cache.intermediate_ssm.clone()
-    backend, fb = _backend(cache, slots, D, dev)
-    out = verify_layer.forward_verify(backend, layer, fb, x, a, b, select_rows=_select_rows)
+    backend, fb = _backend(slots, D, dev)
+    out = verify_layer.forward_verify(backend, layer, fb, x, a, b, cache, select_rows=_select_rows)
     N = len(slots)
     assert out.shape == (1, N * D, Hv, C.D) and out.dtype == x.dtype
     o_ref, windows, states, last = _oracle(x, a, b, layer, conv0, ssm0.cpu(), slots, D, Hk, Hv)
@@ -123,9 +124,9 @@ def test_verify_layer_cpu():
 def test_verify_layer_refuses_a_ragged_batch():
     slots = [5, 7]
     cache, layer, x, a, b = _setup("cpu", 1, 2, torch.float32, 3, slots, 42)
-    backend, fb = _backend(cache, slots, 3, "cpu")
+    backend, fb = _backend(slots, 3, "cpu")
     with pytest.raises(ValueError, match=r"^mixed_qkv: expected draft_token_num \(3\) rows per request"):
-        verify_layer.forward_verify(backend, layer, fb, x[:5], a[:5], b[:5], select_rows=_select_rows)
+        verify_layer.forward_verify(backend, layer, fb, x[:5], a[:5], b[:5], cache, select_rows=_select_rows)
 
 
 @pytest.mark.gpu
@@ -143,14 +144,14 @@ def test_verify_layer_in_a_cuda_graph():
     SGLang rewrites its persistent index buffer in place: the same as eager calls on copies."""
     D, slots = 3, [4, 9, -1, 12]
     cache, layer, x, a, b = _setup("cuda", 2, 8, torch.float32, D, slots, 44)
-    backend, fb = _backend(cache, slots, D, "cuda")
+    backend, fb = _backend(slots, D, "cuda")
     idx = backend.forward_metadata.mamba_cache_indices
 
     def forward(cache_, meta):
         backend_ = SimpleNamespace(forward_metadata=meta,
                                    verify_intermediate_state_indices=backend.verify_intermediate_state_indices,
-                                   req_to_token_pool=SimpleNamespace(mamba2_layer_cache=lambda i: cache_, size=23))
-        return verify_layer.forward_verify(backend_, layer, fb, x, a, b, select_rows=_select_rows)
+                                   req_to_token_pool=SimpleNamespace(size=23))
+        return verify_layer.forward_verify(backend_, layer, fb, x, a, b, cache_, select_rows=_select_rows)
 
     def copy(c):
         return SimpleNamespace(conv=[c.conv[0].clone()], temporal=c.temporal.clone(),
