@@ -21,8 +21,7 @@ import torch
 
 import qla_serve
 from qla_serve import layer_ops
-
-HEAD_DIM = 128
+from qla_serve.backends.gdn_layer import HEAD_DIM
 
 
 @dataclasses.dataclass(eq=False)
