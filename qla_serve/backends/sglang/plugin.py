@@ -66,13 +66,12 @@ TARGET_FORWARD_EXTEND = f"{GDN_BACKEND}.GDNAttnBackend.forward_extend"
 ENV_DECODE_CONV = "QLA_SERVE_SGLANG_DECODE_CONV"
 ENV_EXTEND_CONV = "QLA_SERVE_SGLANG_EXTEND_CONV"
 ENV_VERIFY_CONV = "QLA_SERVE_SGLANG_VERIFY_CONV"
+CONV_ENV = {"decode": ENV_DECODE_CONV, "extend": ENV_EXTEND_CONV, "verify": ENV_VERIFY_CONV}
 # Whether flashqla's decode / extend / verify takes SGLang's conv over (decode_layer.py,
-# extend_layer.py, verify_layer.py): $QLA_SERVE_SGLANG_{DECODE,EXTEND,VERIFY}_CONV, 1 (default) or
-# 0 (SGLang's conv, then flashqla's kernel: the route before, for A/B, benchmarks/layer.md, or as a
-# way back). Read once per process (None: not yet); the start-up checks refuse another value.
-TAKE_OVER_DECODE_CONV: bool | None = None
-TAKE_OVER_EXTEND_CONV: bool | None = None
-TAKE_OVER_VERIFY_CONV: bool | None = None
+# extend_layer.py, verify_layer.py), per step: its CONV_ENV variable, 1 (default) or 0 (SGLang's
+# conv, then flashqla's kernel: the route before, for A/B, benchmarks/layer.md, or as a way back).
+# Read once per process (a step missing: not yet read); the start-up checks refuse another value.
+TAKE_OVER_CONV: dict[str, bool] = {}
 
 _registered = False
 
@@ -163,7 +162,7 @@ def startup_problems(phases: dict[str, bool], *, ssm_shape, ssm_dtype, device) -
     problems = []
     flag = "--linear-attn-backend flashqla"
     for phase, name in (("decode", ENV_DECODE_CONV), ("prefill", ENV_EXTEND_CONV), ("verify", ENV_VERIFY_CONV)):
-        if phase in wanted:
+        if phase in wanted:   # (the prefill phase's steps are SGLang's extends)
             try:
                 conv_takeover_from_env(name)
             except ValueError as exc:
@@ -207,31 +206,18 @@ def conv_takeover_from_env(name: str, environ=None) -> bool:
     default) or 0; another value is a ValueError naming the variable, never a silent default."""
     value = (os.environ if environ is None else environ).get(name, "1").strip()
     if value not in ("0", "1"):
-        step = {ENV_DECODE_CONV: "decode", ENV_EXTEND_CONV: "extend"}.get(name, "verify")
+        step = next(k for k, v in CONV_ENV.items() if v == name)
         raise ValueError(f"{name}: expected 1 (flashqla's {step} runs SGLang's {step} conv too) "
                          f"or 0 (SGLang's conv, then flashqla's {step}), got {value!r}")
     return value == "1"
 
 
-def _take_over_decode_conv() -> bool:
-    global TAKE_OVER_DECODE_CONV
-    if TAKE_OVER_DECODE_CONV is None:
-        TAKE_OVER_DECODE_CONV = conv_takeover_from_env(ENV_DECODE_CONV)
-    return TAKE_OVER_DECODE_CONV
-
-
-def _take_over_extend_conv() -> bool:
-    global TAKE_OVER_EXTEND_CONV
-    if TAKE_OVER_EXTEND_CONV is None:
-        TAKE_OVER_EXTEND_CONV = conv_takeover_from_env(ENV_EXTEND_CONV)
-    return TAKE_OVER_EXTEND_CONV
-
-
-def _take_over_verify_conv() -> bool:
-    global TAKE_OVER_VERIFY_CONV
-    if TAKE_OVER_VERIFY_CONV is None:
-        TAKE_OVER_VERIFY_CONV = conv_takeover_from_env(ENV_VERIFY_CONV)
-    return TAKE_OVER_VERIFY_CONV
+def _take_over_conv(step: str) -> bool:
+    """TAKE_OVER_CONV[step] ("decode", "extend", "verify"), read from CONV_ENV[step] on first use."""
+    hit = TAKE_OVER_CONV.get(step)
+    if hit is None:
+        hit = TAKE_OVER_CONV[step] = conv_takeover_from_env(CONV_ENV[step])
+    return hit
 
 
 def _full_prefill_graph() -> bool:
@@ -349,7 +335,7 @@ def _forward_decode_hook(original, self, layer, forward_batch, mixed_qkv, a, b, 
             or self.forward_metadata.replayssm_write_pos is not None:
         return original(self, layer, forward_batch, mixed_qkv, a, b, **kwargs)
     from . import decode_layer
-    if _take_over_decode_conv() and isinstance(mixed_qkv, torch.Tensor):
+    if _take_over_conv("decode") and isinstance(mixed_qkv, torch.Tensor):
         return decode_layer.forward_decode(self, layer, forward_batch, mixed_qkv, a, b)
     kernel.bind_decode_ids(*decode_layer.step_ids(self, layer))
     return original(self, layer, forward_batch, mixed_qkv, a, b, **kwargs)
@@ -371,7 +357,7 @@ def _forward_extend_hook(original, self, layer, forward_batch, mixed_qkv, a, b, 
         return original(self, layer, forward_batch, mixed_qkv, a, b, **kwargs)
     meta = self.forward_metadata
     if forward_batch.forward_mode.is_target_verify():
-        if self.kernel_dispatcher.verify_kernel is kernel and _take_over_verify_conv() \
+        if self.kernel_dispatcher.verify_kernel is kernel and _take_over_conv("verify") \
                 and meta.retrieve_parent_token is None and self.mis_metadata is None:
             cache = self.req_to_token_pool.mamba2_layer_cache(layer.layer_id)
             if getattr(cache, "intermediate_ssm", None) is not None \
@@ -381,7 +367,7 @@ def _forward_extend_hook(original, self, layer, forward_batch, mixed_qkv, a, b, 
         return original(self, layer, forward_batch, mixed_qkv, a, b, **kwargs)
     batch = getattr(meta, "qla_extend", None)
     if self.kernel_dispatcher.extend_kernel is not kernel or batch is None \
-            or batch.query_start_loc is not meta.query_start_loc or not _take_over_extend_conv() \
+            or batch.query_start_loc is not meta.query_start_loc or not _take_over_conv("extend") \
             or meta.has_mamba_track_mask:
         return original(self, layer, forward_batch, mixed_qkv, a, b, **kwargs)
     cache = self.req_to_token_pool.mamba2_layer_cache(layer.layer_id)

@@ -215,7 +215,7 @@ def _verify_hook_call(sglang_plugin, monkeypatch, *, take_over=True, parent=None
         forward_metadata=SimpleNamespace(retrieve_parent_token=parent), mis_metadata=None,
         req_to_token_pool=SimpleNamespace(mamba2_layer_cache=lambda layer_id: cache))
     fb = SimpleNamespace(forward_mode=SimpleNamespace(is_target_verify=lambda: True))
-    monkeypatch.setattr(sglang_plugin, "TAKE_OVER_VERIFY_CONV", take_over)
+    monkeypatch.setitem(sglang_plugin.TAKE_OVER_CONV, "verify", take_over)
     monkeypatch.setattr(verify_layer, "forward_verify", lambda *a, **kw: "qla")
     x = (torch.zeros(2), torch.zeros(2)) if tuple_input else torch.zeros(2, 2)
     return sglang_plugin._forward_extend_hook(lambda *a, **kw: "sglang", backend, SimpleNamespace(layer_id=0),

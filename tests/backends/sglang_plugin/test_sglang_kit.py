@@ -165,7 +165,7 @@ def test_kit_target_verify(gdn_kit, monkeypatch, take_over):
     from qla_serve.backends.sglang import plugin
 
     kit = gdn_kit(**FLASHQLA)
-    monkeypatch.setattr(plugin, "TAKE_OVER_VERIFY_CONV", take_over)
+    monkeypatch.setitem(plugin.TAKE_OVER_CONV, "verify", take_over)
     conv_calls = _sglang_calls(monkeypatch, "causal_conv1d_update")
     D, case = 3, _verify_case(kit)
     tc = unittest.TestCase()
@@ -247,8 +247,8 @@ def _layer_oracle(kit, fixture, case, conv0, ssm0):
                                        "gdn_extend_ragged_page_boundary", "gdn_extend_page_size_1",
                                        "gdn_extend_cross_page_boundary"])
 def test_kit_conv_taken_over_matches_sglangs(gdn_kit, monkeypatch, case_name):
-    """The same decode or extend step with SGLang's conv (plugin.TAKE_OVER_DECODE_CONV /
-    TAKE_OVER_EXTEND_CONV False, as $QLA_SERVE_SGLANG_*_CONV=0 sets them: its conv, split and gating,
+    """The same decode or extend step with SGLang's conv (plugin.TAKE_OVER_CONV["decode" /
+    "extend"] False, as $QLA_SERVE_SGLANG_*_CONV=0 sets them: its conv, split and gating,
     then flashqla's kernel class) and with qla_serve's (the default), from the same caches, random
     conv weights and history: the same conv states bit for bit (the windows are input rows), slots
     outside the batch untouched, and outputs and SSM states against a float64 oracle of the layer
@@ -260,10 +260,10 @@ def test_kit_conv_taken_over_matches_sglangs(gdn_kit, monkeypatch, case_name):
     tc = unittest.TestCase()
     case = next(c for c in _cases(kit) if c.name == case_name)
     decode = case.forward_mode.is_decode()
-    switch = "TAKE_OVER_DECODE_CONV" if decode else "TAKE_OVER_EXTEND_CONV"
+    switch = "decode" if decode else "extend"
     results = []
     for take_over in (False, True):
-        monkeypatch.setattr(plugin, switch, take_over)
+        monkeypatch.setitem(plugin.TAKE_OVER_CONV, switch, take_over)
         conv_calls = _sglang_calls(monkeypatch, "causal_conv1d_update" if decode else "causal_conv1d_fn")
         fixture = kit.build_gdn_attention_fixture(tc, case, head_k_dim=128, head_v_dim=128, device="cpu",
                                                   dtype=torch.bfloat16)
@@ -300,7 +300,7 @@ def test_kit_qwen35_projection_decode_keeps_sglangs_conv(gdn_kit, monkeypatch):
     split then the conv update: both stand in as torch here, as the conftest's conv), whose
     flashqla ``decode`` takes the batch's slot ids derived once (no per-layer mapping). The result
     and the caches equal those of the same step handed over as one mixed_qkv tensor with
-    TAKE_OVER_DECODE_CONV off (SGLang's conv, flashqla's decode, the same bound ids), bit for bit."""
+    TAKE_OVER_CONV["decode"] off (SGLang's conv, flashqla's decode, the same bound ids), bit for bit."""
     import sglang.srt.layers.attention.linear.gdn_backend as gb
 
     from qla_serve.backends.sglang import kernel as K
@@ -317,7 +317,7 @@ def test_kit_qwen35_projection_decode_keeps_sglangs_conv(gdn_kit, monkeypatch):
     case = next(c for c in _cases(kit) if c.name == "gdn_decode_page_boundary")
     results = []
     for route in ("tuple", "tensor"):
-        monkeypatch.setattr(plugin, "TAKE_OVER_DECODE_CONV", route == "tuple")
+        monkeypatch.setitem(plugin.TAKE_OVER_CONV, "decode", route == "tuple")
         fixture = kit.build_gdn_attention_fixture(tc, case, head_k_dim=128, head_v_dim=128, device="cpu",
                                                   dtype=torch.bfloat16)
         _random_conv(fixture, seed=4)
@@ -340,7 +340,7 @@ def test_kit_qwen35_projection_decode_keeps_sglangs_conv(gdn_kit, monkeypatch):
         if route == "tuple":
             assert per_layer_maps == [], "the tuple route mapped the slot ids in the layer"
             assert linear.kernel_dispatcher.decode_kernel._decode_ids[0] is linear.forward_metadata.mamba_cache_indices
-    assert per_layer_maps == [], "SGLang's conv route (TAKE_OVER_DECODE_CONV off) takes the bound ids too"
+    assert per_layer_maps == [], "SGLang's conv route (TAKE_OVER_CONV['decode'] off) takes the bound ids too"
     (o_t, conv_t, ssm_t), (o_m, conv_m, ssm_m) = results
     assert o_t.abs().max() > 0.01
     assert torch.equal(o_t, o_m) and torch.equal(conv_t, conv_m) and torch.equal(ssm_t, ssm_m)
@@ -372,7 +372,7 @@ def test_kit_catches_a_wrong_kernel(gdn_kit, monkeypatch, take_over):
     from qla_serve.backends.sglang import plugin
 
     kit = gdn_kit(**FLASHQLA)
-    monkeypatch.setattr(plugin, "TAKE_OVER_EXTEND_CONV", take_over)
+    monkeypatch.setitem(plugin.TAKE_OVER_CONV, "extend", take_over)
     if take_over:
         real = layer_ops.gdn_layer_prefill_inputs
 
