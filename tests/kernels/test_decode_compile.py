@@ -67,8 +67,10 @@ def test_tile_specs_parse_and_bad_ones_name_the_argument():
     assert dec.parse_tile("bv8w1l16s-cs") == (8, 1, True, 0, 16, "cs", "cs")
     assert dec.parse_tile("bv32l16-lcg-scs") == (32, 4, False, 0, 16, "cg", "cs")
     assert dec.parse_tile("bv32-scs").store_hint == "cs" and dec.parse_tile("bv32-scs").load_hint == ""
+    assert dec.parse_tile("bv4w1l32p-cs") == (4, 1, False, 0, 32, "cs", "cs", True)
+    assert not dec.parse_tile("bv32s").prefetch and dec.parse_tile("bv32p").prefetch
     for bad in ("bv64w1", "bv8l32w4", "bv8w4", "bv16l4", "bv48", "bv64w1l32", "bv32-ca", "bv32-cs-lcg",
-                "bv32-scs-lcg", "bv32-slu", "bv32-swt", "bv32e"):
+                "bv32-scs-lcg", "bv32-slu", "bv32-swt", "bv32e", "bv4", "bv4w2", "bv32sp", "bv2w1l32"):
         with pytest.raises(ValueError, match="variant tile"):
             dec.parse_tile(bad)
 

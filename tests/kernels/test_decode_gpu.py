@@ -204,6 +204,19 @@ def test_every_tile_shape_is_correct(tile, monkeypatch):
     _check_verify(torch.bfloat16, "gb", False)
 
 
+@pytest.mark.parametrize("tile", ["bv4w1l32-cs", "bv4w1l32p-cs", "bv4w1-cs", "bv8w1l16p-cs", "bv16l16p-cs",
+                                  "bv32p"])
+def test_every_verify_tile_is_correct(tile, monkeypatch):
+    """Verify's own tiles: a warp or a few rows per block (more blocks for a few requests) and
+    "p", the next draft token's inputs loaded before the current token's update. Each must match
+    the float64 reference and, bit for bit in fp32, sequential decodes in the same tile (for
+    decode "p" changes nothing: the prefetch path computes in the same order)."""
+    monkeypatch.setattr(_mod(), "TILE_OVERRIDE", tile)
+    _check_verify(torch.float32, "ab", True)
+    _check_verify(torch.bfloat16, "gb", False)
+    _check_verify(torch.bfloat16, "ab-sglang", True)
+
+
 def _check_verify(pdt, gating, l2):
     gen = torch.Generator(device="cuda").manual_seed(11)
     Hk, Hv = 2, 8

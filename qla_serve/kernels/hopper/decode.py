@@ -113,18 +113,23 @@ class Tile(NamedTuple):
     lanes: int         # lanes per state row
     load_hint: str     # cache hint of the state's loads: "" (none), "cg", "cs" or "lu"
     store_hint: str    # ... and of its stores: "" (none), "cg" or "cs"
+    prefetch: bool = False  # verify ops: token j + 1's q, k, v and gates load before token j runs
+                            # (no effect on decode: one token)
 
 
 def parse_tile(tile: str) -> Tile:
-    """Tile spec "bv<rows>[w<warps>][l<lanes>][s][-mb<n>][-cg|-cs][-l<hint>][-s<hint>]".
+    """Tile spec "bv<rows>[w<warps>][l<lanes>][s|p][-mb<n>][-cg|-cs][-l<hint>][-s<hint>]".
 
     A warp covers 32 / lanes rows at a time; each thread holds R = rows * lanes / (32 * warps)
-    rows (a power of two) x 128 / lanes columns of the state, at most 64 values. The cache hints
+    rows (a power of two) x 128 / lanes columns of the state, at most 64 values. "s" stages q/k
+    in shared memory; "p" (verify ops; decode has one token) loads the next draft token's inputs
+    before the current token's update, so that their latency overlaps it. The cache hints
     are CUDA's load / store qualifiers on the state's vectors: "-cs" (streaming, evict first) or
     "-cg" (L2 only) for both, or "-l<cg|cs|lu>" and "-s<cg|cs>" apart. E.g. "bv32s-mb8", "bv8w1"
-    (one warp, 8 rows: 16 blocks per head), "bv16l32" (a warp per row), "bv32l16-cs"."""
+    (one warp, 8 rows: 16 blocks per head), "bv16l32" (a warp per row), "bv32l16-cs",
+    "bv4w1l32p-cs" (one warp, 4 rows: 32 blocks per head)."""
     import re
-    m = re.fullmatch(r"bv(8|16|32|64)(?:w([124]))?(?:l(8|16|32))?(s?)(?:-mb(\d+))?"
+    m = re.fullmatch(r"bv(4|8|16|32|64)(?:w([124]))?(?:l(8|16|32))?([sp]?)(?:-mb(\d+))?"
                      r"(?:-(cg|cs)|(?:-l(cg|cs|lu))?(?:-s(cg|cs))?)", str(tile))
     ok = bool(m)
     if ok:
@@ -132,12 +137,12 @@ def parse_tile(tile: str) -> Tile:
         per_thread, rem = divmod(rows * lanes, 32 * warps)
         ok = not rem and per_thread in (1, 2, 4, 8, 16) and per_thread * HEAD_DIM // lanes <= _MAX_STATE_REGS
     if not ok:
-        raise ValueError(f"variant tile: expected 'bv<rows>[w<1|2|4>][l<8|16|32>][s][-mb<n>]"
+        raise ValueError(f"variant tile: expected 'bv<4|8|16|32|64>[w<1|2|4>][l<8|16|32>][s|p][-mb<n>]"
                          f"[-cg|-cs|-l<cg|cs|lu>-s<cg|cs>]' whose threads each hold 1, 2, 4, ... whole "
                          f"rows and at most {_MAX_STATE_REGS} state values (rows * lanes / (32 * warps) "
                          f"rows of 128 / lanes), got {tile!r}")
     return Tile(rows, warps, m.group(4) == "s", int(m.group(5) or 0), lanes,
-                m.group(6) or m.group(7) or "", m.group(6) or m.group(8) or "")
+                m.group(6) or m.group(7) or "", m.group(6) or m.group(8) or "", m.group(4) == "p")
 
 
 # The state's cache-hinted loads and stores (the tile's hints): CUDA's __ld<hint> / __st<hint> on
@@ -325,7 +330,7 @@ def _program(variant: dict):
     gdt = variant["ab_dtype"] if fused else "float32"
     prm = variant["param_dtype"] if fused else "float32"
     bias = (variant.get("bias_dtype") or prm) if fused else "float32"
-    BV, W, QK_SMEM, MIN_BLOCKS, LANES, LD_HINT, ST_HINT = parse_tile(variant["tile"])
+    BV, W, QK_SMEM, MIN_BLOCKS, LANES, LD_HINT, ST_HINT, PREFETCH = parse_tile(variant["tile"])
     LD_HINTED, ST_HINTED = bool(LD_HINT), bool(ST_HINT)
     AFTER_CONV = bool(variant.get("after_conv", False))
     COLS = HEAD_DIM // LANES                       # K columns per lane
@@ -357,12 +362,16 @@ def _program(variant: dict):
         return c * CH + lk * VEC + e
 
     @T.macro
-    def load_qk_regs(Q, Kt, tq, hk, lk, qv, kv, scale):
-        # q, k columns of this lane; l2norm over the LANES lanes of the row; scale folded into q.
+    def load_qk_raw(Q, Kt, tq, hk, lk, qv, kv):
+        # q, k columns of this lane, as stored
         for c in T.unroll(NCH):
             for e in T.vectorized(VEC):
                 qv[c * VEC + e] = T.cast(Q[tq, hk, scol(c, lk, e)], f32)
                 kv[c * VEC + e] = T.cast(Kt[tq, hk, scol(c, lk, e)], f32)
+
+    @T.macro
+    def normalize_qk(qv, kv, scale):
+        # l2norm over the LANES lanes of the row; scale folded into q.
         if l2:
             sq = T.alloc_var(f32)
             sk = T.alloc_var(f32)
@@ -382,6 +391,11 @@ def _program(variant: dict):
         else:
             for e in T.unroll(COLS):
                 qv[e] = qv[e] * scale
+
+    @T.macro
+    def load_qk_regs(Q, Kt, tq, hk, lk, qv, kv, scale):
+        load_qk_raw(Q, Kt, tq, hk, lk, qv, kv)
+        normalize_qk(qv, kv, scale)
 
     @T.macro
     def load_qk_smem(Q, Kt, tq, hk, tx, Sq, Sk, scale):
@@ -417,24 +431,25 @@ def _program(variant: dict):
         T.sync_warp()
 
     @T.macro
-    def gates(Ga, Gb, A_log, dt_bias, t, h, gb):
-        # gb[0] = alpha = exp(g), gb[1] = beta
+    def gates(ga, gb_in, A_log, dt_bias, h, gb):
+        # gb[0] = alpha = exp(g), gb[1] = beta, from this token's a, b (or g, beta): ga(), gb_in()
+        # (callables, so that the loads stay inline in the expressions below)
         if fused:
             # (the formulas of log_decay / sigmoid above, written with a let-bound x: the
             # expression helpers inline it, which compiles to different, unvalidated code here)
-            x = T.cast(Ga[t, h], f32) + T.cast(dt_bias[h], f32)
+            x = T.cast(ga(), f32) + T.cast(dt_bias[h], f32)
             sp_ = T.if_then_else(x > 20.0, x, T.log1p(T.exp(x)))
             gb[0] = T.exp(-T.exp(T.cast(A_log[h], f32)) * sp_)
-            gb[1] = 1.0 / (1.0 + T.exp(-T.cast(Gb[t, h], f32)))
+            gb[1] = 1.0 / (1.0 + T.exp(-T.cast(gb_in(), f32)))
         else:
-            gb[0] = T.exp(Ga[t, h])
-            gb[1] = Gb[t, h]
+            gb[0] = T.exp(ga())
+            gb[1] = gb_in()
 
     @T.macro
-    def step(st, qv, kv, Sq, Sk, Vt, Out, t, h, row0, lk, w, gb):
+    def step(st, qv, kv, Sq, Sk, v_row, Out, t, h, row0, lk, w, gb):
         # One token on this thread's R rows: decay, delta rule, output (lane 0 of each row).
         # (q/k element e of this lane: qv[e] / kv[e] in registers, or column scol(e // VEC, lk,
-        # e % VEC) of the warp's staged copy.)
+        # e % VEC) of the warp's staged copy; v_row(r): v of register row r.)
         for r in T.unroll(R):
             d = T.alloc_var(f32)
             d = 0.0
@@ -446,7 +461,7 @@ def _program(variant: dict):
                     d += st[r, e] * kv[e]
             for m in T.unroll(SHUFFLES):
                 d += T.shfl_xor(d, 1 << m)
-            delta = gb[1] * (T.cast(Vt[t, h, srow(row0, r)], f32) - d)
+            delta = gb[1] * (T.cast(v_row(r), f32) - d)
             o = T.alloc_var(f32)
             o = 0.0
             for e in T.unroll(COLS):
@@ -531,18 +546,58 @@ def _program(variant: dict):
             load_qk_smem(Q, Kt, t, h // G, tx, Sq, Sk, scale)
         else:
             load_qk_regs(Q, Kt, t, h // G, lk, qv, kv, scale)
-        gates(Ga, Gb, A_log, dt_bias, t, h, gb)
-        step(st, qv, kv, Sq, Sk, Vt, Out, t, h, row0, lk, tx // 32, gb)
+        gates(lambda: Ga[t, h], lambda: Gb[t, h], A_log, dt_bias, h, gb)
+        step(st, qv, kv, Sq, Sk, lambda r: Vt[t, h, srow(row0, r)], Out, t, h, row0, lk, tx // 32, gb)
+
+    @T.macro
+    def load_token(args, ctx, t, h, nxt):
+        # Token t's inputs as stored (q/k columns of this lane, a and b, v of this thread's
+        # rows) into the registers nxt = (q, k, gates, v): the prefetch tiles' next token.
+        Q, Kt, Vt, Ga, Gb, A_log, dt_bias, Out, scale = args
+        tx, lk, row0, st, qv, kv, Sq, Sk, gb = ctx
+        nq, nk, ng, nv = nxt
+        load_qk_raw(Q, Kt, t, h // G, lk, nq, nk)
+        ng[0] = T.cast(Ga[t, h], f32)
+        ng[1] = T.cast(Gb[t, h], f32)
+        for r in T.unroll(R):
+            nv[r] = T.cast(Vt[t, h, srow(row0, r)], f32)
 
     @T.macro
     def tokens(Pool, src, args, ctx, bos, n, h, Dst, keep, at):
         # A sequence's tokens bos .. bos + n - 1 from the state in pool[src], the state after
         # its token j stored to Dst[at(j) + (h, ...)] where keep(j) holds.
         load_state(Pool, src, h, ctx)
-        for j in T.serial(n):
-            token(args, ctx, bos + j, h)
-            if keep(j):
-                store_state(Dst, at(j), h, ctx)
+        if PREFETCH:
+            # token j + 1's loads are issued before token j's update: one load latency per
+            # sequence instead of one per draft token
+            tx, lk, row0, st, qv, kv, Sq, Sk, gb = ctx
+            scale = args[-1]
+            nxt = (T.alloc_local((COLS,), f32), T.alloc_local((COLS,), f32), T.alloc_local((2,), f32),
+                   T.alloc_local((R,), f32))
+            cur_g = T.alloc_local((2,), f32)
+            cur_v = T.alloc_local((R,), f32)
+            if n > 0:
+                load_token(args, ctx, bos, h, nxt)
+            for j in T.serial(n):
+                for e in T.unroll(COLS):
+                    qv[e] = nxt[0][e]
+                    kv[e] = nxt[1][e]
+                cur_g[0] = nxt[2][0]
+                cur_g[1] = nxt[2][1]
+                for r in T.unroll(R):
+                    cur_v[r] = nxt[3][r]
+                if j + 1 < n:
+                    load_token(args, ctx, bos + j + 1, h, nxt)
+                normalize_qk(qv, kv, scale)
+                gates(lambda: cur_g[0], lambda: cur_g[1], args[5], args[6], h, gb)
+                step(st, qv, kv, Sq, Sk, lambda r: cur_v[r], args[7], bos + j, h, row0, lk, tx // 32, gb)
+                if keep(j):
+                    store_state(Dst, at(j), h, ctx)
+        else:
+            for j in T.serial(n):
+                token(args, ctx, bos + j, h)
+                if keep(j):
+                    store_state(Dst, at(j), h, ctx)
 
     @T.macro
     def zero_rows(Out, bos, n, h, ctx):
