@@ -62,10 +62,10 @@ def test_variant_compiles(variant, target):
 def test_tile_specs_parse_and_bad_ones_name_the_argument():
     """parse_tile: rows, warps, q/k staging, occupancy hint, lanes per row, cache hint; a thread must hold
     whole rows (a power of two of them) and at most 64 state values."""
-    assert dec.parse_tile("bv32") == (32, 4, False, 0, 8, "", "")
-    assert dec.parse_tile("bv16l32-mb12") == (16, 4, False, 12, 32, "", "")
-    assert dec.parse_tile("bv8w1l16s-cs") == (8, 1, True, 0, 16, "cs", "cs")
-    assert dec.parse_tile("bv32l16-lcg-scs") == (32, 4, False, 0, 16, "cg", "cs")
+    assert dec.parse_tile("bv32") == (32, 4, False, 0, 8, "", "", False)
+    assert dec.parse_tile("bv16l32-mb12") == (16, 4, False, 12, 32, "", "", False)
+    assert dec.parse_tile("bv8w1l16s-cs") == (8, 1, True, 0, 16, "cs", "cs", False)
+    assert dec.parse_tile("bv32l16-lcg-scs") == (32, 4, False, 0, 16, "cg", "cs", False)
     assert dec.parse_tile("bv32-scs").store_hint == "cs" and dec.parse_tile("bv32-scs").load_hint == ""
     assert dec.parse_tile("bv4w1l32p-cs") == (4, 1, False, 0, 32, "cs", "cs", True)
     assert not dec.parse_tile("bv32s").prefetch and dec.parse_tile("bv32p").prefetch
