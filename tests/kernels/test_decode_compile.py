@@ -62,15 +62,14 @@ def test_variant_compiles(variant, target):
 def test_tile_specs_parse_and_bad_ones_name_the_argument():
     """parse_tile: rows, warps, q/k staging, occupancy hint, lanes per row, cache hint; a thread must hold
     whole rows (a power of two of them) and at most 64 state values."""
-    assert dec.parse_tile("bv32") == (32, 4, False, 0, 8, "", "", False)
-    assert dec.parse_tile("bv16l32-mb12") == (16, 4, False, 12, 32, "", "", False)
-    assert dec.parse_tile("bv8w1l16s-cs") == (8, 1, True, 0, 16, "cs", "cs", False)
-    assert dec.parse_tile("bv32l16-lcg-scs") == (32, 4, False, 0, 16, "cg", "cs", False)
+    assert dec.parse_tile("bv32") == (32, 4, False, 0, 8, "", "")
+    assert dec.parse_tile("bv16l32-mb12") == (16, 4, False, 12, 32, "", "")
+    assert dec.parse_tile("bv8w1l16s-cs") == (8, 1, True, 0, 16, "cs", "cs")
+    assert dec.parse_tile("bv32l16-lcg-scs") == (32, 4, False, 0, 16, "cg", "cs")
     assert dec.parse_tile("bv32-scs").store_hint == "cs" and dec.parse_tile("bv32-scs").load_hint == ""
-    assert dec.parse_tile("bv4w1l32p-cs") == (4, 1, False, 0, 32, "cs", "cs", True)
-    assert not dec.parse_tile("bv32s").prefetch and dec.parse_tile("bv32p").prefetch
+    assert dec.parse_tile("bv4w1l32-cs") == (4, 1, False, 0, 32, "cs", "cs")
     for bad in ("bv64w1", "bv8l32w4", "bv8w4", "bv16l4", "bv48", "bv64w1l32", "bv32-ca", "bv32-cs-lcg",
-                "bv32-scs-lcg", "bv32-slu", "bv32-swt", "bv32e", "bv4", "bv4w2", "bv32sp", "bv2w1l32"):
+                "bv32-scs-lcg", "bv32-slu", "bv32-swt", "bv32e", "bv4", "bv4w2", "bv32p", "bv2w1l32"):
         with pytest.raises(ValueError, match="variant tile"):
             dec.parse_tile(bad)
 
@@ -78,15 +77,17 @@ def test_tile_specs_parse_and_bad_ones_name_the_argument():
 def test_kernel_variants_are_unique_and_json_serialisable():
     vs = dec.kernel_variants(32, 16)
     names = [v["name"] for v in vs]
-    # 32 decode x 2 tiles, 32 verify, 12 after_conv decode x 2 tiles, 12 verify_slots, 4 commit
-    assert len(names) == len(set(names)) == 136
+    # 32 decode x 2 tiles, 32 verify x 2, 12 after_conv decode x 2, 12 verify_slots x 2, 4 commit
+    assert len(names) == len(set(names)) == 180
     assert sum(v.get("after_conv", False) for v in vs) == 24
     assert json.loads(json.dumps(vs)) == vs
     assert {v["pool_dtype"] for v in vs} == {"float32", "bfloat16"}
     assert {v["io_dtype"] for v in vs if v["op"] != "commit"} == {"bfloat16", "float16"}
     assert {v["op"] for v in vs} == {"decode", "verify", "verify_slots", "commit"}
-    assert {v["tile"] for v in vs if v["op"] in ("verify", "verify_slots")} == set(dec.DEFAULT_TILES.values())
     for pool in ("float32", "bfloat16"):
+        for op in ("verify", "verify_slots"):
+            assert {v["tile"] for v in vs if v["op"] == op and v["pool_dtype"] == pool} == set(
+                dec.decode_tiles(pool, op=op))
         for after_conv in (False, True):
             assert {v["tile"] for v in vs if v["op"] == "decode" and v["pool_dtype"] == pool
                     and v.get("after_conv", False) == after_conv} == set(dec.decode_tiles(pool, after_conv))
@@ -97,7 +98,7 @@ def test_kernel_variants_are_unique_and_json_serialisable():
 
 
 def test_the_decode_tile_follows_the_row_count_and_precompile_lists_every_pick():
-    """decode_tile by rows = sequences x v-heads (and the after_conv form), and every decode
+    """decode_tile by rows = sequences x v-heads (the after_conv form, the verify ops), and every
     variant the lookup can pick at any batch is in kernel_variants (a deployment's precompile
     covers it)."""
     for pool, table in dec.DECODE_TILES.items():
@@ -107,12 +108,15 @@ def test_the_decode_tile_follows_the_row_count_and_precompile_lists_every_pick()
         assert dec.decode_tile(pool, 10**7) == table[-1][1] and table[-1][0] is None
     assert dec.decode_tile("bfloat16", 256, after_conv=True) == dec.AFTER_CONV_TILES["bfloat16"][-1][1]
     assert dec.decode_tile("float32", 256, after_conv=True) == dec.decode_tile("float32", 256)
+    for op in ("verify", "verify_slots"):
+        assert dec.decode_tile("float32", 8, op=op) == dec.VERIFY_TILES["float32"][0][1] != dec.decode_tile(
+            "float32", 10**5, op=op) == dec.VERIFY_TILES["float32"][-1][1]
     names = {v["name"] for v in dec.kernel_variants(HV, HK)}
     for v in dec.kernel_variants(HV, HK):
-        if v["op"] == "decode":
-            for rows in (1, 128, 129, 256, 4096, 4097, 10**6):
-                tile = dec.decode_tile(v["pool_dtype"], rows, v.get("after_conv", False))
-                assert dec._variant("decode", HV, HK, v["io_dtype"], v["pool_dtype"], v["gating"], v["ab_dtype"],
+        if v["op"] != "commit":
+            for rows in (1, 32, 33, 128, 129, 256, 4096, 4097, 10**6):
+                tile = dec.decode_tile(v["pool_dtype"], rows, v.get("after_conv", False), v["op"])
+                assert dec._variant(v["op"], HV, HK, v["io_dtype"], v["pool_dtype"], v["gating"], v["ab_dtype"],
                                     v["param_dtype"], v["l2norm"], tile, bias=v["bias_dtype"],
                                     after_conv=v.get("after_conv", False))["name"] in names
 

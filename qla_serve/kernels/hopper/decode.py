@@ -20,8 +20,8 @@ Decode is memory-bound: each live slot's [Hv, 128(V), 128(K)] state is read once
 The tile (:func:`parse_tile`: rows per block, warps, lanes per row, q/k staging, occupancy
 and cache hints) is part of
 the variant; :data:`DECODE_TILES` (by rows = sequences x v-heads), :data:`AFTER_CONV_TILES` and
-:data:`DEFAULT_TILES` (verify) hold the per-pool-dtype choices measured on the H200
-(benchmarks/decode.md), and :func:`decode_tile` picks the decode op's per call.
+:data:`VERIFY_TILES` (verify and verify_slots) hold the per-pool-dtype choices measured on the H200
+(benchmarks/decode.md), and :func:`decode_tile` picks the op's per call.
 
 Math (V-first state S [V, K], fp32 registers whatever the pool dtype)::
 
@@ -113,23 +113,19 @@ class Tile(NamedTuple):
     lanes: int         # lanes per state row
     load_hint: str     # cache hint of the state's loads: "" (none), "cg", "cs" or "lu"
     store_hint: str    # ... and of its stores: "" (none), "cg" or "cs"
-    prefetch: bool = False  # verify ops: token j + 1's q, k, v and gates load before token j runs
-                            # (no effect on decode: one token)
 
 
 def parse_tile(tile: str) -> Tile:
-    """Tile spec "bv<rows>[w<warps>][l<lanes>][s|p][-mb<n>][-cg|-cs][-l<hint>][-s<hint>]".
+    """Tile spec "bv<rows>[w<warps>][l<lanes>][s][-mb<n>][-cg|-cs][-l<hint>][-s<hint>]".
 
     A warp covers 32 / lanes rows at a time; each thread holds R = rows * lanes / (32 * warps)
-    rows (a power of two) x 128 / lanes columns of the state, at most 64 values. "s" stages q/k
-    in shared memory; "p" (verify ops; decode has one token) loads the next draft token's inputs
-    before the current token's update, so that their latency overlaps it. The cache hints
+    rows (a power of two) x 128 / lanes columns of the state, at most 64 values. The cache hints
     are CUDA's load / store qualifiers on the state's vectors: "-cs" (streaming, evict first) or
     "-cg" (L2 only) for both, or "-l<cg|cs|lu>" and "-s<cg|cs>" apart. E.g. "bv32s-mb8", "bv8w1"
-    (one warp, 8 rows: 16 blocks per head), "bv16l32" (a warp per row), "bv32l16-cs",
-    "bv4w1l32p-cs" (one warp, 4 rows: 32 blocks per head)."""
+    (one warp, 8 rows: 16 blocks per head), "bv16l32" (a warp per row), "bv32l16-cs", "bv8w1l16-cs"
+    (one warp, 8 rows of 16 lanes), "bv4w1l32" (one warp, 4 rows of 32 lanes: 32 blocks per head)."""
     import re
-    m = re.fullmatch(r"bv(4|8|16|32|64)(?:w([124]))?(?:l(8|16|32))?([sp]?)(?:-mb(\d+))?"
+    m = re.fullmatch(r"bv(4|8|16|32|64)(?:w([124]))?(?:l(8|16|32))?(s?)(?:-mb(\d+))?"
                      r"(?:-(cg|cs)|(?:-l(cg|cs|lu))?(?:-s(cg|cs))?)", str(tile))
     ok = bool(m)
     if ok:
@@ -137,12 +133,12 @@ def parse_tile(tile: str) -> Tile:
         per_thread, rem = divmod(rows * lanes, 32 * warps)
         ok = not rem and per_thread in (1, 2, 4, 8, 16) and per_thread * HEAD_DIM // lanes <= _MAX_STATE_REGS
     if not ok:
-        raise ValueError(f"variant tile: expected 'bv<4|8|16|32|64>[w<1|2|4>][l<8|16|32>][s|p][-mb<n>]"
+        raise ValueError(f"variant tile: expected 'bv<4|8|16|32|64>[w<1|2|4>][l<8|16|32>][s][-mb<n>]"
                          f"[-cg|-cs|-l<cg|cs|lu>-s<cg|cs>]' whose threads each hold 1, 2, 4, ... whole "
                          f"rows and at most {_MAX_STATE_REGS} state values (rows * lanes / (32 * warps) "
                          f"rows of 128 / lanes), got {tile!r}")
     return Tile(rows, warps, m.group(4) == "s", int(m.group(5) or 0), lanes,
-                m.group(6) or m.group(7) or "", m.group(6) or m.group(8) or "", m.group(4) == "p")
+                m.group(6) or m.group(7) or "", m.group(6) or m.group(8) or "")
 
 
 # The state's cache-hinted loads and stores (the tile's hints): CUDA's __ld<hint> / __st<hint> on
@@ -180,9 +176,6 @@ QLA_STATE_ST(cs)
 """
 
 
-# Verify (and verify_slots) tiles, measured on the H200 (benchmarks/decode.md, tile sweep of cf11962):
-# no tile beat bv32 by more than 3% for fp32 pools; bv64 for bf16 pools.
-DEFAULT_TILES = {"float32": "bv32", "bfloat16": "bv64"}
 # Decode tiles by rows = sequences x v-heads (host metadata), per pool dtype: ((up to rows, tile),
 # ..., (None, tile)), the first entry that holds. Measured on the H200 (benchmarks/decode.md,
 # "Wider rows and streaming stores", 2026-12-03, beside FlashInfer 0.7.2 in one process): 16 lanes
@@ -202,35 +195,44 @@ DECODE_TILES = {
 # to gdn_layer.DECODE_AFTER_CONV_MAX_ROWS = 256 rows): with bf16 states bv32l16-cs measured slower
 # there than bv64 (2/8 d32, 256 rows: 9.8 against 9.3 us per layer call), the kernel alone not.
 AFTER_CONV_TILES = {"bfloat16": ((128, "bv16l16-cs"), (None, "bv64"))}
+# Verify and verify_slots tiles by rows = sequences x v-heads, both pool dtypes. Measured on the
+# H200 (benchmarks/decode.md, "Verify tiles", 2026-12-03: benchmarks/verify_tiles.py, D = 2 and 4,
+# 2/8 and 16/32 heads): one warp per block of 8 state rows of 16 lanes, streaming hints, was the
+# fastest or within 0.2 us of it on every point, 0.67-1.00x the old bv32 (fp32) / bv64 (bf16)
+# time (e.g. 2/8, 16 requests x 4 drafts, bf16 states: 12.4 -> 9.4 us); the decode's small tile
+# keeps the smallest calls (2/8 one request x 4 drafts: 5.3 against 5.5 us fp32, 5.1 against 5.4 bf16).
+VERIFY_TILES = {pool: ((32, "bv16l16-cs"), (None, "bv8w1l16-cs")) for pool in ("float32", "bfloat16")}
 
 
-def _decode_tile_table(pool_dtype: str, after_conv: bool) -> tuple:
-    table = AFTER_CONV_TILES if after_conv and pool_dtype in AFTER_CONV_TILES else DECODE_TILES
-    return table.get(pool_dtype, ((None, DEFAULT_TILES.get(pool_dtype, "bv32")),))
+def _tile_table(op: str, pool_dtype: str, after_conv: bool) -> tuple:
+    if op != "decode":
+        table = VERIFY_TILES
+    else:
+        table = AFTER_CONV_TILES if after_conv and pool_dtype in AFTER_CONV_TILES else DECODE_TILES
+    # (an unknown pool dtype gets a placeholder here; _check_variant names the argument)
+    return table.get(pool_dtype, ((None, "bv32"),))
 
 
-def decode_tile(pool_dtype: str, rows: int, after_conv: bool = False) -> str:
-    """The decode op's tile for a call of ``rows`` = sequences x v-heads (host metadata): the
-    first entry of DECODE_TILES[pool_dtype] (AFTER_CONV_TILES for the after_conv form) whose
-    row bound holds."""
-    for max_rows, tile in _decode_tile_table(pool_dtype, after_conv):
+def decode_tile(pool_dtype: str, rows: int, after_conv: bool = False, op: str = "decode") -> str:
+    """The op's tile for a call of ``rows`` = sequences x v-heads (host metadata): the first
+    entry of DECODE_TILES[pool_dtype] (AFTER_CONV_TILES for the after_conv form, VERIFY_TILES
+    for verify / verify_slots) whose row bound holds."""
+    for max_rows, tile in _tile_table(op, pool_dtype, after_conv):
         if max_rows is None or rows <= max_rows:
             return tile
-    raise AssertionError(f"decode tile table of {pool_dtype} has no open-ended last entry")
+    raise AssertionError(f"{op} tile table of {pool_dtype} has no open-ended last entry")
 
 
-def decode_tiles(pool_dtype: str, after_conv: bool = False) -> list[str]:
-    """Every tile :func:`decode_tile` can pick for this pool dtype and form (precompile lists
-    them all)."""
-    return [tile for _, tile in _decode_tile_table(pool_dtype, after_conv)]
+def decode_tiles(pool_dtype: str, after_conv: bool = False, op: str = "decode") -> list[str]:
+    """Every tile :func:`decode_tile` can pick for this op, pool dtype and form (precompile
+    lists them all)."""
+    return [tile for _, tile in _tile_table(op, pool_dtype, after_conv)]
 
 
 def default_tile(pool_dtype: str, op: str = "verify", num_v_heads: int = 1, after_conv: bool = False) -> str:
-    """A variant's tile where none is named: the decode op's for one sequence
-    (decode_tile(pool_dtype, num_v_heads)), DEFAULT_TILES for the others."""
-    if op == "decode":
-        return decode_tile(pool_dtype, num_v_heads, after_conv)
-    return DEFAULT_TILES.get(pool_dtype, "bv32")
+    """A variant's tile where none is named: the op's for one sequence
+    (decode_tile(pool_dtype, num_v_heads, after_conv, op))."""
+    return decode_tile(pool_dtype, num_v_heads, after_conv, op)
 
 
 def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
@@ -239,11 +241,11 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
     Matrix: op {decode, verify} x io dtype {bf16, fp16} x pool {fp32, bf16} x gating
     {g/beta fp32, raw a/b in the io dtype with A_log/dt_bias fp32, a/b and A_log/dt_bias in
     the io dtype, a/b and dt_bias in the io dtype with A_log fp32 (SGLang's and vLLM's layers)}
-    x l2norm {off, on} = 64 variants, the decode ones in every tile decode_tile can pick (two per
-    pool dtype: 32 more), the verify ones in DEFAULT_TILES; after_conv decode variants (the
-    layers' decode step) and verify_slots variants (the vLLM layer's spec step), each io x pool x
-    the three raw-gate forms, l2norm on (after_conv in its two tiles: 24, verify_slots 12); plus
-    4 commit variants (pool dtype x num_accepted int32/int64): 136.
+    x l2norm {off, on} = 64 variants, each in every tile decode_tile can pick for its op (two per
+    pool dtype: 64 more); after_conv decode variants (the layers' decode step) and verify_slots
+    variants (the vLLM layer's spec step), each io x pool x the three raw-gate forms, l2norm on,
+    in their two tiles (24 each); plus 4 commit variants (pool dtype x num_accepted
+    int32/int64): 180.
     Other gate dtype combinations and tile overrides (TILE_OVERRIDE) compile on first use
     (JIT, same cache).
     """
@@ -255,7 +257,7 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
                 for gating, ab, param, bias in (("gb", None, None, None), ("ab", io, "float32", None),
                                                 ("ab", io, io, None), ("ab", io, "float32", io)):
                     for l2 in (False, True):
-                        for tile in (decode_tiles(pool) if op == "decode" else (None,)):
+                        for tile in decode_tiles(pool, op=op):
                             out.append(_variant(op, num_v_heads, num_k_heads, io, pool, gating, ab,
                                                 param, l2, tile, bias=bias))
     for io in _IO_DTYPES:  # the engine layers' decode and spec steps: raw gates, in-kernel l2norm
@@ -264,8 +266,9 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
                 for tile in decode_tiles(pool, after_conv=True):
                     out.append(_variant("decode", num_v_heads, num_k_heads, io, pool, "ab", io, param, True,
                                         tile, bias=bias, after_conv=True))
-                out.append(_variant("verify_slots", num_v_heads, num_k_heads, io, pool, "ab", io,
-                                    param, True, bias=bias))
+                for tile in decode_tiles(pool, op="verify_slots"):
+                    out.append(_variant("verify_slots", num_v_heads, num_k_heads, io, pool, "ab", io,
+                                        param, True, tile, bias=bias))
     for pool in _POOL_DTYPES:
         for acc in _ACC_DTYPES:
             out.append(_commit_variant(num_v_heads, pool, acc))
@@ -330,7 +333,7 @@ def _program(variant: dict):
     gdt = variant["ab_dtype"] if fused else "float32"
     prm = variant["param_dtype"] if fused else "float32"
     bias = (variant.get("bias_dtype") or prm) if fused else "float32"
-    BV, W, QK_SMEM, MIN_BLOCKS, LANES, LD_HINT, ST_HINT, PREFETCH = parse_tile(variant["tile"])
+    BV, W, QK_SMEM, MIN_BLOCKS, LANES, LD_HINT, ST_HINT = parse_tile(variant["tile"])
     LD_HINTED, ST_HINTED = bool(LD_HINT), bool(ST_HINT)
     AFTER_CONV = bool(variant.get("after_conv", False))
     COLS = HEAD_DIM // LANES                       # K columns per lane
@@ -362,16 +365,12 @@ def _program(variant: dict):
         return c * CH + lk * VEC + e
 
     @T.macro
-    def load_qk_raw(Q, Kt, tq, hk, lk, qv, kv):
-        # q, k columns of this lane, as stored
+    def load_qk_regs(Q, Kt, tq, hk, lk, qv, kv, scale):
+        # q, k columns of this lane; l2norm over the LANES lanes of the row; scale folded into q.
         for c in T.unroll(NCH):
             for e in T.vectorized(VEC):
                 qv[c * VEC + e] = T.cast(Q[tq, hk, scol(c, lk, e)], f32)
                 kv[c * VEC + e] = T.cast(Kt[tq, hk, scol(c, lk, e)], f32)
-
-    @T.macro
-    def normalize_qk(qv, kv, scale):
-        # l2norm over the LANES lanes of the row; scale folded into q.
         if l2:
             sq = T.alloc_var(f32)
             sk = T.alloc_var(f32)
@@ -391,11 +390,6 @@ def _program(variant: dict):
         else:
             for e in T.unroll(COLS):
                 qv[e] = qv[e] * scale
-
-    @T.macro
-    def load_qk_regs(Q, Kt, tq, hk, lk, qv, kv, scale):
-        load_qk_raw(Q, Kt, tq, hk, lk, qv, kv)
-        normalize_qk(qv, kv, scale)
 
     @T.macro
     def load_qk_smem(Q, Kt, tq, hk, tx, Sq, Sk, scale):
@@ -431,25 +425,24 @@ def _program(variant: dict):
         T.sync_warp()
 
     @T.macro
-    def gates(ga, gb_in, A_log, dt_bias, h, gb):
-        # gb[0] = alpha = exp(g), gb[1] = beta, from this token's a, b (or g, beta): ga(), gb_in()
-        # (callables, so that the loads stay inline in the expressions below)
+    def gates(Ga, Gb, A_log, dt_bias, t, h, gb):
+        # gb[0] = alpha = exp(g), gb[1] = beta
         if fused:
             # (the formulas of log_decay / sigmoid above, written with a let-bound x: the
             # expression helpers inline it, which compiles to different, unvalidated code here)
-            x = T.cast(ga(), f32) + T.cast(dt_bias[h], f32)
+            x = T.cast(Ga[t, h], f32) + T.cast(dt_bias[h], f32)
             sp_ = T.if_then_else(x > 20.0, x, T.log1p(T.exp(x)))
             gb[0] = T.exp(-T.exp(T.cast(A_log[h], f32)) * sp_)
-            gb[1] = 1.0 / (1.0 + T.exp(-T.cast(gb_in(), f32)))
+            gb[1] = 1.0 / (1.0 + T.exp(-T.cast(Gb[t, h], f32)))
         else:
-            gb[0] = T.exp(ga())
-            gb[1] = gb_in()
+            gb[0] = T.exp(Ga[t, h])
+            gb[1] = Gb[t, h]
 
     @T.macro
-    def step(st, qv, kv, Sq, Sk, v_row, Out, t, h, row0, lk, w, gb):
+    def step(st, qv, kv, Sq, Sk, Vt, Out, t, h, row0, lk, w, gb):
         # One token on this thread's R rows: decay, delta rule, output (lane 0 of each row).
         # (q/k element e of this lane: qv[e] / kv[e] in registers, or column scol(e // VEC, lk,
-        # e % VEC) of the warp's staged copy; v_row(r): v of register row r.)
+        # e % VEC) of the warp's staged copy.)
         for r in T.unroll(R):
             d = T.alloc_var(f32)
             d = 0.0
@@ -461,7 +454,7 @@ def _program(variant: dict):
                     d += st[r, e] * kv[e]
             for m in T.unroll(SHUFFLES):
                 d += T.shfl_xor(d, 1 << m)
-            delta = gb[1] * (T.cast(v_row(r), f32) - d)
+            delta = gb[1] * (T.cast(Vt[t, h, srow(row0, r)], f32) - d)
             o = T.alloc_var(f32)
             o = 0.0
             for e in T.unroll(COLS):
@@ -546,58 +539,18 @@ def _program(variant: dict):
             load_qk_smem(Q, Kt, t, h // G, tx, Sq, Sk, scale)
         else:
             load_qk_regs(Q, Kt, t, h // G, lk, qv, kv, scale)
-        gates(lambda: Ga[t, h], lambda: Gb[t, h], A_log, dt_bias, h, gb)
-        step(st, qv, kv, Sq, Sk, lambda r: Vt[t, h, srow(row0, r)], Out, t, h, row0, lk, tx // 32, gb)
-
-    @T.macro
-    def load_token(args, ctx, t, h, nxt):
-        # Token t's inputs as stored (q/k columns of this lane, a and b, v of this thread's
-        # rows) into the registers nxt = (q, k, gates, v): the prefetch tiles' next token.
-        Q, Kt, Vt, Ga, Gb, A_log, dt_bias, Out, scale = args
-        tx, lk, row0, st, qv, kv, Sq, Sk, gb = ctx
-        nq, nk, ng, nv = nxt
-        load_qk_raw(Q, Kt, t, h // G, lk, nq, nk)
-        ng[0] = T.cast(Ga[t, h], f32)
-        ng[1] = T.cast(Gb[t, h], f32)
-        for r in T.unroll(R):
-            nv[r] = T.cast(Vt[t, h, srow(row0, r)], f32)
+        gates(Ga, Gb, A_log, dt_bias, t, h, gb)
+        step(st, qv, kv, Sq, Sk, Vt, Out, t, h, row0, lk, tx // 32, gb)
 
     @T.macro
     def tokens(Pool, src, args, ctx, bos, n, h, Dst, keep, at):
         # A sequence's tokens bos .. bos + n - 1 from the state in pool[src], the state after
         # its token j stored to Dst[at(j) + (h, ...)] where keep(j) holds.
         load_state(Pool, src, h, ctx)
-        if PREFETCH:
-            # token j + 1's loads are issued before token j's update: one load latency per
-            # sequence instead of one per draft token
-            tx, lk, row0, st, qv, kv, Sq, Sk, gb = ctx
-            scale = args[-1]
-            nxt = (T.alloc_local((COLS,), f32), T.alloc_local((COLS,), f32), T.alloc_local((2,), f32),
-                   T.alloc_local((R,), f32))
-            cur_g = T.alloc_local((2,), f32)
-            cur_v = T.alloc_local((R,), f32)
-            if n > 0:
-                load_token(args, ctx, bos, h, nxt)
-            for j in T.serial(n):
-                for e in T.unroll(COLS):
-                    qv[e] = nxt[0][e]
-                    kv[e] = nxt[1][e]
-                cur_g[0] = nxt[2][0]
-                cur_g[1] = nxt[2][1]
-                for r in T.unroll(R):
-                    cur_v[r] = nxt[3][r]
-                if j + 1 < n:
-                    load_token(args, ctx, bos + j + 1, h, nxt)
-                normalize_qk(qv, kv, scale)
-                gates(lambda: cur_g[0], lambda: cur_g[1], args[5], args[6], h, gb)
-                step(st, qv, kv, Sq, Sk, lambda r: cur_v[r], args[7], bos + j, h, row0, lk, tx // 32, gb)
-                if keep(j):
-                    store_state(Dst, at(j), h, ctx)
-        else:
-            for j in T.serial(n):
-                token(args, ctx, bos + j, h)
-                if keep(j):
-                    store_state(Dst, at(j), h, ctx)
+        for j in T.serial(n):
+            token(args, ctx, bos + j, h)
+            if keep(j):
+                store_state(Dst, at(j), h, ctx)
 
     @T.macro
     def zero_rows(Out, bos, n, h, ctx):
@@ -883,11 +836,11 @@ def _check_alignment(vec: int, pool, q, k, inter=None) -> None:
         check_intermediate_alignment(inter)
 
 
-def _lookup(op, q, pool, g, beta, a, b, A_log, dt_bias, l2, after_conv=False):
+def _lookup(op, q, pool, g, beta, a, b, A_log, dt_bias, l2, sequences, after_conv=False):
     pdt = pool.dtype
     tile = TILE_OVERRIDE
-    if tile is None and op == "decode":
-        tile = decode_tile(_TORCH_TO_TL.get(pdt), q.shape[0] * pool.shape[1], after_conv)
+    if tile is None:
+        tile = decode_tile(_TORCH_TO_TL.get(pdt), sequences * pool.shape[1], after_conv, op)
     fused = g is None
     key = (op, q.device, q.dtype, pdt, fused, a.dtype if fused else None,
            A_log.dtype if fused else None, dt_bias.dtype if fused else None, bool(l2), pool.shape[1],
@@ -915,7 +868,7 @@ def decode(q, k, v, pool, slot_ids, *, g, beta, a, b, A_log, dt_bias, use_qk_l2n
     """
     if q.shape[0] == 0:
         return
-    fn = _lookup("decode", q, pool, g, beta, a, b, A_log, dt_bias, use_qk_l2norm, bool(after_conv))
+    fn = _lookup("decode", q, pool, g, beta, a, b, A_log, dt_bias, use_qk_l2norm, q.shape[0], bool(after_conv))
     _check_alignment(4 if pool.dtype == torch.float32 else 8, pool, q, k)
     if g is None:
         fn(q, k, v, a, b, A_log, dt_bias, pool, slot_ids, out, HEAD_DIM ** -0.5 if scale is None else float(scale))
@@ -939,7 +892,7 @@ def verify(q, k, v, pool, slot_ids, cu_seqlens, intermediate, intermediate_ids, 
         return
     if intermediate.dtype != pool.dtype:
         raise TypeError(f"intermediate: expected the pool dtype {pool.dtype}, got {intermediate.dtype}")
-    fn = _lookup("verify", q, pool, g, beta, a, b, A_log, dt_bias, use_qk_l2norm)
+    fn = _lookup("verify", q, pool, g, beta, a, b, A_log, dt_bias, use_qk_l2norm, slot_ids.shape[0])
     _check_alignment(4 if pool.dtype == torch.float32 else 8, pool, q, k, intermediate)
     s = HEAD_DIM ** -0.5 if scale is None else float(scale)
     if g is None:
@@ -961,7 +914,8 @@ def verify_slots(q, k, v, pool, spec_slot_ids, num_accepted, cu_seqlens, *, a, b
     """
     if spec_slot_ids.shape[0] == 0:
         return
-    fn = _lookup("verify_slots", q, pool, None, None, a, b, A_log, dt_bias, use_qk_l2norm)
+    fn = _lookup("verify_slots", q, pool, None, None, a, b, A_log, dt_bias, use_qk_l2norm,
+                 spec_slot_ids.shape[0])
     _check_alignment(4 if pool.dtype == torch.float32 else 8, pool, q, k)
     fn(q, k, v, a, b, A_log, dt_bias, pool, spec_slot_ids, num_accepted, cu_seqlens, out,
        HEAD_DIM ** -0.5 if scale is None else float(scale))
