@@ -197,11 +197,11 @@ DECODE_TILES = {
 AFTER_CONV_TILES = {"bfloat16": ((128, "bv16l16-cs"), (None, "bv64"))}
 # Verify and verify_slots tiles by rows = sequences x v-heads, both pool dtypes. Measured on the
 # H200 (benchmarks/decode.md, "Verify tiles", 2026-12-03: benchmarks/verify_tiles.py, D = 2 and 4,
-# 2/8 and 16/32 heads): one warp per block of 8 state rows of 16 lanes, streaming hints, was the
-# fastest or within 0.2 us of it on every point, 0.67-1.00x the old bv32 (fp32) / bv64 (bf16)
-# time (e.g. 2/8, 16 requests x 4 drafts, bf16 states: 12.4 -> 9.4 us); the decode's small tile
-# keeps the smallest calls (2/8 one request x 4 drafts: 5.3 against 5.5 us fp32, 5.1 against 5.4 bf16).
-VERIFY_TILES = {pool: ((32, "bv16l16-cs"), (None, "bv8w1l16-cs")) for pool in ("float32", "bfloat16")}
+# 2/8 and 16/32 heads, ten tiles): from 128 rows one warp per block of 8 state rows of 16 lanes
+# with streaming hints was the fastest or close to it (2/8, 16 requests x 4 drafts, bf16 states:
+# 9.4 us against 12.1 on bv32 / 12.4 on bv64, the old defaults); up to 64 rows the decode's small
+# tile, 0.1-0.3 us ahead of it (2/8 one request x 4 drafts, fp32: 5.3 against 5.5, bv32 6.2).
+VERIFY_TILES = {pool: ((64, "bv16l16-cs"), (None, "bv8w1l16-cs")) for pool in ("float32", "bfloat16")}
 
 
 def _tile_table(op: str, pool_dtype: str, after_conv: bool) -> tuple:
