@@ -372,7 +372,7 @@ def check_decode_args(q, k, v, pool, slot_ids, *, g=None, beta=None, a=None, b=N
 
 def gdn_verify(q, k, v, pool, slot_ids, cu_seqlens, intermediate, intermediate_ids, *,
                g=None, beta=None, a=None, b=None, A_log=None, dt_bias=None,
-               use_qk_l2norm=False, scale=None, out=None):
+               use_qk_l2norm=False, scale=None, out=None, _after_conv=False):
     """Speculative verify: several draft tokens per sequence, the main slot left untouched.
 
     Args:
@@ -382,6 +382,8 @@ def gdn_verify(q, k, v, pool, slot_ids, cu_seqlens, intermediate, intermediate_i
             sequence i is written to ``intermediate[intermediate_ids[i], j]`` (j < D).
         intermediate_ids: [N]; < 0 is padding.
         Gating as in :func:`gdn_decode`.
+        _after_conv: internal (backends/sglang/verify_layer): q/k/v come from the
+            layer_ops.causal_conv_verify launch just before on this stream (as gdn_decode's).
     Returns:
         o [T, Hv, 128]. Commit the accepted step with :func:`commit_verified`.
     """
@@ -400,7 +402,7 @@ def gdn_verify(q, k, v, pool, slot_ids, cu_seqlens, intermediate, intermediate_i
     cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
     _run("verify", dev, q.dtype, q, k, v, pool, V.int32_index(slot_ids, dev), cu,
          intermediate, V.int32_index(intermediate_ids, dev), g=g, beta=beta, a=a, b=b, A_log=A_log,
-         dt_bias=dt_bias, use_qk_l2norm=l2, scale=s, out=out)
+         dt_bias=dt_bias, use_qk_l2norm=l2, scale=s, out=out, after_conv=bool(_after_conv))
     return out
 
 

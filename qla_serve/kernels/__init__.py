@@ -14,7 +14,7 @@ fallback only prefill and decode, ops.FLA_OPS: the others take the reference pat
     decode(q, k, v, pool, slot_ids, *, g, beta, a, b, A_log, dt_bias, use_qk_l2norm, scale, out,
            after_conv=False)    # after_conv: see hopper/decode.decode (a launch form only)
     verify(q, k, v, pool, slot_ids, cu_seqlens, intermediate, intermediate_ids, *, g, beta,
-           a, b, A_log, dt_bias, use_qk_l2norm, scale, out)
+           a, b, A_log, dt_bias, use_qk_l2norm, scale, out, after_conv=False)   # (as decode's)
 
 and a TileLang module also ``kernel_variants(num_v_heads, num_k_heads) -> list[dict]`` and
 ``build(variant, target)`` so deployments can compile every variant ahead of time.

@@ -396,9 +396,10 @@ def decode(q, k, v, pool, slot_ids, *, g, beta, a, b, A_log, dt_bias, use_qk_l2n
 
 
 def verify(q, k, v, pool, slot_ids, cu_seqlens, intermediate, intermediate_ids, *, g, beta,
-           a, b, A_log, dt_bias, use_qk_l2norm, scale, out):
+           a, b, A_log, dt_bias, use_qk_l2norm, scale, out, after_conv=False):
     """Speculative verify: the state after token j of sequence i goes to
     ``intermediate[intermediate_ids[i], j]`` ([S', D, Hv, V, K]); the pool is only read.
+    ``after_conv`` (the TileLang kernel's launch form) changes nothing here.
 
     Sequences whose slot or intermediate id is < 0 are padding: zero output, nothing written.
     """

@@ -33,10 +33,11 @@ def test_conv_variant_compiles(variant, target):
         assert f"float win[{3 + variant['draft']}];" in src   # history + D draft inputs in registers
     if variant["op"] == "conv_verify":   # SGLang's per-draft window scratch, any strides
         assert "int si0, int si1, int si2, int si3" in src
-    # conv_decode and conv_prefill let the kernel launched as their programmatic dependent (decode;
-    # the conv-state write-back's after_conv form) start early; that one waits before it reads
-    # (decode) or writes (the write-back) what the conv touches
+    # conv_decode, conv_verify and conv_prefill let the kernel launched as their programmatic
+    # dependent (decode; verify; the conv-state write-back's after_conv form) start early; that one
+    # waits before it reads (decode, verify) or writes (the write-back) what the conv touches
     assert ("cudaTriggerProgrammaticLaunchCompletion();" in src) == (variant["op"] in ("conv_decode",
+                                                                                        "conv_verify",
                                                                                         "conv_prefill"))
     assert ("cudaGridDependencySynchronize();" in src) == bool(variant.get("after_conv"))
 

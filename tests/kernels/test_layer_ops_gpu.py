@@ -270,6 +270,83 @@ def test_decode_after_conv_matches_the_plain_launch(B, pool_dtype, monkeypatch):
     assert not torch.equal(caches[True][1][live], before[1][live])   # the step did run
 
 
+@pytest.mark.parametrize("N,D", [(1, 2), (6, 4), (40, 3)])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_verify_after_conv_matches_the_plain_launch(N, D, pool_dtype):
+    """SGLang's verify step: gdn_verify launched as conv_verify's programmatic dependent
+    (decode.py after_conv: ids and states loaded while the conv runs, q/k/v read after it) gives
+    bit-for-bit what the plain launch gives, eagerly and over 3 replays of a captured graph with
+    fresh inputs each (a read of q/k/v before the conv finished would differ); padded requests
+    (slot -1) get zero outputs, the main SSM slots and the scratch rows the batch does not own
+    stay untouched. 40 requests x 8 v-heads take verify's other tile (decode.VERIFY_TILES)."""
+    import qla_serve
+
+    gen = torch.Generator().manual_seed(100 + N)
+    hk, hv, W, S = 2, 8, 4, N + 6
+    dim = (2 * hk + hv) * HEAD
+    w, bv = _weights(dim, W, torch.bfloat16, gen, True)
+    A_log = (torch.rand(hv, generator=gen) - 1.0).cuda()
+    dt_bias = (torch.randn(hv, generator=gen) * 0.1).to("cuda", torch.bfloat16)     # SGLang's dtypes
+    ids = torch.randperm(S, generator=gen)[:N].to(torch.int32)
+    if N > 1:
+        ids[N // 2] = -1
+    ids, wid = ids.cuda(), torch.randperm(S, generator=gen)[:N].to(torch.int32).cuda()
+    cu = torch.arange(0, N * D + 1, D, dtype=torch.int32, device="cuda")
+    x = torch.empty(N * D, dim, dtype=torch.bfloat16, device="cuda")
+    a, b = (torch.empty(N * D, hv, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    caches = {}
+    for after in (False, True):
+        cgen = torch.Generator().manual_seed(7)
+        caches[after] = (_conv_cache(S, dim, W - 1, torch.bfloat16, "dim_first", cgen),
+                         torch.randn(S, D, dim, W - 1, generator=cgen).to("cuda", torch.bfloat16),
+                         (torch.randn(S, hv, HEAD, HEAD, generator=cgen) * 0.1).to("cuda", pool_dtype),
+                         torch.randn(S, D, hv, HEAD, HEAD, generator=cgen).to("cuda", pool_dtype),
+                         torch.empty(N * D, dim, dtype=torch.bfloat16, device="cuda"),
+                         torch.empty(N * D, hv, HEAD, dtype=torch.bfloat16, device="cuda"))
+    before = [c.clone() for c in caches[True][:4]]
+
+    def layer(after):
+        cs, windows, pool, inter, y, out = caches[after]
+        layer_ops.causal_conv_verify(x, cs, ids, windows, wid, conv_weight=w, conv_bias=bv, num_v_heads=hv,
+                                     draft=D, out=y)
+        heads = y.view(N * D, 2 * hk + hv, HEAD)
+        qla_serve.gdn_verify(heads[:, :hk], heads[:, hk:2 * hk], heads[:, 2 * hk:], pool, ids, cu, inter, wid,
+                             a=a, b=b, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm=True, out=out,
+                             _after_conv=after)
+
+    def fresh_inputs():
+        x.copy_(torch.randn(N * D, dim, generator=gen).to("cuda", torch.bfloat16))
+        a.copy_(torch.randn(N * D, hv, generator=gen).to("cuda", torch.bfloat16))
+        b.copy_(torch.randn(N * D, hv, generator=gen).to("cuda", torch.bfloat16))
+
+    fresh_inputs()
+    for after in (False, True):   # eager (also compiles)
+        layer(after)
+    graphs = {}
+    for after in (False, True):
+        graphs[after] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[after]):
+            layer(after)
+    for _ in range(3):
+        fresh_inputs()
+        for after in (False, True):
+            graphs[after].replay()
+    torch.cuda.synchronize()
+    for name, got, want in zip(("conv state", "windows", "pool", "intermediate", "y", "out"),
+                               caches[True], caches[False]):
+        assert torch.equal(got, want), name
+    out = caches[True][5]
+    assert torch.isfinite(out.float()).all()
+    pad = (ids < 0).nonzero().flatten().tolist()
+    for i in pad:
+        assert (out[i * D:(i + 1) * D] == 0).all(), "padded request"
+    assert torch.equal(caches[True][2], before[2]), "verify must not write the main SSM slots"
+    owned = torch.zeros(S, dtype=torch.bool, device="cuda")
+    owned[wid[ids >= 0].long()] = True
+    assert torch.equal(caches[True][3][~owned], before[3][~owned]), "scratch rows outside the batch"
+    assert not torch.equal(caches[True][3][owned], before[3][owned])   # the step did run
+
+
 @pytest.mark.parametrize("D,dtype,bias", [(2, torch.bfloat16, False), (4, torch.bfloat16, True),
                                           (3, torch.float16, True)])
 def test_conv_verify_matches_reference(D, dtype, bias):

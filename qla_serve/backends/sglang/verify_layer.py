@@ -23,6 +23,11 @@ import qla_serve
 from qla_serve import layer_ops
 from qla_serve.backends.gdn_layer import HEAD_DIM
 
+# The verify launched as the conv's programmatic dependent (kernels/hopper/decode.verify's
+# after_conv): its blocks load their ids and states while the conv runs. Off: two plain launches
+# (benchmarks/sglang_verify.py --ab times both).
+AFTER_CONV = True
+
 
 @dataclasses.dataclass(eq=False)
 class VerifyStep:
@@ -61,7 +66,8 @@ def forward_verify(backend, layer, forward_batch, mixed_qkv: torch.Tensor, a: to
     out = torch.empty(1, N * D, Hv, HEAD_DIM, dtype=mixed_qkv.dtype, device=mixed_qkv.device)
     qla_serve.gdn_verify(heads[:, :Hk], heads[:, Hk:2 * Hk], heads[:, 2 * Hk:], cache.temporal, step.slot_ids,
                          step.cu_seqlens, cache.intermediate_ssm, step.window_ids, a=a, b=b, A_log=layer.A_log,
-                         dt_bias=layer.dt_bias, use_qk_l2norm=True, scale=layer.head_k_dim ** -0.5, out=out[0])
+                         dt_bias=layer.dt_bias, use_qk_l2norm=True, scale=layer.head_k_dim ** -0.5, out=out[0],
+                         _after_conv=AFTER_CONV)
     return out
 
 

@@ -386,6 +386,10 @@ def _verify_program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_
         Y: T.StridedTensor((Tv, DIM), (sy0, 1), io),
     ):
         with T.Kernel(N, NH, threads=HEAD_DIM) as (s, hb):
+            # A verify launched as this grid's programmatic dependent (decode.py's after_conv
+            # form) may start now: it loads its states while this runs and waits for this grid
+            # to finish before it reads Y.
+            T.pdl_trigger()
             c = hb * HEAD_DIM + T.get_thread_binding()
             slot = Slots[s]
             wid = WindowIds[s]

@@ -86,15 +86,16 @@ def _variant(op: str, hv: int, hk: int, io: str, pool: str, gating: str, ab: str
 
     ``param`` is A_log's dtype and ``bias`` dt_bias's (default: A_log's; SGLang keeps A_log in
     fp32 beside a bf16 dt_bias). ``tile`` (see :func:`parse_tile`) defaults to the choice for
-    the op and pool dtype (:func:`default_tile`). ``after_conv`` (decode only): the layer's
-    form, launched as the programmatic dependent of its conv_decode launch (:func:`decode`).
+    the op and pool dtype (:func:`default_tile`). ``after_conv`` (decode and verify): the layers'
+    form, launched as the programmatic dependent of its conv launch (conv_decode before
+    :func:`decode`, conv_verify before :func:`verify`).
     """
     tile = tile or default_tile(pool, op, hv, after_conv)
     parse_tile(tile)
     bias = bias or param
     gate = "gb" if gating == "gb" else f"ab-{ab}-{param}" + (f"-{bias}" if bias != param else "")
-    if after_conv and op != "decode":
-        raise ValueError(f"after_conv: only the decode op has that form, got op {op!r}")
+    if after_conv and op not in ("decode", "verify"):
+        raise ValueError(f"after_conv: only the decode and verify ops have that form, got op {op!r}")
     name = f"gdn_{op}_hv{hv}_hk{hk}_{io}_pool-{pool}_{gate}_l2{int(l2norm)}_{tile}" + ("_pdl" if after_conv else "")
     v = {"name": name, "op": op, "num_v_heads": hv, "num_k_heads": hk, "io_dtype": io,
          "pool_dtype": pool, "gating": gating, "ab_dtype": ab, "param_dtype": param,
@@ -242,10 +243,10 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
     {g/beta fp32, raw a/b in the io dtype with A_log/dt_bias fp32, a/b and A_log/dt_bias in
     the io dtype, a/b and dt_bias in the io dtype with A_log fp32 (SGLang's and vLLM's layers)}
     x l2norm {off, on} = 64 variants, each in every tile decode_tile can pick for its op (two per
-    pool dtype: 64 more); after_conv decode variants (the layers' decode step) and verify_slots
-    variants (the vLLM layer's spec step), each io x pool x the three raw-gate forms, l2norm on,
-    in their two tiles (24 each); plus 4 commit variants (pool dtype x num_accepted
-    int32/int64): 180.
+    pool dtype: 64 more); after_conv decode variants (the layers' decode step), verify_slots
+    variants (the vLLM layer's spec step) and after_conv verify variants (the SGLang layer's
+    verify step), each io x pool x the three raw-gate forms, l2norm on, in their two tiles (24
+    each); plus 4 commit variants (pool dtype x num_accepted int32/int64): 204.
     Other gate dtype combinations and tile overrides (TILE_OVERRIDE) compile on first use
     (JIT, same cache).
     """
@@ -269,6 +270,9 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
                 for tile in decode_tiles(pool, op="verify_slots"):
                     out.append(_variant("verify_slots", num_v_heads, num_k_heads, io, pool, "ab", io,
                                         param, True, tile, bias=bias))
+                for tile in decode_tiles(pool, op="verify"):    # SGLang's verify step (after its conv)
+                    out.append(_variant("verify", num_v_heads, num_k_heads, io, pool, "ab", io, param, True,
+                                        tile, bias=bias, after_conv=True))
     for pool in _POOL_DTYPES:
         for acc in _ACC_DTYPES:
             out.append(_commit_variant(num_v_heads, pool, acc))
@@ -547,6 +551,9 @@ def _program(variant: dict):
         # A sequence's tokens bos .. bos + n - 1 from the state in pool[src], the state after
         # its token j stored to Dst[at(j) + (h, ...)] where keep(j) holds.
         load_state(Pool, src, h, ctx)
+        if AFTER_CONV:
+            # the conv launch before this one writes q/k/v (see gdn_decode below)
+            T.pdl_sync()
         for j in T.serial(n):
             token(args, ctx, bos + j, h)
             if keep(j):
@@ -653,6 +660,8 @@ def _program(variant: dict):
                 tokens(Pool, slot, (Q, Kt, Vt, Ga, Gb, A_log, dt_bias, Out, scale), ctx, bos, n, h,
                        Inter, lambda j: j < D, lambda j: (iid, j))
             else:
+                if AFTER_CONV:
+                    T.pdl_sync()     # (as gdn_decode's padded rows)
                 zero_rows(Out, bos, n, h, ctx)
 
     return gdn_verify
@@ -877,7 +886,7 @@ def decode(q, k, v, pool, slot_ids, *, g, beta, a, b, A_log, dt_bias, use_qk_l2n
 
 
 def verify(q, k, v, pool, slot_ids, cu_seqlens, intermediate, intermediate_ids, *, g, beta, a, b,
-           A_log, dt_bias, use_qk_l2norm, scale, out):
+           A_log, dt_bias, use_qk_l2norm, scale, out, after_conv=False):
     """Speculative verify: per sequence i, tokens cu_seqlens[i]:cu_seqlens[i+1] from the state in
     ``pool[slot_ids[i]]`` (only read); the state after token j goes to
     ``intermediate[intermediate_ids[i], j]`` ([S', D, Hv, 128, 128], pool dtype).
@@ -887,12 +896,17 @@ def verify(q, k, v, pool, slot_ids, cu_seqlens, intermediate, intermediate_ids, 
     A sequence with slot or intermediate id < 0 is padding: zero output, nothing written.
     Sequence lengths must not exceed D (ops' contract); longer ones get outputs for every
     token but intermediate states for the first D only (never a write out of bounds).
+    after_conv: this launch directly follows, on the same stream, the conv_verify launch that
+    wrote q/k/v (the SGLang layer's verify step), as :func:`decode`'s after_conv: its blocks load
+    their ids and states while the conv runs. The ids, cu_seqlens, the pool and the gates must
+    not be written by that conv launch, nor by anything still running before it.
     """
     if slot_ids.shape[0] == 0:
         return
     if intermediate.dtype != pool.dtype:
         raise TypeError(f"intermediate: expected the pool dtype {pool.dtype}, got {intermediate.dtype}")
-    fn = _lookup("verify", q, pool, g, beta, a, b, A_log, dt_bias, use_qk_l2norm, slot_ids.shape[0])
+    fn = _lookup("verify", q, pool, g, beta, a, b, A_log, dt_bias, use_qk_l2norm, slot_ids.shape[0],
+                 bool(after_conv))
     _check_alignment(4 if pool.dtype == torch.float32 else 8, pool, q, k, intermediate)
     s = HEAD_DIM ** -0.5 if scale is None else float(scale)
     if g is None:
