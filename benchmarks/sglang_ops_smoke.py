@@ -19,6 +19,7 @@ from sglang.kernels.ops.attention.triton_gdn_fused_proj import (
     fused_qkvzba_split_reshape_cat_contiguous,
 )
 from sglang.kernels.ops.mamba.causal_conv1d_triton import PAD_SLOT_ID, causal_conv1d_update
+from smoke_check import Checks  # benchmarks/smoke_check.py, beside this script
 
 print("torch", torch.__version__, torch.version.cuda, "triton", triton.__version__,
       torch.cuda.get_device_name(0), "pdl", is_arch_support_pdl(), "PAD_SLOT_ID", PAD_SLOT_ID,
@@ -27,15 +28,9 @@ torch.manual_seed(0)
 dev, bf = "cuda", torch.bfloat16
 H, HV, K, V, W, S, B = 2, 4, 128, 128, 4, 8, 5   # TP-local k heads, v heads, dims, conv width, slots, batch
 dim = 2 * H * K + HV * V                          # conv dim = qkv_dim
-ok = True
 
 
-def check(name, a, b, tol):
-    global ok
-    err = (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
-    good = err <= tol
-    ok &= good
-    print(f"{'ok ' if good else 'BAD'} {name}: max|diff|={err:.3e} (tol {tol})")
+check = Checks()
 
 
 def ref_conv_update(x, state, w, bias):
@@ -159,5 +154,4 @@ untouched = [s for s in range(S) if s not in idx.tolist()]
 check("packed_decode other slots untouched", ssm[untouched], ssm0[untouched], 0)
 
 torch.cuda.synchronize()
-print("SMOKE", "PASS" if ok else "FAIL")
-sys.exit(0 if ok else 1)
+check.exit()

@@ -16,6 +16,7 @@ from vllm.third_party.flash_linear_attention.ops import (
 )
 from vllm.third_party.flash_linear_attention.ops.chunk import l2norm_fwd
 from vllm.third_party.flash_linear_attention.ops import utils as fla_utils
+from smoke_check import Checks  # benchmarks/smoke_check.py, beside this script
 
 print("torch", torch.__version__, torch.version.cuda, "triton", triton.__version__,
       torch.cuda.get_device_name(0), "pdl", current_platform.is_arch_support_pdl(),
@@ -25,15 +26,9 @@ dev = "cuda"
 bf = torch.bfloat16
 H, HV, K, V, W, S = 2, 4, 128, 128, 4, 8
 dim = 2 * H * K + HV * V
-ok = True
 
 
-def check(name, a, b, tol):
-    global ok
-    err = (a.float() - b.float()).abs().max().item()
-    good = err <= tol
-    ok &= good
-    print(f"{'ok ' if good else 'BAD'} {name}: max|diff|={err:.3e} (tol {tol})")
+check = Checks()
 
 
 def ref_conv(x, w, state, init):  # x [T, dim], w [dim, W], state [dim, W-1]
@@ -159,5 +154,4 @@ for n, s in enumerate(idx.tolist()):
 untouched = [s for s in range(S) if s not in idx.tolist()]
 check("decode other slots untouched", ssm[untouched], ssm0[untouched], 0)
 torch.cuda.synchronize()
-print("SMOKE", "PASS" if ok else "FAIL")
-sys.exit(0 if ok else 1)
+check.exit()
