@@ -152,25 +152,27 @@ def check(hk, hv, N, D, state_dtype, kernel) -> dict:
 
 
 def time_point(hk, hv, N, D, state_dtype, layers, reps, kernel, ab=False) -> dict:
-    """GPU and host us of each route; ``ab``: also ``qla_plain``, the takeover with the verify
-    launched plainly after the conv (verify_layer.AFTER_CONV off)."""
+    """GPU and host us of each route; ``ab``: also ``qla_pdl`` and ``qla_plain``, the takeover with
+    the verify launched as the conv's dependent at every batch and never
+    (verify_layer.AFTER_CONV_MAX_ROWS; ``qla`` takes its default)."""
     gen = torch.Generator().manual_seed(2)
     x, a, b, meta, fb = make_batch(hk, hv, N, D, gen)
     rec = {}
-    for impl in ("qla", "qla_plain", "sglang_qla", "sglang") if ab else ("qla", "sglang_qla", "sglang"):
+    for impl in ("qla", "qla_pdl", "qla_plain", "sglang_qla", "sglang") if ab else ("qla", "sglang_qla", "sglang"):
         fns = []
         for _ in range(layers):
             cache, layer = make_layer(hk, hv, N, D, state_dtype, gen)
             fns.append(qla_call(cache, layer, x, a, b, meta, fb, N) if impl.startswith("qla")
                        else sglang_qla_call(cache, layer, x, a, b, meta, N, D, kernel) if impl == "sglang_qla"
                        else sglang_call(cache, layer, x, a, b, meta, N, D))
-        verify_layer.AFTER_CONV = impl != "qla_plain"
+        default = verify_layer.AFTER_CONV_MAX_ROWS
+        verify_layer.AFTER_CONV_MAX_ROWS = {"qla_pdl": 1 << 30, "qla_plain": 0}.get(impl, default)
         try:
             fns[0]()          # the step's first layer: qla derives the batch's ids here (once per step)
             gpu = bdec._graph_time_us(torch, fns, reps)
             host = statistics.median(bdec._host_time_us(torch, fns[1], 20) for _ in range(3))
         finally:
-            verify_layer.AFTER_CONV = True
+            verify_layer.AFTER_CONV_MAX_ROWS = default
         rec[impl] = {"gpu_us": round(gpu, 2), "host_issue_us": round(host, 1)}
     for impl in ("sglang_qla", "sglang"):
         rec[f"qla_over_{impl}"] = round(rec["qla"]["gpu_us"] / rec[impl]["gpu_us"], 3)
@@ -186,8 +188,8 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--json", default=None)
-    p.add_argument("--ab", action="store_true", help="also time the takeover with its verify launched plainly "
-                                                     "after the conv (qla_plain)")
+    p.add_argument("--ab", action="store_true", help="also time the takeover with its verify launched as the "
+                                                     "conv's dependent always (qla_pdl) and never (qla_plain)")
     args = p.parse_args()
     kernel = FlashQLAGDNKernel(("verify",))
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -209,8 +211,9 @@ def main() -> int:
                           f"{t['qla']['host_issue_us']:.0f} / {t['sglang_qla']['host_issue_us']:.0f} / "
                           f"{t['sglang']['host_issue_us']:.0f} | {ck['o_rel']:.1e} / {ck['states_rel']:.1e} / "
                           f"{ck['windows_equal']} / {ck['conv_equal']} | {ck['own_o_rel']:.1e} / "
-                          f"{ck['own_states_rel']:.1e} |" + (f" qla_plain {t['qla_plain']['gpu_us']:.1f}"
-                                                              if args.ab else ""), flush=True)
+                          f"{ck['own_states_rel']:.1e} |" + (f" qla_pdl {t['qla_pdl']['gpu_us']:.1f} qla_plain "
+                                                              f"{t['qla_plain']['gpu_us']:.1f}" if args.ab else ""),
+                          flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(0), "commit": _commit(), "rows": rows}, f, indent=1)

@@ -24,9 +24,12 @@ from qla_serve import layer_ops
 from qla_serve.backends.gdn_layer import HEAD_DIM
 
 # The verify launched as the conv's programmatic dependent (kernels/hopper/decode.verify's
-# after_conv): its blocks load their ids and states while the conv runs. Off: two plain launches
-# (benchmarks/sglang_verify.py --ab times both).
-AFTER_CONV = True
+# after_conv: its blocks load their ids and states while the conv runs) where requests x v-heads
+# <= this; above, two plain launches. Measured on the H200 (benchmarks/layer.md, "SGLang's
+# target-verify step", `sglang_verify.py --ab`): up to 64 rows 0.2-0.6 us faster per layer call
+# (2/8, one request x 2 drafts: 4.6 against 5.2 us), from 256 rows level with fp32 states and
+# 5-14% slower with bf16 states (2/8, 128 x 4: 65.2 against 57.1 us).
+AFTER_CONV_MAX_ROWS = 64
 
 
 @dataclasses.dataclass(eq=False)
@@ -67,7 +70,7 @@ def forward_verify(backend, layer, forward_batch, mixed_qkv: torch.Tensor, a: to
     qla_serve.gdn_verify(heads[:, :Hk], heads[:, Hk:2 * Hk], heads[:, 2 * Hk:], cache.temporal, step.slot_ids,
                          step.cu_seqlens, cache.intermediate_ssm, step.window_ids, a=a, b=b, A_log=layer.A_log,
                          dt_bias=layer.dt_bias, use_qk_l2norm=True, scale=layer.head_k_dim ** -0.5, out=out[0],
-                         _after_conv=AFTER_CONV)
+                         _after_conv=N * Hv <= AFTER_CONV_MAX_ROWS)
     return out
 
 
