@@ -196,6 +196,25 @@ def test_conv_decode_captures_in_a_graph():
     assert _rel(y, want) < 4e-3 and _rel(cs, ref_cs) < 4e-3
 
 
+def _both_launch_forms(layer, fresh_inputs):
+    """Run ``layer(after)`` for the plain (False) and the dependent (True) launch form: once
+    eagerly (also compiles), then 3 replays of a captured graph of each, fresh inputs before each
+    round; synchronised at the end."""
+    fresh_inputs()
+    for after in (False, True):
+        layer(after)
+    graphs = {}
+    for after in (False, True):
+        graphs[after] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[after]):
+            layer(after)
+    for _ in range(3):
+        fresh_inputs()
+        for after in (False, True):
+            graphs[after].replay()
+    torch.cuda.synchronize()
+
+
 @pytest.mark.parametrize("B", [1, 7, 256])
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
 def test_decode_after_conv_matches_the_plain_launch(B, pool_dtype, monkeypatch):
@@ -246,19 +265,7 @@ def test_decode_after_conv_matches_the_plain_launch(B, pool_dtype, monkeypatch):
         a.copy_(torch.randn(B, hv, generator=gen).to("cuda", torch.bfloat16))
         b.copy_(torch.randn(B, hv, generator=gen).to("cuda", torch.bfloat16))
 
-    fresh_inputs()
-    for after in (False, True):   # eager (also compiles)
-        layer(after)
-    graphs = {}
-    for after in (False, True):
-        graphs[after] = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graphs[after]):
-            layer(after)
-    for _ in range(3):
-        fresh_inputs()
-        for after in (False, True):
-            graphs[after].replay()
-    torch.cuda.synchronize()
+    _both_launch_forms(layer, fresh_inputs)
     for name, got, want in zip(("conv state", "pool", "y", "out"), caches[True], caches[False]):
         assert torch.equal(got, want), name
     assert torch.isfinite(caches[True][3].float()).all()
@@ -319,19 +326,7 @@ def test_verify_after_conv_matches_the_plain_launch(N, D, pool_dtype):
         a.copy_(torch.randn(N * D, hv, generator=gen).to("cuda", torch.bfloat16))
         b.copy_(torch.randn(N * D, hv, generator=gen).to("cuda", torch.bfloat16))
 
-    fresh_inputs()
-    for after in (False, True):   # eager (also compiles)
-        layer(after)
-    graphs = {}
-    for after in (False, True):
-        graphs[after] = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graphs[after]):
-            layer(after)
-    for _ in range(3):
-        fresh_inputs()
-        for after in (False, True):
-            graphs[after].replay()
-    torch.cuda.synchronize()
+    _both_launch_forms(layer, fresh_inputs)
     for name, got, want in zip(("conv state", "windows", "pool", "intermediate", "y", "out"),
                                caches[True], caches[False]):
         assert torch.equal(got, want), name
