@@ -22,7 +22,8 @@
 #              head pairs, FLA at 2/8 and 16/64); supersedes prefill_2-8_h200.json: delete that one
 #   check      prefill_check_h200.json (bench prefill --check at 2/8 and 16/64: o and final states
 #              against FLA and FlashQLA)
-#   decode     decode_h200.json, decode_h200.png (bench decode with the tile sweep)
+#   decode     decode_h200.json, decode_h200.png (bench decode with the tile sweep),
+#              verify_tiles_h200.json (benchmarks/verify_tiles.py: verify and verify_slots in ten tiles)
 #   flashinfer prefill_flashinfer_h200.json, decode_flashinfer_h200.json (bench prefill and bench
 #              decode beside FlashInfer 0.7.2, --check; needs .fibundle as the layer part does)
 #   layer      layer_h200.json, layer_h200.png (bench layer --check, every default row)
@@ -144,7 +145,8 @@ if want decode; then
   step "bench decode" $T python -m qla_serve.cli bench decode --out /tmp/decode_out \
     --tiles bv32,bv64,bv32s-mb8,bv64s-mb5,bv8w1,bv16w2,bv8w1s-mb32
   cp /tmp/decode_out/results.json "$out/decode_h200.json"; cp /tmp/decode_out/decode.png "$out/decode_h200.png"
-  stamp "$out/decode_h200.json"
+  step "verify tiles" $T python benchmarks/verify_tiles.py --json "$out/verify_tiles_h200.json"
+  stamp "$out/decode_h200.json" "$out/verify_tiles_h200.json"
 fi
 
 if want flashinfer; then
