@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check", action="store_true",
                    help="also compare qla-fused with flashinfer (outputs, new states) on slot set 0")
     p.add_argument("--tiles", default="", help="also time qla-fused with these kernel tiles "
-                   "(e.g. bv32,bv64,bv32s-mb8; see qla_serve.kernels.hopper.decode.parse_tile)")
+                   "(e.g. bv32,bv64,bv32s-mb8; see qla_serve.kernels.hopper.decode_tiles.parse_tile)")
     p.add_argument("--replays", type=int, default=15, help="graph replays (median taken)")
     p.add_argument("--host-calls", type=int, default=100, help="eager calls for host time")
     p.add_argument("--out", default="bench_out/decode", help="output directory")

@@ -4,11 +4,15 @@
   strategies it implements are in ``SUPPORTED_STRATEGIES`` (the planner picks only those).
 * prefill_inputs (prefill_inputs.py): a prefill step's L2-normalised q/k and gates from raw
   a, b in one launch (what the engines' layers hand over, made into what prefill takes).
-* decode / verify / verify_slots / commit_verified (decode.py): single-token and
-  speculative-verify steps (verify_slots: states straight into per-token pool slots).
+* decode / verify / verify_slots / commit_verified (decode.py; its tiles in decode_tiles.py):
+  single-token and speculative-verify steps (verify_slots: states straight into per-token pool
+  slots).
 * conv_prefill / conv_decode / conv_spec / conv_verify (conv.py; conv_prefill's program in conv_prefill.py): the GDN layer's causal conv over the
   engine's conv state; conv_prefill also does what prefill_inputs does (split, L2 norm, gates).
 * slot_ids (slot_ids.py): an engine step's slot tensors -> the ops' int32 ids, one launch.
+
+common.py holds what they share: dtype names, the gate formulas as TIR expressions, and the one
+compile-and-launch path (TileLang's cache with an explicit target, raw tvm-ffi functions).
 
 ``kernel_variants`` is the union of the modules' variants (what ``qla-serve precompile``
 compiles); ``build`` dispatches on the variant's ``op``.

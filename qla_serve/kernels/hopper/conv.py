@@ -59,7 +59,7 @@ heads, W, dtypes, activation and bias are static and name a variant.
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
 from .conv_prefill import GROUP, HEAD_DIM, ROUND_GATES_MAX_STEPS, SEARCH_STEPS, WALKERS
 from .conv_prefill import program as _prefill_program
-from .decode import (_GATE_DTYPES, _IO_DTYPES, _check_heads, _dtype_name,
+from .common import (_GATE_DTYPES, _IO_DTYPES, _check_heads, _dtype_name,
                      compile_for, gate_dtype_names, launch_function, sm_count)
 
 CONV_STATE_DTYPES = ("bfloat16", "float16", "float32")

@@ -13,7 +13,7 @@ one reading its old history has read it), launched as this grid's programmatic d
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
-from .decode import log_decay, sigmoid
+from .common import log_decay, sigmoid
 
 HEAD_DIM = 128
 # tokens a half-warp loads, then computes, per step (4: 123 registers, no spills; 8 needed 149

@@ -17,11 +17,10 @@ Decode is memory-bound: each live slot's [Hv, 128(V), 128(K)] state is read once
   xor-shuffles among the row's lanes; q/k l2 norms likewise (every block recomputes them: 256 bytes);
   the "s" tiles stage q/k per warp in shared memory instead of registers.
 
-The tile (:func:`parse_tile`: rows per block, warps, lanes per row, q/k staging, occupancy
-and cache hints) is part of
-the variant; :data:`DECODE_TILES` (by rows = sequences x v-heads), :data:`AFTER_CONV_TILES` and
-:data:`VERIFY_TILES` (verify and verify_slots) hold the per-pool-dtype choices measured on the H200
-(benchmarks/decode.md), and :func:`decode_tile` picks the op's per call.
+The tile (rows per block, warps, lanes per row, q/k staging, occupancy and cache hints) is part
+of the variant; decode_tiles.py holds its grammar (``parse_tile``), the per-pool-dtype choices
+measured on the H200 by rows = sequences x v-heads (``DECODE_TILES``, ``AFTER_CONV_TILES``,
+``VERIFY_TILES``; benchmarks/decode.md) and the pick per call (``decode_tile``).
 
 Math (V-first state S [V, K], fp32 registers whatever the pool dtype)::
 
@@ -47,32 +46,19 @@ every engine pool and for q/k views of a fused projection.
 
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations,
 # which refer to closure variables (head counts, dtypes).
-import functools
 import os
-import threading
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
-from .raw_launch import raw_function
+from .common import (_GATE_DTYPES, _IO_DTYPES, _TORCH_TO_TL, HEAD_DIM, _check_heads, _dtype_name,
+                     check_pool_alignment, compile_for, gate_dtype_names, launch_function)
+from .decode_tiles import (AFTER_CONV_TILES, DECODE_TILES, STATE_IO_SOURCE, VERIFY_TILES,  # noqa: F401 (re-exported)
+                           decode_tile, decode_tiles, default_tile, parse_tile)
 
-HEAD_DIM = 128
-_LANES = 8            # lanes per state row unless the tile names another count ("l16", "l32")
-_WARPS = 4
-_MAX_STATE_REGS = 64  # state values per thread (R rows x 128 / L columns)
-
-_TORCH_TO_TL = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _POOL_DTYPES = ("float32", "bfloat16")
-_IO_DTYPES = ("bfloat16", "float16")
-_GATE_DTYPES = ("float32", "bfloat16", "float16")
-_TARGETS = ("sm_90a", "sm_100a")
 _ACC_DTYPES = ("int32", "int64")
 _TORCH_INT = {torch.int32: "int32", torch.int64: "int64"}
-
-# Pass configs: the safe-memory pass would guard every pool access with `slot < S` (slot ids
-# are data), which both costs a compare per load and defeats vectorisation; ops.py validated
-# the ids (host-side metadata only) and the contract makes ids < S the caller's duty.
-_PASS_CONFIGS = {"tl.disable_safe_memory_legalize": True}
 
 
 # ----------------------------------------------------------------------------------------
@@ -103,137 +89,6 @@ def _variant(op: str, hv: int, hk: int, io: str, pool: str, gating: str, ab: str
     if after_conv:
         v["after_conv"] = True
     return v
-
-
-class Tile(NamedTuple):
-    """A decode / verify tile (:func:`parse_tile`)."""
-    rows: int          # state rows per block
-    warps: int         # warps per block
-    qk_smem: bool      # q/k staged in shared memory instead of registers
-    min_blocks: int    # min-blocks-per-SM hint (0: none)
-    lanes: int         # lanes per state row
-    load_hint: str     # cache hint of the state's loads: "" (none), "cg", "cs" or "lu"
-    store_hint: str    # ... and of its stores: "" (none), "cg" or "cs"
-
-
-def parse_tile(tile: str) -> Tile:
-    """Tile spec "bv<rows>[w<warps>][l<lanes>][s][-mb<n>][-cg|-cs][-l<hint>][-s<hint>]".
-
-    A warp covers 32 / lanes rows at a time; each thread holds R = rows * lanes / (32 * warps)
-    rows (a power of two) x 128 / lanes columns of the state, at most 64 values. The cache hints
-    are CUDA's load / store qualifiers on the state's vectors: "-cs" (streaming, evict first) or
-    "-cg" (L2 only) for both, or "-l<cg|cs|lu>" and "-s<cg|cs>" apart. E.g. "bv32s-mb8", "bv8w1"
-    (one warp, 8 rows: 16 blocks per head), "bv16l32" (a warp per row), "bv32l16-cs", "bv8w1l16-cs"
-    (one warp, 8 rows of 16 lanes), "bv4w1l32" (one warp, 4 rows of 32 lanes: 32 blocks per head)."""
-    import re
-    m = re.fullmatch(r"bv(4|8|16|32|64)(?:w([124]))?(?:l(8|16|32))?(s?)(?:-mb(\d+))?"
-                     r"(?:-(cg|cs)|(?:-l(cg|cs|lu))?(?:-s(cg|cs))?)", str(tile))
-    ok = bool(m)
-    if ok:
-        rows, warps, lanes = int(m.group(1)), int(m.group(2) or _WARPS), int(m.group(3) or _LANES)
-        per_thread, rem = divmod(rows * lanes, 32 * warps)
-        ok = not rem and per_thread in (1, 2, 4, 8, 16) and per_thread * HEAD_DIM // lanes <= _MAX_STATE_REGS
-    if not ok:
-        raise ValueError(f"variant tile: expected 'bv<4|8|16|32|64>[w<1|2|4>][l<8|16|32>][s][-mb<n>]"
-                         f"[-cg|-cs|-l<cg|cs|lu>-s<cg|cs>]' whose threads each hold 1, 2, 4, ... whole "
-                         f"rows and at most {_MAX_STATE_REGS} state values (rows * lanes / (32 * warps) "
-                         f"rows of 128 / lanes), got {tile!r}")
-    return Tile(rows, warps, m.group(4) == "s", int(m.group(5) or 0), lanes,
-                m.group(6) or m.group(7) or "", m.group(6) or m.group(8) or "")
-
-
-# The state's cache-hinted loads and stores (the tile's hints): CUDA's __ld<hint> / __st<hint> on
-# 16-byte vectors (8-byte for bf16 at 32 lanes per row), the bf16 forms converting to and from
-# the fp32 registers (round to nearest even, as the plain casts). fp32 states take the plain
-# overloads, bf16 ones the templates (N values per vector).
-STATE_IO_SOURCE = r"""
-#include <cuda_bf16.h>
-#define QLA_STATE_LD(H)                                                                        \
-__device__ __forceinline__ void qla_ld_state_##H(float* d, const float* s) {                    \
-  float4 v = __ld##H((const float4*)s); d[0] = v.x; d[1] = v.y; d[2] = v.z; d[3] = v.w;        \
-}                                                                                              \
-template <int N> __device__ __forceinline__ void qla_ld_state_##H(float* d, const void* s) {   \
-  __nv_bfloat162 h[N / 2];                                                                     \
-  if constexpr (N == 8) *(uint4*)h = __ld##H((const uint4*)s);                                 \
-  else *(uint2*)h = __ld##H((const uint2*)s);                                                  \
-  _Pragma("unroll") for (int i = 0; i < N / 2; ++i) {                                          \
-    float2 f = __bfloat1622float2(h[i]); d[2 * i] = f.x; d[2 * i + 1] = f.y; }                 \
-}
-#define QLA_STATE_ST(H)                                                                        \
-__device__ __forceinline__ void qla_st_state_##H(float* g, const float* s) {                    \
-  __st##H((float4*)g, make_float4(s[0], s[1], s[2], s[3]));                                    \
-}                                                                                              \
-template <int N> __device__ __forceinline__ void qla_st_state_##H(void* g, const float* s) {   \
-  __nv_bfloat162 h[N / 2];                                                                     \
-  _Pragma("unroll") for (int i = 0; i < N / 2; ++i) h[i] = __floats2bfloat162_rn(s[2 * i], s[2 * i + 1]); \
-  if constexpr (N == 8) __st##H((uint4*)g, *(uint4*)h);                                        \
-  else __st##H((uint2*)g, *(uint2*)h);                                                         \
-}
-QLA_STATE_LD(cg)
-QLA_STATE_LD(cs)
-QLA_STATE_LD(lu)
-QLA_STATE_ST(cg)
-QLA_STATE_ST(cs)
-"""
-
-
-# Decode tiles by rows = sequences x v-heads (host metadata), per pool dtype: ((up to rows, tile),
-# ..., (None, tile)), the first entry that holds. Measured on the H200 (benchmarks/decode.md,
-# "Wider rows and streaming stores", 2026-12-03, beside FlashInfer 0.7.2 in one process): 16 lanes
-# per state row (R rows x 8 columns per thread: fewer registers, more blocks per SM) and the
-# state's loads and stores with the streaming hint (__ldcs / __stcs; the stores' hint is what
-# counts). Kernel GPU us, old tile -> new (FlashInfer): bf16 2/8 B = 256 45.5 -> 38.8 (41.3),
-# 16/32 B = 64 44.3 -> 37.8 (41.0), B = 256 159.0 -> 142.1 (148.8); fp32 2/8 B = 64 22.0 -> 20.7
-# (20.9), B = 256 74.7 -> 72.7 (71.5), B = 1 2.8 -> 2.7 (3.6). A bf16 decode of a few sequences
-# takes blocks of 16 rows: 2/8 B = 1 2.6 us, 16/32 B = 1 3.0 (FlashInfer 2.6 / 3.1). In the layer
-# (layer_ab.py, one process): fp32 16/32 d256 (8192 rows) ran 302.6 us on bv16l16-cs against 297.5
-# on bv32, so bv32 keeps the largest fp32 batches (d64, 2048 rows: 77.8 against 79.0).
-DECODE_TILES = {
-    "float32": ((4096, "bv16l16-cs"), (None, "bv32")),
-    "bfloat16": ((128, "bv16l16-cs"), (None, "bv32l16-cs")),
-}
-# The layer's decode launched as the conv's programmatic dependent (after_conv; the layer runs it up
-# to gdn_layer.DECODE_AFTER_CONV_MAX_ROWS = 256 rows): with bf16 states bv32l16-cs measured slower
-# there than bv64 (2/8 d32, 256 rows: 9.8 against 9.3 us per layer call), the kernel alone not.
-AFTER_CONV_TILES = {"bfloat16": ((128, "bv16l16-cs"), (None, "bv64"))}
-# Verify and verify_slots tiles by rows = sequences x v-heads, both pool dtypes. Measured on the
-# H200 (benchmarks/decode.md, "Verify tiles", 2026-12-03: benchmarks/verify_tiles.py, D = 2 and 4,
-# 2/8 and 16/32 heads, ten tiles): from 128 rows one warp per block of 8 state rows of 16 lanes
-# with streaming hints was the fastest or close to it (2/8, 16 requests x 4 drafts, bf16 states:
-# 9.4 us against 12.1 on bv32 / 12.4 on bv64, the old defaults); up to 64 rows the decode's small
-# tile, 0.1-0.3 us ahead of it (2/8 one request x 4 drafts, fp32: 5.3 against 5.5, bv32 6.2).
-VERIFY_TILES = {pool: ((64, "bv16l16-cs"), (None, "bv8w1l16-cs")) for pool in ("float32", "bfloat16")}
-
-
-def _tile_table(op: str, pool_dtype: str, after_conv: bool) -> tuple:
-    if op != "decode":
-        table = VERIFY_TILES
-    else:
-        table = AFTER_CONV_TILES if after_conv and pool_dtype in AFTER_CONV_TILES else DECODE_TILES
-    # (an unknown pool dtype gets a placeholder here; _check_variant names the argument)
-    return table.get(pool_dtype, ((None, "bv32"),))
-
-
-def decode_tile(pool_dtype: str, rows: int, after_conv: bool = False, op: str = "decode") -> str:
-    """The op's tile for a call of ``rows`` = sequences x v-heads (host metadata): the first
-    entry of DECODE_TILES[pool_dtype] (AFTER_CONV_TILES for the after_conv form, VERIFY_TILES
-    for verify / verify_slots) whose row bound holds."""
-    for max_rows, tile in _tile_table(op, pool_dtype, after_conv):
-        if max_rows is None or rows <= max_rows:
-            return tile
-    raise AssertionError(f"{op} tile table of {pool_dtype} has no open-ended last entry")
-
-
-def decode_tiles(pool_dtype: str, after_conv: bool = False, op: str = "decode") -> list[str]:
-    """Every tile :func:`decode_tile` can pick for this op, pool dtype and form (precompile
-    lists them all)."""
-    return [tile for _, tile in _tile_table(op, pool_dtype, after_conv)]
-
-
-def default_tile(pool_dtype: str, op: str = "verify", num_v_heads: int = 1, after_conv: bool = False) -> str:
-    """A variant's tile where none is named: the op's for one sequence
-    (decode_tile(pool_dtype, num_v_heads, after_conv, op))."""
-    return decode_tile(pool_dtype, num_v_heads, after_conv, op)
 
 
 def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
@@ -283,24 +138,6 @@ def _commit_variant(hv: int, pool: str, acc: str) -> dict:
     """Variant of the commit kernel (copy of the accepted intermediate state into the slot)."""
     return {"name": f"gdn_commit_hv{hv}_pool-{pool}_acc-{acc}", "op": "commit",
             "num_v_heads": hv, "pool_dtype": pool, "acc_dtype": acc}
-
-
-def log_decay(T, a, A_log, dt_bias):
-    """g = -exp(A_log) * softplus(a + dt_bias) as a TIR expression in fp32 (torch's softplus:
-    x itself above 20); shared by prefill_inputs.py and the layer's conv prefill (conv.py)."""
-    x = T.cast(a, "float32") + T.cast(dt_bias, "float32")
-    return -T.exp(T.cast(A_log, "float32")) * T.if_then_else(x > 20.0, x, T.log1p(T.exp(x)))
-
-
-def sigmoid(T, b):
-    """beta = sigmoid(b) as a TIR expression in fp32."""
-    return 1.0 / (1.0 + T.exp(-T.cast(b, "float32")))
-
-
-def _check_heads(hv: int, hk: int) -> None:
-    if not (isinstance(hv, int) and isinstance(hk, int) and hk > 0 and hv > 0 and hv % hk == 0):
-        raise ValueError(f"num_v_heads/num_k_heads: expected positive ints with num_v_heads % "
-                         f"num_k_heads == 0, got {hv}/{hk}")
 
 
 def _check_variant(v: dict) -> None:
@@ -717,27 +554,11 @@ def _commit_program(variant: dict):
 # Compilation and in-process cache
 # ----------------------------------------------------------------------------------------
 
-def compile_for(make_program, variant: dict, target: str, pass_configs: dict | None = None):
-    """Compile ``make_program(variant)`` for ``target`` ("sm_90a" or "sm_100a") through
-    TileLang's cache: the build() of this module, prefill_inputs.py and conv.py. The target is
-    checked before the program is built (a bad target fails fast); the explicit target (never
-    "auto") makes a cache filled on a GPU-less machine (TILELANG_CACHE_DIR) a hit on the GPU.
-    ``pass_configs``: TileLang pass settings on top of the package's. Returns the JITKernel."""
-    import tilelang
-
-    if target not in _TARGETS:
-        raise ValueError(f"target: expected one of {_TARGETS}, got {target!r}")
-    return tilelang.compile(make_program(variant), target={"kind": "cuda", "arch": target}, execution_backend="tvm_ffi",
-                            pass_configs={**_PASS_CONFIGS, **(pass_configs or {})})
-
-
 def build(variant: dict, target: str):
     """Compile ``variant`` for ``target`` (:func:`compile_for`)."""
     return compile_for(_commit_program if variant.get("op") == "commit" else _program, variant, target)
 
 
-_ARCH: dict[int, str] = {}
-_BUILD_LOCK = threading.Lock()
 # (op, device index, q dtype, pool dtype, gate dtypes, l2norm, Hv, Hk, tile) -> launch function.
 # Keyed on torch objects so that a hit costs one tuple hash (the host budget is a few µs).
 _FAST: dict[tuple, Any] = {}
@@ -745,55 +566,6 @@ _FAST: dict[tuple, Any] = {}
 # Tile override for benchmarks/tuning: the environment variable QLA_DECODE_TILE (read once at
 # import) or assigning TILE_OVERRIDE, e.g. "bv32s-mb8" (see parse_tile).
 TILE_OVERRIDE: str | None = os.environ.get("QLA_DECODE_TILE") or None
-
-
-def _device_target(idx: int) -> str:
-    arch = _ARCH.get(idx)
-    if arch is None:
-        major, minor = torch.cuda.get_device_capability(idx)
-        if major == 9:
-            arch = "sm_90a"
-        elif major == 10:
-            arch = "sm_100a"
-        else:
-            raise ValueError(f"device: qla_serve decode kernels target sm_90a / sm_100a, got "
-                             f"compute capability {major}.{minor} on cuda:{idx}")
-        _ARCH[idx] = arch
-    return arch
-
-
-def _dtype_name(dt: torch.dtype, what: str, allowed: tuple[str, ...]) -> str:
-    name = _TORCH_TO_TL.get(dt)
-    if name not in allowed:
-        raise TypeError(f"{what}: expected dtype in {allowed}, got {dt}")
-    return name
-
-
-def gate_dtype_names(a, b, A_log, dt_bias) -> tuple[str, str, str]:
-    """The dtype names of raw gates (a/b, A_log, dt_bias: each in its own dtype, b in a's),
-    checked against what the kernels take; shared with prefill_inputs.py."""
-    ab = _dtype_name(a.dtype, "a", _GATE_DTYPES)
-    param = _dtype_name(A_log.dtype, "A_log", _GATE_DTYPES)
-    bias = _dtype_name(dt_bias.dtype, "dt_bias", _GATE_DTYPES)
-    if b.dtype != a.dtype:
-        raise TypeError(f"b: expected the dtype of a ({a.dtype}), got {b.dtype}")
-    return ab, param, bias
-
-
-@functools.lru_cache(maxsize=None)
-def sm_count(device: torch.device) -> int:
-    """The device's SM count (launch sizing in prefill_api's CP scan and conv_prefill), looked up
-    once per device; 132 (the H200's) for a non-CUDA device (the launch-recording tests)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-
-
-def launch_function(variant: dict, device: torch.device, build_fn, name: str | None = None):
-    """Compile or load ``variant`` with ``build_fn`` (TileLang disk cache, the explicit target of
-    ``device``) under the build lock; its raw tvm-ffi launch function (raw_launch.py)."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    with _BUILD_LOCK:
-        kernel = build_fn(variant, _device_target(idx))
-    return raw_function(kernel, name or variant["name"])
 
 
 def _launcher(op, q, pool, g, a, A_log, dt_bias, b, beta, l2, tile, after_conv=False):
@@ -811,16 +583,6 @@ def _launcher(op, q, pool, g, a, A_log, dt_bias, b, beta, l2, tile, after_conv=F
     variant = _variant(op, pool.shape[1], q.shape[1], io, pdt, gating, ab, param, l2, tile, bias=bias,
                        after_conv=after_conv)
     return launch_function(variant, q.device, build)
-
-
-def check_pool_alignment(pool) -> None:
-    """A pool slot's state moves in 16-byte vectors here (8-byte pairs in prefill's V-first stage
-    2): a 16-byte aligned base and a slot stride of whole vectors, true for every engine pool.
-    Host metadata only; prefill_api checks the same rule."""
-    vec = 16 // pool.element_size()
-    if pool.stride(0) % vec or pool.data_ptr() % 16:
-        raise ValueError(f"pool: expected a 16-byte aligned base and a slot stride (stride(0)) that is a "
-                         f"multiple of {vec} elements, got stride(0) {pool.stride(0)}")
 
 
 def check_intermediate_alignment(inter) -> None:

@@ -62,7 +62,7 @@ import threading
 import torch
 
 from . import prefill_main, prefill_main_vfirst, prefill_prep, prefill_scan, prefill_warmup
-from .decode import _TORCH_TO_TL, check_pool_alignment, sm_count
+from .common import _TORCH_TO_TL, check_pool_alignment, sm_count
 from .raw_launch import raw_function
 
 ARCH = "sm_90a"

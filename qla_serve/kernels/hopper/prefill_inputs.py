@@ -27,7 +27,7 @@ of 4 elements).
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
-from .decode import (_GATE_DTYPES, _IO_DTYPES, _check_heads, _dtype_name,
+from .common import (_GATE_DTYPES, _IO_DTYPES, _check_heads, _dtype_name,
                      compile_for, gate_dtype_names, launch_function, log_decay, sigmoid)
 
 HEAD_DIM = 128

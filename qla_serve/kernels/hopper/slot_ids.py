@@ -17,7 +17,7 @@ time each on the H200's host; this is one launch through the raw tvm-ffi functio
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
-from .decode import compile_for, launch_function
+from .common import compile_for, launch_function
 
 KINDS = ("rows", "seqs", "spec")
 SLOT_DTYPES = ("int32", "int64")
