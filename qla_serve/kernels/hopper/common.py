@@ -44,9 +44,9 @@ def _check_heads(hv: int, hk: int) -> None:
 
 def compile_for(make_program, variant: dict, target: str, pass_configs: dict | None = None):
     """Compile ``make_program(variant)`` for ``target`` ("sm_90a" or "sm_100a") through
-    TileLang's cache: the build() of decode.py, prefill_inputs.py, conv.py and slot_ids.py. The target is
-    checked before the program is built (a bad target fails fast); the explicit target (never
-    "auto") makes a cache filled on a GPU-less machine (TILELANG_CACHE_DIR) a hit on the GPU.
+    TileLang's cache: the build() of decode.py, prefill_inputs.py, conv.py and slot_ids.py. The
+    target is checked before the program is built (a bad target fails fast); the explicit target
+    (never "auto") makes a cache filled on a GPU-less machine (TILELANG_CACHE_DIR) a hit on the GPU.
     ``pass_configs``: TileLang pass settings on top of the package's. Returns the JITKernel."""
     import tilelang
 
