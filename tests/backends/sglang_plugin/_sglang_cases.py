@@ -96,3 +96,15 @@ def verify_oracle(q, k, v, g, beta, lens, slots, pool0):
 def rel(x, ref):
     x, ref = x.double().cpu(), ref.double().cpu()
     return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def check_slots(conv, ssm, conv0, ssm0, want, tol):
+    """A layer step's conv and SSM slots after the call: each slot in ``want`` ({slot: (conv window
+    [dim, W-1], state [Hv, 128, 128])}, the oracle's) holds its window bit for bit (as bf16) and
+    its state within ``tol``; every other slot is bit-identical to before (conv0, ssm0)."""
+    for s in range(conv.shape[0]):
+        if s in want:
+            assert torch.equal(conv[s].cpu(), want[s][0].to(torch.bfloat16)), f"conv window of slot {s}"
+            assert rel(ssm[s], want[s][1]) < tol, f"state of slot {s}"
+        else:
+            assert torch.equal(conv[s], conv0[s]) and torch.equal(ssm[s], ssm0[s]), f"slot {s} outside the batch"

@@ -93,6 +93,18 @@ def _decode_conv_calls(monkeypatch):
     return _sglang_calls(monkeypatch, "causal_conv1d_update")
 
 
+def _run_cases_then_metadata(kit, cases):
+    """Every case through the kit's reference check, then the first case's fixture once more
+    eagerly; returns that forward batch's metadata (where the hooks keep the step's ids)."""
+    tc = unittest.TestCase()
+    for case in cases:
+        kit.run_gdn_attention_case(tc, case, head_k_dim=128, head_v_dim=128, device="cpu", dtype=torch.bfloat16)
+    fixture = kit.build_gdn_attention_fixture(tc, cases[0], head_k_dim=128, head_v_dim=128, device="cpu",
+                                              dtype=torch.bfloat16)
+    kit.run_gdn_fixture_eager(fixture)
+    return fixture.backend.linear_attn_backend.forward_metadata
+
+
 def test_kit_decode_takes_sglangs_conv_over(gdn_kit, monkeypatch):
     """flashqla's decode runs the conv too (decode_layer.forward_decode): SGLang's conv update is
     not called, the kit's reference still holds (outputs and final states), and the step's slot
@@ -100,17 +112,11 @@ def test_kit_decode_takes_sglangs_conv_over(gdn_kit, monkeypatch):
     from qla_serve.backends.gdn_layer import StepPlan
 
     kit = gdn_kit(**FLASHQLA)
-    tc = unittest.TestCase()
     conv_calls = _decode_conv_calls(monkeypatch)
     decodes = [c for c in _cases(kit) if c.forward_mode.is_decode()]
     assert decodes
-    for case in decodes:
-        kit.run_gdn_attention_case(tc, case, head_k_dim=128, head_v_dim=128, device="cpu", dtype=torch.bfloat16)
+    meta = _run_cases_then_metadata(kit, decodes)
     assert conv_calls == []
-    fixture = kit.build_gdn_attention_fixture(tc, decodes[0], head_k_dim=128, head_v_dim=128, device="cpu",
-                                              dtype=torch.bfloat16)
-    kit.run_gdn_fixture_eager(fixture)
-    meta = fixture.backend.linear_attn_backend.forward_metadata
     assert isinstance(meta.qla_decode, StepPlan) and meta.qla_decode.decode_slots is meta.mamba_cache_indices
 
 
@@ -122,17 +128,11 @@ def test_kit_extend_takes_sglangs_conv_over(gdn_kit, monkeypatch):
     from qla_serve.backends.gdn_layer import StepPlan
 
     kit = gdn_kit(**FLASHQLA)
-    tc = unittest.TestCase()
     calls = _sglang_calls(monkeypatch, "causal_conv1d_fn", "fused_gdn_gating")
     extends = [c for c in _cases(kit) if not c.forward_mode.is_decode()]
     assert len(extends) >= 5
-    for case in extends:
-        kit.run_gdn_attention_case(tc, case, head_k_dim=128, head_v_dim=128, device="cpu", dtype=torch.bfloat16)
+    meta = _run_cases_then_metadata(kit, extends)
     assert calls == []
-    fixture = kit.build_gdn_attention_fixture(tc, extends[0], head_k_dim=128, head_v_dim=128, device="cpu",
-                                              dtype=torch.bfloat16)
-    kit.run_gdn_fixture_eager(fixture)
-    meta = fixture.backend.linear_attn_backend.forward_metadata
     step = meta.qla_extend.step
     assert isinstance(step, StepPlan) and step.prefill_plan is meta.qla_extend.plan
     assert step.num_actual_tokens == sum(extends[0].extend_lens)
