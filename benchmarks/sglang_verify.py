@@ -36,6 +36,7 @@ import torch
 from qla_serve.backends.sglang import verify_layer
 from qla_serve.backends.sglang.kernel import FlashQLAGDNKernel
 from qla_serve.bench import decode as bdec
+from qla_serve.kernels.reference import rel_l2
 
 HD, W = 128, 4
 
@@ -124,10 +125,6 @@ def sglang_call(cache, layer, x, a, b, meta, N, D):
     return _sglang_route(cache, layer, x, meta, N, D, verify)
 
 
-def _rel(x, y):
-    return float((x.double() - y.double()).norm() / y.double().norm().clamp_min(1e-30))
-
-
 def check(hk, hv, N, D, state_dtype, kernel) -> dict:
     """Both routes from the same caches: outputs, intermediate states, windows, conv slots."""
     gen = torch.Generator().manual_seed(1)
@@ -143,12 +140,12 @@ def check(hk, hv, N, D, state_dtype, kernel) -> dict:
     o_s = sglang_qla_call(twin, layer, x, a, b, meta, N, D, kernel)()
     o_own = sglang_call(own, layer, x, a, b, meta, N, D)()
     torch.cuda.synchronize()
-    return {"o_rel": _rel(o_q.view(-1), o_s.reshape(-1)),
-            "states_rel": _rel(cache.intermediate_ssm[:N], twin.intermediate_ssm[:N]),   # rows 0..N-1: the table
+    return {"o_rel": rel_l2(o_q.view(-1), o_s.reshape(-1)),
+            "states_rel": rel_l2(cache.intermediate_ssm[:N], twin.intermediate_ssm[:N]),   # rows 0..N-1: the table
             "windows_equal": bool(torch.equal(cache.intermediate_conv_window[0], twin.intermediate_conv_window[0])),
             "conv_equal": bool(torch.equal(cache.conv[0], twin.conv[0])),
-            "own_o_rel": _rel(o_q.view(-1), o_own.reshape(-1)),
-            "own_states_rel": _rel(cache.intermediate_ssm[:N], own.intermediate_ssm[:N])}
+            "own_o_rel": rel_l2(o_q.view(-1), o_own.reshape(-1)),
+            "own_states_rel": rel_l2(cache.intermediate_ssm[:N], own.intermediate_ssm[:N])}
 
 
 def time_point(hk, hv, N, D, state_dtype, layers, reps, kernel, ab=False) -> dict:

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
 from qla_serve.bench import decode as bdec
+from qla_serve.kernels.reference import rel_l2
 
 dec = bdec._dec()     # the decode module (the package exports a function of that name)
 
@@ -76,10 +76,6 @@ class Layer:
         return self.out.clone(), states.clone()
 
 
-def _rel(x, y):
-    return float((x.double() - y.double()).norm() / y.double().norm().clamp_min(1e-30))
-
-
 def run_point(op, hk, hv, N, D, state, tiles, layers, reps):
     gen = torch.Generator().manual_seed(N * 131 + D)
     calls = [Layer(op, hk, hv, N, D, state, gen) for _ in range(layers)]
@@ -92,7 +88,7 @@ def run_point(op, hk, hv, N, D, state, tiles, layers, reps):
         got = calls[0].written()
         if first is None:
             first = got
-        diff = (_rel(got[0], first[0]), _rel(got[1], first[1]))
+        diff = (rel_l2(got[0], first[0]), rel_l2(got[1], first[1]))
         rec[tile] = {"gpu_us": round(bdec._graph_time_us(torch, calls, reps), 2),
                      "o_rel": diff[0], "states_rel": diff[1]}
     dec.TILE_OVERRIDE = None
