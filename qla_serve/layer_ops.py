@@ -83,6 +83,12 @@ def _check_conv(x, conv_state, conv_weight, conv_bias, dim: int, extra_cols: int
     return W
 
 
+def _check_draft(draft) -> None:
+    """The speculative convs' draft depth D (conv_spec, conv_verify): 1..16 tokens per sequence."""
+    if not (isinstance(draft, int) and 1 <= draft <= 16):
+        raise ValueError(f"draft: expected 1..16 tokens per sequence, got {draft!r}")
+
+
 def _check_conv_out(out, x) -> None:
     """A conv output buffer: x's dtype, shape and device, unit stride along the channels."""
     V.check_dtype("out", out, (x.dtype,))
@@ -379,8 +385,7 @@ def check_conv_spec_args(x, conv_state, slot_ids, num_accepted, cu_seqlens, *, c
                        (x, conv_state, slot_ids, num_accepted, cu_seqlens, conv_weight, conv_bias, out),
                        (slot_ids, num_accepted, cu_seqlens))
     if _checks_due(key):
-        if not (isinstance(draft, int) and 1 <= draft <= 16):
-            raise ValueError(f"draft: expected 1..16 tokens per sequence, got {draft!r}")
+        _check_draft(draft)
         _check_conv(x, conv_state, conv_weight, conv_bias, x.shape[-1], extra_cols=draft - 1)
         N = slot_ids.shape[0]
         V.check_index("slot_ids", slot_ids, N, conv_state.shape[0], "conv_state's slot count", unique_live=True)
@@ -431,8 +436,7 @@ def check_conv_verify_args(x, conv_state, slot_ids, windows, window_ids, *, conv
                        (x, conv_state, slot_ids, windows, window_ids, conv_weight, conv_bias, out),
                        (slot_ids, window_ids))
     if _checks_due(key):
-        if not (isinstance(draft, int) and 1 <= draft <= 16):
-            raise ValueError(f"draft: expected 1..16 tokens per sequence, got {draft!r}")
+        _check_draft(draft)
         W = _check_conv(x, conv_state, conv_weight, conv_bias, x.shape[-1])
         if conv_state.shape[2] != W - 1:
             raise ValueError(f"conv_state: expected SGLang's [S, dim, {W - 1}] (width - 1 columns), "
