@@ -6,7 +6,7 @@ bit-for-bit against the first form on the same inputs and caches.
 
 A form is ``stages:walk[:flags]``: conv.STAGES (the cp.async ring depth), the steps per half-warp
 walk (a number, or "auto": conv.steps_per_walk's choice), and flags joined by "+": "fast" for
-conv.FAST_STEPS, "gr" for conv.GATE_ROUNDS (e.g. 3:auto:fast+gr, the default form: the rounds
+conv.FAST_STEPS, "gr" for conv.GATE_ROUNDS, "gb" for conv.GATE_BLOCKS (e.g. 3:auto:fast+gr, the default form: the rounds
 variant on walks <= 8 steps, the per-step one on longer walks). A benchmark,
 not a test; two rounds, forms interleaved, so that drift shows.
 """
@@ -26,6 +26,7 @@ _AUTO_WALK = conv.steps_per_walk
 def run_form(case, step, stages, walk, flags=""):
     flags = set(flags.split("+"))
     conv.STAGES, conv.FAST_STEPS, conv.GATE_ROUNDS = int(stages), "fast" in flags, "gr" in flags
+    conv.GATE_BLOCKS = "gb" in flags
     conv.steps_per_walk = _AUTO_WALK if walk == "auto" else (lambda *_: int(walk))
     x, a, b = case.mixed_qkv[: case.row.tokens], case.a[: case.row.tokens], case.b[: case.row.tokens]
     plan = step.prefill_plan

@@ -67,6 +67,21 @@ def test_conv_prefill_fast_steps_compile(target, rounds):
     assert src.count("log1pf(") == 1
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("target", ["sm_90a", "sm_100a"])
+def test_conv_prefill_gate_blocks_compile(target):
+    """conv.GATE_BLOCKS's form: the gates in the grid's first column of CTAs (one gate expression,
+    stored only there), the walkers in the columns after it; still no block barrier."""
+    v = C.variant("conv_prefill", HV, HK, 4, "bfloat16", "bfloat16", qk_out="float16", ab="bfloat16",
+                  param="float32", gbias="bfloat16", fast_steps=True, gate_rounds=False, gate_blocks=True)
+    assert v["name"].endswith("_fs_gb")
+    src = C.build(v, target).get_kernel_source()
+    assert src.count("log1pf(") == 1 and "blockIdx.y) == 0" in src and "__syncthreads" not in src
+    with pytest.raises(ValueError, match="gate_rounds and gate_blocks"):
+        C.variant("conv_prefill", HV, HK, 4, "bfloat16", "bfloat16", ab="bfloat16", param="float32",
+                  gbias="float32", gate_rounds=True, gate_blocks=True)
+
+
 def test_steps_per_walk():
     """Short walks (<= SHORT_WALK_STEPS) that leave ~CTAS_PER_SM CTAs per SM while the batch is
     small; long ones (<= MAX_STEPS_PER_WALK) once it gives LONG_WALK_CTAS_PER_SM CTAs per SM of

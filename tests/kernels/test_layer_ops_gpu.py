@@ -44,13 +44,17 @@ def _weights(dim, W, dtype, gen, bias):
 # steps per half-warp walk: 3 (sequences cross walks), 8 (two gate rounds), 32 (gates in each step)
 @pytest.mark.parametrize("walk", [None, 3, 8, 32])
 # (conv.FAST_STEPS: straight-line steps inside sequences, conv.GATE_ROUNDS: walks <= 8 steps run the
-# variant with the gates in rounds between the steps, longer walks (and False) the per-step gates)
-@pytest.mark.parametrize("fast,rounds", [(False, True), (True, True), (True, False)])
-def test_conv_prefill_matches_reference(hk, hv, layout, bias, dt_bias_dtype, walk, fast, rounds, monkeypatch):
+# variant with the gates in rounds between the steps, longer walks (and False) the per-step gates;
+# conv.GATE_BLOCKS: the gates in CTAs of their own)
+@pytest.mark.parametrize("fast,rounds,blocks", [(False, True, False), (True, True, False), (True, False, False),
+                                                (True, False, True), (False, False, True)])
+def test_conv_prefill_matches_reference(hk, hv, layout, bias, dt_bias_dtype, walk, fast, rounds, blocks,
+                                        monkeypatch):
     if walk is not None:   # the host's choice is 1 at this size; force a longer walk
         monkeypatch.setattr(conv_kernels, "steps_per_walk", lambda *_: walk)
     monkeypatch.setattr(conv_kernels, "FAST_STEPS", fast)
     monkeypatch.setattr(conv_kernels, "GATE_ROUNDS", rounds)
+    monkeypatch.setattr(conv_kernels, "GATE_BLOCKS", blocks)
     gen = torch.Generator().manual_seed(hk * 100 + hv + bias)
     dim, W, S = (2 * hk + hv) * HEAD, 4, 24
     lens = [70, 0, 1, 2, 3, 333, 1, 64, 97]

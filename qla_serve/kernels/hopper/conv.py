@@ -98,6 +98,9 @@ FAST_STEPS = True
 # gates, and either form in one kernel behind a runtime branch on the walk 1-3% slower than each
 # alone, hence two variants (benchmarks/layer.md, with the forms before it).
 GATE_ROUNDS = True
+# conv_prefill's gates in CTAs of their own (variant key "gate_blocks"): the grid's first column
+# computes every head's g and beta for its token range, coalesced, and the walkers none.
+GATE_BLOCKS = False
 # the prefill's conv-state write-back launched as the conv_prefill grid's programmatic dependent
 # (conv_prefill_state's after_conv form): its loads (ids, lengths, the new window) overlap the
 # conv's last wave, its stores wait for the conv's end. False: a plain launch after it.
@@ -110,7 +113,7 @@ def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weigh
             activation: str = "silu", bias: bool = True, qk_out: str | None = None,
             ab: str | None = None, param: str | None = None, gbias: str | None = None,
             draft: int = 0, stages: int = STAGES, fast_steps: bool = FAST_STEPS,
-            gate_rounds: bool = GATE_ROUNDS, after_conv: bool = False) -> dict:
+            gate_rounds: bool = GATE_ROUNDS, gate_blocks: bool = False, after_conv: bool = False) -> dict:
     """A JSON-serialisable variant description; ``name`` identifies it.
 
     io: x's dtype (and the outputs' but q/k's); state: the conv state's; weight: the conv
@@ -142,10 +145,15 @@ def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weigh
                 raise ValueError(f"{what} dtype: expected one of {allowed}, got {dtype}")
         if stages not in (2, 3, 4, 5, 6):
             raise ValueError(f"conv_prefill stages: expected 2..6, got {stages}")
+        if gate_rounds and gate_blocks:
+            raise ValueError("conv_prefill gates: gate_rounds and gate_blocks are two forms, pick one")
         v.update(qk_dtype=qk_out, ab_dtype=ab, param_dtype=param, bias_dtype=gbias, stages=stages,
                  fast_steps=bool(fast_steps), gate_rounds=bool(gate_rounds))
         name += (f"_qk-{qk_out}_ab-{ab}-{param}-{gbias}_st{stages}" + ("_fs" if fast_steps else "")
                  + ("_gr" if gate_rounds else ""))
+        if gate_blocks:
+            v["gate_blocks"] = True
+            name += "_gb"
     if after_conv:
         if op != "conv_prefill_state":
             raise ValueError(f"after_conv: only conv_prefill_state has that form, got op {op!r}")
@@ -486,16 +494,19 @@ def conv_prefill(x, conv_state, weight, bias, slot_ids, has_initial_state, cu_se
     hv, hk, width = v_out.shape[1], q_out.shape[1], weight.shape[1]
     if T_:
         walk = steps_per_walk(T_, 2 * hk + hv, sm_count(x.device))
-        stages, fast, rounds = STAGES, FAST_STEPS, GATE_ROUNDS and walk <= ROUND_GATES_MAX_STEPS
+        stages, fast, blocks = STAGES, FAST_STEPS, GATE_BLOCKS
+        rounds = not blocks and GATE_ROUNDS and walk <= ROUND_GATES_MAX_STEPS
         key = ("conv_prefill", x.device, x.dtype, conv_state.dtype, weight.dtype, q_out.dtype, a.dtype,
-               A_log.dtype, dt_bias.dtype, hv, hk, width, activation, bias is not None, stages, fast, rounds)
+               A_log.dtype, dt_bias.dtype, hv, hk, width, activation, bias is not None, stages, fast, rounds,
+               blocks)
 
         def make():
             io, sdt, wdt = _names(x, conv_state, weight)
             ab, prm, gb = gate_dtype_names(a, b, A_log, dt_bias)
             return variant("conv_prefill", hv, hk, width, io, sdt, weight=wdt, activation=activation,
                            bias=bias is not None, qk_out=_dtype_name(q_out.dtype, "q_out", _IO_DTYPES),
-                           ab=ab, param=prm, gbias=gb, stages=stages, fast_steps=fast, gate_rounds=rounds)
+                           ab=ab, param=prm, gbias=gb, stages=stages, fast_steps=fast, gate_rounds=rounds,
+                           gate_blocks=blocks)
         _launch_fn(key, make, x.device)(x, conv_state, weight, _bias_arg(bias, weight), slot_ids,
                                         has_initial_state, cu_seqlens, a, b, A_log, dt_bias,
                                         q_out, k_out, v_out, g_out, beta_out, walk)

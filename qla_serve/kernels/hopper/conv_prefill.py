@@ -26,6 +26,8 @@ SEARCH_STEPS = 20             # binary-search halvings over cu_seqlens: up to 2*
 # 32-step walks, and either form in one kernel behind a runtime branch 1-3% slower than each
 # alone; benchmarks/layer.md)
 ROUND_GATES_MAX_STEPS = 8
+# gate_blocks form: a gate CTA's items (token, v-head) per thread whose loads are issued together
+GATE_ITEMS = 8
 LOG2E = 1.4426950408889634
 # Device helpers the kernel calls (T.import_source puts them before it).
 FAST_MATH_SOURCE = r"""
@@ -66,6 +68,7 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
     NS = v["stages"]
     FS = v["fast_steps"]
     GR = v["gate_rounds"]
+    GB = int(v.get("gate_blocks", False))
     VEC, LANES = 8, HEAD_DIM // 8        # 16-byte vectors; a half-warp covers 128 channels
     RS = LANES // U                       # steps per gate round (GATE_ROUNDS)
     silu = v["activation"] == "silu"
@@ -168,6 +171,122 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
         for u in T.unroll(U):
             conv_token(CS, Qo, Ko, Vo, kind, tg + u, tend, u, c0, hb, g, w, bias8, acc, buf, seq, False)
 
+    @T.macro
+    def gate_block(A, Bt, A_log, dt_bias, Go, Bo, t0, tx, tokens):
+        # gate_blocks form: this CTA computes g and beta of tokens t0..t0+tokens-1, all Hv heads,
+        # item i = (token t0 + i // Hv, head i % Hv): consecutive threads take consecutive items
+        # (coalesced stores into the contiguous Go, Bo), GATE_ITEMS per thread per round; the next
+        # round's a, b load while this one computes (loads clamped into the batch, stores guarded)
+        n = T.min(tokens, ntok - t0) * Hv
+        ga = T.alloc_local((GATE_ITEMS,), ab)
+        gbv = T.alloc_local((GATE_ITEMS,), ab)
+        na = T.alloc_local((GATE_ITEMS,), ab)
+        nb = T.alloc_local((GATE_ITEMS,), ab)
+        for e in T.unroll(GATE_ITEMS):
+            i = T.min(e * 128 + tx, n - 1)
+            na[e] = A[t0 + i // Hv, i % Hv]
+            nb[e] = Bt[t0 + i // Hv, i % Hv]
+        for j in T.serial(T.ceildiv(tokens * Hv, 128 * GATE_ITEMS)):
+            for e in T.unroll(GATE_ITEMS):
+                ga[e] = na[e]
+                gbv[e] = nb[e]
+            for e in T.unroll(GATE_ITEMS):
+                i = T.min(((j + 1) * GATE_ITEMS + e) * 128 + tx, n - 1)
+                na[e] = A[t0 + i // Hv, i % Hv]
+                nb[e] = Bt[t0 + i // Hv, i % Hv]
+            for e in T.unroll(GATE_ITEMS):
+                i = (j * GATE_ITEMS + e) * 128 + tx
+                if i < n:
+                    Go[t0 + i // Hv, i % Hv] = log_decay(T, ga[e], A_log[i % Hv], dt_bias[i % Hv])
+                    Bo[t0 + i // Hv, i % Hv] = sigmoid(T, gbv[e])
+
+    @T.macro
+    def walk_block(X, CS, Wt, Bias, Slots, HasInit, Cu, A, Bt, A_log, dt_bias, Qo, Ko, Vo, Go, Bo, walk,
+                   bx, hb, tx, ring):
+        # the CTA's 8 half-warps walking channel block hb (the docstring above)
+        c0 = hb * HEAD_DIM
+        g = tx % LANES
+        T.assume(sx0 % VEC == 0)
+        tb = (bx * WALKERS + tx // LANES) * (U * walk)    # this half-warp's first token
+        tend = T.min(tb + U * walk, ntok)
+        w = T.alloc_local((W, VEC), f32)
+        bias8 = T.alloc_local((VEC,), f32)
+        acc = T.alloc_local((VEC,), f32)
+        buf = T.alloc_local((H + U, VEC), io)
+        seq = T.alloc_local((3,), i32)      # the current sequence's start, end, history slot
+        wk = tx // LANES
+        # The walk's start: every load that does not depend on its sequence first (the ring's
+        # first rows, the rows before the walk, the weights), so that their latencies
+        # overlap, then the sequence search's dependent loads.
+        for p in T.unroll(NS - 1):
+            issue_rows(X, ring, tb + p * U, tend, wk, g, c0, p)
+        for i in T.unroll(H):
+            # the W - 1 rows before the walk (clamped into [0, ntok): a row before the
+            # sequence's start is never read, its taps come from the conv state)
+            for e in T.vectorized(VEC):
+                buf[i, e] = X[T.min(T.max(tb - H + i, 0), ntok - 1), c0 + g * VEC + e]
+        for i in T.unroll(W):
+            for e in T.unroll(VEC):
+                w[i, e] = T.cast(Wt[c0 + g * VEC + e, i], f32)
+        for e in T.unroll(VEC):
+            bias8[e] = T.cast(Bias[c0 + g * VEC + e], f32) if v["bias"] else 0.0
+        seq[0] = 0
+        seq[1] = 0
+        seq[2] = -1
+        if tb < ntok:
+            find_sequence(Cu, Slots, HasInit, tb, seq)
+        if GR:                               # a round's a, b; the head's A_log, dt_bias
+            ra = T.alloc_var(ab)
+            rb = T.alloc_var(ab)
+            ralog = T.alloc_var(prm)
+            rdtb = T.alloc_var(gb)
+            if hb < Hv:
+                ralog = A_log[hb]
+                rdtb = dt_bias[hb]
+        for step in T.serial(walk):
+            tg = tb + step * U
+            # rows of step + NS - 1 start while this step computes; each thread reads back
+            # only the 16-byte pieces it copied itself (no barrier)
+            issue_rows(X, ring, tg + (NS - 1) * U, tend, wk, g, c0, (step + NS - 1) % NS)
+            if GR and hb < Hv and step % RS == 0:   # the round of tokens tg..tg+LANES-1
+                ra = A[T.min(tg + g, ntok - 1), hb]
+                rb = Bt[T.min(tg + g, ntok - 1), hb]
+            T.ptx_wait_group(NS - 1)
+            for u in T.unroll(U):
+                for e in T.vectorized(VEC):
+                    buf[H + u, e] = ring[step % NS, wk, u, g * VEC + e]
+            if FS:
+                # straight-line where every lane of the warp may (the L2 norm's shuffles need
+                # both half-warps on the same path): a warp vote
+                inside = (tg - seq[0] >= H) and (tg + U <= seq[1]) and (tg + U <= tend)
+                if T.call_extern("int32", "__all_sync", T.uint32(0xFFFFFFFF),
+                                 T.if_then_else(inside, 1, 0)) != 0:
+                    if hb < Hk:
+                        straight_step(CS, Qo, Ko, Vo, 0, tg, tend, c0, hb, g, w, bias8, acc, buf, seq)
+                    elif hb < 2 * Hk:
+                        straight_step(CS, Qo, Ko, Vo, 1, tg, tend, c0, hb, g, w, bias8, acc, buf, seq)
+                    else:
+                        straight_step(CS, Qo, Ko, Vo, 2, tg, tend, c0, hb, g, w, bias8, acc, buf, seq)
+                else:
+                    checked_step(CS, Qo, Ko, Vo, Cu, Slots, HasInit, tg, tend, c0, hb, g, w, bias8, acc,
+                                 buf, seq)
+            else:
+                checked_step(CS, Qo, Ko, Vo, Cu, Slots, HasInit, tg, tend, c0, hb, g, w, bias8, acc, buf,
+                             seq)
+            if not GR and not GB and hb < Hv and g < U:   # gates of v-head hb for the step's tokens
+                tt = tg + g
+                if tt < tend:
+                    Go[tt, hb] = log_decay(T, A[tt, hb], A_log[hb], dt_bias[hb])
+                    Bo[tt, hb] = sigmoid(T, Bt[tt, hb])
+            if GR and hb < Hv and (step % RS == RS - 1 or step == walk - 1):
+                tt = tb + (step // RS) * LANES + g   # the round loaded at its first step
+                if tt < tend:
+                    Go[tt, hb] = log_decay(T, ra, ralog, rdtb)
+                    Bo[tt, hb] = sigmoid(T, rb)
+            for i in T.unroll(H):            # the last W - 1 rows open the next group
+                for e in T.vectorized(VEC):
+                    buf[i, e] = buf[U + i, e]
+
     @T.prim_func
     def gdn_conv_prefill(
         X: T.StridedTensor((ntok, DIM), (sx0, 1), io),
@@ -188,7 +307,7 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
         Bo: T.Tensor((ntok, Hv), f32),
         walk: T.int32,
     ):
-        with T.Kernel(T.ceildiv(ntok, WALKERS * U * walk), NH, threads=128) as (bx, hb):
+        with T.Kernel(T.ceildiv(ntok, WALKERS * U * walk), NH + GB, threads=128) as (bx, by):
             T.import_source(FAST_MATH_SOURCE)
             # the conv-state write-back (conv.py's conv_prefill_state, after_conv form) may launch
             # now: it loads its windows while this grid runs, and stores once it has finished
@@ -196,88 +315,15 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
             if FS:   # the straight-line steps need 162 registers unbounded: keep 4 CTAs per SM (128)
                 T.annotate_min_blocks_per_sm(4)
             tx = T.get_thread_binding()
-            c0 = hb * HEAD_DIM
-            g = tx % LANES
-            T.assume(sx0 % VEC == 0)
-            tb = (bx * WALKERS + tx // LANES) * (U * walk)    # this half-warp's first token
-            tend = T.min(tb + U * walk, ntok)
-            w = T.alloc_local((W, VEC), f32)
-            bias8 = T.alloc_local((VEC,), f32)
-            acc = T.alloc_local((VEC,), f32)
-            buf = T.alloc_local((H + U, VEC), io)
-            seq = T.alloc_local((3,), i32)      # the current sequence's start, end, history slot
-            wk = tx // LANES
             ring = T.alloc_shared((NS, WALKERS, U, HEAD_DIM), io)   # per-thread pieces, see issue_rows
-            # The walk's start: every load that does not depend on its sequence first (the ring's
-            # first rows, the rows before the walk, the weights), so that their latencies
-            # overlap, then the sequence search's dependent loads.
-            for p in T.unroll(NS - 1):
-                issue_rows(X, ring, tb + p * U, tend, wk, g, c0, p)
-            for i in T.unroll(H):
-                # the W - 1 rows before the walk (clamped into [0, ntok): a row before the
-                # sequence's start is never read, its taps come from the conv state)
-                for e in T.vectorized(VEC):
-                    buf[i, e] = X[T.min(T.max(tb - H + i, 0), ntok - 1), c0 + g * VEC + e]
-            for i in T.unroll(W):
-                for e in T.unroll(VEC):
-                    w[i, e] = T.cast(Wt[c0 + g * VEC + e, i], f32)
-            for e in T.unroll(VEC):
-                bias8[e] = T.cast(Bias[c0 + g * VEC + e], f32) if v["bias"] else 0.0
-            seq[0] = 0
-            seq[1] = 0
-            seq[2] = -1
-            if tb < ntok:
-                find_sequence(Cu, Slots, HasInit, tb, seq)
-            if GR:                               # a round's a, b; the head's A_log, dt_bias
-                ra = T.alloc_var(ab)
-                rb = T.alloc_var(ab)
-                ralog = T.alloc_var(prm)
-                rdtb = T.alloc_var(gb)
-                if hb < Hv:
-                    ralog = A_log[hb]
-                    rdtb = dt_bias[hb]
-            for step in T.serial(walk):
-                tg = tb + step * U
-                # rows of step + NS - 1 start while this step computes; each thread reads back
-                # only the 16-byte pieces it copied itself (no barrier)
-                issue_rows(X, ring, tg + (NS - 1) * U, tend, wk, g, c0, (step + NS - 1) % NS)
-                if GR and hb < Hv and step % RS == 0:   # the round of tokens tg..tg+LANES-1
-                    ra = A[T.min(tg + g, ntok - 1), hb]
-                    rb = Bt[T.min(tg + g, ntok - 1), hb]
-                T.ptx_wait_group(NS - 1)
-                for u in T.unroll(U):
-                    for e in T.vectorized(VEC):
-                        buf[H + u, e] = ring[step % NS, wk, u, g * VEC + e]
-                if FS:
-                    # straight-line where every lane of the warp may (the L2 norm's shuffles need
-                    # both half-warps on the same path): a warp vote
-                    inside = (tg - seq[0] >= H) and (tg + U <= seq[1]) and (tg + U <= tend)
-                    if T.call_extern("int32", "__all_sync", T.uint32(0xFFFFFFFF),
-                                     T.if_then_else(inside, 1, 0)) != 0:
-                        if hb < Hk:
-                            straight_step(CS, Qo, Ko, Vo, 0, tg, tend, c0, hb, g, w, bias8, acc, buf, seq)
-                        elif hb < 2 * Hk:
-                            straight_step(CS, Qo, Ko, Vo, 1, tg, tend, c0, hb, g, w, bias8, acc, buf, seq)
-                        else:
-                            straight_step(CS, Qo, Ko, Vo, 2, tg, tend, c0, hb, g, w, bias8, acc, buf, seq)
-                    else:
-                        checked_step(CS, Qo, Ko, Vo, Cu, Slots, HasInit, tg, tend, c0, hb, g, w, bias8, acc,
-                                     buf, seq)
+            if GB:          # the gate CTAs: the grid's first column, dispatched first
+                if by == 0:
+                    gate_block(A, Bt, A_log, dt_bias, Go, Bo, bx * (WALKERS * U * walk), tx, WALKERS * U * walk)
                 else:
-                    checked_step(CS, Qo, Ko, Vo, Cu, Slots, HasInit, tg, tend, c0, hb, g, w, bias8, acc, buf,
-                                 seq)
-                if not GR and hb < Hv and g < U:   # gates of v-head hb for the step's tokens
-                    tt = tg + g
-                    if tt < tend:
-                        Go[tt, hb] = log_decay(T, A[tt, hb], A_log[hb], dt_bias[hb])
-                        Bo[tt, hb] = sigmoid(T, Bt[tt, hb])
-                if GR and hb < Hv and (step % RS == RS - 1 or step == walk - 1):
-                    tt = tb + (step // RS) * LANES + g   # the round loaded at its first step
-                    if tt < tend:
-                        Go[tt, hb] = log_decay(T, ra, ralog, rdtb)
-                        Bo[tt, hb] = sigmoid(T, rb)
-                for i in T.unroll(H):            # the last W - 1 rows open the next group
-                    for e in T.vectorized(VEC):
-                        buf[i, e] = buf[U + i, e]
+                    walk_block(X, CS, Wt, Bias, Slots, HasInit, Cu, A, Bt, A_log, dt_bias, Qo, Ko, Vo, Go, Bo,
+                               walk, bx, by - 1, tx, ring)
+            else:
+                walk_block(X, CS, Wt, Bias, Slots, HasInit, Cu, A, Bt, A_log, dt_bias, Qo, Ko, Vo, Go, Bo,
+                           walk, bx, by, tx, ring)
 
     return gdn_conv_prefill
