@@ -2,13 +2,13 @@
 bit-for-bit against the first form on the same inputs and caches.
 
     python benchmarks/conv_prefill_ab.py --heads 2/8,16/64 --rows 1x32768,16x512,4x8192 \
-        --forms 3:auto:fast,3:auto:fast+gr,3:8:fast+gr,4:auto:fast+gr
+        --forms 3:auto:fast,3:auto,3:8:fast,4:auto:fast
 
 A form is ``stages:walk[:flags]``: conv.STAGES (the cp.async ring depth), the steps per half-warp
 walk (a number, or "auto": conv.steps_per_walk's choice), and flags joined by "+": "fast" for
-conv.FAST_STEPS, "gr" for conv.GATE_ROUNDS, "gb" for conv.GATE_BLOCKS (e.g. 3:auto:fast+gr, the default form: the rounds
-variant on walks <= 8 steps, the per-step one on longer walks). A benchmark,
-not a test; two rounds, forms interleaved, so that drift shows.
+conv.FAST_STEPS (3:auto:fast is the default form). A benchmark, not a test; two rounds, forms
+interleaved, so that drift shows. (The gate forms compared at 96477cc were switches of this
+script then: data/conv_gate_blocks_ab_h200.txt.)
 """
 
 import argparse
@@ -25,8 +25,7 @@ _AUTO_WALK = conv.steps_per_walk
 
 def run_form(case, step, stages, walk, flags=""):
     flags = set(flags.split("+"))
-    conv.STAGES, conv.FAST_STEPS, conv.GATE_ROUNDS = int(stages), "fast" in flags, "gr" in flags
-    conv.GATE_BLOCKS = "gb" in flags
+    conv.STAGES, conv.FAST_STEPS = int(stages), "fast" in flags
     conv.steps_per_walk = _AUTO_WALK if walk == "auto" else (lambda *_: int(walk))
     x, a, b = case.mixed_qkv[: case.row.tokens], case.a[: case.row.tokens], case.b[: case.row.tokens]
     plan = step.prefill_plan
@@ -53,7 +52,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--heads", default="2/8,16/64")
     ap.add_argument("--rows", default="1x32768,16x512,4x8192")
-    ap.add_argument("--forms", default="3:auto:fast,3:auto:fast+gr")
+    ap.add_argument("--forms", default="3:auto:fast,3:auto")
     ap.add_argument("--calls", type=int, default=20)
     args = ap.parse_args()
     forms = [tuple(f.split(":")) for f in args.forms.split(",")]

@@ -52,34 +52,17 @@ def test_verify_slots_compiles(target):
 
 @pytest.mark.compile
 @pytest.mark.parametrize("target", ["sm_90a", "sm_100a"])
-@pytest.mark.parametrize("rounds", [False, True])
-def test_conv_prefill_fast_steps_compile(target, rounds):
-    """conv.FAST_STEPS's form (the default; run on the H200 by test_layer_ops_gpu.py): the warp
-    vote that picks the straight-line steps, 4 CTAs per SM kept by a launch bound, still no block
-    barrier; with the gates in each step (long walks), or in rounds between the steps
-    (conv.GATE_ROUNDS: short walks)."""
+def test_conv_prefill_compiles(target):
+    """conv_prefill's default form (run on the H200 by test_layer_ops_gpu.py): the gates in the
+    grid's first column of CTAs (one gate expression, there only), the walkers' warp vote that
+    picks the straight-line steps (conv.FAST_STEPS), 4 CTAs per SM kept by a launch bound, no
+    block barrier."""
     v = C.variant("conv_prefill", HV, HK, 4, "bfloat16", "bfloat16", qk_out="float16", ab="bfloat16",
-                  param="float32", gbias="bfloat16", fast_steps=True, gate_rounds=rounds)
-    assert v["name"].endswith("_fs_gr" if rounds else "_fs")
+                  param="float32", gbias="bfloat16", fast_steps=True)
+    assert v["name"].endswith("_fs")
     src = C.build(v, target).get_kernel_source()
     assert "__all_sync" in src and "__launch_bounds__(128, 4)" in src and "__syncthreads" not in src
-    # the gates: in each step, or in the rounds between the steps
-    assert src.count("log1pf(") == 1
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("target", ["sm_90a", "sm_100a"])
-def test_conv_prefill_gate_blocks_compile(target):
-    """conv.GATE_BLOCKS's form: the gates in the grid's first column of CTAs (one gate expression,
-    stored only there), the walkers in the columns after it; still no block barrier."""
-    v = C.variant("conv_prefill", HV, HK, 4, "bfloat16", "bfloat16", qk_out="float16", ab="bfloat16",
-                  param="float32", gbias="bfloat16", fast_steps=True, gate_rounds=False, gate_blocks=True)
-    assert v["name"].endswith("_fs_gb")
-    src = C.build(v, target).get_kernel_source()
-    assert src.count("log1pf(") == 1 and "blockIdx.y) == 0" in src and "__syncthreads" not in src
-    with pytest.raises(ValueError, match="gate_rounds and gate_blocks"):
-        C.variant("conv_prefill", HV, HK, 4, "bfloat16", "bfloat16", ab="bfloat16", param="float32",
-                  gbias="float32", gate_rounds=True, gate_blocks=True)
+    assert src.count("log1pf(") == 1 and "blockIdx.y) == 0" in src
 
 
 def test_steps_per_walk():
@@ -101,9 +84,9 @@ def test_steps_per_walk():
 def test_conv_variants_are_unique_and_checked():
     vs = C.kernel_variants(32, 16)
     names = [v["name"] for v in vs]
-    # io x bias x (3 x 2 prefill (gate params x gate forms), 2 state (plain, after_conv), decode,
-    # 3 spec, 3 SGLang verify)
-    assert len(names) == len(set(names)) == 2 * 2 * 15
+    # io x bias x (3 prefill (gate params), 2 state (plain, after_conv), decode, 3 spec, 3 SGLang
+    # verify)
+    assert len(names) == len(set(names)) == 2 * 2 * 12
     assert sum(v["op"] == "conv_verify" for v in vs) == 2 * 2 * 3
     from qla_serve.kernels import hopper
     listed = hopper.kernel_variants(32, 16)

@@ -18,7 +18,8 @@ formulas in torch; float64 truth in the layer tests):
 * ``conv_prefill``: the varlen prefill's conv *and* what gdn_prefill reads, in one pass: the
   q | k | v split, q and k L2-normalised (fp32 math, stored in the variant's q/k dtype: fp16
   where the Hopper prefill takes it), and g, beta from the raw a, b (as prefill_inputs.py).
-  Grid (token ranges, 2 Hk + Hv channel blocks of 128); each half-warp of a CTA walks
+  Grid (token ranges, 1 + 2 Hk + Hv): the first column's CTAs compute g and beta of their
+  token range for every head, the others one channel block of 128 each; each half-warp of those walks
   ``walk`` x GROUP consecutive tokens of one channel block (``walk`` chosen on the host:
   steps_per_walk), lane g holding channels 8g..8g+7: GROUP input rows at a time arrive in
   registers through a per-thread cp.async ring in shared memory, STAGES - 1 steps ahead, in
@@ -57,7 +58,7 @@ heads, W, dtypes, activation and bias are static and name a variant.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
-from .conv_prefill import GROUP, HEAD_DIM, ROUND_GATES_MAX_STEPS, SEARCH_STEPS, WALKERS
+from .conv_prefill import GROUP, HEAD_DIM, SEARCH_STEPS, WALKERS
 from .conv_prefill import program as _prefill_program
 from .common import (_GATE_DTYPES, _IO_DTYPES, _check_heads, _dtype_name,
                      compile_for, gate_dtype_names, launch_function, sm_count)
@@ -87,20 +88,6 @@ STAGES = 3
 # 2/8 x 32768 104 -> 76 us, 16 x 512 35 -> 28, 16/64 x 32768 677 -> 535. False: the checked
 # steps alone (A/B only).
 FAST_STEPS = True
-# conv_prefill's gates (variant key "gate_rounds"): launches of walks <= 8 steps
-# (conv_prefill.ROUND_GATES_MAX_STEPS) run the variant whose half-warps compute a round of 16
-# tokens' g and beta every 16 / GROUP steps, all 16 lanes a token, each round's a, b loaded at its
-# first step (their latency under three steps of conv); longer walks and False: the variant
-# whose lanes 0..GROUP-1 compute the step's GROUP tokens in every step, their a, b loaded right
-# before use (ncu, H200, 2/8 x 32768: that load's wait was 20% of the kernel's stall samples, the
-# gate code 9% of its instructions). H200 (conv_prefill_ab.py, bit-identical): 2/8 x 32768 70 ->
-# 60 us, 16/64 16 x 512 144 -> 123; in 16/64's 32-step walks rounds were 7% slower than per-step
-# gates, and either form in one kernel behind a runtime branch on the walk 1-3% slower than each
-# alone, hence two variants (benchmarks/layer.md, with the forms before it).
-GATE_ROUNDS = True
-# conv_prefill's gates in CTAs of their own (variant key "gate_blocks"): the grid's first column
-# computes every head's g and beta for its token range, coalesced, and the walkers none.
-GATE_BLOCKS = False
 # the prefill's conv-state write-back launched as the conv_prefill grid's programmatic dependent
 # (conv_prefill_state's after_conv form): its loads (ids, lengths, the new window) overlap the
 # conv's last wave, its stores wait for the conv's end. False: a plain launch after it.
@@ -113,14 +100,14 @@ def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weigh
             activation: str = "silu", bias: bool = True, qk_out: str | None = None,
             ab: str | None = None, param: str | None = None, gbias: str | None = None,
             draft: int = 0, stages: int = STAGES, fast_steps: bool = FAST_STEPS,
-            gate_rounds: bool = GATE_ROUNDS, gate_blocks: bool = False, after_conv: bool = False) -> dict:
+            after_conv: bool = False) -> dict:
     """A JSON-serialisable variant description; ``name`` identifies it.
 
     io: x's dtype (and the outputs' but q/k's); state: the conv state's; weight: the conv
     weight's and bias's (default io); qk_out: conv_prefill's q/k dtype (default io); ab,
     param, gbias: conv_prefill's a/b, A_log, dt_bias dtypes; draft: conv_spec's D; stages:
     conv_prefill's cp.async ring depth (STAGES); fast_steps: its straight-line steps (FAST_STEPS);
-    gate_rounds: its gates in rounds between the steps (GATE_ROUNDS); after_conv:
+    after_conv:
     conv_prefill_state's form launched as conv_prefill's programmatic dependent."""
     weight = weight or io
     if op not in OPS:
@@ -145,15 +132,9 @@ def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weigh
                 raise ValueError(f"{what} dtype: expected one of {allowed}, got {dtype}")
         if stages not in (2, 3, 4, 5, 6):
             raise ValueError(f"conv_prefill stages: expected 2..6, got {stages}")
-        if gate_rounds and gate_blocks:
-            raise ValueError("conv_prefill gates: gate_rounds and gate_blocks are two forms, pick one")
         v.update(qk_dtype=qk_out, ab_dtype=ab, param_dtype=param, bias_dtype=gbias, stages=stages,
-                 fast_steps=bool(fast_steps), gate_rounds=bool(gate_rounds))
-        name += (f"_qk-{qk_out}_ab-{ab}-{param}-{gbias}_st{stages}" + ("_fs" if fast_steps else "")
-                 + ("_gr" if gate_rounds else ""))
-        if gate_blocks:
-            v["gate_blocks"] = True
-            name += "_gb"
+                 fast_steps=bool(fast_steps))
+        name += f"_qk-{qk_out}_ab-{ab}-{param}-{gbias}_st{stages}" + ("_fs" if fast_steps else "")
     if after_conv:
         if op != "conv_prefill_state":
             raise ValueError(f"after_conv: only conv_prefill_state has that form, got op {op!r}")
@@ -178,7 +159,7 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
     """What the engine layers hit with Qwen3-Next / Qwen3.5 (width 4, SiLU, bias or not, the
     conv state in the model dtype, weights in the model dtype): per model dtype, the prefill
     conv (q/k fp16 from bf16 as the layers ask; a/b in the model dtype, A_log/dt_bias as
-    _GATE_PARAMS; both gate forms, GATE_ROUNDS), its state write-back (plain and after_conv),
+    _GATE_PARAMS), its state write-back (plain and after_conv),
     decode, and spec and SGLang's verify at D = 2..4 (MTP k = 1..3). Others compile on first use
     (same cache)."""
     out = []
@@ -186,10 +167,9 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
         for has_bias in (False, True):
             common = dict(bias=has_bias)
             for param, gbias in _GATE_PARAMS(io):
-                for rounds in sorted({False, GATE_ROUNDS}):   # short walks' gates and long walks'
-                    out.append(variant("conv_prefill", num_v_heads, num_k_heads, 4, io, io, qk_out="float16",
-                                       ab=io, param=param, gbias=gbias, stages=STAGES, fast_steps=FAST_STEPS,
-                                       gate_rounds=rounds, **common))
+                out.append(variant("conv_prefill", num_v_heads, num_k_heads, 4, io, io, qk_out="float16",
+                                   ab=io, param=param, gbias=gbias, stages=STAGES, fast_steps=FAST_STEPS,
+                                   **common))
             for after in (False, True):
                 out.append(variant("conv_prefill_state", num_v_heads, num_k_heads, 4, io, io,
                                    after_conv=after, **common))
@@ -494,19 +474,16 @@ def conv_prefill(x, conv_state, weight, bias, slot_ids, has_initial_state, cu_se
     hv, hk, width = v_out.shape[1], q_out.shape[1], weight.shape[1]
     if T_:
         walk = steps_per_walk(T_, 2 * hk + hv, sm_count(x.device))
-        stages, fast, blocks = STAGES, FAST_STEPS, GATE_BLOCKS
-        rounds = not blocks and GATE_ROUNDS and walk <= ROUND_GATES_MAX_STEPS
+        stages, fast = STAGES, FAST_STEPS
         key = ("conv_prefill", x.device, x.dtype, conv_state.dtype, weight.dtype, q_out.dtype, a.dtype,
-               A_log.dtype, dt_bias.dtype, hv, hk, width, activation, bias is not None, stages, fast, rounds,
-               blocks)
+               A_log.dtype, dt_bias.dtype, hv, hk, width, activation, bias is not None, stages, fast)
 
         def make():
             io, sdt, wdt = _names(x, conv_state, weight)
             ab, prm, gb = gate_dtype_names(a, b, A_log, dt_bias)
             return variant("conv_prefill", hv, hk, width, io, sdt, weight=wdt, activation=activation,
                            bias=bias is not None, qk_out=_dtype_name(q_out.dtype, "q_out", _IO_DTYPES),
-                           ab=ab, param=prm, gbias=gb, stages=stages, fast_steps=fast, gate_rounds=rounds,
-                           gate_blocks=blocks)
+                           ab=ab, param=prm, gbias=gb, stages=stages, fast_steps=fast)
         _launch_fn(key, make, x.device)(x, conv_state, weight, _bias_arg(bias, weight), slot_ids,
                                         has_initial_state, cu_seqlens, a, b, A_log, dt_bias,
                                         q_out, k_out, v_out, g_out, beta_out, walk)

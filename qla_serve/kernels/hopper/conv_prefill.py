@@ -21,12 +21,7 @@ HEAD_DIM = 128
 GROUP = 4
 WALKERS = 8                   # half-warps per CTA (128 threads)
 SEARCH_STEPS = 20             # binary-search halvings over cu_seqlens: up to 2**20 sequences
-# the longest walk the host launches with the gates in rounds between its steps (conv.GATE_ROUNDS);
-# longer walks run the variant with the gates in each step (H200: rounds were 7% slower in 16/64's
-# 32-step walks, and either form in one kernel behind a runtime branch 1-3% slower than each
-# alone; benchmarks/layer.md)
-ROUND_GATES_MAX_STEPS = 8
-# gate_blocks form: a gate CTA's items (token, v-head) per thread whose loads are issued together
+# a gate CTA's (token, v-head) items per thread and round, their loads issued together
 GATE_ITEMS = 8
 LOG2E = 1.4426950408889634
 # Device helpers the kernel calls (T.import_source puts them before it).
@@ -44,8 +39,10 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
     blocks of DIM = 128 NH channels, H = W - 1 history columns; conv_state_t(), weight_t() the
     conv state's and the weight's strided tensor types (shared with conv.py's programs).
 
-    A CTA of 128 threads is 8 half-warps; a half-warp owns one 128-channel block (the grid's
-    second axis) of ``GROUP * walk`` consecutive tokens, lane g channels 8g..8g+7. It
+    The grid is (token ranges of WALKERS * GROUP * walk tokens, 1 + NH). Column 0 are the gate
+    CTAs: each computes g and beta of its token range for all Hv heads (gate_block). In the
+    other columns, walker CTAs of 8 half-warps (walk_block); a half-warp owns one 128-channel
+    block hb = column - 1 of ``GROUP * walk`` consecutive tokens, lane g channels 8g..8g+7. It
     walks them GROUP tokens at a time: each thread's 16-byte pieces of the group's rows were
     copied (cp.async) into its own part of a STAGES-deep shared ring STAGES - 1 steps
     earlier; it waits for its own copies (no block barrier: no thread reads another's piece),
@@ -53,13 +50,10 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
     the previous W - 1 rows and its own; taps before a sequence's start come from the conv
     state. A token's sequence is tracked as the walk goes (a binary search in cu_seqlens only
     when the walk crosses into a new sequence). The row's 16 lanes reduce the q/k L2 norm by
-    xor-shuffles. Half-warps of the first Hv channel blocks also compute v-head hb's gates for
-    their tokens: in the variant's gate_rounds form (the host's choice for walks of <=
-    ROUND_GATES_MAX_STEPS steps, conv.GATE_ROUNDS) in rounds of 16 tokens, one lane a token,
-    every 16 / GROUP steps, each round's a, b loaded at its first step; else lanes
-    0..GROUP-1 in each step. (Forms before it: rows loaded straight into registers, 3-7% slower; 32-token tiles
-    through shared memory with a block barrier per tile, slower still at 16/64;
-    benchmarks/layer.md.)"""
+    xor-shuffles. (Forms before it: rows loaded straight into registers, 3-7% slower; 32-token
+    tiles through shared memory with a block barrier per tile, slower still at 16/64; the gates
+    computed by the walkers, in each step or in rounds between the steps, whose a, b loads
+    stalled them: 16/64 x 32768 529 us against 429 with the gate CTAs; benchmarks/layer.md.)"""
     Hv, Hk, W = v["num_v_heads"], v["num_k_heads"], v["width"]
     io, qk = v["io_dtype"], v["qk_dtype"]
     ab, prm, gb = v["ab_dtype"], v["param_dtype"], v["bias_dtype"]
@@ -67,10 +61,7 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
     U = GROUP
     NS = v["stages"]
     FS = v["fast_steps"]
-    GR = v["gate_rounds"]
-    GB = int(v.get("gate_blocks", False))
     VEC, LANES = 8, HEAD_DIM // 8        # 16-byte vectors; a half-warp covers 128 channels
-    RS = LANES // U                       # steps per gate round (GATE_ROUNDS)
     silu = v["activation"] == "silu"
 
     def act(y):
@@ -173,8 +164,8 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
 
     @T.macro
     def gate_block(A, Bt, A_log, dt_bias, Go, Bo, t0, tx, tokens):
-        # gate_blocks form: this CTA computes g and beta of tokens t0..t0+tokens-1, all Hv heads,
-        # item i = (token t0 + i // Hv, head i % Hv): consecutive threads take consecutive items
+        # a gate CTA: g and beta of tokens t0..t0+tokens-1, all Hv heads (in CTAs of their own:
+        # the walkers' a, b loads stalled them; module docstring), item i = (token t0 + i // Hv, head i % Hv): consecutive threads take consecutive items
         # (coalesced stores into the contiguous Go, Bo), GATE_ITEMS per thread per round; the next
         # round's a, b load while this one computes (loads clamped into the batch, stores guarded)
         n = T.min(tokens, ntok - t0) * Hv
@@ -201,8 +192,7 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
                     Bo[t0 + i // Hv, i % Hv] = sigmoid(T, gbv[e])
 
     @T.macro
-    def walk_block(X, CS, Wt, Bias, Slots, HasInit, Cu, A, Bt, A_log, dt_bias, Qo, Ko, Vo, Go, Bo, walk,
-                   bx, hb, tx, ring):
+    def walk_block(X, CS, Wt, Bias, Slots, HasInit, Cu, Qo, Ko, Vo, walk, bx, hb, tx, ring):
         # the CTA's 8 half-warps walking channel block hb (the docstring above)
         c0 = hb * HEAD_DIM
         g = tx % LANES
@@ -235,22 +225,11 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
         seq[2] = -1
         if tb < ntok:
             find_sequence(Cu, Slots, HasInit, tb, seq)
-        if GR:                               # a round's a, b; the head's A_log, dt_bias
-            ra = T.alloc_var(ab)
-            rb = T.alloc_var(ab)
-            ralog = T.alloc_var(prm)
-            rdtb = T.alloc_var(gb)
-            if hb < Hv:
-                ralog = A_log[hb]
-                rdtb = dt_bias[hb]
         for step in T.serial(walk):
             tg = tb + step * U
             # rows of step + NS - 1 start while this step computes; each thread reads back
             # only the 16-byte pieces it copied itself (no barrier)
             issue_rows(X, ring, tg + (NS - 1) * U, tend, wk, g, c0, (step + NS - 1) % NS)
-            if GR and hb < Hv and step % RS == 0:   # the round of tokens tg..tg+LANES-1
-                ra = A[T.min(tg + g, ntok - 1), hb]
-                rb = Bt[T.min(tg + g, ntok - 1), hb]
             T.ptx_wait_group(NS - 1)
             for u in T.unroll(U):
                 for e in T.vectorized(VEC):
@@ -273,16 +252,6 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
             else:
                 checked_step(CS, Qo, Ko, Vo, Cu, Slots, HasInit, tg, tend, c0, hb, g, w, bias8, acc, buf,
                              seq)
-            if not GR and not GB and hb < Hv and g < U:   # gates of v-head hb for the step's tokens
-                tt = tg + g
-                if tt < tend:
-                    Go[tt, hb] = log_decay(T, A[tt, hb], A_log[hb], dt_bias[hb])
-                    Bo[tt, hb] = sigmoid(T, Bt[tt, hb])
-            if GR and hb < Hv and (step % RS == RS - 1 or step == walk - 1):
-                tt = tb + (step // RS) * LANES + g   # the round loaded at its first step
-                if tt < tend:
-                    Go[tt, hb] = log_decay(T, ra, ralog, rdtb)
-                    Bo[tt, hb] = sigmoid(T, rb)
             for i in T.unroll(H):            # the last W - 1 rows open the next group
                 for e in T.vectorized(VEC):
                     buf[i, e] = buf[U + i, e]
@@ -307,7 +276,7 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
         Bo: T.Tensor((ntok, Hv), f32),
         walk: T.int32,
     ):
-        with T.Kernel(T.ceildiv(ntok, WALKERS * U * walk), NH + GB, threads=128) as (bx, by):
+        with T.Kernel(T.ceildiv(ntok, WALKERS * U * walk), 1 + NH, threads=128) as (bx, by):
             T.import_source(FAST_MATH_SOURCE)
             # the conv-state write-back (conv.py's conv_prefill_state, after_conv form) may launch
             # now: it loads its windows while this grid runs, and stores once it has finished
@@ -316,14 +285,9 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
                 T.annotate_min_blocks_per_sm(4)
             tx = T.get_thread_binding()
             ring = T.alloc_shared((NS, WALKERS, U, HEAD_DIM), io)   # per-thread pieces, see issue_rows
-            if GB:          # the gate CTAs: the grid's first column, dispatched first
-                if by == 0:
-                    gate_block(A, Bt, A_log, dt_bias, Go, Bo, bx * (WALKERS * U * walk), tx, WALKERS * U * walk)
-                else:
-                    walk_block(X, CS, Wt, Bias, Slots, HasInit, Cu, A, Bt, A_log, dt_bias, Qo, Ko, Vo, Go, Bo,
-                               walk, bx, by - 1, tx, ring)
+            if by == 0:     # the gate CTAs: the grid's first column, dispatched first
+                gate_block(A, Bt, A_log, dt_bias, Go, Bo, bx * (WALKERS * U * walk), tx, WALKERS * U * walk)
             else:
-                walk_block(X, CS, Wt, Bias, Slots, HasInit, Cu, A, Bt, A_log, dt_bias, Qo, Ko, Vo, Go, Bo,
-                           walk, bx, by, tx, ring)
+                walk_block(X, CS, Wt, Bias, Slots, HasInit, Cu, Qo, Ko, Vo, walk, bx, by - 1, tx, ring)
 
     return gdn_conv_prefill
