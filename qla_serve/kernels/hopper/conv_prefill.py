@@ -165,9 +165,10 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
     @T.macro
     def gate_block(A, Bt, A_log, dt_bias, Go, Bo, t0, tx, tokens):
         # a gate CTA: g and beta of tokens t0..t0+tokens-1, all Hv heads (in CTAs of their own:
-        # the walkers' a, b loads stalled them; module docstring), item i = (token t0 + i // Hv, head i % Hv): consecutive threads take consecutive items
-        # (coalesced stores into the contiguous Go, Bo), GATE_ITEMS per thread per round; the next
-        # round's a, b load while this one computes (loads clamped into the batch, stores guarded)
+        # the walkers' a, b loads stalled them; program's docstring). Item i = (token t0 + i // Hv,
+        # head i % Hv): consecutive threads take consecutive items (coalesced stores into the
+        # contiguous Go, Bo), GATE_ITEMS per thread per round; the next round's a, b load while
+        # this one computes (loads clamped into the batch, stores guarded)
         n = T.min(tokens, ntok - t0) * Hv
         ga = T.alloc_local((GATE_ITEMS,), ab)
         gbv = T.alloc_local((GATE_ITEMS,), ab)
