@@ -455,7 +455,7 @@ def check_conv_verify_args(x, conv_state, slot_ids, windows, window_ids, *, conv
 
 
 def gdn_verify_slots(q, k, v, pool, spec_slot_ids, num_accepted, cu_seqlens, *, a, b, A_log, dt_bias,
-                     use_qk_l2norm=True, scale=None, out=None, _trusted=False):
+                     use_qk_l2norm=True, scale=None, out=None, _trusted=False, _after_conv=False):
     """Speculative verify into per-token slots (vLLM's layout), no scratch and no commit.
 
     Sequence i starts from ``pool[spec_slot_ids[i, num_accepted[i] - 1]]``; the state after its
@@ -469,6 +469,9 @@ def gdn_verify_slots(q, k, v, pool, spec_slot_ids, num_accepted, cu_seqlens, *, 
         num_accepted: [N] int32 in 1..D for live rows.
         a, b: [T, Hv] raw gate logits; A_log, dt_bias: [Hv] (fused gating, as gdn_decode).
         _trusted: internal (backends/gdn_layer), as :func:`causal_conv_spec`'s.
+        _after_conv: internal (backends/gdn_layer): q/k/v come from the :func:`causal_conv_spec`
+            launch right before this one on the same stream: the kernel runs as its programmatic
+            dependent (kernels/hopper/decode.verify_slots' after_conv).
     Returns:
         o [T, Hv, 128] in q's dtype.
     """
@@ -481,7 +484,8 @@ def gdn_verify_slots(q, k, v, pool, spec_slot_ids, num_accepted, cu_seqlens, *, 
     if out is None:
         out = torch.empty((q.shape[0], v.shape[1], V.HEAD_DIM), dtype=q.dtype, device=q.device)
     _run("verify_slots", q.device, q.dtype, q, k, v, pool, spec_slot_ids, num_accepted, cu_seqlens,
-         a=a, b=b, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm=l2, scale=s, out=out)
+         a=a, b=b, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm=l2, scale=s, out=out,
+         after_conv=bool(_after_conv))
     return out
 
 

@@ -61,6 +61,10 @@ HEAD_DIM = 128
 # (16/32 B = 256 bf16 pool 179 -> 188 us, B = 32 26.4 -> 27.5; fp32 pools level). 0: never.
 # benchmarks/layer_ab.py --switch gdn_layer.DECODE_AFTER_CONV_MAX_ROWS=0,1073741824; benchmarks/layer.md.
 DECODE_AFTER_CONV_MAX_ROWS = 256
+# The spec step's gdn_verify_slots launches as its conv_spec launch's programmatic dependent where
+# spec sequences x v-heads <= this (decode.verify_slots' after_conv), as SGLang's verify step does
+# (backends/sglang/verify_layer.AFTER_CONV_MAX_ROWS, measured there). 0: never.
+SPEC_AFTER_CONV_MAX_ROWS = 64
 
 
 @dataclasses.dataclass(eq=False)
@@ -359,7 +363,8 @@ def _spec_ops(step: StepPlan, layer: _Layer, x, a, b, out, checks: bool):
         layer_ops.causal_conv_spec(xs, conv_state, conv_ids, acc, cu, num_v_heads=Hv, draft=draft, out=y,
                                    _trusted=True, **conv)
         layer_ops.gdn_verify_slots(q, k, v, ssm_state, ids, acc, cu, a=as_, b=bs, use_qk_l2norm=True, scale=scale,
-                                   out=o, _trusted=True, **gates)
+                                   out=o, _trusted=True, _after_conv=ids.shape[0] * Hv <= SPEC_AFTER_CONV_MAX_ROWS,
+                                   **gates)
         if idx is not None:
             out.index_copy_(0, idx.long(), o)
     return launch

@@ -164,11 +164,12 @@ def conv_verify(x, conv_state, weight, bias, slot_ids, windows, window_ids, *, n
 
 
 def verify_slots(q, k, v, pool, spec_slot_ids, num_accepted, cu_seqlens, *, a, b, A_log, dt_bias,
-                 use_qk_l2norm, scale, out) -> None:
+                 use_qk_l2norm, scale, out, after_conv=False) -> None:
     """hopper/decode.py's verify_slots, token by token: sequence i starts from
     pool[spec_slot_ids[i, num_accepted[i] - 1]]; the state after its token j goes to
     pool[spec_slot_ids[i, j]] (ids < 0 not written); padding rows get zero outputs; tokens past
-    a sequence's first D and rows past cu_seqlens[N] are not touched."""
+    a sequence's first D and rows past cu_seqlens[N] are not touched. ``after_conv`` (the
+    TileLang kernel's launch form) changes nothing here."""
     g, beta = reference.fused_gating(a, b, A_log, dt_bias)
     dt = reference._compute_dtype(q)
     if use_qk_l2norm:

@@ -33,10 +33,12 @@ def test_conv_variant_compiles(variant, target):
         assert f"float win[{3 + variant['draft']}];" in src   # history + D draft inputs in registers
     if variant["op"] == "conv_verify":   # SGLang's per-draft window scratch, any strides
         assert "int si0, int si1, int si2, int si3" in src
-    # conv_decode, conv_verify and conv_prefill let the kernel launched as their programmatic
-    # dependent (decode; verify; the conv-state write-back's after_conv form) start early; that one
-    # waits before it reads (decode, verify) or writes (the write-back) what the conv touches
+    # conv_decode, conv_spec, conv_verify and conv_prefill let the kernel launched as their
+    # programmatic dependent (decode; verify_slots; verify; the conv-state write-back's after_conv
+    # form) start early; that one waits before it reads (decode, verify_slots, verify) or writes
+    # (the write-back) what the conv touches
     assert ("cudaTriggerProgrammaticLaunchCompletion();" in src) == (variant["op"] in ("conv_decode",
+                                                                                        "conv_spec",
                                                                                         "conv_verify",
                                                                                         "conv_prefill"))
     assert ("cudaGridDependencySynchronize();" in src) == bool(variant.get("after_conv"))
@@ -91,7 +93,7 @@ def test_conv_variants_are_unique_and_checked():
     from qla_serve.kernels import hopper
     listed = hopper.kernel_variants(32, 16)
     assert all(v in listed for v in vs)
-    assert sum(v["op"] == "verify_slots" for v in listed) == 12 * 2     # in both verify tiles
+    assert sum(v["op"] == "verify_slots" for v in listed) == 12 * 2 * 2   # both tiles, plain and after_conv
     with pytest.raises(ValueError, match="conv width"):
         C.variant("conv_decode", HV, HK, 9, "bfloat16", "bfloat16")
     with pytest.raises(ValueError, match="conv_state dtype"):

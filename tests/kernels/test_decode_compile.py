@@ -77,11 +77,11 @@ def test_tile_specs_parse_and_bad_ones_name_the_argument():
 def test_kernel_variants_are_unique_and_json_serialisable():
     vs = dec.kernel_variants(32, 16)
     names = [v["name"] for v in vs]
-    # 32 decode x 2 tiles, 32 verify x 2, 12 after_conv decode x 2, 12 verify_slots x 2,
-    # 12 after_conv verify x 2, 4 commit
-    assert len(names) == len(set(names)) == 204
-    assert sum(v.get("after_conv", False) for v in vs) == 48
-    assert {v["op"] for v in vs if v.get("after_conv", False)} == {"decode", "verify"}
+    # 32 decode x 2 tiles, 32 verify x 2, 12 after_conv decode x 2, 12 verify_slots x 2 (plain and
+    # after_conv), 12 after_conv verify x 2, 4 commit
+    assert len(names) == len(set(names)) == 228
+    assert sum(v.get("after_conv", False) for v in vs) == 72
+    assert {v["op"] for v in vs if v.get("after_conv", False)} == {"decode", "verify", "verify_slots"}
     assert json.loads(json.dumps(vs)) == vs
     assert {v["pool_dtype"] for v in vs} == {"float32", "bfloat16"}
     assert {v["io_dtype"] for v in vs if v["op"] != "commit"} == {"bfloat16", "float16"}

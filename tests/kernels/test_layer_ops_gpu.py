@@ -341,6 +341,66 @@ def test_verify_after_conv_matches_the_plain_launch(N, D, pool_dtype):
     assert not torch.equal(caches[True][3][owned], before[3][owned])   # the step did run
 
 
+@pytest.mark.parametrize("N,D", [(1, 2), (6, 4), (40, 3)])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_verify_slots_after_conv_matches_the_plain_launch(N, D, pool_dtype):
+    """vLLM's spec step: gdn_verify_slots launched as conv_spec's programmatic dependent
+    (decode.py after_conv: ids and source states loaded while the conv runs, q/k/v read after it)
+    gives bit-for-bit what the plain launch gives, eagerly and over 3 replays of a captured graph
+    with fresh inputs each; a padded sequence (first id -1) gets zero outputs, pool slots outside
+    the batch's spec rows stay untouched. 40 sequences x 8 v-heads take verify_slots' other tile
+    (decode.VERIFY_TILES)."""
+    gen = torch.Generator().manual_seed(200 + N)
+    hk, hv, W = 2, 8, 4
+    dim = (2 * hk + hv) * HEAD
+    S = 1 + N * D + 4
+    w, bv = _weights(dim, W, torch.bfloat16, gen, True)
+    A_log = (torch.rand(hv, generator=gen) - 1.0).cuda()
+    dt_bias = (torch.randn(hv, generator=gen) * 0.1).to("cuda", torch.bfloat16)     # vLLM's dtypes
+    slot_rows = (torch.randperm(S - 1, generator=gen)[:N * D] + 1).to(torch.int32).view(N, D)
+    if N > 1:
+        slot_rows[N // 2] = -1
+    ids, ids0 = slot_rows.cuda(), slot_rows[:, 0].contiguous().cuda()
+    acc = torch.randint(1, D + 1, (N,), generator=gen, dtype=torch.int32).cuda()
+    cu = torch.arange(0, N * D + 1, D, dtype=torch.int32, device="cuda")
+    x = torch.empty(N * D, dim, dtype=torch.bfloat16, device="cuda")
+    a, b = (torch.empty(N * D, hv, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    caches = {}
+    for after in (False, True):
+        cgen = torch.Generator().manual_seed(9)
+        caches[after] = (_conv_cache(S, dim, W - 2 + D, torch.bfloat16, "seq_first", cgen),
+                         (torch.randn(S, hv, HEAD, HEAD, generator=cgen) * 0.1).to("cuda", pool_dtype),
+                         torch.empty(N * D, dim, dtype=torch.bfloat16, device="cuda"),
+                         torch.empty(N * D, hv, HEAD, dtype=torch.bfloat16, device="cuda"))
+    before = [c.clone() for c in caches[True][:2]]
+
+    def layer(after):
+        cs, pool, y, out = caches[after]
+        layer_ops.causal_conv_spec(x, cs, ids0, acc, cu, conv_weight=w, conv_bias=bv, num_v_heads=hv,
+                                   draft=D, out=y)
+        heads = y.view(N * D, 2 * hk + hv, HEAD)
+        layer_ops.gdn_verify_slots(heads[:, :hk], heads[:, hk:2 * hk], heads[:, 2 * hk:], pool, ids, acc, cu,
+                                   a=a, b=b, A_log=A_log, dt_bias=dt_bias, out=out, _after_conv=after)
+
+    def fresh_inputs():
+        x.copy_(torch.randn(N * D, dim, generator=gen).to("cuda", torch.bfloat16))
+        a.copy_(torch.randn(N * D, hv, generator=gen).to("cuda", torch.bfloat16))
+        b.copy_(torch.randn(N * D, hv, generator=gen).to("cuda", torch.bfloat16))
+
+    _both_launch_forms(layer, fresh_inputs)
+    for name, got, want in zip(("conv state", "pool", "y", "out"), caches[True], caches[False]):
+        assert torch.equal(got, want), name
+    out = caches[True][3]
+    assert torch.isfinite(out.float()).all()
+    for i in (ids0 < 0).nonzero().flatten().tolist():
+        assert (out[i * D:(i + 1) * D] == 0).all(), "padded sequence"
+    live = ids[ids0 >= 0].flatten()
+    owned = torch.zeros(S, dtype=torch.bool, device="cuda")
+    owned[live.long()] = True
+    assert torch.equal(caches[True][1][~owned], before[1][~owned]), "pool slots outside the batch"
+    assert not torch.equal(caches[True][1][owned], before[1][owned])   # the step did run
+
+
 @pytest.mark.parametrize("D,dtype,bias", [(2, torch.bfloat16, False), (4, torch.bfloat16, True),
                                           (3, torch.float16, True)])
 def test_conv_verify_matches_reference(D, dtype, bias):

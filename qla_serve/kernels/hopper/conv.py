@@ -320,6 +320,10 @@ def _program(v: dict):
         Y: T.StridedTensor((Ts, DIM), (sy0, 1), io),
     ):
         with T.Kernel(N, NH, threads=HEAD_DIM) as (s, hb):
+            # verify_slots launched as this grid's programmatic dependent (decode.py's after_conv
+            # form) may start now: it loads its states while this runs and waits for this grid
+            # to finish before it reads Y.
+            T.pdl_trigger()
             c = hb * HEAD_DIM + T.get_thread_binding()
             slot = Slots[s]
             bos = Cu[s]

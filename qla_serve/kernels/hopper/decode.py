@@ -72,16 +72,17 @@ def _variant(op: str, hv: int, hk: int, io: str, pool: str, gating: str, ab: str
 
     ``param`` is A_log's dtype and ``bias`` dt_bias's (default: A_log's; SGLang keeps A_log in
     fp32 beside a bf16 dt_bias). ``tile`` (see :func:`parse_tile`) defaults to the choice for
-    the op and pool dtype (:func:`default_tile`). ``after_conv`` (decode and verify): the layers'
-    form, launched as the programmatic dependent of its conv launch (conv_decode before
-    :func:`decode`, conv_verify before :func:`verify`).
+    the op and pool dtype (:func:`default_tile`). ``after_conv`` (decode, verify, verify_slots):
+    the layers' form, launched as the programmatic dependent of its conv launch (conv_decode
+    before :func:`decode`, conv_verify before :func:`verify`, conv_spec before
+    :func:`verify_slots`).
     """
     tile = tile or default_tile(pool, op, hv, after_conv)
     parse_tile(tile)
     bias = bias or param
     gate = "gb" if gating == "gb" else f"ab-{ab}-{param}" + (f"-{bias}" if bias != param else "")
-    if after_conv and op not in ("decode", "verify"):
-        raise ValueError(f"after_conv: only the decode and verify ops have that form, got op {op!r}")
+    if after_conv and op not in ("decode", "verify", "verify_slots"):
+        raise ValueError(f"after_conv: only decode, verify and verify_slots have that form, got op {op!r}")
     name = f"gdn_{op}_hv{hv}_hk{hk}_{io}_pool-{pool}_{gate}_l2{int(l2norm)}_{tile}" + ("_pdl" if after_conv else "")
     v = {"name": name, "op": op, "num_v_heads": hv, "num_k_heads": hk, "io_dtype": io,
          "pool_dtype": pool, "gating": gating, "ab_dtype": ab, "param_dtype": param,
@@ -99,9 +100,9 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
     the io dtype, a/b and dt_bias in the io dtype with A_log fp32 (SGLang's and vLLM's layers)}
     x l2norm {off, on} = 64 variants, each in every tile decode_tile can pick for its op (two per
     pool dtype: 64 more); after_conv decode variants (the layers' decode step), verify_slots
-    variants (the vLLM layer's spec step) and after_conv verify variants (the SGLang layer's
-    verify step), each io x pool x the three raw-gate forms, l2norm on, in their two tiles (24
-    each); plus 4 commit variants (pool dtype x num_accepted int32/int64): 204.
+    variants, plain and after_conv (the vLLM layer's spec step), and after_conv verify variants
+    (the SGLang layer's verify step), each io x pool x the three raw-gate forms, l2norm on, in
+    their two tiles (24 each); plus 4 commit variants (pool dtype x num_accepted int32/int64): 228.
     Other gate dtype combinations and tile overrides (TILE_OVERRIDE) compile on first use
     (JIT, same cache).
     """
@@ -123,8 +124,9 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
                     out.append(_variant("decode", num_v_heads, num_k_heads, io, pool, "ab", io, param, True,
                                         tile, bias=bias, after_conv=True))
                 for tile in decode_tiles(pool, op="verify_slots"):
-                    out.append(_variant("verify_slots", num_v_heads, num_k_heads, io, pool, "ab", io,
-                                        param, True, tile, bias=bias))
+                    for after in (False, True):
+                        out.append(_variant("verify_slots", num_v_heads, num_k_heads, io, pool, "ab", io,
+                                            param, True, tile, bias=bias, after_conv=after))
                 for tile in decode_tiles(pool, op="verify"):    # SGLang's verify step (after its conv)
                     out.append(_variant("verify", num_v_heads, num_k_heads, io, pool, "ab", io, param, True,
                                         tile, bias=bias, after_conv=True))
@@ -475,6 +477,8 @@ def _program(variant: dict):
                     tokens(Pool, src, (Q, Kt, Vt, Ga, Gb, A_log, dt_bias, Out, scale), ctx, bos, n, h,
                            Pool, lambda j: Slots[i, j] >= 0, lambda j: (Slots[i, j],))
                 else:
+                    if AFTER_CONV:
+                        T.pdl_sync()     # (as gdn_decode's padded rows)
                     zero_rows(Out, bos, n, h, ctx)
 
         return gdn_verify_slots
@@ -678,7 +682,7 @@ def verify(q, k, v, pool, slot_ids, cu_seqlens, intermediate, intermediate_ids, 
 
 
 def verify_slots(q, k, v, pool, spec_slot_ids, num_accepted, cu_seqlens, *, a, b, A_log, dt_bias,
-                 use_qk_l2norm, scale, out):
+                 use_qk_l2norm, scale, out, after_conv=False):
     """Speculative verify straight into per-token pool slots (vLLM's layout): sequence i starts
     from ``pool[spec_slot_ids[i, num_accepted[i] - 1]]`` and the state after its token j goes to
     ``pool[spec_slot_ids[i, j]]``; no intermediate buffer, no commit.
@@ -687,11 +691,15 @@ def verify_slots(q, k, v, pool, spec_slot_ids, num_accepted, cu_seqlens, *, a, b
     [N, D] int32 (unit column stride; < 0: not written; a row whose first id or source id is
     < 0 is padding: zero outputs); num_accepted [N] int32; cu_seqlens [N+1] int32 (lengths
     <= D); out [T, Hv, 128], rows past cu_seqlens[N] untouched.
+    after_conv: this launch directly follows, on the same stream, the conv_spec launch that wrote
+    q/k/v (the vLLM layer's spec step), as :func:`decode`'s after_conv: its blocks load their ids
+    and source states while the conv runs. The ids, num_accepted, cu_seqlens, the pool and the
+    gates must not be written by that conv launch, nor by anything still running before it.
     """
     if spec_slot_ids.shape[0] == 0:
         return
     fn = _lookup("verify_slots", q, pool, None, None, a, b, A_log, dt_bias, use_qk_l2norm,
-                 spec_slot_ids.shape[0])
+                 spec_slot_ids.shape[0], bool(after_conv))
     _check_alignment(4 if pool.dtype == torch.float32 else 8, pool, q, k)
     fn(q, k, v, a, b, A_log, dt_bias, pool, spec_slot_ids, num_accepted, cu_seqlens, out,
        HEAD_DIM ** -0.5 if scale is None else float(scale))
