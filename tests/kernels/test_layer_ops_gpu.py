@@ -195,6 +195,20 @@ def test_conv_decode_captures_in_a_graph():
     assert _rel(y, want) < 4e-3 and _rel(cs, ref_cs) < 4e-3
 
 
+def _draft_batch(N, D, dim, hv, gen):
+    """A speculative batch of N sequences x D draft tokens: cu_seqlens, mixed_qkv x [N D, dim],
+    a, b [N D, hv] (bf16), and fresh_inputs() that refills x, a, b from ``gen``."""
+    cu = torch.arange(0, N * D + 1, D, dtype=torch.int32, device="cuda")
+    x = torch.empty(N * D, dim, dtype=torch.bfloat16, device="cuda")
+    a, b = (torch.empty(N * D, hv, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+
+    def fresh_inputs():
+        x.copy_(torch.randn(N * D, dim, generator=gen).to("cuda", torch.bfloat16))
+        a.copy_(torch.randn(N * D, hv, generator=gen).to("cuda", torch.bfloat16))
+        b.copy_(torch.randn(N * D, hv, generator=gen).to("cuda", torch.bfloat16))
+    return cu, x, a, b, fresh_inputs
+
+
 def _both_launch_forms(layer, fresh_inputs):
     """Run ``layer(after)`` for the plain (False) and the dependent (True) launch form: once
     eagerly (also compiles), then 3 replays of a captured graph of each, fresh inputs before each
@@ -297,9 +311,7 @@ def test_verify_after_conv_matches_the_plain_launch(N, D, pool_dtype):
     if N > 1:
         ids[N // 2] = -1
     ids, wid = ids.cuda(), torch.randperm(S, generator=gen)[:N].to(torch.int32).cuda()
-    cu = torch.arange(0, N * D + 1, D, dtype=torch.int32, device="cuda")
-    x = torch.empty(N * D, dim, dtype=torch.bfloat16, device="cuda")
-    a, b = (torch.empty(N * D, hv, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    cu, x, a, b, fresh_inputs = _draft_batch(N, D, dim, hv, gen)
     caches = {}
     for after in (False, True):
         cgen = torch.Generator().manual_seed(7)
@@ -319,11 +331,6 @@ def test_verify_after_conv_matches_the_plain_launch(N, D, pool_dtype):
         qla_serve.gdn_verify(heads[:, :hk], heads[:, hk:2 * hk], heads[:, 2 * hk:], pool, ids, cu, inter, wid,
                              a=a, b=b, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm=True, out=out,
                              _after_conv=after)
-
-    def fresh_inputs():
-        x.copy_(torch.randn(N * D, dim, generator=gen).to("cuda", torch.bfloat16))
-        a.copy_(torch.randn(N * D, hv, generator=gen).to("cuda", torch.bfloat16))
-        b.copy_(torch.randn(N * D, hv, generator=gen).to("cuda", torch.bfloat16))
 
     _both_launch_forms(layer, fresh_inputs)
     for name, got, want in zip(("conv state", "windows", "pool", "intermediate", "y", "out"),
@@ -362,9 +369,7 @@ def test_verify_slots_after_conv_matches_the_plain_launch(N, D, pool_dtype):
         slot_rows[N // 2] = -1
     ids, ids0 = slot_rows.cuda(), slot_rows[:, 0].contiguous().cuda()
     acc = torch.randint(1, D + 1, (N,), generator=gen, dtype=torch.int32).cuda()
-    cu = torch.arange(0, N * D + 1, D, dtype=torch.int32, device="cuda")
-    x = torch.empty(N * D, dim, dtype=torch.bfloat16, device="cuda")
-    a, b = (torch.empty(N * D, hv, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    cu, x, a, b, fresh_inputs = _draft_batch(N, D, dim, hv, gen)
     caches = {}
     for after in (False, True):
         cgen = torch.Generator().manual_seed(9)
@@ -381,11 +386,6 @@ def test_verify_slots_after_conv_matches_the_plain_launch(N, D, pool_dtype):
         heads = y.view(N * D, 2 * hk + hv, HEAD)
         layer_ops.gdn_verify_slots(heads[:, :hk], heads[:, hk:2 * hk], heads[:, 2 * hk:], pool, ids, acc, cu,
                                    a=a, b=b, A_log=A_log, dt_bias=dt_bias, out=out, _after_conv=after)
-
-    def fresh_inputs():
-        x.copy_(torch.randn(N * D, dim, generator=gen).to("cuda", torch.bfloat16))
-        a.copy_(torch.randn(N * D, hv, generator=gen).to("cuda", torch.bfloat16))
-        b.copy_(torch.randn(N * D, hv, generator=gen).to("cuda", torch.bfloat16))
 
     _both_launch_forms(layer, fresh_inputs)
     for name, got, want in zip(("conv state", "pool", "y", "out"), caches[True], caches[False]):
