@@ -63,7 +63,9 @@ HEAD_DIM = 128
 DECODE_AFTER_CONV_MAX_ROWS = 256
 # The spec step's gdn_verify_slots launches as its conv_spec launch's programmatic dependent where
 # spec sequences x v-heads <= this (decode.verify_slots' after_conv), as SGLang's verify step does
-# (backends/sglang/verify_layer.AFTER_CONV_MAX_ROWS, measured there). 0: never.
+# (backends/sglang/verify_layer.AFTER_CONV_MAX_ROWS, measured there). 0: never. Precompile lists
+# the after_conv variants up to kernels/hopper/decode_tiles.AFTER_CONV_MAX_ROWS (both bounds here
+# stay within it: tests/kernels/test_decode_compile.py).
 SPEC_AFTER_CONV_MAX_ROWS = 64
 
 

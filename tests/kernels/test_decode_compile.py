@@ -77,26 +77,42 @@ def test_tile_specs_parse_and_bad_ones_name_the_argument():
 def test_kernel_variants_are_unique_and_json_serialisable():
     vs = dec.kernel_variants(32, 16)
     names = [v["name"] for v in vs]
-    # 32 decode x 2 tiles, 32 verify x 2, 12 after_conv decode x 2, 12 verify_slots x 2 (plain and
-    # after_conv), 12 after_conv verify x 2, 4 commit
-    assert len(names) == len(set(names)) == 228
-    assert sum(v.get("after_conv", False) for v in vs) == 72
+    # 32 decode x 2 tiles, 32 verify x 2, 12 after_conv decode (bf16 pools: 2 tiles up to 256 rows,
+    # fp32: 1), 12 verify_slots x 2 tiles + 12 after_conv (1 tile up to 64 rows), 12 after_conv
+    # verify (1 tile), 4 commit
+    assert len(names) == len(set(names)) == 198
+    assert sum(v.get("after_conv", False) for v in vs) == 42
     assert {v["op"] for v in vs if v.get("after_conv", False)} == {"decode", "verify", "verify_slots"}
     assert json.loads(json.dumps(vs)) == vs
     assert {v["pool_dtype"] for v in vs} == {"float32", "bfloat16"}
     assert {v["io_dtype"] for v in vs if v["op"] != "commit"} == {"bfloat16", "float16"}
     assert {v["op"] for v in vs} == {"decode", "verify", "verify_slots", "commit"}
     for pool in ("float32", "bfloat16"):
-        for op in ("verify", "verify_slots"):
-            assert {v["tile"] for v in vs if v["op"] == op and v["pool_dtype"] == pool} == set(
-                dec.decode_tiles(pool, op=op))
-        for after_conv in (False, True):
-            assert {v["tile"] for v in vs if v["op"] == "decode" and v["pool_dtype"] == pool
-                    and v.get("after_conv", False) == after_conv} == set(dec.decode_tiles(pool, after_conv))
+        for op in ("decode", "verify", "verify_slots"):
+            for after_conv in (False, True):
+                assert {v["tile"] for v in vs if v["op"] == op and v["pool_dtype"] == pool
+                        and v.get("after_conv", False) == after_conv} == set(dec.decode_tiles(pool, after_conv, op))
+    # the after_conv variants: only the tiles the layers' bounds reach (fp32 decode up to 256 rows:
+    # bv16l16-cs, not bv32; verify up to 64 rows: bv16l16-cs, not bv8w1l16-cs)
+    assert dec.decode_tiles("float32", True, "decode") == ["bv16l16-cs"]
+    assert dec.decode_tiles("bfloat16", True, "decode") == ["bv16l16-cs", "bv64"]
+    assert dec.decode_tiles("float32", True, "verify_slots") == ["bv16l16-cs"]
+    assert dec.decode_tiles("bfloat16", False, "verify") == ["bv16l16-cs", "bv8w1l16-cs"]
     # SGLang's layers: A_log fp32 beside a dt_bias in the activation dtype, its own variant
     assert {(v["param_dtype"], v["bias_dtype"]) for v in vs if v.get("gating") == "ab"} == {
         ("float32", "float32"), ("bfloat16", "bfloat16"), ("float16", "float16"),
         ("float32", "bfloat16"), ("float32", "float16")}
+
+
+def test_after_conv_bounds_stay_within_the_listed_variants():
+    """The layers launch the after_conv form up to their own row bounds; kernel_variants (what
+    precompile builds) covers the tiles up to decode.AFTER_CONV_MAX_ROWS. A backend bound above it
+    would compile a variant on a server's first call instead."""
+    from qla_serve.backends import gdn_layer
+    from qla_serve.backends.sglang import verify_layer
+    assert gdn_layer.DECODE_AFTER_CONV_MAX_ROWS <= dec.AFTER_CONV_MAX_ROWS["decode"]
+    assert gdn_layer.SPEC_AFTER_CONV_MAX_ROWS <= dec.AFTER_CONV_MAX_ROWS["verify_slots"]
+    assert verify_layer.AFTER_CONV_MAX_ROWS <= dec.AFTER_CONV_MAX_ROWS["verify"]
 
 
 def test_the_decode_tile_follows_the_row_count_and_precompile_lists_every_pick():
@@ -116,11 +132,14 @@ def test_the_decode_tile_follows_the_row_count_and_precompile_lists_every_pick()
     names = {v["name"] for v in dec.kernel_variants(HV, HK)}
     for v in dec.kernel_variants(HV, HK):
         if v["op"] != "commit":
+            after = v.get("after_conv", False)
             for rows in (1, 64, 65, 128, 129, 256, 4096, 4097, 10**6):
-                tile = dec.decode_tile(v["pool_dtype"], rows, v.get("after_conv", False), v["op"])
+                if after and rows > dec.AFTER_CONV_MAX_ROWS[v["op"]]:
+                    continue              # the layers launch the plain form there
+                tile = dec.decode_tile(v["pool_dtype"], rows, after, v["op"])
                 assert dec._variant(v["op"], HV, HK, v["io_dtype"], v["pool_dtype"], v["gating"], v["ab_dtype"],
                                     v["param_dtype"], v["l2norm"], tile, bias=v["bias_dtype"],
-                                    after_conv=v.get("after_conv", False))["name"] in names
+                                    after_conv=after)["name"] in names
 
 
 def test_bad_variants_and_targets_are_rejected():

@@ -53,7 +53,8 @@ import torch
 
 from .common import (_GATE_DTYPES, _IO_DTYPES, _TORCH_TO_TL, HEAD_DIM, _check_heads, _dtype_name,
                      check_pool_alignment, compile_for, gate_dtype_names, launch_function)
-from .decode_tiles import (AFTER_CONV_TILES, DECODE_TILES, STATE_IO_SOURCE, VERIFY_TILES,  # noqa: F401 (re-exported)
+from .decode_tiles import (AFTER_CONV_MAX_ROWS, AFTER_CONV_TILES, DECODE_TILES, STATE_IO_SOURCE,  # noqa: F401
+                           VERIFY_TILES,  # noqa: F401 (re-exported)
                            decode_tile, decode_tiles, default_tile, parse_tile)
 
 _POOL_DTYPES = ("float32", "bfloat16")
@@ -102,7 +103,9 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
     pool dtype: 64 more); after_conv decode variants (the layers' decode step), verify_slots
     variants, plain and after_conv (the vLLM layer's spec step), and after_conv verify variants
     (the SGLang layer's verify step), each io x pool x the three raw-gate forms, l2norm on, in
-    their two tiles (24 each); plus 4 commit variants (pool dtype x num_accepted int32/int64): 228.
+    the tiles their calls reach (after_conv: up to AFTER_CONV_MAX_ROWS rows; 18 after_conv
+    decode, 24 + 12 verify_slots, 12 verify); plus 4 commit variants (pool dtype x num_accepted
+    int32/int64): 198.
     Other gate dtype combinations and tile overrides (TILE_OVERRIDE) compile on first use
     (JIT, same cache).
     """
@@ -123,11 +126,11 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
                 for tile in decode_tiles(pool, after_conv=True):
                     out.append(_variant("decode", num_v_heads, num_k_heads, io, pool, "ab", io, param, True,
                                         tile, bias=bias, after_conv=True))
-                for tile in decode_tiles(pool, op="verify_slots"):
-                    for after in (False, True):
+                for after in (False, True):
+                    for tile in decode_tiles(pool, after_conv=after, op="verify_slots"):
                         out.append(_variant("verify_slots", num_v_heads, num_k_heads, io, pool, "ab", io,
                                             param, True, tile, bias=bias, after_conv=after))
-                for tile in decode_tiles(pool, op="verify"):    # SGLang's verify step (after its conv)
+                for tile in decode_tiles(pool, after_conv=True, op="verify"):   # SGLang's verify step
                     out.append(_variant("verify", num_v_heads, num_k_heads, io, pool, "ab", io, param, True,
                                         tile, bias=bias, after_conv=True))
     for pool in _POOL_DTYPES:

@@ -111,6 +111,12 @@ AFTER_CONV_TILES = {"bfloat16": ((128, "bv16l16-cs"), (None, "bv64"))}
 # 9.4 us against 12.1 on bv32 / 12.4 on bv64, the old defaults); up to 64 rows the decode's small
 # tile, 0.1-0.3 us ahead of it (2/8 one request x 4 drafts, fp32: 5.3 against 5.5, bv32 6.2).
 VERIFY_TILES = {pool: ((64, "bv16l16-cs"), (None, "bv8w1l16-cs")) for pool in ("float32", "bfloat16")}
+# The most rows (sequences x v-heads) at which the engine layers launch each op as its conv's
+# programmatic dependent (the after_conv form): backends/gdn_layer.DECODE_AFTER_CONV_MAX_ROWS and
+# SPEC_AFTER_CONV_MAX_ROWS, backends/sglang/verify_layer.AFTER_CONV_MAX_ROWS, which stay within
+# these (tests/kernels/test_decode_compile.py). kernel_variants lists the after_conv variants only
+# in the tiles these rows reach.
+AFTER_CONV_MAX_ROWS = {"decode": 256, "verify": 64, "verify_slots": 64}
 
 
 def _tile_table(op: str, pool_dtype: str, after_conv: bool) -> tuple:
@@ -134,8 +140,14 @@ def decode_tile(pool_dtype: str, rows: int, after_conv: bool = False, op: str = 
 
 def decode_tiles(pool_dtype: str, after_conv: bool = False, op: str = "decode") -> list[str]:
     """Every tile :func:`decode_tile` can pick for this op, pool dtype and form (precompile
-    lists them all)."""
-    return [tile for _, tile in _tile_table(op, pool_dtype, after_conv)]
+    lists them all); for the after_conv form, those of calls up to AFTER_CONV_MAX_ROWS[op] rows."""
+    limit = AFTER_CONV_MAX_ROWS[op] if after_conv else None
+    tiles = []
+    for max_rows, tile in _tile_table(op, pool_dtype, after_conv):
+        tiles.append(tile)
+        if max_rows is None or (limit is not None and limit <= max_rows):
+            break
+    return tiles
 
 
 def default_tile(pool_dtype: str, op: str = "verify", num_v_heads: int = 1, after_conv: bool = False) -> str:
