@@ -20,6 +20,7 @@ value's launches are resolved apart (the plans' kernel caches key on the switche
 import argparse
 import ast
 import importlib
+from unittest import mock
 
 import torch
 
@@ -70,7 +71,6 @@ def main():
     ap.add_argument("--graph-calls", type=int, default=5)
     args = ap.parse_args()
     module, name, values = args.switch
-    default = getattr(module, name)
     for hk, hv in L.parse_heads(args.heads):
         for text in args.rows.split(","):
             row = L.parse_row(text)
@@ -78,13 +78,10 @@ def main():
                 nsets = L.slot_sets_for(row, hv, STATE[st], bdec.L2_FLUSH_BYTES)
                 case = L.LayerCase(hk, hv, row, STATE[st], "cuda", nsets=nsets)
                 times = {i: [] for i in range(len(values))}
-                try:
-                    for _ in range(2):
-                        for i, value in enumerate(values):
-                            setattr(module, name, value)
+                for _ in range(2):
+                    for i, value in enumerate(values):
+                        with mock.patch.object(module, name, value):
                             times[i].append(layer_us(case, nsets, args.reps, args.graph_calls))
-                finally:
-                    setattr(module, name, default)
                 cols = "  ".join(f"{name}={v!r} {t[0]:.2f}/{t[1]:.2f}" for v, t in zip(values, times.values()))
                 print(f"{hk}/{hv} {text:>8} {st}: {cols}", flush=True)
 

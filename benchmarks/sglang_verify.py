@@ -30,6 +30,7 @@ import argparse
 import json
 import statistics
 from types import SimpleNamespace
+from unittest import mock
 
 import torch
 
@@ -162,14 +163,11 @@ def time_point(hk, hv, N, D, state_dtype, layers, reps, kernel, ab=False) -> dic
             fns.append(qla_call(cache, layer, x, a, b, meta, fb, N) if impl.startswith("qla")
                        else sglang_qla_call(cache, layer, x, a, b, meta, N, D, kernel) if impl == "sglang_qla"
                        else sglang_call(cache, layer, x, a, b, meta, N, D))
-        default = verify_layer.AFTER_CONV_MAX_ROWS
-        verify_layer.AFTER_CONV_MAX_ROWS = {"qla_pdl": 1 << 30, "qla_plain": 0}.get(impl, default)
-        try:
+        bound = {"qla_pdl": 1 << 30, "qla_plain": 0}.get(impl, verify_layer.AFTER_CONV_MAX_ROWS)
+        with mock.patch.object(verify_layer, "AFTER_CONV_MAX_ROWS", bound):
             fns[0]()          # the step's first layer: qla derives the batch's ids here (once per step)
             gpu = bdec._graph_time_us(torch, fns, reps)
             host = statistics.median(bdec._host_time_us(torch, fns[1], 20) for _ in range(3))
-        finally:
-            verify_layer.AFTER_CONV_MAX_ROWS = default
         rec[impl] = {"gpu_us": round(gpu, 2), "host_issue_us": round(host, 1)}
     for impl in ("sglang_qla", "sglang"):
         rec[f"qla_over_{impl}"] = round(rec["qla"]["gpu_us"] / rec[impl]["gpu_us"], 3)
