@@ -1,0 +1,337 @@
+"""Prefill in one pass for batches that fill the GPU (plain plans): stage 1 (prefill_prep.py, form
+"m") and stage 2 (prefill_main_vfirst.py at v_split 1) in one kernel, so the per-chunk products
+M, P and the gate factors never go through HBM; FlashInfer 0.7.2's SM90 design
+(docs/flashinfer_sm90_prefill.md), with this repository's chain and fp16 numerics.
+
+One CTA of 512 threads per (v-head, sequence), v-heads fastest (a qk-head's v-heads share q/k
+tiles through L2), one CTA per SM. Per chunk of 64 tokens t0..t0+n-1 of head h it computes what
+prefill_prep.py form "m" writes and prefill_main_vfirst.py reads (see both for the math):
+  gc      = chunk-local cumsum of g;  f = (exp(gc), dec = exp(gc[63] - gc), 0 for rows >= n)
+  P       = scale * Lower(Gamma) o (Q K^T)                       [64, 64] fp16
+  A       = (I + StrictLower(diag(beta) K K^T))^-1               (16x16 substitution + 4 GEMMs)
+  M[i, j] = A[i, j] exp(gc[i] - gc[j]) beta[j]  (i >= j)           [64, 64] fp16
+and then the V-first chain on X = S^T:
+  V'^T = fp16(V^T - (Xh K^T) diag(exp gc)) M^T
+  O^T  = scale (Xh Q^T) diag(exp gc) + fp16(V'^T) P^T
+  X   <- gamma_last X + fp16(V'^T diag(dec)) K
+Same contract and float64 truth as the two-stage prefill (reference.recurrent_gdn; DESIGN.md):
+states read from and written to the pool in place (slot < 0: zero state, nothing written),
+has_initial_state / all_init, vLLM's prefill checkpoints. fp16 q/k only (what the engine layers
+hand over); prefill_api routes bf16 q/k to the two-stage kernels.
+
+Warp roles (setmaxnreg 192 / 192 / 104 / 24 = 65536 registers, FlashInfer's split):
+  consumers  threads 0-255, two warpgroups, 64 value rows of X each: the chain, as in
+             prefill_main_vfirst.py, with M, P and f from the prep warpgroup's ring.
+  prep       threads 256-383: chunk c + 1's gates, P, inverse and M while the consumers walk
+             chunk c, into a two-stage ring (mbarriers mp_full / mp_free). Its own phases are
+             ordered by named barrier 1 over its 128 threads (TileLang's automatic barriers are
+             off: they would be whole-CTA __syncthreads, and the roles never meet at one).
+  producer   threads 384-511: one warp issuing the TMA loads of q, k, v (two stages; freed once
+             the consumers and the prep warpgroup are done with them), one storer warp for the
+             O tiles (as prefill_main_vfirst.py).
+"""
+
+import tilelang
+import tilelang.language as T
+
+from .prefill_main import C, DK, DV, checkpoint_chunk
+from .prefill_main_vfirst import PASS_CONFIGS, _POOL_VEC
+
+CONSUMERS = 256
+PREP0 = CONSUMERS  # the prep warpgroup's first thread
+PRODUCER0 = PREP0 + 128
+THREADS = PRODUCER0 + 128
+_NREG_CONSUMER = 192  # 176 spilled 52 bytes in prefill_main_vfirst's loop; 192 none
+_NREG_PREP = 104
+_NREG_PRODUCER = 24
+_PREP_BARRIER = 1  # named barrier id of the prep warpgroup's phases
+_LOG2E = 1.4426950408889634
+
+
+def fused_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str):
+    """Build the one-pass prefill PrimFunc for (Hv, Hk, v/output dtype, pool dtype); fp16 q/k.
+    Tokens, sequences and slots are symbolic: one compile serves every batch."""
+    Hv, Hk = num_v_heads, num_k_heads
+    group = Hv // Hk
+    ntok = T.dynamic("ntok")
+    nseq = T.dynamic("nseq")
+    nslot = T.dynamic("nslot")
+    nhis = T.dynamic("nhis")
+    nck = T.dynamic("nck")
+    sq0, sq1 = T.dynamic("sq0"), T.dynamic("sq1")
+    sk0, sk1 = T.dynamic("sk0"), T.dynamic("sk1")
+    sv0, sv1 = T.dynamic("sv0"), T.dynamic("sv1")
+    so0, so1 = T.dynamic("so0"), T.dynamic("so1")
+    sp0 = T.dynamic("sp0")
+    mm = "float16"
+    acc = "float32"
+    rows = T.GemmWarpPolicy.FullRow
+
+    @T.macro
+    def prep_sync():
+        T.sync_threads(_PREP_BARRIER, 128)
+
+    @T.macro
+    def chunk_gates(pt, t0, n, h, st, g, beta, gsum_s, g2_s, prow_s, mcol_s, b_s, f_s, mp_free, c, scale):
+        """The chunk's gate arrays (prep threads 0-63, one token each, a warp-shuffle scan per
+        half and the halves' totals through gsum_s) and, once the consumers freed ring stage
+        st, f_s[st]. Ends with the prep barrier: every array is visible to the warpgroup."""
+        gv = T.alloc_var(acc)
+        bv = T.alloc_var(acc)
+        lane = pt % 32
+        if pt < C:
+            gv = T.if_then_else(pt < n, g[t0 + pt, h], 0.0)
+            bv = T.if_then_else(pt < n, beta[t0 + pt, h], 0.0)
+            for m in T.unroll(5):
+                up = T.shfl_up(gv, 1 << m)
+                if lane >= (1 << m):
+                    gv = gv + up
+            if lane == 31:
+                gsum_s[pt // 32] = gv
+        prep_sync()
+        if pt < C:
+            if pt >= 32:
+                gv = gv + gsum_s[0]
+            total = (gsum_s[0] + gsum_s[1]) * _LOG2E  # rows >= n have g = 0: gc[63] = gc[n-1]
+            g2 = gv * _LOG2E
+            g2_s[pt] = g2
+            prow_s[pt] = g2 + T.log2(scale)
+            mcol_s[pt] = g2 - T.log2(bv)  # +inf for beta = 0 (rows >= n among them): M's column 0
+            b_s[pt] = bv
+            T.barrier_wait(mp_free[st], (c // 2 + 1) % 2)
+            f_s[st, 0, pt] = T.exp2(g2)
+            f_s[st, 1, pt] = T.if_then_else(pt < n, T.exp2(total - g2), 0.0)
+        prep_sync()
+
+    @T.macro
+    def inverse(pt, k_tile, kk_f, n_f, t_f, b_s, ld_s, xd_s, dinv_s, loff_s, n_s, n2_s, y_s):
+        """A = (I + L)^-1 into t_f, L = StrictLower(diag(beta) K K^T): prefill_prep._solve's
+        blocked inverse (16x16 forward substitution in fp32, then (I - N + N^2 - N^3) Dinv by
+        four fp16 GEMMs), with the prep barrier wherever a tile changes hands."""
+        T.gemm(k_tile, k_tile, kk_f, transpose_B=True, clear_accum=True)
+        for i, c in T.Parallel(C, C):
+            kk_f[i, c] = kk_f[i, c] * b_s[i]
+        for i, c in T.Parallel(C, C):
+            if i // 16 == c // 16:
+                ld_s[i // 16, i % 16, c % 16] = kk_f[i, c]
+        for i, c in T.Parallel(C, C):
+            kk_f[i, c] = T.if_then_else(i // 16 > c // 16, kk_f[i, c], 0.0)
+        T.copy(kk_f, loff_s)
+        prep_sync()
+        blk = pt // 16
+        col = pt % 16
+        dcol = T.alloc_local((16,), acc)
+        if pt < 64:
+            for r in T.unroll(16):
+                dcol[r] = T.if_then_else(col == r, 1.0, 0.0)
+                for m in T.unroll(r):
+                    dcol[r] = dcol[r] - ld_s[blk, r, m] * dcol[m]
+            for r in T.unroll(16):
+                xd_s[blk * 16 + r, col] = dcol[r]
+        prep_sync()
+        for i, c in T.Parallel(C, C):
+            n_f[i, c] = T.if_then_else(i // 16 == c // 16, xd_s[i, c % 16], 0.0)
+        T.copy(n_f, dinv_s)
+        T.fence_proxy_async()
+        prep_sync()
+        T.gemm(dinv_s, loff_s, n_f, clear_accum=True)
+        T.copy(n_f, n_s)
+        T.fence_proxy_async()
+        prep_sync()
+        T.gemm(n_s, n_s, t_f, clear_accum=True)
+        T.copy(t_f, n2_s)
+        for i, c in T.Parallel(C, C):
+            n_f[i, c] = t_f[i, c] - n_f[i, c]
+        T.fence_proxy_async()
+        prep_sync()
+        T.gemm(n_s, n2_s, t_f, clear_accum=True)
+        for i, c in T.Parallel(C, C):
+            n_f[i, c] = T.if_then_else(i == c, 1.0, 0.0) + n_f[i, c] - t_f[i, c]
+        T.copy(n_f, y_s)
+        T.fence_proxy_async()
+        prep_sync()
+        T.gemm(y_s, dinv_s, t_f, clear_accum=True)
+
+    @T.prim_func
+    def gdn_prefill_fused(
+        q: T.StridedTensor((ntok, Hk, DK), (sq0, sq1, 1), mm),
+        k: T.StridedTensor((ntok, Hk, DK), (sk0, sk1, 1), mm),
+        values: T.StridedTensor((ntok, Hv, DV), (sv0, sv1, 1), io_dtype),  # v (loop variables take `v`)
+        g: T.Tensor((ntok, Hv), "float32"),
+        beta: T.Tensor((ntok, Hv), "float32"),
+        pool: T.StridedTensor((nslot, Hv, DV, DK), (sp0, DV * DK, DK, 1), pool_dtype),
+        slot_ids: T.Tensor((nseq,), "int32"),
+        has_init: T.Tensor((nhis,), "uint8"),
+        cu_seqlens: T.Tensor((nseq + 1,), "int32"),
+        ckpt_chunk: T.Tensor((nck,), "int32"),
+        ckpt_slot: T.Tensor((nck,), "int32"),
+        out: T.StridedTensor((ntok, Hv, DV), (so0, so1, 1), io_dtype),
+        scale: T.float32,
+        all_init: T.int32,
+        use_ckpt: T.int32,
+    ):
+        with T.Kernel(Hv, nseq, threads=THREADS) as (h, s):
+            T.assume(sp0 % _POOL_VEC[pool_dtype] == 0)
+            hk = h // group
+            q_s = T.alloc_shared((2, C, DK), mm)
+            k_s = T.alloc_shared((2, C, DK), mm)
+            v_s = T.alloc_shared((2, C, DV), io_dtype)
+            o_s = T.alloc_shared((2, C, DV), io_dtype)
+            p_s = T.alloc_shared((2, C, C), mm)
+            m_s = T.alloc_shared((2, C, C), mm)
+            f_s = T.alloc_shared((2, 2, C), acc)  # exp(gc), dec
+            T.annotate_layout({v_s: tilelang.layout.make_swizzled_layout(v_s),
+                               o_s: tilelang.layout.make_swizzled_layout(o_s)})
+            # the prep warpgroup's own tiles
+            gsum_s = T.alloc_shared((2,), acc)
+            g2_s = T.alloc_shared((C,), acc)
+            prow_s = T.alloc_shared((C,), acc)
+            mcol_s = T.alloc_shared((C,), acc)
+            b_s = T.alloc_shared((C,), acc)
+            ld_s = T.alloc_shared((4, 16, 16), acc)
+            xd_s = T.alloc_shared((C, 16), acc)
+            dinv_s = T.alloc_shared((C, C), mm)
+            loff_s = T.alloc_shared((C, C), mm)
+            n_s = T.alloc_shared((C, C), mm)
+            n2_s = T.alloc_shared((C, C), mm)
+            y_s = T.alloc_shared((C, C), mm)
+            T.annotate_layout({dinv_s: tilelang.layout.make_swizzled_layout(dinv_s),
+                               loff_s: tilelang.layout.make_swizzled_layout(loff_s),
+                               y_s: tilelang.layout.make_swizzled_layout(y_s)})
+            # consumer fragments
+            x_f = T.alloc_fragment((DV, DK), acc)  # X = S^T
+            xh_f = T.alloc_fragment((DV, DK), mm)
+            vp_f = T.alloc_fragment((DV, C), acc)
+            rh_f = T.alloc_fragment((DV, C), mm)
+            vph_f = T.alloc_fragment((DV, C), mm)
+            vpd_f = T.alloc_fragment((DV, C), mm)
+            o_f = T.alloc_fragment((DV, C), acc)
+            # prep fragments
+            kk_f = T.alloc_fragment((C, C), acc)
+            t_f = T.alloc_fragment((C, C), acc)
+            n_f = T.alloc_fragment((C, C), acc)
+            ready = T.alloc_barrier([32, 32])  # q, k, v of a stage: the loader warp + TMA bytes
+            free = T.alloc_barrier([CONSUMERS + 128, CONSUMERS + 128])  # read by consumers and prep
+            mp_full = T.alloc_barrier([128, 128])  # M, P, f of a stage written by the prep warpgroup
+            mp_free = T.alloc_barrier([CONSUMERS, CONSUMERS])  # ... and read by every consumer
+            o_full = T.alloc_barrier([CONSUMERS, CONSUMERS])
+            o_free = T.alloc_barrier([32, 32])
+
+            bos = cu_seqlens[s]
+            eos = cu_seqlens[s + 1]
+            nchunks = T.ceildiv(eos - bos, C)
+            tx = T.get_thread_binding()
+
+            if tx < CONSUMERS:
+                T.set_max_nreg(_NREG_CONSUMER, 1)
+                slot = slot_ids[s]
+                load = T.alloc_var("int32")
+                load = 0
+                if slot >= 0:
+                    if all_init != 0:
+                        load = 1
+                    elif has_init[s] != 0:
+                        load = 1
+                if load != 0:
+                    for v, d in T.Parallel(DV, DK):
+                        x_f[v, d] = T.cast(pool[slot, h, v, d], acc)
+                else:
+                    T.clear(x_f)
+                gl = T.alloc_var(acc)
+                ck, ck_slot = checkpoint_chunk(ckpt_chunk, ckpt_slot, use_ckpt, s, 0, 0)
+                for c in T.serial(nchunks):
+                    st = c % 2
+                    t0 = bos + c * C
+                    n = T.min(eos - t0, C)
+                    T.barrier_wait(ready[st], (c // 2) % 2)
+                    for v, d in T.Parallel(DV, DK):
+                        xh_f[v, d] = T.cast(x_f[v, d], mm)
+                    T.wgmma_gemm(xh_f, k_s[st, :, :], vp_f, transpose_B=True, clear_accum=True, policy=rows)
+                    T.wgmma_gemm(xh_f, q_s[st, :, :], o_f, transpose_B=True, clear_accum=True, policy=rows)
+                    T.barrier_wait(mp_full[st], (c // 2) % 2)
+                    T.wait_wgmma(0)
+                    for v, i in T.Parallel(DV, C):
+                        rh_f[v, i] = T.cast(T.cast(v_s[st, i, v], acc) - vp_f[v, i] * f_s[st, 0, i], mm)
+                    T.wgmma_gemm(rh_f, m_s[st, :, :], vp_f, transpose_B=True, clear_accum=True, policy=rows)
+                    T.wait_wgmma(0)
+                    for v, i in T.Parallel(DV, C):
+                        vpd_f[v, i] = T.cast(vp_f[v, i] * f_s[st, 1, i], mm)
+                    gl = f_s[st, 0, C - 1]
+                    for v, d in T.Parallel(DV, DK):
+                        x_f[v, d] = x_f[v, d] * gl
+                    T.wgmma_gemm(vpd_f, k_s[st, :, :], x_f, policy=rows)
+                    for v, i in T.Parallel(DV, C):
+                        vph_f[v, i] = T.cast(vp_f[v, i], mm)
+                        o_f[v, i] = o_f[v, i] * (f_s[st, 0, i] * scale)
+                    T.wgmma_gemm(vph_f, p_s[st, :, :], o_f, transpose_B=True, policy=rows)
+                    T.wait_wgmma(0)
+                    if c == ck:  # the state after the checkpoint's chunk: into its slot
+                        for v, d in T.Parallel(DV, DK):
+                            pool[ck_slot, h, v, d] = T.cast(x_f[v, d], pool_dtype)
+                    T.barrier_arrive(free[st])
+                    T.barrier_arrive(mp_free[st])
+                    if n == C:  # a whole chunk: to the storer warp through O tile c % 2
+                        T.barrier_wait(o_free[st], (c // 2 + 1) % 2)
+                        for v, i in T.Parallel(DV, C):
+                            o_s[st, i, v] = T.cast(o_f[v, i], io_dtype)
+                        T.fence_proxy_async()
+                        T.barrier_arrive(o_full[st])
+                    else:  # the sequence's last chunk: TMA would clip at T, not at its end
+                        for v, i in T.Parallel(DV, C):
+                            if i < n:
+                                out[t0 + i, h, v] = T.cast(o_f[v, i], io_dtype)
+                if slot >= 0:
+                    for v, d in T.Parallel(DV, DK):
+                        pool[slot, h, v, d] = T.cast(x_f[v, d], pool_dtype)
+
+            elif tx < PRODUCER0:
+                T.set_max_nreg(_NREG_PREP, 0)
+                pt = tx - PREP0
+                for c in T.serial(nchunks):
+                    st = c % 2
+                    t0 = bos + c * C
+                    n = T.min(eos - t0, C)
+                    chunk_gates(pt, t0, n, h, st, g, beta, gsum_s, g2_s, prow_s, mcol_s, b_s, f_s, mp_free, c,
+                                scale)
+                    T.barrier_wait(ready[st], (c // 2) % 2)
+                    # P = scale * Lower(Gamma) o Q K^T, every element then masked (prefill_prep._p_tile)
+                    T.gemm(q_s[st, :, :], k_s[st, :, :], t_f, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(C, C):
+                        t_f[i, j] = t_f[i, j] * T.exp2(prow_s[i] - g2_s[j])
+                    for i, j in T.Parallel(C, C):
+                        t_f[i, j] = T.if_then_else(i >= j, t_f[i, j], 0.0)
+                    T.copy(t_f, p_s[st, :, :])
+                    inverse(pt, k_s[st, :, :], kk_f, n_f, t_f, b_s, ld_s, xd_s, dinv_s, loff_s, n_s, n2_s, y_s)
+                    T.barrier_arrive(free[st])  # q and k read (the inverse's K K^T was the last)
+                    # M = (Gamma o A) diag(beta), every element then masked (prefill_prep._gated_m)
+                    for i, j in T.Parallel(C, C):
+                        t_f[i, j] = t_f[i, j] * T.exp2(g2_s[i] - mcol_s[j])
+                    for i, j in T.Parallel(C, C):
+                        t_f[i, j] = T.if_then_else(i >= j, t_f[i, j], 0.0)
+                    T.copy(t_f, m_s[st, :, :])
+                    T.fence_proxy_async()  # generic-proxy writes, read by the consumers' wgmma
+                    T.barrier_arrive(mp_full[st])
+
+            else:
+                T.set_max_nreg(_NREG_PRODUCER, 0)
+                if tx >= PRODUCER0 + 32 and tx < PRODUCER0 + 64:
+                    # The storer warp: each whole output chunk's TMA store, in chunk order.
+                    for c in T.serial(nchunks):
+                        t0 = bos + c * C
+                        if eos - t0 >= C:
+                            T.barrier_wait(o_full[c % 2], (c // 2) % 2)
+                            T.tma_copy(o_s[c % 2, :, :], out[t0:t0 + C, h, 0:DV], leader_scope_threads=32)
+                            T.tma_store_wait(0)
+                            T.sync_warp()
+                            T.barrier_arrive(o_free[c % 2])
+                if tx < PRODUCER0 + 32:
+                    for c in T.serial(nchunks):
+                        st = c % 2
+                        t0 = bos + c * C
+                        T.barrier_wait(free[st], (c // 2 + 1) % 2)
+                        T.tma_copy(q[t0:t0 + C, hk, 0:DK], q_s[st, :, :], barrier=ready[st])
+                        T.tma_copy(k[t0:t0 + C, hk, 0:DK], k_s[st, :, :], barrier=ready[st])
+                        T.tma_copy(values[t0:t0 + C, h, 0:DV], v_s[st, :, :], barrier=ready[st])
+                        T.barrier_arrive(ready[st])
+
+    return gdn_prefill_fused
