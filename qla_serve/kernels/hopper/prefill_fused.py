@@ -48,7 +48,7 @@ _PREP_BARRIER = 1  # named barrier id of the prep warpgroup's phases
 _LOG2E = 1.4426950408889634
 
 
-def fused_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str):
+def fused_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str, _probe: str = ""):
     """Build the one-pass prefill PrimFunc for (Hv, Hk, v/output dtype, pool dtype); fp16 q/k.
     Tokens, sequences and slots are symbolic: one compile serves every batch."""
     Hv, Hk = num_v_heads, num_k_heads
@@ -72,45 +72,59 @@ def fused_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: st
         T.sync_threads(_PREP_BARRIER, 128)
 
     @T.macro
-    def chunk_gates(pt, t0, n, h, st, g, beta, gsum_s, g2_s, prow_s, mcol_s, b_s, f_s, mp_free, c, scale):
-        """The chunk's gate arrays (prep threads 0-63, one token each, a warp-shuffle scan per
-        half and the halves' totals through gsum_s) and, once the consumers freed ring stage
-        st, f_s[st]. Ends with the prep barrier: every array is visible to the warpgroup."""
-        gv = T.alloc_var(acc)
-        bv = T.alloc_var(acc)
-        lane = pt % 32
-        if pt < C:
-            gv = T.if_then_else(pt < n, g[t0 + pt, h], 0.0)
-            bv = T.if_then_else(pt < n, beta[t0 + pt, h], 0.0)
-            for m in T.unroll(5):
-                up = T.shfl_up(gv, 1 << m)
-                if lane >= (1 << m):
-                    gv = gv + up
-            if lane == 31:
-                gsum_s[pt // 32] = gv
-        prep_sync()
-        if pt < C:
-            if pt >= 32:
-                gv = gv + gsum_s[0]
-            total = (gsum_s[0] + gsum_s[1]) * _LOG2E  # rows >= n have g = 0: gc[63] = gc[n-1]
-            g2 = gv * _LOG2E
-            g2_s[pt] = g2
-            prow_s[pt] = g2 + T.log2(scale)
-            mcol_s[pt] = g2 - T.log2(bv)  # +inf for beta = 0 (rows >= n among them): M's column 0
-            b_s[pt] = bv
-            T.barrier_wait(mp_free[st], (c // 2 + 1) % 2)
-            f_s[st, 0, pt] = T.exp2(g2)
-            f_s[st, 1, pt] = T.if_then_else(pt < n, T.exp2(total - g2), 0.0)
-        prep_sync()
+    def load_gates(lane, c, nchunks, bos, eos, h, g, beta, gb):
+        """Chunk c's g and beta of tokens 2 lane and 2 lane + 1 into gb (0 past the sequence or
+        for c = nchunks): the gate warp loads them a chunk ahead of their use."""
+        for j in T.unroll(2):
+            t = bos + c * C + 2 * lane + j
+            gb[j] = T.if_then_else(c < nchunks and t < eos, g[t, h], 0.0)
+            gb[2 + j] = T.if_then_else(c < nchunks and t < eos, beta[t, h], 0.0)
 
     @T.macro
-    def inverse(pt, k_tile, kk_f, n_f, t_f, b_s, ld_s, xd_s, dinv_s, loff_s, n_s, n2_s, y_s):
-        """A = (I + L)^-1 into t_f, L = StrictLower(diag(beta) K K^T): prefill_prep._solve's
-        blocked inverse (16x16 forward substitution in fp32, then (I - N + N^2 - N^3) Dinv by
-        four fp16 GEMMs), with the prep barrier wherever a tile changes hands."""
-        T.gemm(k_tile, k_tile, kk_f, transpose_B=True, clear_accum=True)
+    def write_gates(lane, n, st, gb, g2_s, prow_s, mcol_s, b_s, f_s, scale):
+        """One chunk's gate arrays into ring stage st, two tokens per lane: gc by a warp scan of
+        the lanes' pair sums (rows >= n have g = 0, so gc[63] = gc[n-1] is the chunk's total),
+        then prefill_prep's exponents in base 2 (g2 = gc log2 e, P's row term g2 + log2 scale,
+        M's column term g2 - log2 beta: +inf for beta = 0, which zeroes M's column) and the
+        consumers' factors exp(gc), dec = exp(gc[63] - gc) (0 for rows >= n)."""
+        pair = gb[0] + gb[1]
+        incl = T.alloc_var(acc)
+        incl = pair
+        for m in T.unroll(5):
+            up = T.shfl_up(incl, 1 << m)
+            if lane >= (1 << m):
+                incl = incl + up
+        total = T.shfl_sync(incl, 31) * _LOG2E
+        for j in T.unroll(2):
+            i = 2 * lane + j
+            g2 = (incl - pair + T.if_then_else(j == 0, gb[0], pair)) * _LOG2E
+            g2_s[st, i] = g2
+            prow_s[st, i] = g2 + T.log2(scale)
+            mcol_s[st, i] = g2 - T.log2(gb[2 + j])
+            b_s[st, i] = gb[2 + j]
+            f_s[st, 0, i] = T.exp2(g2)
+            f_s[st, 1, i] = T.if_then_else(i < n, T.exp2(total - g2), 0.0)
+
+    @T.macro
+    def gated(t_f, row_s, col_s, st):
+        """t_f[i, j] *= exp2(row_s[st, i] - col_s[st, j]) on and below the diagonal, 0 above it:
+        computed for every element, then masked (a conditional product compiles to a branch per
+        element; above the diagonal the factor may be inf: prefill_prep._gated_m)."""
+        for i, j in T.Parallel(C, C):
+            t_f[i, j] = t_f[i, j] * T.exp2(row_s[st, i] - col_s[st, j])
+        for i, j in T.Parallel(C, C):
+            t_f[i, j] = T.if_then_else(i >= j, t_f[i, j], 0.0)
+
+    @T.macro
+    def inverse(pt, st, kk_f, n_f, t_f, b_s, ld_s, xd_s, dinv_s, loff_s, n_s, n2_s, y_s):
+        """A = (I + L)^-1 into t_f from K K^T in kk_f, L = StrictLower(diag(beta) K K^T):
+        prefill_prep._solve's Dinv (the four 16x16 diagonal blocks of I + L inverted by forward
+        substitution in fp32) and N = Dinv L_off (strictly block-lower, N^4 = 0), then
+        A = (I - N + N^2 - N^3) Dinv = (I + N^2) B with B = (I - N) Dinv: N^2 and N Dinv in one
+        wgmma batch, so three GEMM round trips instead of four. The prep barrier wherever a
+        tile changes hands."""
         for i, c in T.Parallel(C, C):
-            kk_f[i, c] = kk_f[i, c] * b_s[i]
+            kk_f[i, c] = kk_f[i, c] * b_s[st, i]
         for i, c in T.Parallel(C, C):
             if i // 16 == c // 16:
                 ld_s[i // 16, i % 16, c % 16] = kk_f[i, c]
@@ -134,23 +148,22 @@ def fused_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: st
         T.copy(n_f, dinv_s)
         T.fence_proxy_async()
         prep_sync()
-        T.gemm(dinv_s, loff_s, n_f, clear_accum=True)
+        T.gemm(dinv_s, loff_s, n_f, clear_accum=True)  # N
         T.copy(n_f, n_s)
         T.fence_proxy_async()
         prep_sync()
-        T.gemm(n_s, n_s, t_f, clear_accum=True)
+        T.wgmma_gemm(n_s, n_s, t_f, clear_accum=True)  # N^2
+        T.wgmma_gemm(n_s, dinv_s, kk_f, clear_accum=True)  # N Dinv
+        T.wait_wgmma(0)
+        for i, c in T.Parallel(C, C):  # B = Dinv - N Dinv, fp32
+            kk_f[i, c] = T.if_then_else(i // 16 == c // 16, xd_s[i, c % 16], 0.0) - kk_f[i, c]
+        T.copy(kk_f, y_s)
         T.copy(t_f, n2_s)
-        for i, c in T.Parallel(C, C):
-            n_f[i, c] = t_f[i, c] - n_f[i, c]
         T.fence_proxy_async()
         prep_sync()
-        T.gemm(n_s, n2_s, t_f, clear_accum=True)
+        T.gemm(n2_s, y_s, t_f, clear_accum=True)  # N^2 B
         for i, c in T.Parallel(C, C):
-            n_f[i, c] = T.if_then_else(i == c, 1.0, 0.0) + n_f[i, c] - t_f[i, c]
-        T.copy(n_f, y_s)
-        T.fence_proxy_async()
-        prep_sync()
-        T.gemm(y_s, dinv_s, t_f, clear_accum=True)
+            t_f[i, c] = t_f[i, c] + kk_f[i, c]
 
     @T.prim_func
     def gdn_prefill_fused(
@@ -183,11 +196,10 @@ def fused_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: st
             T.annotate_layout({v_s: tilelang.layout.make_swizzled_layout(v_s),
                                o_s: tilelang.layout.make_swizzled_layout(o_s)})
             # the prep warpgroup's own tiles
-            gsum_s = T.alloc_shared((2,), acc)
-            g2_s = T.alloc_shared((C,), acc)
-            prow_s = T.alloc_shared((C,), acc)
-            mcol_s = T.alloc_shared((C,), acc)
-            b_s = T.alloc_shared((C,), acc)
+            g2_s = T.alloc_shared((2, C), acc)  # the gate warp's exponents, ring stage as f_s
+            prow_s = T.alloc_shared((2, C), acc)
+            mcol_s = T.alloc_shared((2, C), acc)
+            b_s = T.alloc_shared((2, C), acc)
             ld_s = T.alloc_shared((4, 16, 16), acc)
             xd_s = T.alloc_shared((C, 16), acc)
             dinv_s = T.alloc_shared((C, C), mm)
@@ -212,7 +224,8 @@ def fused_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: st
             n_f = T.alloc_fragment((C, C), acc)
             ready = T.alloc_barrier([32, 32])  # q, k, v of a stage: the loader warp + TMA bytes
             free = T.alloc_barrier([CONSUMERS + 128, CONSUMERS + 128])  # read by consumers and prep
-            mp_full = T.alloc_barrier([128, 128])  # M, P, f of a stage written by the prep warpgroup
+            gate_full = T.alloc_barrier([32, 32])  # a stage's gate arrays and f written by the gate warp
+            mp_full = T.alloc_barrier([128, 128])  # M and P of a stage written by the prep warpgroup
             mp_free = T.alloc_barrier([CONSUMERS, CONSUMERS])  # ... and read by every consumer
             o_full = T.alloc_barrier([CONSUMERS, CONSUMERS])
             o_free = T.alloc_barrier([32, 32])
@@ -244,27 +257,30 @@ def fused_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: st
                     t0 = bos + c * C
                     n = T.min(eos - t0, C)
                     T.barrier_wait(ready[st], (c // 2) % 2)
-                    for v, d in T.Parallel(DV, DK):
-                        xh_f[v, d] = T.cast(x_f[v, d], mm)
-                    T.wgmma_gemm(xh_f, k_s[st, :, :], vp_f, transpose_B=True, clear_accum=True, policy=rows)
-                    T.wgmma_gemm(xh_f, q_s[st, :, :], o_f, transpose_B=True, clear_accum=True, policy=rows)
-                    T.barrier_wait(mp_full[st], (c // 2) % 2)
-                    T.wait_wgmma(0)
-                    for v, i in T.Parallel(DV, C):
-                        rh_f[v, i] = T.cast(T.cast(v_s[st, i, v], acc) - vp_f[v, i] * f_s[st, 0, i], mm)
-                    T.wgmma_gemm(rh_f, m_s[st, :, :], vp_f, transpose_B=True, clear_accum=True, policy=rows)
-                    T.wait_wgmma(0)
-                    for v, i in T.Parallel(DV, C):
-                        vpd_f[v, i] = T.cast(vp_f[v, i] * f_s[st, 1, i], mm)
-                    gl = f_s[st, 0, C - 1]
-                    for v, d in T.Parallel(DV, DK):
-                        x_f[v, d] = x_f[v, d] * gl
-                    T.wgmma_gemm(vpd_f, k_s[st, :, :], x_f, policy=rows)
-                    for v, i in T.Parallel(DV, C):
-                        vph_f[v, i] = T.cast(vp_f[v, i], mm)
-                        o_f[v, i] = o_f[v, i] * (f_s[st, 0, i] * scale)
-                    T.wgmma_gemm(vph_f, p_s[st, :, :], o_f, transpose_B=True, policy=rows)
-                    T.wait_wgmma(0)
+                    if _probe == "prep_only":
+                        T.barrier_wait(mp_full[st], (c // 2) % 2)
+                    else:
+                        for v, d in T.Parallel(DV, DK):
+                            xh_f[v, d] = T.cast(x_f[v, d], mm)
+                        T.wgmma_gemm(xh_f, k_s[st, :, :], vp_f, transpose_B=True, clear_accum=True, policy=rows)
+                        T.wgmma_gemm(xh_f, q_s[st, :, :], o_f, transpose_B=True, clear_accum=True, policy=rows)
+                        T.barrier_wait(mp_full[st], (c // 2) % 2)
+                        T.wait_wgmma(0)
+                        for v, i in T.Parallel(DV, C):
+                            rh_f[v, i] = T.cast(T.cast(v_s[st, i, v], acc) - vp_f[v, i] * f_s[st, 0, i], mm)
+                        T.wgmma_gemm(rh_f, m_s[st, :, :], vp_f, transpose_B=True, clear_accum=True, policy=rows)
+                        T.wait_wgmma(0)
+                        for v, i in T.Parallel(DV, C):
+                            vpd_f[v, i] = T.cast(vp_f[v, i] * f_s[st, 1, i], mm)
+                        gl = f_s[st, 0, C - 1]
+                        for v, d in T.Parallel(DV, DK):
+                            x_f[v, d] = x_f[v, d] * gl
+                        T.wgmma_gemm(vpd_f, k_s[st, :, :], x_f, policy=rows)
+                        for v, i in T.Parallel(DV, C):
+                            vph_f[v, i] = T.cast(vp_f[v, i], mm)
+                            o_f[v, i] = o_f[v, i] * (f_s[st, 0, i] * scale)
+                        T.wgmma_gemm(vph_f, p_s[st, :, :], o_f, transpose_B=True, policy=rows)
+                        T.wait_wgmma(0)
                     if c == ck:  # the state after the checkpoint's chunk: into its slot
                         for v, d in T.Parallel(DV, DK):
                             pool[ck_slot, h, v, d] = T.cast(x_f[v, d], pool_dtype)
@@ -289,28 +305,26 @@ def fused_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: st
                 pt = tx - PREP0
                 for c in T.serial(nchunks):
                     st = c % 2
-                    t0 = bos + c * C
-                    n = T.min(eos - t0, C)
-                    chunk_gates(pt, t0, n, h, st, g, beta, gsum_s, g2_s, prow_s, mcol_s, b_s, f_s, mp_free, c,
-                                scale)
                     T.barrier_wait(ready[st], (c // 2) % 2)
-                    # P = scale * Lower(Gamma) o Q K^T, every element then masked (prefill_prep._p_tile)
-                    T.gemm(q_s[st, :, :], k_s[st, :, :], t_f, transpose_B=True, clear_accum=True)
-                    for i, j in T.Parallel(C, C):
-                        t_f[i, j] = t_f[i, j] * T.exp2(prow_s[i] - g2_s[j])
-                    for i, j in T.Parallel(C, C):
-                        t_f[i, j] = T.if_then_else(i >= j, t_f[i, j], 0.0)
-                    T.copy(t_f, p_s[st, :, :])
-                    inverse(pt, k_s[st, :, :], kk_f, n_f, t_f, b_s, ld_s, xd_s, dinv_s, loff_s, n_s, n2_s, y_s)
-                    T.barrier_arrive(free[st])  # q and k read (the inverse's K K^T was the last)
-                    # M = (Gamma o A) diag(beta), every element then masked (prefill_prep._gated_m)
-                    for i, j in T.Parallel(C, C):
-                        t_f[i, j] = t_f[i, j] * T.exp2(g2_s[i] - mcol_s[j])
-                    for i, j in T.Parallel(C, C):
-                        t_f[i, j] = T.if_then_else(i >= j, t_f[i, j], 0.0)
-                    T.copy(t_f, m_s[st, :, :])
-                    T.fence_proxy_async()  # generic-proxy writes, read by the consumers' wgmma
-                    T.barrier_arrive(mp_full[st])
+                    if _probe == "chain_only":
+                        T.barrier_arrive(free[st])
+                        T.barrier_wait(gate_full[st], (c // 2) % 2)
+                        T.barrier_arrive(mp_full[st])
+                    else:
+                        # Q K^T and K K^T in one batch; the gate arrays (their stage was freed
+                        # by the consumers before the gate warp wrote it: M and P's too)
+                        T.wgmma_gemm(q_s[st, :, :], k_s[st, :, :], t_f, transpose_B=True, clear_accum=True)
+                        T.wgmma_gemm(k_s[st, :, :], k_s[st, :, :], kk_f, transpose_B=True, clear_accum=True)
+                        T.barrier_wait(gate_full[st], (c // 2) % 2)
+                        T.wait_wgmma(0)
+                        T.barrier_arrive(free[st])  # q and k read
+                        gated(t_f, prow_s, g2_s, st)  # P = scale * Lower(Gamma) o Q K^T
+                        T.copy(t_f, p_s[st, :, :])
+                        inverse(pt, st, kk_f, n_f, t_f, b_s, ld_s, xd_s, dinv_s, loff_s, n_s, n2_s, y_s)
+                        gated(t_f, g2_s, mcol_s, st)  # M = (Gamma o A) diag(beta)
+                        T.copy(t_f, m_s[st, :, :])
+                        T.fence_proxy_async()  # generic-proxy writes, read by the consumers' wgmma
+                        T.barrier_arrive(mp_full[st])
 
             else:
                 T.set_max_nreg(_NREG_PRODUCER, 0)
@@ -324,6 +338,21 @@ def fused_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: st
                             T.tma_store_wait(0)
                             T.sync_warp()
                             T.barrier_arrive(o_free[c % 2])
+                if tx >= PRODUCER0 + 64 and tx < PRODUCER0 + 96:
+                    # The gate warp: each chunk's gate arrays into the ring stage the consumers
+                    # freed, g and beta loaded a chunk ahead.
+                    lane = tx % 32
+                    gb = T.alloc_local((4,), acc)
+                    gb_next = T.alloc_local((4,), acc)
+                    load_gates(lane, 0, nchunks, bos, eos, h, g, beta, gb_next)
+                    for c in T.serial(nchunks):
+                        for j in T.unroll(4):
+                            gb[j] = gb_next[j]
+                        load_gates(lane, c + 1, nchunks, bos, eos, h, g, beta, gb_next)
+                        T.barrier_wait(mp_free[c % 2], (c // 2 + 1) % 2)
+                        write_gates(lane, T.min(eos - bos - c * C, C), c % 2, gb, g2_s, prow_s, mcol_s, b_s, f_s,
+                                    scale)
+                        T.barrier_arrive(gate_full[c % 2])
                 if tx < PRODUCER0 + 32:
                     for c in T.serial(nchunks):
                         st = c % 2
