@@ -61,7 +61,7 @@ import threading
 
 import torch
 
-from . import prefill_fused, prefill_main, prefill_main_vfirst, prefill_prep, prefill_scan, prefill_warmup
+from . import prefill_main, prefill_main_vfirst, prefill_prep, prefill_scan, prefill_warmup
 from .common import _TORCH_TO_TL, check_pool_alignment, sm_count
 from .raw_launch import raw_function
 
@@ -143,19 +143,6 @@ PREP_HEADS = _prep_heads_from_env()
 # __restrict__ from a chained kernel's pointers.
 CP_PDL = True
 
-
-def _fused_from_env() -> bool:
-    flag = os.environ.get("QLA_SERVE_PREFILL_FUSED", "1").strip()
-    if flag not in ("0", "1"):
-        raise ValueError(f"QLA_SERVE_PREFILL_FUSED: expected 0 or 1, got {flag!r}")
-    return flag == "1"
-
-
-# Plain plans (v_split 1, no cut) with fp16 q/k run in one pass (prefill_fused.py: stage 1's
-# products in shared memory instead of HBM) on sm_90a; 0 keeps them on prep + V-first stage 2.
-# Read once at import from QLA_SERVE_PREFILL_FUSED; the GPU tests and benchmarks set it instead.
-FUSED = _fused_from_env()
-
 _kernels: dict = {}
 _lock = threading.Lock()
 _fns: dict = {}  # short key -> the compiled kernel's raw launch function (raw_launch.py)
@@ -163,8 +150,6 @@ _dummies: dict = {}
 
 
 def _variant_name(v: dict) -> str:
-    if v["op"] == "prefill_fused":
-        return f"gdn_prefill_fused_hv{v['num_v_heads']}_hk{v['num_k_heads']}_{v['io_dtype']}_pool{v['pool_dtype']}"
     if v["op"] == "prefill_prep":
         return (f"gdn_prefill_prep_hv{v['num_v_heads']}_hk{v['num_k_heads']}_{v['io_dtype']}"
                 + ("_m" if v.get("form", "uw") == "m" else "")
@@ -209,22 +194,6 @@ def prep_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = 
         v["heads_per_cta"] = heads_per_cta
     v["name"] = _variant_name(v)
     return v
-
-
-def fused_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str) -> dict:
-    """The one-pass prefill (prefill_fused.py) for v / output dtype io_dtype; q/k are fp16."""
-    if io_dtype not in IO_DTYPES or pool_dtype not in POOL_DTYPES:
-        raise ValueError(f"io_dtype / pool_dtype: expected one of {IO_DTYPES} / {POOL_DTYPES}, "
-                         f"got {io_dtype!r} / {pool_dtype!r}")
-    v = {"op": "prefill_fused", "num_v_heads": num_v_heads, "num_k_heads": num_k_heads, "io_dtype": io_dtype,
-         "pool_dtype": pool_dtype}
-    v["name"] = _variant_name(v)
-    return v
-
-
-def fused_applies(strategy: str, v_split: int, qk_dtype: str, target: str = ARCH) -> bool:
-    """Whether a call runs the one-pass kernel: FUSED, sm_90a, a plain plan, fp16 q/k."""
-    return FUSED and target == "sm_90a" and strategy == "plain" and v_split == 1 and qk_dtype == "float16"
 
 
 def prep_heads_per_cta(num_v_heads: int, num_k_heads: int, num_chunks: int, form: str, sm_count: int) -> int:
@@ -321,8 +290,6 @@ def kernel_variants(num_v_heads: int, num_k_heads: int, target: str = ARCH) -> l
             for vs in V_SPLITS:
                 for mode in MAIN_MODES:
                     out.append(main_variant(num_v_heads, num_k_heads, io, pool, vs, mode, main_impl_for(vs, target)))
-            if fused_applies("plain", 1, "float16", target):
-                out.append(fused_variant(num_v_heads, num_k_heads, io, pool))
     return out
 
 
@@ -341,10 +308,7 @@ def build(variant: dict, target: str = ARCH):
             hv = variant["num_v_heads"]
             hk, io = variant.get("num_k_heads"), variant.get("io_dtype")
             pdl = variant.get("pdl", False)
-            if variant["op"] == "prefill_fused":
-                func = prefill_fused.fused_func(hv, hk, io, variant["pool_dtype"])
-                cfg = prefill_fused.PASS_CONFIGS
-            elif variant["op"] == "prefill_cp_scan":
+            if variant["op"] == "prefill_cp_scan":
                 func = prefill_scan.scan_func(hv, variant.get("rows", 0), pdl)
                 cfg = prefill_scan.PASS_CONFIGS
             elif variant["op"] == "prefill_cp_warmup":
@@ -359,8 +323,8 @@ def build(variant: dict, target: str = ARCH):
                                          variant.get("mode", "output"), pdl)
                 cfg = kmod.PASS_CONFIGS
             else:
-                raise ValueError(f"variant['op'] must be prefill_prep, prefill_main, prefill_fused, "
-                                 f"prefill_cp_scan or prefill_cp_warmup, got {variant['op']!r}")
+                raise ValueError(f"variant['op'] must be prefill_prep, prefill_main, prefill_cp_scan or "
+                                 f"prefill_cp_warmup, got {variant['op']!r}")
             if target not in ("sm_90a", "sm_100a"):
                 raise ValueError(f"target: expected 'sm_90a' or 'sm_100a', got {target!r}")
             kern = tilelang.compile(
@@ -532,7 +496,7 @@ def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale,
     plan.scratch): every GDN layer of a step then only binds its own tensors.
     """
     key = ("hopper_prefill_launches", q.shape[0], k.shape[1], v.shape[1], q.dtype, v.dtype, pool.dtype,
-           has_initial_state is None, q.device, _stages, _target, GATE_WARMUP, MAIN_IMPL, PREP_HEADS, CP_PDL, FUSED)
+           has_initial_state is None, q.device, _stages, _target, GATE_WARMUP, MAIN_IMPL, PREP_HEADS, CP_PDL)
     launches = plan.kernel_cache.get(key)
     if launches is None:
         launches = plan.kernel_cache[key] = _Launches(plan, q, k, v, pool, has_initial_state is None, _stages,
@@ -569,11 +533,6 @@ class _Launches:
         self.all_init = int(all_init)
         self.flags = _dummy(("flags", dev), lambda: torch.ones(1, dtype=torch.uint8, device=dev))
         self.cu_seqlens, self.chunk_offsets = plan.cu_seqlens, plan.chunk_offsets
-        self.fused = None
-        if fused_applies(strategy, vs, qk, target) and stages == "prep,main":
-            self.fused = _kernel(fused_variant(hv, hk, io, pool_dt), (hv, hk, io, pool_dt, "fused", target))
-            self.prep = self.output = None
-            return
         nchunks, self.stage1 = _plan_scratch(plan, hv, form, dev)
         # Stage 2's tensor-core operands are fp16: bf16 q/k are converted once, by stage 1.
         self.half_qk = _half_qk(plan, max(self.ntok, 1), hk, dev) if qk == "bfloat16" else None
@@ -625,12 +584,6 @@ class _Launches:
         check_pool_alignment(pool)
         flags = self.flags if has_initial_state is None else has_initial_state.view(torch.uint8)
         scale = 128**-0.5 if scale is None else float(scale)
-        # (without checkpoints the kernels never read these: slot_ids stands in for both)
-        ckpt = (slot_ids, slot_ids, 0) if checkpoints is None else (*checkpoints, 1)
-        if self.fused is not None:
-            self.fused(q, k, v, g, beta, pool, slot_ids, flags, self.cu_seqlens, *ckpt[:2], out, scale, self.all_init,
-                       ckpt[2])
-            return
         qh, kh = self.half_qk or (q, k)
         if self.prep is not None:
             self.prep(q, k, v, g, beta, self.cu_seqlens, self.chunk_offsets, *self.stage1, qh, kh, scale)
@@ -640,6 +593,8 @@ class _Launches:
         # Stage 2's inputs: V-first reads v and M, v8 U0 and -Wk.
         tiles = (v, fbuf, pbuf, mbuf) if self.vfirst else (fbuf, pbuf, ubuf, wbuf)
         head = (qh, kh, *tiles, pool, slot_ids, flags, self.cu_seqlens, self.chunk_offsets)
+        # (without checkpoints the kernels never read these: slot_ids stands in for both)
+        ckpt = (slot_ids, slot_ids, 0) if checkpoints is None else (*checkpoints, 1)
         if self.finder is not None:
             self.finder()
         if self.maps_pass is not None:
