@@ -44,10 +44,7 @@ def _kernel_switches(monkeypatch):
     (v_split 4 runs v8), stage 1's heads per CTA by its rule. The CP passes' launch form
     (CP_PDL) is read from no environment: the package's. test_v8_main and the sanitizer case
     switch to v8 themselves, test_prep_heads_per_cta forces the heads,
-    test_cp_pdl_matches_plain_launches runs both launch forms. The one-pass kernel (FUSED) on:
-    plain plans with fp16 q/k run it; test_fused_matches_two_stage and the tests of stage 1
-    switch it off where they mean the two launches."""
-    monkeypatch.setattr(_mod(), "FUSED", True)
+    test_cp_pdl_matches_plain_launches runs both launch forms."""
     monkeypatch.setattr(_mod(), "GATE_WARMUP", True)
     monkeypatch.setattr(_mod(), "MAIN_IMPL", "vfirst")
     monkeypatch.setattr(_mod(), "PREP_HEADS", 0)
@@ -219,9 +216,7 @@ def test_prep_heads_per_cta(Hk, Hv, heads, monkeypatch):
     only for large enough calls): edge lengths with padding and both pools, fp16 q/k beside
     bf16 v under CP with gate warmup, against the float64 recurrence; and the same errors, to
     the last bit, as one head per CTA on the same inputs (each head's operations are the same;
-    on the H200 the outputs were bit-equal in 120 of 120 bench calls, benchmarks/prefill.md v27).
-    The one-pass kernel is off: its plain plans run no stage 1."""
-    monkeypatch.setattr(_mod(), "FUSED", False)
+    on the H200 the outputs were bit-equal in 120 of 120 bench calls, benchmarks/prefill.md v27)."""
     cases = [dict(lens=EDGE_LENS, pool_dtype=torch.float32, pad_frac=0.2),
              dict(lens=EDGE_LENS, pool_dtype=torch.bfloat16, pad_frac=0.2),
              dict(lens=[64 * 29 + 17, 0, 64 * 3, 1, 64 * 7, 200], qk=torch.float16, v_split=1, pad_frac=0.2,
@@ -234,52 +229,6 @@ def test_prep_heads_per_cta(Hk, Hv, heads, monkeypatch):
             errors[n] = run_case(lens, Hk, Hv, seed=1200 + i + Hv, **case)[:2]
         print(f"{Hk}/{Hv} heads per CTA {heads}, case {i}: o {errors[heads][0]:.2e} state {errors[heads][1]:.2e}")
         assert errors[heads] == errors[1]
-
-
-FUSED_HEADS = [(2, 8), (4, 16), (16, 32), (16, 64), (2, 4)]
-
-
-@pytest.mark.parametrize("Hk,Hv", FUSED_HEADS)
-@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_fused_one_pass(Hk, Hv, pool_dtype):
-    """The one-pass kernel (prefill_fused.py: plain plans, fp16 q/k; the even chunks' stage 1
-    inside it, the odd chunks' from stage 1's odd_chunks variant): edge lengths (0, 1, 63, 64,
-    65, ...) with padding slots, the same with fp16 v and all initial states, whole 64-token
-    chunks only, a long sequence and many short ones, against the float64 recurrence; slots
-    outside the batch bit-identical, every output row written."""
-    seed = 1500 + Hv + (pool_dtype == torch.bfloat16)
-    e = run_case(EDGE_LENS, Hk, Hv, pool_dtype=pool_dtype, v_split=1, qk=torch.float16, seed=seed, pad_frac=0.2)
-    print(f"fused {Hk}/{Hv} pool {pool_dtype} edge: o {e[0]:.2e} state {e[1]:.2e}")
-    assert _launches(e[2], Hk, Hv).fused is not None, "the plain fp16 q/k plan did not take the one-pass kernel"
-    run_case([100, 64, 1, 0, 333], Hk, Hv, pool_dtype=pool_dtype, v_split=1, io=torch.float16, all_init=True,
-             seed=seed + 1)
-    run_case([128, 64 * 5], Hk, Hv, pool_dtype=pool_dtype, v_split=1, qk=torch.float16, seed=seed + 2)
-    rng = random.Random(seed)
-    lens = [3000] + [rng.choice([0, 1, 17, 64, 200, 513]) for _ in range(40)]
-    e = run_case(lens, Hk, Hv, pool_dtype=pool_dtype, v_split=1, qk=torch.float16, seed=seed + 3, pad_frac=0.1)
-    print(f"fused {Hk}/{Hv} pool {pool_dtype} long + 40 short: o {e[0]:.2e} state {e[1]:.2e}")
-
-
-def _launches(plan, Hk, Hv):
-    """The resolved launches a prefill call on this plan kept (prefill_api._Launches)."""
-    found = [v for key, v in plan.kernel_cache.items() if key[0] == "hopper_prefill_launches" and key[2] == Hk
-             and key[3] == Hv]
-    assert len(found) == 1
-    return found[0]
-
-
-def test_fused_matches_two_stage(monkeypatch):
-    """The one-pass kernel against prep + V-first stage 2 on the same inputs (FUSED on, then off):
-    the same algorithm and roundings, so their outputs and states agree far inside the
-    recurrence tolerance (the chunk cumsum is summed in another order)."""
-    lens = [64 * 29 + 17, 0, 64 * 3, 1, 64 * 7, 200]
-    errs = {}
-    for fused in (True, False):
-        monkeypatch.setattr(_mod(), "FUSED", fused)
-        errs[fused] = run_case(lens, 2, 8, v_split=1, qk=torch.float16, seed=1600, pad_frac=0.2)[:2]
-    print(f"fused {errs[True]}, two-stage {errs[False]}")
-    for a, b in zip(errs[True], errs[False]):
-        assert abs(a - b) <= 0.05 * b, f"one pass {errs[True]} against two stages {errs[False]}"
 
 
 def test_many_sequences():
@@ -528,7 +477,7 @@ def test_sanitizer_case(monkeypatch):
 
 
 @pytest.mark.parametrize("v_split,segment_chunks,cp,impl", [
-    (1, 0, None, "fused"), (1, 0, None, "vfirst"), (2, 0, None, "vfirst"), (4, 0, None, "v8"), (1, 0, None, "v8"),
+    (1, 0, None, "vfirst"), (2, 0, None, "vfirst"), (4, 0, None, "v8"), (1, 0, None, "v8"),
     (1, 3, "exact", "vfirst"), (2, 3, "auto", "vfirst"), (1, 3, "exact", "v8")])
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_checkpoints(v_split, segment_chunks, cp, impl, pool_dtype, monkeypatch):
@@ -536,14 +485,13 @@ def test_checkpoints(v_split, segment_chunks, cp, impl, pool_dtype, monkeypatch)
     state after chunks[s] * 64 tokens of sequence s lands in pool slot slots[s], from the item
     whose walk holds that boundary (whole sequences, V splits, CP segments exact and gate-warmed,
     both stage-2 kernels), against the float64 recurrence over each sequence's first chunks[s] *
-    64 tokens; the outputs, final states and every other slot as without checkpoints. "fused":
-    the one-pass kernel (fp16 q/k, a plain plan)."""
-    monkeypatch.setattr(_mod(), "MAIN_IMPL", "vfirst" if impl == "fused" else impl)
+    64 tokens; the outputs, final states and every other slot as without checkpoints."""
+    monkeypatch.setattr(_mod(), "MAIN_IMPL", impl)
     Hk, Hv = 2, 8
     lens = [300, 1000, 64 * 20 + 5, 0, 64, 700]
     chunks = [4, 0, 13, 0, 1, 9]          # 0: none; 1 x 64 = the whole of sequence 4
     gen = torch.Generator(device="cuda").manual_seed(11 + v_split + segment_chunks)
-    q, k, v, g, beta = make_case(lens, Hk, Hv, gen=gen, qk=torch.float16 if impl == "fused" else None)
+    q, k, v, g, beta = make_case(lens, Hk, Hv, gen=gen)
     N, S = len(lens), 2 * len(lens) + 2
     pool = make_pool(S, Hv, pool_dtype, gen)
     slot_ids = [0, 1, 2, 3, 4, 5]

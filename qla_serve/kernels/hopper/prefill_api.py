@@ -61,7 +61,7 @@ import threading
 
 import torch
 
-from . import prefill_fused, prefill_main, prefill_main_vfirst, prefill_prep, prefill_scan, prefill_warmup
+from . import prefill_main, prefill_main_vfirst, prefill_prep, prefill_scan, prefill_warmup
 from .common import _TORCH_TO_TL, check_pool_alignment, sm_count
 from .raw_launch import raw_function
 
@@ -143,19 +143,6 @@ PREP_HEADS = _prep_heads_from_env()
 # __restrict__ from a chained kernel's pointers.
 CP_PDL = True
 
-
-def _fused_from_env() -> bool:
-    flag = os.environ.get("QLA_SERVE_PREFILL_FUSED", "1").strip()
-    if flag not in ("0", "1"):
-        raise ValueError(f"QLA_SERVE_PREFILL_FUSED: expected 0 or 1, got {flag!r}")
-    return flag == "1"
-
-
-# Plain plans (v_split 1, no cut) with fp16 q/k run in one pass (prefill_fused.py: stage 1's
-# products in shared memory instead of HBM) on sm_90a; 0 keeps them on prep + V-first stage 2.
-# Read once at import from QLA_SERVE_PREFILL_FUSED; the GPU tests and benchmarks set it instead.
-FUSED = _fused_from_env()
-
 _kernels: dict = {}
 _lock = threading.Lock()
 _fns: dict = {}  # short key -> the compiled kernel's raw launch function (raw_launch.py)
@@ -163,14 +150,11 @@ _dummies: dict = {}
 
 
 def _variant_name(v: dict) -> str:
-    if v["op"] == "prefill_fused":
-        return f"gdn_prefill_fused_hv{v['num_v_heads']}_hk{v['num_k_heads']}_{v['io_dtype']}_pool{v['pool_dtype']}"
     if v["op"] == "prefill_prep":
         return (f"gdn_prefill_prep_hv{v['num_v_heads']}_hk{v['num_k_heads']}_{v['io_dtype']}"
                 + ("_m" if v.get("form", "uw") == "m" else "")
                 + (f"_qk{v['qk_dtype']}" if "qk_dtype" in v else "")
-                + (f"_heads{v['heads_per_cta']}" if "heads_per_cta" in v else "")
-                + ("_odd" if v.get("odd_chunks") else ""))
+                + (f"_heads{v['heads_per_cta']}" if "heads_per_cta" in v else ""))
     pdl = "_pdl" if v.get("pdl", False) else ""
     return (
         f"gdn_prefill_main_hv{v['num_v_heads']}_hk{v['num_k_heads']}_{v['io_dtype']}"
@@ -188,11 +172,10 @@ def _chain(v: dict, pdl: bool) -> dict:
 
 
 def prep_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw",
-                 qk_dtype: str | None = None, heads_per_cta: int = 1, odd_chunks: bool = False) -> dict:
+                 qk_dtype: str | None = None, heads_per_cta: int = 1) -> dict:
     """Stage 1; form "uw" (U0 and -Wk, for the v8 stage 2) or "m" (M, for V-first): the form
     a stage-2 kernel reads is PREP_FORM[impl]. io_dtype is v's; qk_dtype q/k's (None: v's);
-    heads_per_cta the v-heads of one CTA (form "m": a divisor of Hv / Hk); odd_chunks: each
-    sequence's odd chunks only (form "m", fp16 q/k: the one-pass kernel's other half)."""
+    heads_per_cta the v-heads of one CTA (form "m": a divisor of Hv / Hk)."""
     if form not in prefill_prep.FORMS:
         raise ValueError(f"form: expected one of {prefill_prep.FORMS}, got {form!r}")
     qk_dtype = qk_dtype or io_dtype
@@ -209,29 +192,8 @@ def prep_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = 
             raise ValueError(f"heads_per_cta: {heads_per_cta} v-heads per CTA needs form 'm' and must be one of "
                              f"{PREP_HEADS_CHOICES} dividing Hv / Hk = {group} (form {form!r})")
         v["heads_per_cta"] = heads_per_cta
-    if odd_chunks:
-        if form != "m" or qk_dtype != "float16":
-            raise ValueError(f"odd_chunks: needs form 'm' and fp16 q/k, got form {form!r}, q/k {qk_dtype}")
-        v["odd_chunks"] = True
     v["name"] = _variant_name(v)
     return v
-
-
-def fused_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str) -> dict:
-    """The one-pass prefill (prefill_fused.py) for v / output dtype io_dtype; q/k are fp16. It runs
-    after prep_variant(..., "m", "float16", odd_chunks=True), which computes the odd chunks."""
-    if io_dtype not in IO_DTYPES or pool_dtype not in POOL_DTYPES:
-        raise ValueError(f"io_dtype / pool_dtype: expected one of {IO_DTYPES} / {POOL_DTYPES}, "
-                         f"got {io_dtype!r} / {pool_dtype!r}")
-    v = {"op": "prefill_fused", "num_v_heads": num_v_heads, "num_k_heads": num_k_heads, "io_dtype": io_dtype,
-         "pool_dtype": pool_dtype}
-    v["name"] = _variant_name(v)
-    return v
-
-
-def fused_applies(strategy: str, v_split: int, qk_dtype: str, target: str = ARCH) -> bool:
-    """Whether a call runs the one-pass kernel: FUSED, sm_90a, a plain plan, fp16 q/k."""
-    return FUSED and target == "sm_90a" and strategy == "plain" and v_split == 1 and qk_dtype == "float16"
 
 
 def prep_heads_per_cta(num_v_heads: int, num_k_heads: int, num_chunks: int, form: str, sm_count: int) -> int:
@@ -328,10 +290,6 @@ def kernel_variants(num_v_heads: int, num_k_heads: int, target: str = ARCH) -> l
             for vs in V_SPLITS:
                 for mode in MAIN_MODES:
                     out.append(main_variant(num_v_heads, num_k_heads, io, pool, vs, mode, main_impl_for(vs, target)))
-            if fused_applies("plain", 1, "float16", target):
-                out.append(fused_variant(num_v_heads, num_k_heads, io, pool))
-        if fused_applies("plain", 1, "float16", target):
-            out.append(prep_variant(num_v_heads, num_k_heads, io, "m", "float16", odd_chunks=True))
     return out
 
 
@@ -350,17 +308,14 @@ def build(variant: dict, target: str = ARCH):
             hv = variant["num_v_heads"]
             hk, io = variant.get("num_k_heads"), variant.get("io_dtype")
             pdl = variant.get("pdl", False)
-            if variant["op"] == "prefill_fused":
-                func = prefill_fused.fused_func(hv, hk, io, variant["pool_dtype"])
-                cfg = prefill_fused.PASS_CONFIGS
-            elif variant["op"] == "prefill_cp_scan":
+            if variant["op"] == "prefill_cp_scan":
                 func = prefill_scan.scan_func(hv, variant.get("rows", 0), pdl)
                 cfg = prefill_scan.PASS_CONFIGS
             elif variant["op"] == "prefill_cp_warmup":
                 func, cfg = prefill_warmup.warmup_func(hv, pdl), prefill_warmup.PASS_CONFIGS
             elif variant["op"] == "prefill_prep":
                 func = prefill_prep.prep_func(hv, hk, io, variant.get("form", "uw"), variant.get("qk_dtype"),
-                                              variant.get("heads_per_cta", 1), variant.get("odd_chunks", False))
+                                              variant.get("heads_per_cta", 1))
                 cfg = prefill_prep.PASS_CONFIGS
             elif variant["op"] == "prefill_main":
                 kmod = prefill_main_vfirst if variant.get("impl", "v8") == "vfirst" else prefill_main
@@ -368,8 +323,8 @@ def build(variant: dict, target: str = ARCH):
                                          variant.get("mode", "output"), pdl)
                 cfg = kmod.PASS_CONFIGS
             else:
-                raise ValueError(f"variant['op'] must be prefill_prep, prefill_main, prefill_fused, "
-                                 f"prefill_cp_scan or prefill_cp_warmup, got {variant['op']!r}")
+                raise ValueError(f"variant['op'] must be prefill_prep, prefill_main, prefill_cp_scan or "
+                                 f"prefill_cp_warmup, got {variant['op']!r}")
             if target not in ("sm_90a", "sm_100a"):
                 raise ValueError(f"target: expected 'sm_90a' or 'sm_100a', got {target!r}")
             kern = tilelang.compile(
@@ -541,7 +496,7 @@ def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale,
     plan.scratch): every GDN layer of a step then only binds its own tensors.
     """
     key = ("hopper_prefill_launches", q.shape[0], k.shape[1], v.shape[1], q.dtype, v.dtype, pool.dtype,
-           has_initial_state is None, q.device, _stages, _target, GATE_WARMUP, MAIN_IMPL, PREP_HEADS, CP_PDL, FUSED)
+           has_initial_state is None, q.device, _stages, _target, GATE_WARMUP, MAIN_IMPL, PREP_HEADS, CP_PDL)
     launches = plan.kernel_cache.get(key)
     if launches is None:
         launches = plan.kernel_cache[key] = _Launches(plan, q, k, v, pool, has_initial_state is None, _stages,
@@ -578,16 +533,6 @@ class _Launches:
         self.all_init = int(all_init)
         self.flags = _dummy(("flags", dev), lambda: torch.ones(1, dtype=torch.uint8, device=dev))
         self.cu_seqlens, self.chunk_offsets = plan.cu_seqlens, plan.chunk_offsets
-        self.fused = None
-        if fused_applies(strategy, vs, qk, target) and stages == "prep,main":
-            # stage 1 for the odd chunks, then the one pass (the even chunks' stage 1 inside it)
-            _, self.stage1 = _plan_scratch(plan, hv, "m", dev)
-            odd = any(int(n) > CHUNK for n in plan.seq_lens)  # some sequence has a second chunk
-            self.prep = _kernel(prep_variant(hv, hk, io, "m", qk, 1, odd_chunks=True),
-                                (hv, hk, io, "m", qk, 1, "odd", target)) if odd else None
-            self.fused = _kernel(fused_variant(hv, hk, io, pool_dt), (hv, hk, io, pool_dt, "fused", target))
-            self.output = None
-            return
         nchunks, self.stage1 = _plan_scratch(plan, hv, form, dev)
         # Stage 2's tensor-core operands are fp16: bf16 q/k are converted once, by stage 1.
         self.half_qk = _half_qk(plan, max(self.ntok, 1), hk, dev) if qk == "bfloat16" else None
@@ -639,15 +584,6 @@ class _Launches:
         check_pool_alignment(pool)
         flags = self.flags if has_initial_state is None else has_initial_state.view(torch.uint8)
         scale = 128**-0.5 if scale is None else float(scale)
-        # (without checkpoints the kernels never read these: slot_ids stands in for both)
-        ckpt = (slot_ids, slot_ids, 0) if checkpoints is None else (*checkpoints, 1)
-        if self.fused is not None:
-            fbuf, pbuf, mbuf, ubuf, wbuf = self.stage1
-            if self.prep is not None:
-                self.prep(q, k, v, g, beta, self.cu_seqlens, self.chunk_offsets, *self.stage1, q, k, scale)
-            self.fused(q, k, v, g, beta, pool, slot_ids, flags, self.cu_seqlens, self.chunk_offsets, fbuf, pbuf, mbuf,
-                       *ckpt[:2], out, scale, self.all_init, ckpt[2])
-            return
         qh, kh = self.half_qk or (q, k)
         if self.prep is not None:
             self.prep(q, k, v, g, beta, self.cu_seqlens, self.chunk_offsets, *self.stage1, qh, kh, scale)
@@ -657,6 +593,8 @@ class _Launches:
         # Stage 2's inputs: V-first reads v and M, v8 U0 and -Wk.
         tiles = (v, fbuf, pbuf, mbuf) if self.vfirst else (fbuf, pbuf, ubuf, wbuf)
         head = (qh, kh, *tiles, pool, slot_ids, flags, self.cu_seqlens, self.chunk_offsets)
+        # (without checkpoints the kernels never read these: slot_ids stands in for both)
+        ckpt = (slot_ids, slot_ids, 0) if checkpoints is None else (*checkpoints, 1)
         if self.finder is not None:
             self.finder()
         if self.maps_pass is not None:

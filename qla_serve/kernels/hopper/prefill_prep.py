@@ -93,7 +93,7 @@ def ctas_per_sm(form: str, heads_per_cta: int = 1) -> int:
 
 
 def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw",
-              qk_dtype: str | None = None, heads_per_cta: int = 1, odd_chunks: bool = False):
+              qk_dtype: str | None = None, heads_per_cta: int = 1):
     """Build the stage-1 PrimFunc for (Hv, Hk, io dtype, form, q/k dtype); T (tokens), N
     (sequences) and the number of chunks are symbolic, so one compile serves every batch.
 
@@ -110,11 +110,7 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
     heads_per_cta (form "m" only; a divisor of Hv / Hk): the v-heads one CTA computes, all of
     one qk-head. The q/k tiles and Q K^T depend on the qk-head alone, so the CTA loads q/k and
     computes Q K^T once for its heads, then each head's gates, P, L, inverse and M (grid
-    Hv / heads_per_cta x chunks).
-
-    odd_chunks (form "m", fp16 q/k): only each sequence's odd chunks (1, 3, ...; the CTAs of
-    the others return at once): the one-pass kernel (prefill_fused.py) computes the even ones
-    itself."""
+    Hv / heads_per_cta x chunks)."""
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
     uw_form = form == "uw"
@@ -124,8 +120,6 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
     hpc = heads_per_cta
     if hpc < 1 or group % hpc or (hpc > 1 and uw_form):
         raise ValueError(f"heads_per_cta must divide Hv / Hk = {group} (and be 1 for form 'uw'), got {hpc}")
-    if odd_chunks and (uw_form or qk_dtype != "float16"):
-        raise ValueError(f"odd_chunks needs form 'm' and fp16 q/k, got form {form!r}, q/k {qk_dtype}")
     ntok = T.dynamic("ntok")
     nseq = T.dynamic("nseq")
     nchunk = T.dynamic("nchunk")
@@ -397,51 +391,49 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
             t0 = cu_seqlens[lo] + (cid - chunk_offsets[lo]) * C
             n = T.min(cu_seqlens[lo + 1] - t0, C)
 
-            keep = (cid - chunk_offsets[lo]) % 2 == 1 if odd_chunks else True
-            if keep:
-                # Tile loads; rows >= n belong to the next sequence (or are zero past T):
-                # they only enter rows >= n of K K^T, which the solve and M never mix into rows < n.
-                # Issued before the scalar g / beta loads, so that the two latencies overlap (v15's
-                # ncu: g / beta loads first, then the TMA wait: 14% of prep's stall samples).
-                T.tma_copy(k[t0:t0 + C, hk, 0:DK], k_s, barrier=qk_bar)
-                T.tma_copy(q[t0:t0 + C, hk, 0:DK], q_s, barrier=qk_bar)
-                T.barrier_arrive(qk_bar)
-                for j, i in T.Parallel(hpc, C):
-                    g_s[j, i] = T.if_then_else(i < n, g[t0 + i, h0 + j], 0.0)
-                    b_s[j, i] = T.if_then_else(i < n, beta[t0 + i, h0 + j], 0.0)
-                T.barrier_wait(qk_bar, 0)
-                if copy_qk:
-                    # Stage 2 reads fp16 q/k: one converted copy per qk-head, written by its first
-                    # v-head as whole tiles (rows >= n are the next sequence's tokens, which that
-                    # sequence's CTA writes with the same values; tokens past the last sequence get
-                    # finite values, never NaN, since stage 2 loads them beside real rows), in
-                    # 16-byte stores straight from shared memory.
-                    if h0 % group == 0:
-                        for i, d in T.Parallel(C, DK):
-                            if t0 + i < ntok:
-                                qh[t0 + i, hk, d] = T.cast(q_s[i, d], mm_dtype)
-                                kh[t0 + i, hk, d] = T.cast(k_s[i, d], mm_dtype)
-                # Rows >= n have g = 0, so they repeat gc[n-1]: gc[63] is the chunk's total.
-                T.cumsum(src=g_s, dim=1)
-                for j, i in T.Parallel(hpc, C):
-                    g2 = g_s[j, i] * _LOG2E
-                    g2_s[j, i] = g2
-                    prow_s[j, i] = g2 + T.log2(scale)
-                    mcol_s[j, i] = g2 - T.log2(b_s[j, i])  # +inf for beta = 0 (rows >= n among them)
-                    eg_s[j, i] = T.exp2(g2)
-                    fbuf[cid, h0 + j, 0, i] = eg_s[j, i]
-                    fbuf[cid, h0 + j, 1, i] = T.if_then_else(i < n, T.exp2(g_s[j, C - 1] * _LOG2E - g2), 0.0)
+            # Tile loads; rows >= n belong to the next sequence (or are zero past T):
+            # they only enter rows >= n of K K^T, which the solve and M never mix into rows < n.
+            # Issued before the scalar g / beta loads, so that the two latencies overlap (v15's
+            # ncu: g / beta loads first, then the TMA wait: 14% of prep's stall samples).
+            T.tma_copy(k[t0:t0 + C, hk, 0:DK], k_s, barrier=qk_bar)
+            T.tma_copy(q[t0:t0 + C, hk, 0:DK], q_s, barrier=qk_bar)
+            T.barrier_arrive(qk_bar)
+            for j, i in T.Parallel(hpc, C):
+                g_s[j, i] = T.if_then_else(i < n, g[t0 + i, h0 + j], 0.0)
+                b_s[j, i] = T.if_then_else(i < n, beta[t0 + i, h0 + j], 0.0)
+            T.barrier_wait(qk_bar, 0)
+            if copy_qk:
+                # Stage 2 reads fp16 q/k: one converted copy per qk-head, written by its first
+                # v-head as whole tiles (rows >= n are the next sequence's tokens, which that
+                # sequence's CTA writes with the same values; tokens past the last sequence get
+                # finite values, never NaN, since stage 2 loads them beside real rows), in
+                # 16-byte stores straight from shared memory.
+                if h0 % group == 0:
+                    for i, d in T.Parallel(C, DK):
+                        if t0 + i < ntok:
+                            qh[t0 + i, hk, d] = T.cast(q_s[i, d], mm_dtype)
+                            kh[t0 + i, hk, d] = T.cast(k_s[i, d], mm_dtype)
+            # Rows >= n have g = 0, so they repeat gc[n-1]: gc[63] is the chunk's total.
+            T.cumsum(src=g_s, dim=1)
+            for j, i in T.Parallel(hpc, C):
+                g2 = g_s[j, i] * _LOG2E
+                g2_s[j, i] = g2
+                prow_s[j, i] = g2 + T.log2(scale)
+                mcol_s[j, i] = g2 - T.log2(b_s[j, i])  # +inf for beta = 0 (rows >= n among them)
+                eg_s[j, i] = T.exp2(g2)
+                fbuf[cid, h0 + j, 0, i] = eg_s[j, i]
+                fbuf[cid, h0 + j, 1, i] = T.if_then_else(i < n, T.exp2(g_s[j, C - 1] * _LOG2E - g2), 0.0)
 
-                # P = scale * Lower(Gamma) o Q K^T (state-free, so off stage 2's sequential chain):
-                # Q K^T once, then each head's gates.
-                T.gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)
-                _for_each_head(_p_tile, p_f, t_f, prow_s, g2_s, pbuf, cid, h0)
+            # P = scale * Lower(Gamma) o Q K^T (state-free, so off stage 2's sequential chain):
+            # Q K^T once, then each head's gates.
+            T.gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)
+            _for_each_head(_p_tile, p_f, t_f, prow_s, g2_s, pbuf, cid, h0)
 
-                # Each head's L = StrictLower(diag(beta) K K^T), inverse and M.
-                if uw_form:
-                    _solve(0, k_s, kk_f, n_f, t_f, b_s)
-                    _write_u0_wk(v, ubuf, wbuf, t0, h0, cid, k_s, g2_s, mcol_s, eg_s, t_f)
-                else:
-                    _for_each_head(_m_tile, k_s, kk_f, n_f, t_f, b_s, g2_s, mcol_s, mbuf, cid, h0)
+            # Each head's L = StrictLower(diag(beta) K K^T), inverse and M.
+            if uw_form:
+                _solve(0, k_s, kk_f, n_f, t_f, b_s)
+                _write_u0_wk(v, ubuf, wbuf, t0, h0, cid, k_s, g2_s, mcol_s, eg_s, t_f)
+            else:
+                _for_each_head(_m_tile, k_s, kk_f, n_f, t_f, b_s, g2_s, mcol_s, mbuf, cid, h0)
 
     return gdn_prefill_prep
