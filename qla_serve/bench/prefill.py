@@ -9,6 +9,8 @@ beta ~ U(0.01, 0.99), fp32 initial states for every sequence.
   * qla16 (opt-in, `--impls qla,qla16,...`): the same on fp16 copies of those q/k (bf16 v), what
     the engine layers hand prefill since gdn_prefill_inputs(..., qk_dtype=torch.float16); the
     baselines take bf16 q/k, so this row is qla_serve's engine path, not the same op's inputs.
+    qla16_units: qla16 with stage 2 on a CTA per (sequence, head) unit instead of the persistent
+    grid (prefill_api.PERSISTENT = False; plain and V-split plans only), the A/B in one process.
   * FLA / FlashQLA: chunk_gated_delta_rule with cu_seqlens, K-first fp32 initial states, final
     state returned (what an engine does around them: gathering the pool is not counted).
   * flashinfer (opt-in, `--impls ...,flashinfer`; flashinfer-python 0.7.2.post1, vLLM 0.33's
@@ -58,8 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", default="all", help="qk/v head pairs, e.g. 2/8,16/64 (default: all five)")
     parser.add_argument("--rows", default="all", help=f"rows among {','.join(ROWS)} (default: all)")
     parser.add_argument("--impls", default="qla,fla,flashqla",
-                        help="subset of qla,qla16,fla,flashqla,flashinfer (qla16: qla_serve on fp16 q/k, the engine "
-                             "layers' form; flashinfer: FlashInfer 0.7.2's GDN prefill, if installed)")
+                        help="subset of qla,qla16,qla16_units,fla,flashqla,flashinfer (qla16: qla_serve on fp16 q/k, "
+                             "the engine layers' form; qla16_units: the same with stage 2 on a CTA per unit instead of "
+                             "the persistent grid; flashinfer: FlashInfer 0.7.2's GDN prefill, if installed)")
     parser.add_argument("--v-split", default="auto", help="qla_serve v_split: auto (planner) or 1/2/4")
     parser.add_argument("--segment-chunks", default="auto",
                         help="qla_serve CP segment length in chunks: auto (planner; no cut when --v-split "
@@ -320,24 +323,31 @@ def _cp_label(plan) -> str:
     return plan.cp + ("+warmup" if warm else "")
 
 
-QLA_IMPLS = ("qla", "qla16")
+QLA_IMPLS = ("qla", "qla16", "qla16_units")
 
 
 def _qla_data(impl, data):
-    """The inputs qla_serve gets: the row's, or for "qla16" fp16 q/k beside the bf16 v (unit-norm
-    bf16 values: exact in fp16 down to its normal range, 6e-5)."""
+    """The inputs qla_serve gets: the row's, or for "qla16" and "qla16_units" fp16 q/k beside the
+    bf16 v (unit-norm bf16 values: exact in fp16 down to its normal range, 6e-5)."""
     if impl == "qla":
         return data
     q, k, *rest = data
     return (q.half(), k.half(), *rest)
 
 
-def _qla_fn(lens, hk, hv, data, v_split, stages="prep,main", segment_chunks="auto", cp="auto", maps_v_split=None):
+def _qla_fn(lens, hk, hv, data, v_split, stages="prep,main", segment_chunks="auto", cp="auto", maps_v_split=None,
+            persistent=None):
+    """persistent: None keeps prefill_api.PERSISTENT; False / True sets it for each of fn's calls."""
+    import contextlib
+    from unittest import mock
+
     import torch
 
     import qla_serve
     from qla_serve import ops
     from qla_serve.plan import force_plan
+
+    from qla_serve.kernels.hopper import prefill_api
 
     q, k, v, g, beta, h0 = data
     dev = q.device
@@ -359,7 +369,10 @@ def _qla_fn(lens, hk, hv, data, v_split, stages="prep,main", segment_chunks="aut
     def fn():
         # the pool's states evolve from call to call; they stay bounded (the update is contractive)
         kw = {} if stages == "prep,main" else {"_stages": stages}
-        mod.prefill(q, k, v, g, beta, pool, slots, plan, has_initial_state=None, scale=128**-0.5, out=out, **kw)
+        switch = (contextlib.nullcontext() if persistent is None
+                  else mock.patch.object(prefill_api, "PERSISTENT", persistent))
+        with switch:
+            mod.prefill(q, k, v, g, beta, pool, slots, plan, has_initial_state=None, scale=128**-0.5, out=out, **kw)
 
     pool.copy_(h0)
     return fn, out, pool, plan
@@ -474,7 +487,8 @@ def run(args) -> int:
                         qdata = _qla_data(impl, data)
                         fn, out, pool, plan = _qla_fn(lens, hk, hv, qdata, args.v_split,
                                                       segment_chunks=args.segment_chunks, cp=args.cp,
-                                                      maps_v_split=args.maps_v_split)
+                                                      maps_v_split=args.maps_v_split,
+                                                      persistent=False if impl == "qla16_units" else None)
                         qla_runs[impl] = (fn, out, pool)
                         if impl == "qla":
                             rec["qla_plan"] = plan_label(plan)

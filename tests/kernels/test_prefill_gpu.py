@@ -44,7 +44,10 @@ def _kernel_switches(monkeypatch):
     (v_split 4 runs v8), stage 1's heads per CTA by its rule. The CP passes' launch form
     (CP_PDL) is read from no environment: the package's. test_v8_main and the sanitizer case
     switch to v8 themselves, test_prep_heads_per_cta forces the heads,
-    test_cp_pdl_matches_plain_launches runs both launch forms."""
+    test_cp_pdl_matches_plain_launches runs both launch forms. Plain and V-split plans run their
+    V-first stage 2 on the persistent grid (PERSISTENT); test_persistent_matches_unit_grid runs
+    both grids."""
+    monkeypatch.setattr(_mod(), "PERSISTENT", True)
     monkeypatch.setattr(_mod(), "GATE_WARMUP", True)
     monkeypatch.setattr(_mod(), "MAIN_IMPL", "vfirst")
     monkeypatch.setattr(_mod(), "PREP_HEADS", 0)
@@ -229,6 +232,67 @@ def test_prep_heads_per_cta(Hk, Hv, heads, monkeypatch):
             errors[n] = run_case(lens, Hk, Hv, seed=1200 + i + Hv, **case)[:2]
         print(f"{Hk}/{Hv} heads per CTA {heads}, case {i}: o {errors[heads][0]:.2e} state {errors[heads][1]:.2e}")
         assert errors[heads] == errors[1]
+
+
+PERSISTENT_CASES = [  # (lens, Hk, Hv, v_split, q/k dtype, pool dtype, padding, checkpoints)
+    (EDGE_LENS, 2, 8, 1, torch.float16, torch.float32, 0.2, False),
+    (EDGE_LENS, 2, 8, 2, None, torch.bfloat16, 0.2, False),
+    ([3000] + [17, 64, 0, 513, 1, 200] * 6, 4, 16, 1, torch.float16, torch.float32, 0.1, False),
+    ([512] * 40, 16, 64, 1, torch.float16, torch.bfloat16, 0.0, False),  # 2560 units: ~19 per CTA
+    ([300, 1000, 64 * 20 + 5, 0, 64, 700], 2, 8, 1, None, torch.float32, 0.0, True),
+]
+
+
+@pytest.mark.parametrize("case", PERSISTENT_CASES, ids=lambda c: f"{len(c[0])}seq-{c[1]}-{c[2]}-vs{c[3]}")
+def test_persistent_matches_unit_grid(case, monkeypatch):
+    """The persistent stage 2 (one CTA per SM walking (sequence, head, value block) units, ring
+    stages and O tiles continuing across units, longest sequences first) against the grid of a
+    CTA per unit on the same inputs: outputs, final states and checkpoint states bit-identical
+    (the same operations per unit), both against the float64 recurrence, other slots untouched."""
+    lens, Hk, Hv, vs, qk, pool_dtype, pad, ckpt = case
+    gen = torch.Generator(device="cuda").manual_seed(1700 + Hv + vs)
+    q, k, v, g, beta = make_case(lens, Hk, Hv, qk=qk, gen=gen)
+    N = len(lens)
+    S = 2 * N + 2
+    pool0 = make_pool(S, Hv, pool_dtype, gen)
+    rng = random.Random(17 + N)
+    slot_ids = [i if rng.random() >= pad else -1 for i in range(N)]
+    has = torch.tensor([rng.random() < 0.8 for _ in range(N)], device="cuda")
+    dev = dict(dtype=torch.int32, device="cuda")
+    checkpoints = None
+    if ckpt:  # a checkpoint slot after chunk 2 of every sequence with more than two chunks
+        chunks = [2 if n > 128 else 0 for n in lens]
+        checkpoints = (torch.tensor(chunks, **dev), torch.tensor([N + i for i in range(N)], **dev))
+    results = {}
+    for persistent in (True, False):
+        monkeypatch.setattr(_mod(), "PERSISTENT", persistent)
+        pool = pool0.clone()
+        out = torch.full((sum(lens), Hv, HD), float("nan"), dtype=v.dtype, device="cuda")
+        plan = make_plan(lens, Hv, Hk, vs)
+        _mod().prefill(q, k, v, g, beta, pool, torch.tensor(slot_ids, **dev), plan, has_initial_state=has,
+                       scale=HD ** -0.5, out=out, checkpoints=checkpoints)
+        assert not torch.isnan(out).any(), "output rows left unwritten or NaN"
+        results[persistent] = (out, pool)
+    bits = torch.int16 if pool_dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(results[True][0], results[False][0]), "outputs differ between the grids"
+    assert torch.equal(results[True][1].view(bits), results[False][1].view(bits)), "pool slots differ between the grids"
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    init = torch.zeros(N, Hv, HD, HD, dtype=torch.float64, device="cuda")
+    for i, s_ in enumerate(slot_ids):
+        if s_ >= 0 and bool(has[i]):
+            init[i] = pool0[s_].double()
+    o_ref, s_ref = reference.recurrent_gdn(q.double(), k.double(), v.double(), g.double(), beta.double(), cu, init,
+                                           HD ** -0.5)
+    assert rel(results[True][0], o_ref) <= TOL
+    live = [i for i, s_ in enumerate(slot_ids) if s_ >= 0]
+    tol_s = TOL if pool_dtype == torch.float32 else TOL_BF16_STATE
+    assert rel(results[True][1][torch.tensor([slot_ids[i] for i in live], device="cuda")], s_ref[live]) <= tol_s
+    written = {slot_ids[i] for i in live} | ({N + i for i in range(N) if lens[i] > 128} if ckpt else set())
+    untouched = torch.tensor(sorted(set(range(S)) - written), device="cuda")
+    assert torch.equal(results[True][1][untouched].view(bits), pool0[untouched].view(bits)), \
+        "slots outside the batch changed"
 
 
 def test_many_sequences():

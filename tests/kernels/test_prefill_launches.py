@@ -28,6 +28,9 @@ def _prim_func(variant):
         return prefill_scan.scan_func(HV)
     if op == "prefill_cp_warmup":
         return prefill_warmup.warmup_func(HV)
+    if variant.get("persistent"):
+        return prefill_main_vfirst.persistent_func(HV, HK, variant["io_dtype"], variant["pool_dtype"],
+                                                   variant["v_split"])[0]
     mod = prefill_main_vfirst if variant.get("impl") == "vfirst" else prefill_main
     return mod.main_func(HV, HK, variant["io_dtype"], variant["pool_dtype"], variant["v_split"], variant["mode"])[0]
 
@@ -55,6 +58,7 @@ def launches(monkeypatch):
     monkeypatch.setattr(P, "GATE_WARMUP", True)
     monkeypatch.setattr(P, "MAIN_IMPL", "vfirst")
     monkeypatch.setattr(P, "PREP_HEADS", 0)
+    monkeypatch.setattr(P, "PERSISTENT", True)
     return calls
 
 
@@ -81,12 +85,26 @@ def _call(lens, v_split, segment_chunks, cp, inputs=None, maps_v_split=None, che
 
 
 def _sequence(calls):
-    return [(v["op"].replace("prefill_", ""), v.get("mode", ""), v.get("impl", "v8") if v["op"] == "prefill_main"
+    return [(v["op"].replace("prefill_", ""), v.get("mode", ""),
+             (v.get("impl", "v8") + ("+persistent" if v.get("persistent") else "")) if v["op"] == "prefill_main"
              else "") for v, _ in calls]
 
 
-def test_plain_call_is_prep_then_main(launches):
-    _call([300, 0, 65], 2, 0, None)
+@pytest.mark.parametrize("v_split", [1, 2])
+def test_plain_call_is_prep_then_persistent_main(launches, v_split):
+    """Plain and V-split plans: stage 1, then the V-first stage 2 on the persistent grid, its
+    units' sequences longest first and one CTA per SM (fewer where there are fewer units)."""
+    plan = _call([300, 0, 65], v_split, 0, None)
+    assert _sequence(launches) == [("prep", "", ""), ("main", "output", "vfirst+persistent")]
+    main = launches[1][1]
+    assert main["items"].tolist() == [0, 2, 1]
+    assert main["ctas"].shape == (min(3 * HV * v_split, plan.sm_count),)
+
+
+@pytest.mark.parametrize("v_split", [1, 2])
+def test_unit_grid_when_persistent_is_off(launches, monkeypatch, v_split):
+    monkeypatch.setattr(P, "PERSISTENT", False)
+    _call([300, 0, 65], v_split, 0, None)
     assert _sequence(launches) == [("prep", "", ""), ("main", "output", "vfirst")]
     main = launches[1][1]
     assert (main["use_items"], main["use_warmup"]) == (0, 0)

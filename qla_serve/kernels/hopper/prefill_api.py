@@ -143,6 +143,19 @@ PREP_HEADS = _prep_heads_from_env()
 # __restrict__ from a chained kernel's pointers.
 CP_PDL = True
 
+
+def _persistent_from_env() -> bool:
+    flag = os.environ.get("QLA_SERVE_PREFILL_PERSISTENT", "1").strip()
+    if flag not in ("0", "1"):
+        raise ValueError(f"QLA_SERVE_PREFILL_PERSISTENT: expected 0 or 1, got {flag!r}")
+    return flag == "1"
+
+
+# Plain and V-split plans' V-first stage 2 on a persistent grid (prefill_main_vfirst.persistent_func:
+# one CTA per SM walks (sequence, head) units in turn, longest sequences first), instead of a CTA
+# per unit. Read once at import from QLA_SERVE_PREFILL_PERSISTENT; tests and benchmarks set it.
+PERSISTENT = _persistent_from_env()
+
 _kernels: dict = {}
 _lock = threading.Lock()
 _fns: dict = {}  # short key -> the compiled kernel's raw launch function (raw_launch.py)
@@ -160,6 +173,7 @@ def _variant_name(v: dict) -> str:
         f"gdn_prefill_main_hv{v['num_v_heads']}_hk{v['num_k_heads']}_{v['io_dtype']}"
         f"_pool{v['pool_dtype']}_vs{v['v_split']}" + ("_maps" if v["mode"] == "maps" else "")
         + ("_vfirst" if v.get("impl", "v8") == "vfirst" else "") + pdl
+        + ("_persistent" if v.get("persistent") else "")
     )
 
 
@@ -238,6 +252,19 @@ def main_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: 
     return v
 
 
+def persistent_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str, v_split: int) -> dict:
+    """The V-first stage 2 of plain and V-split plans on a persistent grid (output mode)."""
+    v = main_variant(num_v_heads, num_k_heads, io_dtype, pool_dtype, v_split, "output", "vfirst", False)
+    v["persistent"] = True
+    v["name"] = _variant_name(v)
+    return v
+
+
+def persistent_applies(strategy: str, impl: str) -> bool:
+    """Whether a plan's stage 2 runs on the persistent grid: PERSISTENT, no cut, V-first."""
+    return PERSISTENT and strategy != "cp" and impl == "vfirst"
+
+
 def main_impl_for(v_split: int, target: str = ARCH) -> str:
     """The stage-2 kernel a plan with this v_split runs: MAIN_IMPL where it applies (vfirst:
     v_split 1 and 2 on sm_90a), else v8."""
@@ -290,6 +317,8 @@ def kernel_variants(num_v_heads: int, num_k_heads: int, target: str = ARCH) -> l
             for vs in V_SPLITS:
                 for mode in MAIN_MODES:
                     out.append(main_variant(num_v_heads, num_k_heads, io, pool, vs, mode, main_impl_for(vs, target)))
+                if persistent_applies("plain", main_impl_for(vs, target)):
+                    out.append(persistent_variant(num_v_heads, num_k_heads, io, pool, vs))
     return out
 
 
@@ -317,6 +346,9 @@ def build(variant: dict, target: str = ARCH):
                 func = prefill_prep.prep_func(hv, hk, io, variant.get("form", "uw"), variant.get("qk_dtype"),
                                               variant.get("heads_per_cta", 1))
                 cfg = prefill_prep.PASS_CONFIGS
+            elif variant["op"] == "prefill_main" and variant.get("persistent"):
+                func, _ = prefill_main_vfirst.persistent_func(hv, hk, io, variant["pool_dtype"], variant["v_split"])
+                cfg = prefill_main_vfirst.PASS_CONFIGS
             elif variant["op"] == "prefill_main":
                 kmod = prefill_main_vfirst if variant.get("impl", "v8") == "vfirst" else prefill_main
                 func, _ = kmod.main_func(hv, hk, io, variant["pool_dtype"], variant["v_split"],
@@ -404,6 +436,21 @@ def _unread_warmup(hv: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """warm_start and need_maps of a call without gate warmup (use_warmup = 0: never read)."""
     t = _dummy(("warm", hv, device), lambda: torch.empty((1, hv), dtype=torch.int32, device=device))
     return t, t
+
+
+def _persistent_grid(plan, hv: int, vs: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The persistent stage 2's work order and grid, once per plan: the sequences longest first
+    (int32 [N]; ties in batch order) and an unread int32 tensor whose length is the grid, one CTA
+    per SM (the plan's SM count) or one per unit where there are fewer."""
+    def make():
+        lens = [int(n) for n in plan.seq_lens]
+        order = sorted(range(len(lens)), key=lambda i: -lens[i])
+        ncta = max(1, min(len(lens) * hv * vs, plan.sm_count))
+        flat = torch.tensor(order + [0] * ncta, dtype=torch.int32)
+        if device.type == "cuda":  # one upload, no sync
+            flat = flat.pin_memory().to(device, non_blocking=True)
+        return flat[:len(lens)], flat[len(lens):]
+    return plan.scratch(("hopper_prefill_persistent", hv, vs, device), make)
 
 
 def _whole_sequence_items(plan, device) -> torch.Tensor:
@@ -496,7 +543,8 @@ def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale,
     plan.scratch): every GDN layer of a step then only binds its own tensors.
     """
     key = ("hopper_prefill_launches", q.shape[0], k.shape[1], v.shape[1], q.dtype, v.dtype, pool.dtype,
-           has_initial_state is None, q.device, _stages, _target, GATE_WARMUP, MAIN_IMPL, PREP_HEADS, CP_PDL)
+           has_initial_state is None, q.device, _stages, _target, GATE_WARMUP, MAIN_IMPL, PREP_HEADS, CP_PDL,
+           PERSISTENT)
     launches = plan.kernel_cache.get(key)
     if launches is None:
         launches = plan.kernel_cache[key] = _Launches(plan, q, k, v, pool, has_initial_state is None, _stages,
@@ -539,12 +587,17 @@ class _Launches:
         hpc = prep_heads_per_cta(hv, hk, nchunks, form, plan.sm_count)  # the planner's (the GPU's) SMs
         kp = _kernel(prep_variant(hv, hk, io, form, qk, hpc), (hv, hk, io, form, qk, hpc, target))
         self.prep = kp if nchunks > 0 and "prep" in stages else None  # stages: benchmarks time them apart
-        self.output = None
+        self.output = self.persistent = None
         if "main" not in stages:
+            return
+        self.finder = self.maps_pass = self.scan = None
+        if persistent_applies(strategy, impl):
+            self.persistent = _kernel(persistent_variant(hv, hk, io, pool_dt, vs),
+                                      (hv, hk, io, pool_dt, vs, "persistent", target))
+            self.items, self.ctas = _persistent_grid(plan, hv, vs, dev)
             return
         self.output = _kernel(main_variant(hv, hk, io, pool_dt, vs, "output", impl, False),
                               (hv, hk, io, pool_dt, vs, "output", impl, False, target))
-        self.finder = self.maps_pass = self.scan = None
         if strategy != "cp":
             self.items, self.maps = _whole_sequence_items(plan, dev), _unread_maps(hv, dev)
             self.warm, self.use_items, self.warmup = _unread_warmup(hv, dev), 0, 0
@@ -587,7 +640,7 @@ class _Launches:
         qh, kh = self.half_qk or (q, k)
         if self.prep is not None:
             self.prep(q, k, v, g, beta, self.cu_seqlens, self.chunk_offsets, *self.stage1, qh, kh, scale)
-        if self.output is None:
+        if self.output is None and self.persistent is None:
             return
         fbuf, pbuf, mbuf, ubuf, wbuf = self.stage1
         # Stage 2's inputs: V-first reads v and M, v8 U0 and -Wk.
@@ -595,6 +648,9 @@ class _Launches:
         head = (qh, kh, *tiles, pool, slot_ids, flags, self.cu_seqlens, self.chunk_offsets)
         # (without checkpoints the kernels never read these: slot_ids stands in for both)
         ckpt = (slot_ids, slot_ids, 0) if checkpoints is None else (*checkpoints, 1)
+        if self.persistent is not None:
+            self.persistent(*head, self.items, self.ctas, *ckpt[:2], out, scale, self.all_init, ckpt[2])
+            return
         if self.finder is not None:
             self.finder()
         if self.maps_pass is not None:

@@ -326,3 +326,192 @@ def _chunk_loader(maps_mode: bool, BV: int):
         T.barrier_arrive(ready[st])
 
     return load_chunk
+
+
+def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str, v_split: int):
+    """The V-first stage 2 for plain and V-split plans (whole sequences, output mode) on a
+    persistent grid: CTA b walks work units b, b + G, b + 2 G, ... (G CTAs, the length of
+    ``ctas``; unit u = (item u // (Hv v_split), head, value block), items in the host's order,
+    longest first), so that the producer loads the next unit's first chunk while the consumers
+    finish the current one, and a unit's state load and store overlap its neighbours' work
+    instead of each CTA paying them alone (~10 us per CTA at 8 chunks: benchmarks/prefill.md).
+    Ring stages and O tiles continue across units (running chunk counts)."""
+    if v_split not in V_SPLITS:
+        raise ValueError(f"v_split must be one of {V_SPLITS} for the V-first kernel, got {v_split}")
+    Hv, Hk = num_v_heads, num_k_heads
+    group = Hv // Hk
+    BV = DV // v_split
+    consumers = 128 * (BV // 64)
+    threads = consumers + 128
+    ntok = T.dynamic("ntok")
+    nseq = T.dynamic("nseq")
+    nslot = T.dynamic("nslot")
+    nhis = T.dynamic("nhis")
+    nchunk = T.dynamic("nchunk")
+    nitem = T.dynamic("nitem")
+    ncta = T.dynamic("ncta")
+    sq0, sq1 = T.dynamic("sq0"), T.dynamic("sq1")
+    sk0, sk1 = T.dynamic("sk0"), T.dynamic("sk1")
+    sv0, sv1 = T.dynamic("sv0"), T.dynamic("sv1")
+    so0, so1 = T.dynamic("so0"), T.dynamic("so1")
+    sp0 = T.dynamic("sp0")
+    mm = "float16"
+    acc = "float32"
+    rows = T.GemmWarpPolicy.FullRow
+    load_chunk = _chunk_loader(False, BV)
+    nunits = nitem * Hv * v_split
+
+    @T.prim_func
+    def gdn_prefill_main_persistent(
+        q: T.StridedTensor((ntok, Hk, DK), (sq0, sq1, 1), mm),
+        k: T.StridedTensor((ntok, Hk, DK), (sk0, sk1, 1), mm),
+        values: T.StridedTensor((ntok, Hv, DV), (sv0, sv1, 1), io_dtype),
+        fbuf: T.Tensor((nchunk, Hv, 2, C), "float32"),
+        pbuf: T.Tensor((nchunk, Hv, C, C), mm),
+        mbuf: T.Tensor((nchunk, Hv, C, C), mm),
+        pool: T.StridedTensor((nslot, Hv, DV, DK), (sp0, DV * DK, DK, 1), pool_dtype),
+        slot_ids: T.Tensor((nseq,), "int32"),
+        has_init: T.Tensor((nhis,), "uint8"),
+        cu_seqlens: T.Tensor((nseq + 1,), "int32"),
+        chunk_offsets: T.Tensor((nseq + 1,), "int32"),
+        items: T.Tensor((nitem,), "int32"),  # sequences, longest first
+        ctas: T.Tensor((ncta,), "int32"),  # unread: its length is the grid
+        ckpt_chunk: T.Tensor((nseq,), "int32"),
+        ckpt_slot: T.Tensor((nseq,), "int32"),
+        out: T.StridedTensor((ntok, Hv, DV), (so0, so1, 1), io_dtype),
+        scale: T.float32,
+        all_init: T.int32,
+        use_ckpt: T.int32,
+    ):
+        with T.Kernel(ncta, threads=threads) as bx:
+            T.assume(sp0 % _POOL_VEC[pool_dtype] == 0)
+            q_s = T.alloc_shared((2, C, DK), mm)
+            k_s = T.alloc_shared((2, C, DK), mm)
+            p_s = T.alloc_shared((2, C, C), mm)
+            v_s = T.alloc_shared((2, C, BV), io_dtype)
+            m_s = T.alloc_shared((2, C, C), mm)
+            f_s = T.alloc_shared((2, 2, C), acc)
+            o_s = T.alloc_shared((2, C, BV), io_dtype)
+            T.annotate_layout({v_s: tilelang.layout.make_swizzled_layout(v_s),
+                               o_s: tilelang.layout.make_swizzled_layout(o_s)})
+            x_f = T.alloc_fragment((BV, DK), acc)
+            xh_f = T.alloc_fragment((BV, DK), mm)
+            vp_f = T.alloc_fragment((BV, C), acc)
+            rh_f = T.alloc_fragment((BV, C), mm)
+            vph_f = T.alloc_fragment((BV, C), mm)
+            vpd_f = T.alloc_fragment((BV, C), mm)
+            o_f = T.alloc_fragment((BV, C), acc)
+            ready = T.alloc_barrier([32, 32])
+            free = T.alloc_barrier([consumers, consumers])
+            o_full = T.alloc_barrier([consumers, consumers])
+            o_free = T.alloc_barrier([32, 32])
+            tx = T.get_thread_binding()
+            nmine = T.ceildiv(nunits - bx, ncta)  # this CTA's units
+            gdone = T.alloc_var("int32")  # chunks this role walked in earlier units (ring phase)
+            jdone = T.alloc_var("int32")  # whole O chunks stored in earlier units (O tile phase)
+            gdone = 0
+            jdone = 0
+
+            if tx < consumers:
+                if threads > 256:
+                    T.set_max_nreg(_NREG_CONSUMER, 1)
+                for w in T.serial(nmine):
+                    u = bx + w * ncta
+                    vb = u % v_split
+                    h = (u // v_split) % Hv
+                    s = items[u // (v_split * Hv)]
+                    v0 = vb * BV
+                    bos = cu_seqlens[s]
+                    eos = cu_seqlens[s + 1]
+                    nchunks = T.ceildiv(eos - bos, C)
+                    slot = slot_ids[s]
+                    load = T.alloc_var("int32")
+                    load = 0
+                    if slot >= 0:
+                        if all_init != 0:
+                            load = 1
+                        elif has_init[s] != 0:
+                            load = 1
+                    if load != 0:
+                        for v, d in T.Parallel(BV, DK):
+                            x_f[v, d] = T.cast(pool[slot, h, v0 + v, d], acc)
+                    else:
+                        T.clear(x_f)
+                    gl = T.alloc_var(acc)
+                    ck, ck_slot = checkpoint_chunk(ckpt_chunk, ckpt_slot, use_ckpt, s, 0, 0)
+                    for c in T.serial(nchunks):
+                        g = gdone + c
+                        st = g % 2
+                        t0 = bos + c * C
+                        n = T.min(eos - t0, C)
+                        T.barrier_wait(ready[st], (g // 2) % 2)
+                        for v, d in T.Parallel(BV, DK):
+                            xh_f[v, d] = T.cast(x_f[v, d], mm)
+                        T.wgmma_gemm(xh_f, k_s[st, :, :], vp_f, transpose_B=True, clear_accum=True, policy=rows)
+                        T.wgmma_gemm(xh_f, q_s[st, :, :], o_f, transpose_B=True, clear_accum=True, policy=rows)
+                        T.wait_wgmma(0)
+                        for v, i in T.Parallel(BV, C):
+                            rh_f[v, i] = T.cast(T.cast(v_s[st, i, v], acc) - vp_f[v, i] * f_s[st, 0, i], mm)
+                        T.wgmma_gemm(rh_f, m_s[st, :, :], vp_f, transpose_B=True, clear_accum=True, policy=rows)
+                        T.wait_wgmma(0)
+                        for v, i in T.Parallel(BV, C):
+                            vpd_f[v, i] = T.cast(vp_f[v, i] * f_s[st, 1, i], mm)
+                        gl = f_s[st, 0, C - 1]
+                        for v, d in T.Parallel(BV, DK):
+                            x_f[v, d] = x_f[v, d] * gl
+                        T.wgmma_gemm(vpd_f, k_s[st, :, :], x_f, policy=rows)
+                        for v, i in T.Parallel(BV, C):
+                            vph_f[v, i] = T.cast(vp_f[v, i], mm)
+                            o_f[v, i] = o_f[v, i] * (f_s[st, 0, i] * scale)
+                        T.wgmma_gemm(vph_f, p_s[st, :, :], o_f, transpose_B=True, policy=rows)
+                        T.wait_wgmma(0)
+                        if c == ck:
+                            for v, d in T.Parallel(BV, DK):
+                                pool[ck_slot, h, v0 + v, d] = T.cast(x_f[v, d], pool_dtype)
+                        T.barrier_arrive(free[st])
+                        if n == C:  # whole chunks: every chunk but a sequence's last (O tile j % 2)
+                            j = jdone + c
+                            T.barrier_wait(o_free[j % 2], (j // 2 + 1) % 2)
+                            for v, i in T.Parallel(BV, C):
+                                o_s[j % 2, i, v] = T.cast(o_f[v, i], io_dtype)
+                            T.fence_proxy_async()
+                            T.barrier_arrive(o_full[j % 2])
+                        else:
+                            for v, i in T.Parallel(BV, C):
+                                if i < n:
+                                    out[t0 + i, h, v0 + v] = T.cast(o_f[v, i], io_dtype)
+                    if slot >= 0:
+                        for v, d in T.Parallel(BV, DK):
+                            pool[slot, h, v0 + v, d] = T.cast(x_f[v, d], pool_dtype)
+                    gdone = gdone + nchunks
+                    jdone = jdone + (eos - bos) // C
+
+            else:
+                T.set_max_nreg(_NREG_PRODUCER, 0)
+                for w in T.serial(nmine):
+                    u = bx + w * ncta
+                    vb = u % v_split
+                    h = (u // v_split) % Hv
+                    s = items[u // (v_split * Hv)]
+                    v0 = vb * BV
+                    bos = cu_seqlens[s]
+                    eos = cu_seqlens[s + 1]
+                    nchunks = T.ceildiv(eos - bos, C)
+                    if tx >= consumers + 32 and tx < consumers + 64:
+                        for c in T.serial(nchunks):
+                            t0 = bos + c * C
+                            if eos - t0 >= C:
+                                j = jdone + c
+                                T.barrier_wait(o_full[j % 2], (j // 2) % 2)
+                                T.tma_copy(o_s[j % 2, :, :], out[t0:t0 + C, h, v0:v0 + BV], leader_scope_threads=32)
+                                T.tma_store_wait(0)
+                                T.sync_warp()
+                                T.barrier_arrive(o_free[j % 2])
+                    if tx < consumers + 32:
+                        for c in T.serial(nchunks):
+                            load_chunk(gdone + c, bos + c * C, chunk_offsets[s] + c, h // group, h, v0, q, k, values,
+                                       pbuf, fbuf, mbuf, q_s, k_s, p_s, f_s, v_s, m_s, ready, free)
+                    gdone = gdone + nchunks
+                    jdone = jdone + (eos - bos) // C
+
+    return gdn_prefill_main_persistent, threads
