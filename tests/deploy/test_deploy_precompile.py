@@ -64,7 +64,12 @@ def test_config_enumeration_matches_its_heads_dtypes_and_targets(modules):
     assert "gdn_prefill_prep_hv8_hk2_bfloat16_qkfloat16" in names["sm_100a"]
     assert "gdn_prefill_inputs_hk2_bfloat16_to-float16_qk-only" in names["sm_100a"]
     assert not any("_vfirst" in n or form_m.match(n) for n in names["sm_100a"])
-    assert sorted(n.replace("_vfirst", "") for n in names["sm_90a"] if n not in prep_m) == names["sm_100a"]
+    # and the V-first stage 2's persistent grid for plain and V-split plans (sm_90a only)
+    persistent = [n for n in names["sm_90a"] if n.endswith("_vfirst_persistent")]
+    assert sorted(persistent) == sorted(f"gdn_prefill_main_hv8_hk2_bfloat16_poolfloat32_vs{vs}_vfirst_persistent"
+                                        for vs in (1, 2))
+    assert sorted(n.replace("_vfirst", "") for n in names["sm_90a"]
+                  if n not in prep_m and n not in persistent) == names["sm_100a"]
 
 
 def test_filtering_is_a_strict_subset_of_heads_enumeration(modules):

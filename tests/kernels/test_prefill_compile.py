@@ -210,6 +210,20 @@ def test_compiles_vfirst_sm90a(v_split, mode):
     assert ("warpgroup_reg_alloc" in src) == (v_split == 1), "setmaxnreg.inc only at 384 threads"
 
 
+@pytest.mark.parametrize("v_split", [1, 2])
+def test_compiles_persistent_sm90a(v_split):
+    """The V-first stage 2 on the persistent grid: the same chain (A operands from registers, no
+    barrier over the consumers, O by TMA store from the storer warp), one grid dimension (the
+    length of ``ctas``), the units' sequences read from ``items``."""
+    kern = P.build(P.persistent_variant(8, 2, "bfloat16", "float32", v_split), "sm_90a")
+    src = kern.get_kernel_source()
+    assert "gdn_prefill_main_persistent" in src and "wgmma_rs" in src and "wgmma_ss" not in src
+    assert "__sync_thread_partial" not in src and src.count("__syncthreads()") == 1
+    assert "tma_store(out_desc" in src and "tma_load(mbuf_desc" in src and "items[" in src
+    assert "blockIdx.y" not in src and "blockIdx.z" not in src
+    assert ("warpgroup_reg_alloc" in src) == (v_split == 1)
+
+
 def test_vfirst_is_chosen_only_where_it_applies(monkeypatch):
     """MAIN_IMPL "vfirst" applies to v_split 1/2 on sm_90a; v_split 4 and sm_100a keep v8, and
     the sm_100a variant list never holds a wgmma-only kernel."""
@@ -218,9 +232,14 @@ def test_vfirst_is_chosen_only_where_it_applies(monkeypatch):
     monkeypatch.setattr(P, "MAIN_IMPL", "vfirst")
     assert [P.main_impl_for(vs) for vs in (1, 2, 4)] == ["vfirst", "vfirst", "v8"]
     assert P.main_impl_for(1, "sm_100a") == "v8"
+    monkeypatch.setattr(P, "PERSISTENT", True)
     mains = [v for v in P.kernel_variants(8, 2) if v["op"] == "prefill_main"]
-    # 2 io x 2 pools x 2 modes at each split: V-first at 1 and 2 (no v8 twin), v8 at 4
-    assert sorted((v["v_split"], v.get("impl", "v8")) for v in mains) == sorted(
+    # 2 io x 2 pools x 2 modes at each split: V-first at 1 and 2 (no v8 twin), v8 at 4; and the
+    # V-first output pass's persistent grid (plain and V-split plans) at 1 and 2, 2 io x 2 pools
+    persistent = [v for v in mains if v.get("persistent")]
+    assert sorted((v["v_split"], v["impl"], v["mode"]) for v in persistent) == sorted(
+        [(1, "vfirst", "output")] * 4 + [(2, "vfirst", "output")] * 4)
+    assert sorted((v["v_split"], v.get("impl", "v8")) for v in mains if not v.get("persistent")) == sorted(
         [(1, "vfirst")] * 8 + [(2, "vfirst")] * 8 + [(4, "v8")] * 8)
     assert not any(v.get("impl") == "vfirst" for v in blackwell.kernel_variants(8, 2))
     monkeypatch.setattr(P, "MAIN_IMPL", "v8")
