@@ -235,7 +235,8 @@ def test_prep_heads_per_cta(Hk, Hv, heads, monkeypatch):
 
 
 PERSISTENT_CASES = [  # (lens, Hk, Hv, v_split, q/k dtype, pool dtype, padding, checkpoints)
-    (EDGE_LENS, 2, 8, 1, torch.float16, torch.float32, 0.2, False),
+    (EDGE_LENS, 2, 8, 1, torch.float16, torch.float32, 0.2, False),  # (the kernel whatever the lengths:
+    # the test sets PERSISTENT_MAX_MEAN_CHUNKS out of the way)
     (EDGE_LENS, 2, 8, 2, None, torch.bfloat16, 0.2, False),
     ([3000] + [17, 64, 0, 513, 1, 200] * 6, 4, 16, 1, torch.float16, torch.float32, 0.1, False),
     ([512] * 40, 16, 64, 1, torch.float16, torch.bfloat16, 0.0, False),  # 2560 units: ~19 per CTA
@@ -264,6 +265,7 @@ def test_persistent_matches_unit_grid(case, monkeypatch):
         chunks = [2 if n > 128 else 0 for n in lens]
         checkpoints = (torch.tensor(chunks, **dev), torch.tensor([N + i for i in range(N)], **dev))
     results = {}
+    monkeypatch.setattr(_mod(), "PERSISTENT_MAX_MEAN_CHUNKS", 1 << 20)
     for persistent in (True, False):
         monkeypatch.setattr(_mod(), "PERSISTENT", persistent)
         pool = pool0.clone()

@@ -101,10 +101,13 @@ def test_plain_call_is_prep_then_persistent_main(launches, v_split):
     assert main["ctas"].shape == (min(3 * HV * v_split, plan.sm_count),)
 
 
-@pytest.mark.parametrize("v_split", [1, 2])
-def test_unit_grid_when_persistent_is_off(launches, monkeypatch, v_split):
-    monkeypatch.setattr(P, "PERSISTENT", False)
-    _call([300, 0, 65], v_split, 0, None)
+@pytest.mark.parametrize("v_split,lens,switch", [(1, [300, 0, 65], False), (2, [300, 0, 65], False),
+                                                  (1, [64 * 9, 64 * 8, 64 * 8], True)])
+def test_unit_grid_when_persistent_is_off(launches, monkeypatch, v_split, lens, switch):
+    """A CTA per unit where PERSISTENT is off, or where the sequences average more than
+    PERSISTENT_MAX_MEAN_CHUNKS chunks (here 25 chunks over 3 sequences)."""
+    monkeypatch.setattr(P, "PERSISTENT", switch)
+    _call(lens, v_split, 0, None)
     assert _sequence(launches) == [("prep", "", ""), ("main", "output", "vfirst")]
     main = launches[1][1]
     assert (main["use_items"], main["use_warmup"]) == (0, 0)

@@ -14,7 +14,10 @@ prefill_warmup.py, prefill_scan.py):
                                    (MAIN_IMPL "vfirst", the default at v_split 1 and 2:
                                    prefill_main_vfirst.py, the same walk with the state
                                    transposed, every chain GEMM's A operand in registers, and
-                                   V' = M (V - diag(exp gc) K S) formed from v and M.)
+                                   V' = M (V - diag(exp gc) K S) formed from v and M.
+                                   Plain and V-split plans of short sequences run it on a
+                                   persistent grid of one CTA per SM, PERSISTENT:
+                                   persistent_func.)
 The HBM intermediates are the gate factors and P plus M (16.5 KB per chunk and v-head) or U0 and
 Wk (40.5 KB), and the fp16 q/k copies (512 B per token and qk-head); V' and the per-chunk states
 never leave the SM.
@@ -153,8 +156,13 @@ def _persistent_from_env() -> bool:
 
 # Plain and V-split plans' V-first stage 2 on a persistent grid (prefill_main_vfirst.persistent_func:
 # one CTA per SM walks (sequence, head) units in turn, longest sequences first), instead of a CTA
-# per unit. Read once at import from QLA_SERVE_PREFILL_PERSISTENT; tests and benchmarks set it.
+# per unit, where the batch's sequences average at most PERSISTENT_MAX_MEAN_CHUNKS chunks: the
+# units' own set-up then weighs most. H200, fp16 q/k, one process (benchmarks/prefill.md):
+# 2/8 64x512 0.158 -> 0.153 ms, 16/64 64x512 1.073 -> 1.058; 16 and 32 chunks per sequence level
+# or slower (16/64 1024x8 0.271 -> 0.278). Read once at import from QLA_SERVE_PREFILL_PERSISTENT;
+# tests and benchmarks set it.
 PERSISTENT = _persistent_from_env()
+PERSISTENT_MAX_MEAN_CHUNKS = 8
 
 _kernels: dict = {}
 _lock = threading.Lock()
@@ -260,9 +268,16 @@ def persistent_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_d
     return v
 
 
-def persistent_applies(strategy: str, impl: str) -> bool:
-    """Whether a plan's stage 2 runs on the persistent grid: PERSISTENT, no cut, V-first."""
-    return PERSISTENT and strategy != "cp" and impl == "vfirst"
+def persistent_applies(strategy: str, impl: str, seq_lens=None) -> bool:
+    """Whether a plan's stage 2 runs on the persistent grid: PERSISTENT, no cut, V-first, and
+    (given the plan's sequence lengths) at most PERSISTENT_MAX_MEAN_CHUNKS chunks per sequence
+    on average."""
+    if not (PERSISTENT and strategy != "cp" and impl == "vfirst"):
+        return False
+    if seq_lens is None:  # the variant lists: every plan may take it
+        return True
+    chunks = sum((int(n) + CHUNK - 1) // CHUNK for n in seq_lens)
+    return chunks <= PERSISTENT_MAX_MEAN_CHUNKS * max(len(seq_lens), 1)
 
 
 def main_impl_for(v_split: int, target: str = ARCH) -> str:
@@ -591,7 +606,7 @@ class _Launches:
         if "main" not in stages:
             return
         self.finder = self.maps_pass = self.scan = None
-        if persistent_applies(strategy, impl):
+        if persistent_applies(strategy, impl, plan.seq_lens):
             self.persistent = _kernel(persistent_variant(hv, hk, io, pool_dt, vs),
                                       (hv, hk, io, pool_dt, vs, "persistent", target))
             self.items, self.ctas = _persistent_grid(plan, hv, vs, dev)
