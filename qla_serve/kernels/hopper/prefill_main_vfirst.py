@@ -93,6 +93,8 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
     acc = "float32"
     rows = T.GemmWarpPolicy.FullRow  # value rows split across the consumer warpgroups
     load_chunk = _chunk_loader(maps_mode, BV)
+    chain_step = _chain_step(maps_mode, BV)
+    emit_o, store_o = _output_movers(BV, io_dtype)
 
     @T.prim_func
     def gdn_prefill_main_vfirst(
@@ -216,47 +218,14 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
                             elif start == first:  # exact path: the true state (maps pass + scan)
                                 for v, d in T.Parallel(BV, DK):
                                     x_f[v, d] = maps[midx, h, 0, v0 + v, d]
-                gl = T.alloc_var(acc)
                 ck, ck_slot = checkpoint_chunk(ckpt_chunk, ckpt_slot, use_ckpt, s, start, warm_chunks)
                 for c in T.serial(nchunks):
                     st = c % 2
                     t0 = bos + c * C
                     n = T.min(eos - t0, C)
                     emit = c >= warm_chunks  # warmup chunks: the state only
-                    T.barrier_wait(ready[st], (c // 2) % 2)
-                    for v, d in T.Parallel(BV, DK):
-                        xh_f[v, d] = T.cast(x_f[v, d], mm)
-                    # (K S)^T = Xh K^T and O^T = Xh Q^T; R^T = V^T - (K S)^T diag(exp gc) (V = 0
-                    # for the transition Phi); V'^T = R^T M^T.
-                    T.wgmma_gemm(xh_f, k_s[st, :, :], vp_f, transpose_B=True, clear_accum=True, policy=rows)
-                    if not maps_mode:
-                        if emit:
-                            T.wgmma_gemm(xh_f, q_s[st, :, :], o_f, transpose_B=True, clear_accum=True,
-                                         policy=rows)
-                    T.wait_wgmma(0)
-                    if maps_mode:
-                        for v, i in T.Parallel(BV, C):
-                            rh_f[v, i] = T.cast(T.if_then_else(is_phi, 0.0, T.cast(v_s[st, i, v], acc))
-                                                - vp_f[v, i] * f_s[st, 0, i], mm)
-                    else:
-                        for v, i in T.Parallel(BV, C):
-                            rh_f[v, i] = T.cast(T.cast(v_s[st, i, v], acc) - vp_f[v, i] * f_s[st, 0, i], mm)
-                    T.wgmma_gemm(rh_f, m_s[st, :, :], vp_f, transpose_B=True, clear_accum=True, policy=rows)
-                    T.wait_wgmma(0)
-                    # X <- gamma_last X + (V' diag(dec))^T K ; O^T = scale O^T diag(exp gc) + V'^T P^T
-                    for v, i in T.Parallel(BV, C):
-                        vpd_f[v, i] = T.cast(vp_f[v, i] * f_s[st, 1, i], mm)
-                    gl = f_s[st, 0, C - 1]
-                    for v, d in T.Parallel(BV, DK):
-                        x_f[v, d] = x_f[v, d] * gl
-                    T.wgmma_gemm(vpd_f, k_s[st, :, :], x_f, policy=rows)
-                    if not maps_mode:
-                        if emit:
-                            for v, i in T.Parallel(BV, C):
-                                vph_f[v, i] = T.cast(vp_f[v, i], mm)
-                                o_f[v, i] = o_f[v, i] * (f_s[st, 0, i] * scale)
-                            T.wgmma_gemm(vph_f, p_s[st, :, :], o_f, transpose_B=True, policy=rows)
-                    T.wait_wgmma(0)
+                    chain_step(st, (c // 2) % 2, emit, is_phi, scale, x_f, xh_f, vp_f, rh_f, vph_f, vpd_f, o_f, q_s,
+                               k_s, v_s, m_s, p_s, f_s, ready)
                     if not maps_mode:
                         if c == ck:  # the state after the checkpoint's chunk: into its slot
                             for v, d in T.Parallel(BV, DK):
@@ -264,22 +233,7 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
                     T.barrier_arrive(free[st])
                     if not maps_mode:
                         if emit:
-                            if n == C:
-                                # A whole chunk (the j-th written): O^T transposed into the
-                                # swizzled tile j % 2, handed to the storer warp, which issues its
-                                # TMA store. The consumers wait only for the store of chunk j - 2
-                                # to have read the tile (v15 stored it here, between two barriers
-                                # over all consumers: 11% of the pass's stall samples).
-                                j = c - warm_chunks
-                                T.barrier_wait(o_free[j % 2], (j // 2 + 1) % 2)
-                                for v, i in T.Parallel(BV, C):
-                                    o_s[j % 2, i, v] = T.cast(o_f[v, i], io_dtype)
-                                T.fence_proxy_async()  # generic-proxy writes, read by the TMA unit
-                                T.barrier_arrive(o_full[j % 2])
-                            else:  # a sequence's last chunk: TMA would clip at T, not at its end
-                                for v, i in T.Parallel(BV, C):
-                                    if i < n:
-                                        out[t0 + i, h, v0 + v] = T.cast(o_f[v, i], io_dtype)
+                            emit_o(c - warm_chunks, n, t0, h, v0, o_f, o_s, out, o_full, o_free)
                 if maps_mode:
                     if nchunks > 0 or init_copy:
                         for v, d in T.Parallel(BV, DK):
@@ -296,12 +250,7 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
                         for c in T.serial(nchunks):
                             t0 = bos + c * C
                             if c >= warm_chunks and eos - t0 >= C:
-                                j = c - warm_chunks
-                                T.barrier_wait(o_full[j % 2], (j // 2) % 2)
-                                T.tma_copy(o_s[j % 2, :, :], out[t0:t0 + C, h, v0:v0 + BV], leader_scope_threads=32)
-                                T.tma_store_wait(0)
-                                T.sync_warp()  # the issuing lane has seen the tile read
-                                T.barrier_arrive(o_free[j % 2])
+                                store_o(c - warm_chunks, t0, h, v0, o_s, out, o_full, o_free)
                 if tx < consumers + 32:
                     for c in T.serial(nchunks):
                         load_chunk(c, bos + c * C, coff + c, hk, h, v0, q, k, values, pbuf, fbuf, mbuf,
@@ -309,6 +258,89 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
 
     return gdn_prefill_main_vfirst, threads
 
+
+
+def _chain_step(maps_mode: bool, BV: int):
+    """The consumers' work on one chunk in ring stage st (phase: its mbarrier parity): wait for
+    the stage, then V', O and the state update (module docstring), shared by main_func and
+    persistent_func. emit (a PrimExpr, or True): the chunk's O is computed (False for warmup
+    chunks); is_phi (maps mode): the block walks the transition Phi (V = 0)."""
+    mm, acc = "float16", "float32"
+    rows = T.GemmWarpPolicy.FullRow
+
+    @T.macro
+    def chain_step(st, phase, emit, is_phi, scale, x_f, xh_f, vp_f, rh_f, vph_f, vpd_f, o_f, q_s, k_s, v_s,
+                   m_s, p_s, f_s, ready):
+        T.barrier_wait(ready[st], phase)
+        for v, d in T.Parallel(BV, DK):
+            xh_f[v, d] = T.cast(x_f[v, d], mm)
+        # (K S)^T = Xh K^T and O^T = Xh Q^T; R^T = V^T - (K S)^T diag(exp gc) (V = 0
+        # for the transition Phi); V'^T = R^T M^T.
+        T.wgmma_gemm(xh_f, k_s[st, :, :], vp_f, transpose_B=True, clear_accum=True, policy=rows)
+        if not maps_mode:
+            if emit:
+                T.wgmma_gemm(xh_f, q_s[st, :, :], o_f, transpose_B=True, clear_accum=True,
+                             policy=rows)
+        T.wait_wgmma(0)
+        if maps_mode:
+            for v, i in T.Parallel(BV, C):
+                rh_f[v, i] = T.cast(T.if_then_else(is_phi, 0.0, T.cast(v_s[st, i, v], acc))
+                                    - vp_f[v, i] * f_s[st, 0, i], mm)
+        else:
+            for v, i in T.Parallel(BV, C):
+                rh_f[v, i] = T.cast(T.cast(v_s[st, i, v], acc) - vp_f[v, i] * f_s[st, 0, i], mm)
+        T.wgmma_gemm(rh_f, m_s[st, :, :], vp_f, transpose_B=True, clear_accum=True, policy=rows)
+        T.wait_wgmma(0)
+        # X <- gamma_last X + (V' diag(dec))^T K ; O^T = scale O^T diag(exp gc) + V'^T P^T
+        for v, i in T.Parallel(BV, C):
+            vpd_f[v, i] = T.cast(vp_f[v, i] * f_s[st, 1, i], mm)
+        gl = T.alloc_var(acc)
+        gl = f_s[st, 0, C - 1]
+        for v, d in T.Parallel(BV, DK):
+            x_f[v, d] = x_f[v, d] * gl
+        T.wgmma_gemm(vpd_f, k_s[st, :, :], x_f, policy=rows)
+        if not maps_mode:
+            if emit:
+                for v, i in T.Parallel(BV, C):
+                    vph_f[v, i] = T.cast(vp_f[v, i], mm)
+                    o_f[v, i] = o_f[v, i] * (f_s[st, 0, i] * scale)
+                T.wgmma_gemm(vph_f, p_s[st, :, :], o_f, transpose_B=True, policy=rows)
+        T.wait_wgmma(0)
+
+    return chain_step
+
+
+def _output_movers(BV: int, io_dtype: str):
+    """The O of one chunk on its way out, shared by main_func and persistent_func: emit_o (the
+    consumers) and store_o (the storer warp). A whole chunk (the j-th written) goes transposed
+    into the swizzled tile j % 2 and its TMA store is issued by the storer warp; the consumers
+    wait only for the store of chunk j - 2 to have read the tile (v15 stored it from the
+    consumers, between two barriers over all of them: 11% of the pass's stall samples). A
+    sequence's last, partial chunk is written by the consumers row by row: TMA would clip at T,
+    not at the sequence's end."""
+
+    @T.macro
+    def emit_o(j, n, t0, h, v0, o_f, o_s, out, o_full, o_free):
+        if n == C:
+            T.barrier_wait(o_free[j % 2], (j // 2 + 1) % 2)
+            for v, i in T.Parallel(BV, C):
+                o_s[j % 2, i, v] = T.cast(o_f[v, i], io_dtype)
+            T.fence_proxy_async()  # generic-proxy writes, read by the TMA unit
+            T.barrier_arrive(o_full[j % 2])
+        else:
+            for v, i in T.Parallel(BV, C):
+                if i < n:
+                    out[t0 + i, h, v0 + v] = T.cast(o_f[v, i], io_dtype)
+
+    @T.macro
+    def store_o(j, t0, h, v0, o_s, out, o_full, o_free):
+        T.barrier_wait(o_full[j % 2], (j // 2) % 2)
+        T.tma_copy(o_s[j % 2, :, :], out[t0:t0 + C, h, v0:v0 + BV], leader_scope_threads=32)
+        T.tma_store_wait(0)
+        T.sync_warp()  # the issuing lane has seen the tile read
+        T.barrier_arrive(o_free[j % 2])
+
+    return emit_o, store_o
 
 def _chunk_loader(maps_mode: bool, BV: int):
     """The producer's TMA loads of one chunk into stage c % 2 (q and P only for outputs), after
@@ -359,6 +391,8 @@ def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtyp
     acc = "float32"
     rows = T.GemmWarpPolicy.FullRow
     load_chunk = _chunk_loader(False, BV)
+    chain_step = _chain_step(False, BV)
+    emit_o, store_o = _output_movers(BV, io_dtype)
     nunits = nitem * Hv * v_split
 
     @T.prim_func
@@ -437,49 +471,19 @@ def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtyp
                             x_f[v, d] = T.cast(pool[slot, h, v0 + v, d], acc)
                     else:
                         T.clear(x_f)
-                    gl = T.alloc_var(acc)
                     ck, ck_slot = checkpoint_chunk(ckpt_chunk, ckpt_slot, use_ckpt, s, 0, 0)
                     for c in T.serial(nchunks):
                         g = gdone + c
                         st = g % 2
                         t0 = bos + c * C
                         n = T.min(eos - t0, C)
-                        T.barrier_wait(ready[st], (g // 2) % 2)
-                        for v, d in T.Parallel(BV, DK):
-                            xh_f[v, d] = T.cast(x_f[v, d], mm)
-                        T.wgmma_gemm(xh_f, k_s[st, :, :], vp_f, transpose_B=True, clear_accum=True, policy=rows)
-                        T.wgmma_gemm(xh_f, q_s[st, :, :], o_f, transpose_B=True, clear_accum=True, policy=rows)
-                        T.wait_wgmma(0)
-                        for v, i in T.Parallel(BV, C):
-                            rh_f[v, i] = T.cast(T.cast(v_s[st, i, v], acc) - vp_f[v, i] * f_s[st, 0, i], mm)
-                        T.wgmma_gemm(rh_f, m_s[st, :, :], vp_f, transpose_B=True, clear_accum=True, policy=rows)
-                        T.wait_wgmma(0)
-                        for v, i in T.Parallel(BV, C):
-                            vpd_f[v, i] = T.cast(vp_f[v, i] * f_s[st, 1, i], mm)
-                        gl = f_s[st, 0, C - 1]
-                        for v, d in T.Parallel(BV, DK):
-                            x_f[v, d] = x_f[v, d] * gl
-                        T.wgmma_gemm(vpd_f, k_s[st, :, :], x_f, policy=rows)
-                        for v, i in T.Parallel(BV, C):
-                            vph_f[v, i] = T.cast(vp_f[v, i], mm)
-                            o_f[v, i] = o_f[v, i] * (f_s[st, 0, i] * scale)
-                        T.wgmma_gemm(vph_f, p_s[st, :, :], o_f, transpose_B=True, policy=rows)
-                        T.wait_wgmma(0)
+                        chain_step(st, (g // 2) % 2, True, False, scale, x_f, xh_f, vp_f, rh_f, vph_f, vpd_f, o_f,
+                                   q_s, k_s, v_s, m_s, p_s, f_s, ready)
                         if c == ck:
                             for v, d in T.Parallel(BV, DK):
                                 pool[ck_slot, h, v0 + v, d] = T.cast(x_f[v, d], pool_dtype)
                         T.barrier_arrive(free[st])
-                        if n == C:  # whole chunks: every chunk but a sequence's last (O tile j % 2)
-                            j = jdone + c
-                            T.barrier_wait(o_free[j % 2], (j // 2 + 1) % 2)
-                            for v, i in T.Parallel(BV, C):
-                                o_s[j % 2, i, v] = T.cast(o_f[v, i], io_dtype)
-                            T.fence_proxy_async()
-                            T.barrier_arrive(o_full[j % 2])
-                        else:
-                            for v, i in T.Parallel(BV, C):
-                                if i < n:
-                                    out[t0 + i, h, v0 + v] = T.cast(o_f[v, i], io_dtype)
+                        emit_o(jdone + c, n, t0, h, v0, o_f, o_s, out, o_full, o_free)  # (whole chunks: j)
                     if slot >= 0:
                         for v, d in T.Parallel(BV, DK):
                             pool[slot, h, v0 + v, d] = T.cast(x_f[v, d], pool_dtype)
@@ -501,12 +505,7 @@ def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtyp
                         for c in T.serial(nchunks):
                             t0 = bos + c * C
                             if eos - t0 >= C:
-                                j = jdone + c
-                                T.barrier_wait(o_full[j % 2], (j // 2) % 2)
-                                T.tma_copy(o_s[j % 2, :, :], out[t0:t0 + C, h, v0:v0 + BV], leader_scope_threads=32)
-                                T.tma_store_wait(0)
-                                T.sync_warp()
-                                T.barrier_arrive(o_free[j % 2])
+                                store_o(jdone + c, t0, h, v0, o_s, out, o_full, o_free)
                     if tx < consumers + 32:
                         for c in T.serial(nchunks):
                             load_chunk(gdone + c, bos + c * C, chunk_offsets[s] + c, h // group, h, v0, q, k, values,
