@@ -345,9 +345,8 @@ def _qla_fn(lens, hk, hv, data, v_split, stages="prep,main", segment_chunks="aut
 
     import qla_serve
     from qla_serve import ops
-    from qla_serve.plan import force_plan
-
     from qla_serve.kernels.hopper import prefill_api
+    from qla_serve.plan import force_plan
 
     q, k, v, g, beta, h0 = data
     dev = q.device

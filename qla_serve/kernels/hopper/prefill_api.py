@@ -559,7 +559,7 @@ def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale,
     """
     key = ("hopper_prefill_launches", q.shape[0], k.shape[1], v.shape[1], q.dtype, v.dtype, pool.dtype,
            has_initial_state is None, q.device, _stages, _target, GATE_WARMUP, MAIN_IMPL, PREP_HEADS, CP_PDL,
-           PERSISTENT)
+           PERSISTENT, PERSISTENT_MAX_MEAN_CHUNKS)
     launches = plan.kernel_cache.get(key)
     if launches is None:
         launches = plan.kernel_cache[key] = _Launches(plan, q, k, v, pool, has_initial_state is None, _stages,
@@ -569,12 +569,14 @@ def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale,
 
 class _Launches:
     """One prefill call's launches for a plan and call shape (token count, heads, dtypes, device,
-    the module switches GATE_WARMUP, MAIN_IMPL and PREP_HEADS): the kernels' raw launch functions, stage 1's
-    buffers, the CP tables and workspaces, resolved once (FlashInfer's plan/run split). A call
+    the module switches GATE_WARMUP, MAIN_IMPL, PREP_HEADS and PERSISTENT): the kernels' raw
+    launch functions, stage 1's buffers, the CP tables and workspaces, resolved once (FlashInfer's
+    plan/run split). A call
     binds q, k, v, g, beta, the pool, the slots, the flags, the scale and out, and launches
     (finder, maps and scan as programmatic dependents where CP_PDL is on):
 
-      prep -> main output                                        (plain, vsplit)
+      prep -> main output                                        (plain, vsplit; persistent grid
+                                                                  where persistent_applies)
       prep -> [finder] -> maps -> [scan] -> main output          (cp; module docstring)
     """
 
