@@ -91,7 +91,6 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
     sp0 = T.dynamic("sp0")
     mm = "float16"
     acc = "float32"
-    rows = T.GemmWarpPolicy.FullRow  # value rows split across the consumer warpgroups
     load_chunk = _chunk_loader(maps_mode, BV)
     chain_step = _chain_step(maps_mode, BV)
     emit_o, store_o = _output_movers(BV, io_dtype)
@@ -259,14 +258,13 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
     return gdn_prefill_main_vfirst, threads
 
 
-
 def _chain_step(maps_mode: bool, BV: int):
     """The consumers' work on one chunk in ring stage st (phase: its mbarrier parity): wait for
     the stage, then V', O and the state update (module docstring), shared by main_func and
     persistent_func. emit (a PrimExpr, or True): the chunk's O is computed (False for warmup
     chunks); is_phi (maps mode): the block walks the transition Phi (V = 0)."""
     mm, acc = "float16", "float32"
-    rows = T.GemmWarpPolicy.FullRow
+    rows = T.GemmWarpPolicy.FullRow  # value rows split across the consumer warpgroups
 
     @T.macro
     def chain_step(st, phase, emit, is_phi, scale, x_f, xh_f, vp_f, rh_f, vph_f, vpd_f, o_f, q_s, k_s, v_s,
@@ -389,7 +387,6 @@ def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtyp
     sp0 = T.dynamic("sp0")
     mm = "float16"
     acc = "float32"
-    rows = T.GemmWarpPolicy.FullRow
     load_chunk = _chunk_loader(False, BV)
     chain_step = _chain_step(False, BV)
     emit_o, store_o = _output_movers(BV, io_dtype)
