@@ -571,9 +571,8 @@ class _Launches:
     """One prefill call's launches for a plan and call shape (token count, heads, dtypes, device,
     the module switches GATE_WARMUP, MAIN_IMPL, PREP_HEADS and PERSISTENT): the kernels' raw
     launch functions, stage 1's buffers, the CP tables and workspaces, resolved once (FlashInfer's
-    plan/run split). A call
-    binds q, k, v, g, beta, the pool, the slots, the flags, the scale and out, and launches
-    (finder, maps and scan as programmatic dependents where CP_PDL is on):
+    plan/run split). A call binds q, k, v, g, beta, the pool, the slots, the flags, the scale and
+    out, and launches (finder, maps and scan as programmatic dependents where CP_PDL is on):
 
       prep -> main output                                        (plain, vsplit; persistent grid
                                                                   where persistent_applies)
