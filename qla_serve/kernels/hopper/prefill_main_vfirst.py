@@ -364,8 +364,11 @@ def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtyp
     ``ctas``; unit u = (item u // (Hv v_split), head, value block), items in the host's order,
     longest first), so that the producer loads the next unit's first chunk while the consumers
     finish the current one, and a unit's state load and store overlap its neighbours' work
-    instead of each CTA paying them alone (~10 us per CTA at 8 chunks: benchmarks/prefill.md).
-    Ring stages and O tiles continue across units (running chunk counts)."""
+    instead of each CTA paying them alone. Ring stages and O tiles continue across units
+    (running chunk counts); each unit's operations are main_func's, so the results are
+    bit-identical to a CTA per unit. Measured on the H200: 1.4-3% faster on batches of 8-chunk
+    sequences, level or slower on longer ones (benchmarks/prefill.md), so prefill_api takes it
+    only for short sequences (PERSISTENT_MAX_MEAN_CHUNKS)."""
     if v_split not in V_SPLITS:
         raise ValueError(f"v_split must be one of {V_SPLITS} for the V-first kernel, got {v_split}")
     Hv, Hk = num_v_heads, num_k_heads
