@@ -304,15 +304,17 @@ def test_cp_pdl_switch_names_the_cp_passes(monkeypatch):
     assert P.warmup_variant(8, pdl=True)["name"] == "gdn_prefill_cp_warmup_hv8_pdl"
 
 
-def test_gate_warmup_switch_from_env(monkeypatch):
-    """QLA_SERVE_GATE_WARMUP: on unless set to 0; anything but 0/1 is refused by name."""
-    monkeypatch.delenv("QLA_SERVE_GATE_WARMUP", raising=False)
-    assert P._gate_warmup_from_env() is True
-    monkeypatch.setenv("QLA_SERVE_GATE_WARMUP", "0")
-    assert P._gate_warmup_from_env() is False
-    monkeypatch.setenv("QLA_SERVE_GATE_WARMUP", "yes")
-    with pytest.raises(ValueError, match="QLA_SERVE_GATE_WARMUP: expected 0 or 1"):
-        P._gate_warmup_from_env()
+@pytest.mark.parametrize("name", ["QLA_SERVE_GATE_WARMUP", "QLA_SERVE_PREFILL_PERSISTENT"])
+def test_on_off_switches_from_env(monkeypatch, name):
+    """QLA_SERVE_GATE_WARMUP, QLA_SERVE_PREFILL_PERSISTENT: on unless set to 0; anything but 0/1
+    is refused by name."""
+    monkeypatch.delenv(name, raising=False)
+    assert P._switch_from_env(name) is True
+    monkeypatch.setenv(name, "0")
+    assert P._switch_from_env(name) is False
+    monkeypatch.setenv(name, "yes")
+    with pytest.raises(ValueError, match=f"{name}: expected 0 or 1"):
+        P._switch_from_env(name)
 
 
 @pytest.mark.parametrize("variant", P.kernel_variants(24, 8), ids=lambda v: v["name"])

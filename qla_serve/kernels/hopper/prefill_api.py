@@ -81,10 +81,11 @@ QK_V_DTYPES = (("bfloat16", "bfloat16"), ("float16", "float16"), ("float16", "bf
 POOL_DTYPES = ("float32", "bfloat16")
 
 
-def _gate_warmup_from_env() -> bool:
-    flag = os.environ.get("QLA_SERVE_GATE_WARMUP", "1").strip()
+def _switch_from_env(name: str) -> bool:
+    """An on/off module switch from environment variable `name`: "1" (the default) or "0"."""
+    flag = os.environ.get(name, "1").strip()
     if flag not in ("0", "1"):
-        raise ValueError(f"QLA_SERVE_GATE_WARMUP: expected 0 or 1, got {flag!r}")
+        raise ValueError(f"{name}: expected 0 or 1, got {flag!r}")
     return flag == "1"
 
 
@@ -92,7 +93,7 @@ def _gate_warmup_from_env() -> bool:
 # the H200: test_cp_warmup, the sanitizer case). QLA_SERVE_GATE_WARMUP=0 makes cp="auto" take
 # the exact path like cp="exact". Read once at import; the GPU tests and
 # `qla-serve bench prefill --gate-warmup on|off` set this flag instead.
-GATE_WARMUP = _gate_warmup_from_env()
+GATE_WARMUP = _switch_from_env("QLA_SERVE_GATE_WARMUP")
 
 # Which stage-2 kernel runs at v_split 1 and 2: "vfirst" (prefill_main_vfirst.py, the default:
 # faster on every H200 bench row it applies to, benchmarks/prefill.md v9) or "v8"
@@ -147,13 +148,6 @@ PREP_HEADS = _prep_heads_from_env()
 CP_PDL = True
 
 
-def _persistent_from_env() -> bool:
-    flag = os.environ.get("QLA_SERVE_PREFILL_PERSISTENT", "1").strip()
-    if flag not in ("0", "1"):
-        raise ValueError(f"QLA_SERVE_PREFILL_PERSISTENT: expected 0 or 1, got {flag!r}")
-    return flag == "1"
-
-
 # Plain and V-split plans' V-first stage 2 on a persistent grid (prefill_main_vfirst.persistent_func:
 # one CTA per SM walks (sequence, head) units in turn, longest sequences first), instead of a CTA
 # per unit, where the batch's sequences average at most PERSISTENT_MAX_MEAN_CHUNKS chunks: the
@@ -161,7 +155,7 @@ def _persistent_from_env() -> bool:
 # 2/8 64x512 0.158 -> 0.153 ms, 16/64 64x512 1.073 -> 1.058; 16 and 32 chunks per sequence level
 # or slower (16/64 1024x8 0.271 -> 0.278). Read once at import from QLA_SERVE_PREFILL_PERSISTENT;
 # tests and benchmarks set it.
-PERSISTENT = _persistent_from_env()
+PERSISTENT = _switch_from_env("QLA_SERVE_PREFILL_PERSISTENT")
 PERSISTENT_MAX_MEAN_CHUNKS = 8
 
 _kernels: dict = {}
