@@ -6,14 +6,13 @@ Grid: one CTA of 128 threads per (group of heads_per_cta v-heads, chunk c), v-he
 chunks are numbered through the plan's ``chunk_offsets`` (chunk c belongs to the sequence s with
 chunk_offsets[s] <= c < chunk_offsets[s+1], found by a binary search in the kernel, so no
 per-chunk index tensor is needed). A CTA's heads share one qk-head: it loads q/k and computes
-Q K^T once, then runs each head's gates, P, solve and M in turn (v27; K K^T is computed again per
-head, which keeps it out of the registers that the solve needs).
+Q K^T and K K^T once (v27, v28), then runs each head's gates, P, solve and M in turn.
 
 For a chunk of n <= 64 tokens t0..t0+n-1 of head h (qk-head h // (Hv // Hk)):
   gc[i]   = sum_{j<=i} g[t0+j, h]                           (chunk-local cumsum, fp32)
   L       = StrictLower(diag(beta) K K^T)                    (gate-free)
   A       = (I + L)^-1
-  M[i, j] = A[i, j] * exp(gc[i] - gc[j]) * beta[j]  (i >= j), 0 above the diagonal
+  M[i, j] = A[i, j] * beta[j] * exp(gc[i] - gc[j])  (i >= j), 0 above the diagonal
 which is the gated inverse by a similarity transform (Gamma o A = D A D^-1, D = diag(exp(gc))),
 so the C^2 exponentials are paid once here, off the sequential chain of stage 2. Then
   P       = scale * Lower(Gamma) o (Q K^T)           (the intra-chunk attention)
@@ -27,10 +26,12 @@ and, by the form (prep_func's argument), what stage 2 needs for V' = M (V - diag
        so that stage 2 computes V' = U0 - Wk S.
 Stage 2 then computes O = scale exp(gc) Q S + P V'.
 
-The inverse is blocked: the four 16x16 diagonal blocks of I + L are inverted by forward
-substitution in fp32 on the CUDA cores (Dinv), then with N = Dinv L_off (strictly block-lower,
-N^4 = 0): (I + L)^-1 = (I - N + N^2 - N^3) Dinv, four 64x64x64 fp16 tensor-core GEMMs with fp32
-accumulation. fp16 (11-bit mantissa) rather than bf16 for these operands and the outputs: the
+The inverse is blocked, and only A diag(beta) is formed (all that M needs): the four 16x16
+diagonal blocks of I + L are inverted by forward substitution in fp32 on the CUDA cores (Dinv),
+then with Db = Dinv diag(beta) and N = Dinv L_off = Db (K K^T)_off (strictly block-lower,
+N^4 = 0): A diag(beta) = (I - N + N^2 - N^3) Db = (I + N^2)(I - N) Db, four 64x64x64 fp16
+tensor-core GEMMs with fp32 accumulation in three round trips through shared memory (N; N^2 and
+N Db; the last product). K K^T is beta-free, so it is computed once per CTA. fp16 (11-bit mantissa) rather than bf16 for these operands and the outputs: the
 bf16 variant misses the 2e-3 relative-L2 budget against the float64 recurrence (see
 benchmarks/prefill.md). q, k and v are used as loaded (their dtypes): Q K^T and K K^T are
 exact products with fp32 sums, and in form "uw" M meets V and K each as hi + lo in that tile's
@@ -163,22 +164,22 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
         T.gemm(lo_s, b_s, x_f)
 
     @T.macro
-    def _gated_m(t_f, g2_s, mcol_s, j):
-        """A in t_f -> M = (Gamma o A) diag(beta) of the CTA's head j (row j of the gate arrays),
-        lower triangle incl. the diagonal, zero above it: M[i, c] = A[i, c] exp2(g2_i - (g2_c -
-        log2 beta_c)), one exponential and one product per element (g2 = gc log2(e); beta_c = 0
-        gives +inf in mcol_s and so 0; the exponent is <= log2 beta_c on and below the diagonal:
-        no overflow; beta >= 0 by the contract, (0, 1), since a negative one has no log2).
-        Computed for every element, then masked: a conditional product compiles to a branch per
-        element (above the diagonal the factor may be inf, and the select drops it)."""
+    def _gated_m(t_f, g2_s, j):
+        """A diag(beta) in t_f (_solve) -> M = Gamma o (A diag(beta)) of the CTA's head j (row j
+        of the gate arrays), lower triangle incl. the diagonal, zero above it: M[i, c] =
+        (A diag(beta))[i, c] exp2(g2_i - g2_c), one exponential and one product per element
+        (g2 = gc log2(e); the exponent is <= 0 on and below the diagonal since g <= 0: no
+        overflow). Computed for every element, then masked: a conditional product compiles to
+        a branch per element (above the diagonal the factor may be inf, and the select drops
+        it)."""
         for i, c in T.Parallel(C, C):
-            t_f[i, c] = t_f[i, c] * T.exp2(g2_s[j, i] - mcol_s[j, c])
+            t_f[i, c] = t_f[i, c] * T.exp2(g2_s[j, i] - g2_s[j, c])
         for i, c in T.Parallel(C, C):
             t_f[i, c] = T.if_then_else(i >= c, t_f[i, c], 0.0)
 
     @T.macro
-    def _write_u0_wk(v, ubuf, wbuf, t0, h, cid, k_s, g2_s, mcol_s, eg_s, t_f):
-        """Form "uw": from A in t_f, U0 = M V and -Wk = (-Mg) K to ubuf / wbuf."""
+    def _write_u0_wk(v, ubuf, wbuf, t0, h, cid, k_s, g2_s, eg_s, t_f):
+        """Form "uw": from A diag(beta) in t_f, U0 = M V and -Wk = (-Mg) K to ubuf / wbuf."""
         v_s = T.alloc_shared((C, DV), io_dtype)
         m_s = T.alloc_shared((C, C), io_dtype)
         ml_s = T.alloc_shared((C, C), io_dtype)
@@ -192,7 +193,7 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
         # M, and -Mg = -M diag(exp(gc)) = -diag(exp(gc)) A diag(beta) (negated so the GEMM below
         # yields -Wk directly; exp(gc) <= 1: no overflow). U0 = M V, then -Wk = (-Mg) K, all 64
         # rows (rows >= n are finite, never weighted).
-        _gated_m(t_f, g2_s, mcol_s, 0)
+        _gated_m(t_f, g2_s, 0)
         _store_split(t_f, m_s, ml_s, io_dtype)
         T.barrier_arrive(v_bar)
         T.barrier_wait(v_bar, 0)
@@ -250,79 +251,84 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
         T.copy(p_s, pbuf[cid, h0 + j, :, :])
 
     @T.macro
-    def _solve(j, k_s, kk_f, n_f, t_f, b_s):
-        """Head j's A = (I + L)^-1 into t_f, L = StrictLower(diag(beta) K K^T). K K^T is computed
-        again for each of the CTA's heads: kept for the next head it would take ~30 more
-        registers per thread, and ptxas spilled 184 bytes at four CTAs per SM (tried). The
-        shared-memory tiles are allocated here, per head, so that one head's lifetimes end
-        before the next head's begin and the allocator can overlap them (tiles allocated once
-        for the CTA stay live from the first head's use to the last's: 75 KB at two heads)."""
-        ld_s = T.alloc_shared((4, 16, 16), acc)  # the diagonal 16x16 blocks of L
-        xd_s = T.alloc_shared((C, 16), acc)
-        dinv_s = _staging_tile()
-        loff_s = _staging_tile()
-        n_s = T.alloc_shared((C, C), mm_dtype)
-        n2_s = T.alloc_shared((C, C), mm_dtype)
-        y_s = _staging_tile()
+    def _kk_blocks(k_s, kk_f, kd_s, koff_s):
+        """K K^T of the CTA's chunk, once for all its heads (it is gate- and beta-free): its
+        diagonal 16x16 blocks to kd_s in fp32 for the substitution, the blocks below them to
+        koff_s in fp16 for the tensor-core products (v28; until then K K^T was computed again
+        for each head and scaled by its beta). The diagonal blocks go to kd_s unmasked: the
+        substitution reads only their strict lower triangle (m < r)."""
         T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
-        # L's diagonal 16x16 blocks in fp32 for the substitution, the blocks below them in fp16
-        # for the tensor-core products. L is built in a fragment and the off-diagonal part
-        # leaves by stmatrix into the swizzled loff_s (v16 wrote it element by element: ~400
-        # instructions per thread, the most expensive phase in v15's ncu). The diagonal blocks
-        # go to ld_s unmasked: the substitution reads only their strict lower triangle (m < r),
-        # and the mask below zeroes them in L_off (v24: one select per element less than
-        # masking i > c first).
-        for i, c in T.Parallel(C, C):
-            kk_f[i, c] = kk_f[i, c] * b_s[j, i]
         for i, c in T.Parallel(C, C):
             if i // 16 == c // 16:
-                ld_s[i // 16, i % 16, c % 16] = kk_f[i, c]
+                kd_s[i // 16, i % 16, c % 16] = kk_f[i, c]
         for i, c in T.Parallel(C, C):
             kk_f[i, c] = T.if_then_else(i // 16 > c // 16, kk_f[i, c], 0.0)
-        T.copy(kk_f, loff_s)
+        T.copy(kk_f, koff_s)
+
+    @T.macro
+    def _solve(j, kd_s, koff_s, kk_f, n_f, t_f, b_s):
+        """Head j's A diag(beta) into t_f, A = (I + L)^-1, L = StrictLower(diag(beta) K K^T),
+        from K K^T's blocks in kd_s / koff_s (_kk_blocks). With Dinv the inverse of I + L's
+        diagonal 16x16 blocks and Db = Dinv diag(beta):
+          N = Dinv L_off = Db (K K^T)_off     (strictly block-lower, N^4 = 0)
+          A diag(beta) = (I - N + N^2 - N^3) Db = (I + N^2) B,  B = (I - N) Db
+        N^2 and N Db from one N, so three round trips of a product through shared memory where
+        v27's (I - N + N^2 - N^3) Dinv took four; and only A diag(beta) is formed, which is all
+        M needs. The shared-memory tiles are allocated here, per head, so that one head's
+        lifetimes end before the next head's begin and the allocator can overlap them (tiles
+        allocated once for the CTA stay live from the first head's use to the last's: 75 KB
+        at two heads)."""
+        xd_s = T.alloc_shared((C, 16), acc)
+        db_s = _staging_tile()
+        n_s = T.alloc_shared((C, C), mm_dtype)
+        n2_s = T.alloc_shared((C, C), mm_dtype)
+        b_mm_s = _staging_tile()
 
         # Diagonal 16x16 blocks of (I + L): forward substitution in registers, one thread
         # per (block b, column c) holding column c of Dinv_b, rows r = 0..15:
-        #   Dinv_b[r, c] = [c == r] - sum_{m<r} L_b[r, m] Dinv_b[m, c]
-        # (L_b's row r is a broadcast read), written to xd_s[b*16 + r, c]. Threads 0-63 (warps
+        #   Dinv_b[r, c] = [c == r] - beta_r sum_{m<r} KK_b[r, m] Dinv_b[m, c]
+        # (KK_b's row r is a broadcast read), written times beta_c to xd_s[b*16 + r, c] (Db's
+        # diagonal blocks: Db's other blocks are zero). Threads 0-63 (warps
         # 0-1) do it; warps 2-3 skip to the barrier after it (v24: until v22 they repeated
         # the same ~250 instructions, 8% of the CTA's, for nothing). (v11 kept the column in
-        # shared memory: a barrier and a dependent load per row.)
+        # shared memory: a barrier and a dependent load per row.) Entries above the diagonal
+        # come out exactly 0, so every product below keeps A's upper triangle exactly 0.
         tx = T.get_thread_binding()
         blk = (tx % 64) // 16
         col = tx % 16
         dcol = T.alloc_local((16,), acc)
         if tx < 64:
             for r in T.unroll(16):
-                dcol[r] = T.if_then_else(col == r, 1.0, 0.0)
+                dcol[r] = 0.0
                 for m in T.unroll(r):
-                    dcol[r] = dcol[r] - ld_s[blk, r, m] * dcol[m]
+                    dcol[r] = dcol[r] + kd_s[blk, r, m] * dcol[m]
+                dcol[r] = T.if_then_else(col == r, 1.0, 0.0) - b_s[j, blk * 16 + r] * dcol[r]
+            beta_col = b_s[j, blk * 16 + col]
             for r in T.unroll(16):
-                xd_s[blk * 16 + r, col] = dcol[r]
+                xd_s[blk * 16 + r, col] = dcol[r] * beta_col  # Db's block b
 
         for i, c in T.Parallel(C, C):
             n_f[i, c] = T.if_then_else(i // 16 == c // 16, xd_s[i, c % 16], 0.0)
-        T.copy(n_f, dinv_s)
-        # N = Dinv L_off ; N2 = N N ; N3 = N N2 ; Y = I - N + N2 - N3 ; A = Y Dinv
-        T.gemm(dinv_s, loff_s, n_f, clear_accum=True)
+        T.copy(n_f, db_s)
+        T.gemm(db_s, koff_s, n_f, clear_accum=True)  # N
         T.copy(n_f, n_s)
-        T.gemm(n_s, n_s, t_f, clear_accum=True)
+        T.gemm(n_s, n_s, t_f, clear_accum=True)  # N^2
+        T.gemm(n_s, db_s, kk_f, clear_accum=True)  # N Db
+        for i, c in T.Parallel(C, C):  # B = Db - N Db, fp32
+            kk_f[i, c] = T.if_then_else(i // 16 == c // 16, xd_s[i, c % 16], 0.0) - kk_f[i, c]
+        T.copy(kk_f, b_mm_s)
+        for i, c in T.Parallel(C, C):  # I + N^2
+            t_f[i, c] = t_f[i, c] + T.if_then_else(i == c, 1.0, 0.0)
         T.copy(t_f, n2_s)
-        for i, c in T.Parallel(C, C):
-            n_f[i, c] = t_f[i, c] - n_f[i, c]
-        T.gemm(n_s, n2_s, t_f, clear_accum=True)
-        for i, c in T.Parallel(C, C):
-            n_f[i, c] = T.if_then_else(i == c, 1.0, 0.0) + n_f[i, c] - t_f[i, c]
-        T.copy(n_f, y_s)
-        T.gemm(y_s, dinv_s, t_f, clear_accum=True)
+        T.gemm(n2_s, b_mm_s, t_f, clear_accum=True)  # (I + N^2) B
 
     @T.macro
-    def _m_tile(j, k_s, kk_f, n_f, t_f, b_s, g2_s, mcol_s, mbuf, cid, h0):
+    def _m_tile(j, kd_s, koff_s, kk_f, n_f, t_f, b_s, g2_s, mbuf, cid, h0):
         """Form "m": head h0 + j's M in fp16 (stage 2 meets it with fp16 operands; v10 stored
         U0 = fp16(M) fp16(V) within the budget), to mbuf."""
         mo_s = _staging_tile()
-        _solve(j, k_s, kk_f, n_f, t_f, b_s)
-        _gated_m(t_f, g2_s, mcol_s, j)
+        _solve(j, kd_s, koff_s, kk_f, n_f, t_f, b_s)
+        _gated_m(t_f, g2_s, j)
         T.copy(t_f, mo_s)
         T.copy(mo_s, mbuf[cid, h0 + j, :, :])
 
@@ -364,14 +370,13 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
             p_f = T.alloc_fragment((C, C), acc)
             # Per head (row j: head h0 + j): g (then gc), beta, exp(gc), and the gate factors'
             # exponents in base 2, so that each factor is one ex2 (no multiply by log2(e) per
-            # element): g2 = gc log2(e), P's row term g2 + log2(scale) and M's column term
-            # g2 - log2(beta).
+            # element): g2 = gc log2(e) and P's row term g2 + log2(scale) (beta enters M through
+            # the solve, _solve).
             g_s = T.alloc_shared((hpc, C), acc)
             b_s = T.alloc_shared((hpc, C), acc)
             eg_s = T.alloc_shared((hpc, C), acc)
             g2_s = T.alloc_shared((hpc, C), acc)
             prow_s = T.alloc_shared((hpc, C), acc)
-            mcol_s = T.alloc_shared((hpc, C), acc)
             kk_f = T.alloc_fragment((C, C), acc)
             t_f = T.alloc_fragment((C, C), acc)
             n_f = T.alloc_fragment((C, C), acc)
@@ -419,7 +424,6 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
                 g2 = g_s[j, i] * _LOG2E
                 g2_s[j, i] = g2
                 prow_s[j, i] = g2 + T.log2(scale)
-                mcol_s[j, i] = g2 - T.log2(b_s[j, i])  # +inf for beta = 0 (rows >= n among them)
                 eg_s[j, i] = T.exp2(g2)
                 fbuf[cid, h0 + j, 0, i] = eg_s[j, i]
                 fbuf[cid, h0 + j, 1, i] = T.if_then_else(i < n, T.exp2(g_s[j, C - 1] * _LOG2E - g2), 0.0)
@@ -429,11 +433,14 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
             T.gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)
             _for_each_head(_p_tile, p_f, t_f, prow_s, g2_s, pbuf, cid, h0)
 
-            # Each head's L = StrictLower(diag(beta) K K^T), inverse and M.
+            # K K^T once; then each head's A diag(beta) = (I + L)^-1 diag(beta) and M.
+            kd_s = T.alloc_shared((4, 16, 16), acc)
+            koff_s = _staging_tile()
+            _kk_blocks(k_s, kk_f, kd_s, koff_s)
             if uw_form:
-                _solve(0, k_s, kk_f, n_f, t_f, b_s)
-                _write_u0_wk(v, ubuf, wbuf, t0, h0, cid, k_s, g2_s, mcol_s, eg_s, t_f)
+                _solve(0, kd_s, koff_s, kk_f, n_f, t_f, b_s)
+                _write_u0_wk(v, ubuf, wbuf, t0, h0, cid, k_s, g2_s, eg_s, t_f)
             else:
-                _for_each_head(_m_tile, k_s, kk_f, n_f, t_f, b_s, g2_s, mcol_s, mbuf, cid, h0)
+                _for_each_head(_m_tile, kd_s, koff_s, kk_f, n_f, t_f, b_s, g2_s, mbuf, cid, h0)
 
     return gdn_prefill_prep
