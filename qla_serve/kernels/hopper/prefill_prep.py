@@ -272,27 +272,27 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
         diagonal 16x16 blocks and Db = Dinv diag(beta):
           N = Dinv L_off = Db (K K^T)_off     (strictly block-lower, N^4 = 0)
           A diag(beta) = (I - N + N^2 - N^3) Db = (I + N^2) B,  B = (I - N) Db
-        N^2 and N Db from one N, so three round trips of a product through shared memory where
-        v27's (I - N + N^2 - N^3) Dinv took four; and only A diag(beta) is formed, which is all
-        M needs. The shared-memory tiles are allocated here, per head, so that one head's
+        N^2 and B = (I - N) Db from one N, so three round trips of a product through shared
+        memory where v27's (I - N + N^2 - N^3) Dinv took four; and only A diag(beta) is formed,
+        which is all M needs. The shared-memory tiles are allocated here, per head, so that one head's
         lifetimes end before the next head's begin and the allocator can overlap them (tiles
         allocated once for the CTA stay live from the first head's use to the last's: 75 KB
         at two heads)."""
-        xd_s = T.alloc_shared((C, 16), acc)
         db_s = _staging_tile()
         n_s = T.alloc_shared((C, C), mm_dtype)
+        imn_s = _staging_tile()
         n2_s = T.alloc_shared((C, C), mm_dtype)
         b_mm_s = _staging_tile()
 
         # Diagonal 16x16 blocks of (I + L): forward substitution in registers, one thread
         # per (block b, column c) holding column c of Dinv_b, rows r = 0..15:
         #   Dinv_b[r, c] = [c == r] - beta_r sum_{m<r} KK_b[r, m] Dinv_b[m, c]
-        # (KK_b's row r is a broadcast read), written times beta_c to xd_s[b*16 + r, c] (Db's
-        # diagonal blocks: Db's other blocks are zero). Threads 0-63 (warps
-        # 0-1) do it; warps 2-3 skip to the barrier after it (v24: until v22 they repeated
-        # the same ~250 instructions, 8% of the CTA's, for nothing). (v11 kept the column in
-        # shared memory: a barrier and a dependent load per row.) Entries above the diagonal
-        # come out exactly 0, so every product below keeps A's upper triangle exactly 0.
+        # (KK_b's row r is a broadcast read), stored times beta_c straight into Db's tile
+        # (v29: v28 went through an fp32 buffer and a fragment, 28 KB more shared-memory
+        # traffic per head). Threads 0-63 (warps 0-1) do it; warps 2-3 meanwhile zero Db's
+        # blocks off the diagonal, one row each. (v11 kept the column in shared memory: a
+        # barrier and a dependent load per row.) Entries above the diagonal come out exactly 0,
+        # so every product below keeps A's upper triangle exactly 0.
         tx = T.get_thread_binding()
         blk = (tx % 64) // 16
         col = tx % 16
@@ -305,21 +305,25 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
                 dcol[r] = T.if_then_else(col == r, 1.0, 0.0) - b_s[j, blk * 16 + r] * dcol[r]
             beta_col = b_s[j, blk * 16 + col]
             for r in T.unroll(16):
-                xd_s[blk * 16 + r, col] = dcol[r] * beta_col  # Db's block b
+                db_s[blk * 16 + r, blk * 16 + col] = T.cast(dcol[r] * beta_col, mm_dtype)
+        else:
+            row = tx - 64
+            for cb in T.unroll(4):
+                if cb != row // 16:
+                    for c in T.vectorized(16):
+                        db_s[row, cb * 16 + c] = T.cast(0.0, mm_dtype)
 
-        for i, c in T.Parallel(C, C):
-            n_f[i, c] = T.if_then_else(i // 16 == c // 16, xd_s[i, c % 16], 0.0)
-        T.copy(n_f, db_s)
         T.gemm(db_s, koff_s, n_f, clear_accum=True)  # N
         T.copy(n_f, n_s)
+        for i, c in T.Parallel(C, C):  # I - N
+            n_f[i, c] = T.if_then_else(i == c, 1.0, 0.0) - n_f[i, c]
+        T.copy(n_f, imn_s)
         T.gemm(n_s, n_s, t_f, clear_accum=True)  # N^2
-        T.gemm(n_s, db_s, kk_f, clear_accum=True)  # N Db
-        for i, c in T.Parallel(C, C):  # B = Db - N Db, fp32
-            kk_f[i, c] = T.if_then_else(i // 16 == c // 16, xd_s[i, c % 16], 0.0) - kk_f[i, c]
-        T.copy(kk_f, b_mm_s)
+        T.gemm(imn_s, db_s, kk_f, clear_accum=True)  # B = (I - N) Db
         for i, c in T.Parallel(C, C):  # I + N^2
             t_f[i, c] = t_f[i, c] + T.if_then_else(i == c, 1.0, 0.0)
         T.copy(t_f, n2_s)
+        T.copy(kk_f, b_mm_s)
         T.gemm(n2_s, b_mm_s, t_f, clear_accum=True)  # (I + N^2) B
 
     @T.macro
