@@ -57,18 +57,20 @@ tiles to global memory in 16-byte stores.
 
 Occupancy (v11): 49 KB of shared memory and <= 128 registers, so 4 CTAs (16 warps) per SM
 share the latency of each CTA's serial phases (v10: 65 KB, 3 CTAs); form "m" takes 34 KB and
-<= 102 registers, 5 CTAs (v15); with two or four heads per CTA 43-45 KB and 113-128 registers, 4
-CTAs. Which heads per CTA a call takes (prefill_api.prep_heads_per_cta) is a matter of waves:
+<= 102 registers, 5 CTAs (v15); with two or four heads per CTA 4 CTAs (v29: 96, 109 and 121
+registers at one, two and four heads, no spills; v27 spilled 24-148 bytes). Which heads per CTA a call takes (prefill_api.prep_heads_per_cta) is a matter of waves:
 each such CTA takes ~1.55x (two heads) or ~3.05x (four) a one-head CTA's time on the H200, so
 the larger CTAs win where they fill the SMs in fewer or fuller waves (prep -2 to -16%, calls up
 to -7.5%: benchmarks/prefill.md "v27").
 Instruction count (v17): prep issues ~2 instructions per cycle per SM with 20 warps, so fewer
 instructions is time saved. Every masked elementwise product is computed for all elements and
 masked afterwards (a conditional product compiled to a branch per element), each gate factor is
-one ex2 of base-2 exponents kept in shared memory (scale and beta folded in), and L_off, Dinv and
+one ex2 of base-2 exponents kept in shared memory (scale folded in), and L_off, Dinv and
 Y leave their fragments by stmatrix: 2307 -> 1481 SASS instructions in form m's main span
-(ptxas), 19-27% less GPU time.
-Figures of every version: benchmarks/prefill.md ("v11-v13", "v14" for form "m", "v17").
+(ptxas), 19-27% less GPU time (v29: 1374-1433, `benchmarks/kernel_report.py prep 2/8 bfloat16 m
+float16`).
+Figures of every version: benchmarks/prefill.md ("v11-v13", "v14" for form "m", "v17"), and
+benchmarks/HISTORY.md (v28, v29: the shared K K^T and the three-trip solve).
 """
 
 
@@ -358,9 +360,8 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
         # (L2 hits), and consecutive CTAs write adjacent workspace rows.
         with T.Kernel(Hv // hpc, nchunk, threads=128) as (hb, cid):
             # Four CTAs per SM for "uw" (<= 128 registers, <= 56 KB smem), five for "m" (<= 102
-            # registers: ptxas spills 16 bytes; 33 KB): the phases of one CTA are latency-bound
-            # (loads, the 16-step substitution), so other CTAs fill the gaps. Several heads per
-            # CTA: 113-128 registers and 43-45 KB, four.
+            # registers; 34 KB): the phases of one CTA are latency-bound (loads, the 16-step
+            # substitution), so other CTAs fill the gaps. Several heads per CTA: four.
             T.annotate_min_blocks_per_sm(ctas_per_sm(form, hpc))
             h0 = hb * hpc  # the CTA's first v-head; its heads h0 .. h0 + hpc - 1 share qk-head hk
             hk = h0 // group
