@@ -176,6 +176,41 @@ def _chunk_products(Q, Kc, Vc, g, beta, scale):
     return M @ Vc, M @ (gamma[..., None] * Kc), P, gamma, torch.exp(gcum[..., -1:] - gcum)
 
 
+def blocked_solve(KKt, beta, operand_dtype=None, block=16):
+    """A diag(beta), A = (I + StrictLower(diag(beta) K K^T))^-1, by the Hopper stage 1's blocked
+    algorithm (kernels/hopper/prefill_prep.py, _solve; the same as solving the triangular system
+    in :func:`_chunk_products`, in another order). KKt [..., C, C] = K K^T (beta-free), beta
+    [..., C]; returns [..., C, C].
+
+    Dinv inverts I + L's diagonal block x block blocks by forward substitution, Db = Dinv
+    diag(beta), N = Db (K K^T)_off (K K^T below the diagonal blocks; strictly block-lower, so
+    N^(C / block) = 0), and for C / block = 4: A diag(beta) = (I + N^2)(I - N) Db.
+    operand_dtype (e.g. torch.float16): round what the kernel keeps in shared memory as GEMM
+    operands -- (K K^T)_off, Db, N, I - N, I + N^2 and B = (I - N) Db -- to it, the products
+    accumulating in KKt's dtype, to see the kernel's rounding; None computes exactly."""
+    C = KKt.shape[-1]
+    if C % block or C // block != 4:
+        raise ValueError(f"blocked_solve: four {block}-blocks expected, got C = {C}")
+    dt = KKt.dtype
+    rnd = (lambda x: x.to(operand_dtype).to(dt)) if operand_dtype is not None else (lambda x: x)
+    blk = torch.arange(C, device=KKt.device) // block
+    off = blk[:, None] > blk[None, :]
+    dinv = torch.zeros_like(KKt)
+    for b in range(C // block):
+        r = slice(b * block, (b + 1) * block)
+        # column c of Dinv_b: x[r] = [c == r] - beta_r sum_{m<r} KK[r, m] x[m]
+        x = torch.zeros_like(KKt[..., r, r])
+        for i in range(block):
+            acc = (KKt[..., b * block + i, r][..., :i, None] * x[..., :i, :]).sum(-2)
+            x[..., i, :] = (torch.arange(block, device=KKt.device) == i).to(dt) - beta[..., b * block + i, None] * acc
+        dinv[..., r, r] = x
+    eye = torch.eye(C, dtype=dt, device=KKt.device)
+    db = rnd(dinv * beta[..., None, :])
+    n = db @ rnd(KKt.masked_fill(~off, 0))
+    b_mat = rnd(rnd(eye - n) @ db)
+    return rnd(eye + rnd(n) @ rnd(n)) @ b_mat
+
+
 def chunked_gdn(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None, chunk_size=CHUNK):
     """Chunked form of :func:`recurrent_gdn` (same arguments and results).
 

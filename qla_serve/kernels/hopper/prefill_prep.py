@@ -31,9 +31,10 @@ diagonal blocks of I + L are inverted by forward substitution in fp32 on the CUD
 then with Db = Dinv diag(beta) and N = Dinv L_off = Db (K K^T)_off (strictly block-lower,
 N^4 = 0): A diag(beta) = (I - N + N^2 - N^3) Db = (I + N^2)(I - N) Db, four 64x64x64 fp16
 tensor-core GEMMs with fp32 accumulation in three round trips through shared memory (N; N^2 and
-N Db; the last product). K K^T is beta-free, so it is computed once per CTA. fp16 (11-bit mantissa) rather than bf16 for these operands and the outputs: the
-bf16 variant misses the 2e-3 relative-L2 budget against the float64 recurrence (see
-benchmarks/prefill.md). q, k and v are used as loaded (their dtypes): Q K^T and K K^T are
+(I - N) Db; the last product). reference.blocked_solve is this algebra in torch (fp16 operands
+optional). K K^T is beta-free, so it is computed once per CTA. fp16 (11-bit mantissa) rather
+than bf16 for these operands and the outputs: the bf16 variant misses the 2e-3 relative-L2
+budget against the float64 recurrence (see benchmarks/prefill.md). q, k and v are used as loaded (their dtypes): Q K^T and K K^T are
 exact products with fp32 sums, and in form "uw" M meets V and K each as hi + lo in that tile's
 dtype (M = hi + lo to ~2^-16 relative), two GEMMs each, so no tile is converted in shared
 memory. Form "m" stores M rounded once to fp16 (as v10 did before its U0 = M V).
