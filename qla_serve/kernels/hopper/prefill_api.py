@@ -114,15 +114,17 @@ def _main_impl_from_env() -> str:
 
 MAIN_IMPL = _main_impl_from_env()
 
-# Stage 1's v-heads per CTA (prefill_prep.prep_func's heads_per_cta, form "m" only): Q K^T and
-# the q/k tiles are the qk-head's, shared by its Hv / Hk v-heads, so a CTA of several heads loads
-# and multiplies them once. 0: the rule in prep_heads_per_cta; 1, 2 or 4: that many where it
+# Stage 1's v-heads per CTA (prefill_prep.prep_func's heads_per_cta, form "m" only): Q K^T, K K^T
+# and the q/k tiles are the qk-head's, shared by its Hv / Hk v-heads, so a CTA of several heads
+# loads and multiplies them once. 0: the rule in prep_heads_per_cta; 1, 2 or 4: that many where it
 # divides Hv / Hk (else the largest that does). Read once at import from QLA_SERVE_PREP_HEADS;
 # the GPU tests and benchmarks set it instead.
 PREP_HEADS_CHOICES = (1, 2, 4)
 # The rule's figure, measured on the H200 (benchmarks/prefill.md "v27"): a CTA's time relative to
 # a one-head CTA's (2/8 and 16/64 at 4096 and 32768 chunk-heads: 1.53-1.57 for two heads,
-# 3.0-3.2 for four), each at the CTAs per SM of prefill_prep.ctas_per_sm.
+# 3.0-3.2 for four), each at the CTAs per SM of prefill_prep.ctas_per_sm. Not re-measured since
+# v28 / v29 shared K K^T across a CTA's heads (prep -8% at two heads, -17 to -21% at four), which
+# makes the larger CTAs relatively cheaper than these figures say.
 _PREP_CTA_COST = {1: 1.0, 2: 1.55, 4: 3.05}
 
 
