@@ -3,7 +3,7 @@
     qla-serve config check FILE...        every bad field, one line each (exit 1), or a summary
     qla-serve config render FILE [--format shell|argv|json]
     qla-serve config render FILE... --format compose    (docker/compose.tp8-long.yaml)
-    qla-serve precompile (--config FILE|DIR ... | --heads 2/8 ...) [--arch sm_90a,sm_100a]
+    qla-serve precompile (--config FILE|DIR ... | --heads 2/8 ...) [--arch sm_90a,sm_100a] [--pack OUT.tar.xz]
                          [--match REGEX] [--list] [--json OUT] [--no-progress] [--jobs N]
 
 Every handler returns its exit code: 0 ok, 1 a check or a build failed (a config with bad
@@ -34,6 +34,16 @@ def _parse_arch(text: str) -> tuple[str, ...]:
             f"expected a comma list of {', '.join(TARGETS)}, got {text!r}"
             + (" (sm_90 without 'a' cannot lower the warpgroup instructions)" if "sm_90" in bad else ""))
     return tuple(dict.fromkeys(archs))
+
+
+def _pack_path(text: str) -> str:
+    """--pack's file name, its suffix checked before anything compiles."""
+    from .precompile import pack_mode
+    try:
+        pack_mode(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def _config_files(paths: list[str], what: str = "FILE") -> list[str]:
@@ -160,6 +170,11 @@ def _cmd_precompile(args) -> int:
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             f.write(pc.summary_json(outcomes, summary))
+    if args.pack:
+        n, size = pc.pack_entries(outcomes, args.pack, summary.cache_dir)
+        print(f"packed {n} cache entries ({size / 2**20:.1f} MiB) into {args.pack}: "
+              f"tar -xf {args.pack} -C DIR, then TILELANG_CACHE_DIR=DIR"
+              + ("" if summary.ok else " (failed builds left out)"))
     return 0 if summary.ok else 1
 
 
@@ -196,6 +211,10 @@ def add_cli_commands(subparsers) -> None:
     pc.add_argument("--match", default=None, metavar="REGEX", help="only variants whose name matches")
     pc.add_argument("--list", action="store_true", help="list the variant builds, compile nothing")
     pc.add_argument("--json", default=None, metavar="OUT", help="also write the summary as JSON")
+    pc.add_argument("--pack", type=_pack_path, default=None, metavar="OUT.tar.xz",
+                    help="also write the cache entries these builds use (hits included) to a tar "
+                         "(.tar.xz, .tar.gz, .tar), relative to the cache: untar it into an empty "
+                         "TILELANG_CACHE_DIR on another machine")
     pc.add_argument("--no-progress", action="store_true", help="no progress bar (logs, CI)")
     pc.add_argument("--jobs", "-j", type=positive_int, default=1, metavar="N",
                     help="build N variants at once in separate processes (default 1)")

@@ -26,6 +26,12 @@ adds an entry under ``<cache>/<version>/<platform>/kernels/`` compiled. With ``-
 builds run in N spawned processes at once and each worker counts TileLang's cache writes
 of fresh compiles in its own process instead (the shared directory cannot tell whose
 entry is whose).
+
+``--pack OUT.tar.xz`` also writes the cache entries the builds used, hits included (each
+process records the key of every kernel TileLang's cache looks up), as one tar relative to
+the cache directory: unpacked into an empty TILELANG_CACHE_DIR elsewhere, the same builds
+are all hits there. A deployment's kernels as one artifact, or exactly the kernels a lent
+GPU's run needs.
 """
 
 from __future__ import annotations
@@ -92,6 +98,7 @@ class Outcome:
     seconds: float
     new_entries: int = 0
     error: str = ""
+    entries: tuple[str, ...] = ()   # the cache entry directories the build used (hit or compiled)
 
 
 @dataclass
@@ -283,18 +290,41 @@ def _save_counter() -> list[int]:
     return counter
 
 
-def _build_in_worker(module: str, variant: dict, target: str) -> tuple[str, float, int, str]:
-    """One build in a worker process (--jobs > 1): (status, seconds, new entries, error)."""
+def _entry_recorder() -> list[str]:
+    """The cache entries (directories) TileLang's KernelCache looks up in this process, in order:
+    one per cache key it generates, whether the kernel then comes from memory, from disk or from
+    a compile (what --pack packs)."""
+    from tilelang.cache.kernel_cache import KernelCache
+
+    paths = getattr(KernelCache, "_qla_serve_entries", None)
+    if paths is None:
+        paths = []
+        original = KernelCache._generate_key
+
+        def recorded(self, *args, **kwargs):
+            key = original(self, *args, **kwargs)
+            paths.append(self._get_cache_path(key))
+            return key
+
+        KernelCache._generate_key = recorded
+        KernelCache._qla_serve_entries = paths
+    return paths
+
+
+def _build_in_worker(module: str, variant: dict, target: str) -> tuple[str, float, int, str, tuple[str, ...]]:
+    """One build in a worker process (--jobs > 1): (status, seconds, new entries, error, the
+    cache entries it used)."""
     saves = _save_counter()   # imports tilelang, which sets up its logger: quiet it after
     _quiet_tilelang()
-    n0 = saves[0]
+    used = _entry_recorder()
+    n0, u0 = saves[0], len(used)
     t0 = time.perf_counter()
     try:
         importlib.import_module(module).build(variant, target)
     except Exception as e:
-        return "failed", time.perf_counter() - t0, 0, _error_text(e)
+        return "failed", time.perf_counter() - t0, 0, _error_text(e), ()
     new = saves[0] - n0
-    return ("compiled" if new else "cached"), time.perf_counter() - t0, new, ""
+    return ("compiled" if new else "cached"), time.perf_counter() - t0, new, "", tuple(used[u0:])
 
 
 def run_jobs(jobs: list[Job], modules: list[KernelModule], *, progress: bool = True, workers: int = 1,
@@ -328,8 +358,10 @@ def run_jobs(jobs: list[Job], modules: list[KernelModule], *, progress: bool = T
 
     t_start = time.perf_counter()
     if workers <= 1:
+        used = _entry_recorder()
         for job in jobs:
             before = _cache_entries(summary.cache_dir)
+            u0 = len(used)
             t0 = time.perf_counter()
             try:
                 by_name[job.module].build(job.variant, job.target)
@@ -337,7 +369,8 @@ def run_jobs(jobs: list[Job], modules: list[KernelModule], *, progress: bool = T
                 done(Outcome(job, "failed", time.perf_counter() - t0, error=_error_text(e)))
             else:
                 new = len(_cache_entries(summary.cache_dir) - before)
-                done(Outcome(job, "compiled" if new else "cached", time.perf_counter() - t0, new))
+                done(Outcome(job, "compiled" if new else "cached", time.perf_counter() - t0, new,
+                             entries=tuple(used[u0:])))
     else:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -348,10 +381,10 @@ def run_jobs(jobs: list[Job], modules: list[KernelModule], *, progress: bool = T
             for fut in as_completed(futures):
                 job = futures[fut]
                 try:
-                    status, secs, new, err = fut.result()
+                    status, secs, new, err, entries = fut.result()
                 except Exception as e:  # the worker died (e.g. out of memory)
-                    status, secs, new, err = "failed", 0.0, 0, _error_text(e)
-                done(Outcome(job, status, secs, new, err))
+                    status, secs, new, err, entries = "failed", 0.0, 0, _error_text(e), ()
+                done(Outcome(job, status, secs, new, err, entries))
         order = {j.key: i for i, j in enumerate(jobs)}
         outcomes.sort(key=lambda o: order[o.job.key])
     bar.close()
@@ -365,6 +398,36 @@ def run_jobs(jobs: list[Job], modules: list[KernelModule], *, progress: bool = T
             summary.failed += 1
             summary.failures.append(f"{o.job.target} {o.job.module} {o.job.name}: {o.error}")
     return outcomes, summary
+
+
+PACK_MODES = {".tar.xz": "w:xz", ".tar.gz": "w:gz", ".tgz": "w:gz", ".tar": "w"}
+
+
+def pack_mode(path: str) -> str:
+    """tarfile's write mode for --pack's file name, by its suffix; ValueError for another."""
+    for suffix, mode in PACK_MODES.items():
+        if path.endswith(suffix):
+            return mode
+    raise ValueError(f"--pack: expected a file name ending in {', '.join(PACK_MODES)}, got {path!r}")
+
+
+def pack_entries(outcomes: list[Outcome], out_path: str, root: str) -> tuple[int, int]:
+    """Write the cache entries the successful builds used to a tar at out_path, named relative
+    to the cache root, so that `tar -xf out_path -C DIR` gives a TileLang cache (TILELANG_CACHE_DIR
+    = DIR) in which the same builds are hits: a deployment's compiled kernels as one artifact, or
+    the kernels a device run needs and nothing else. Returns (entries, bytes written)."""
+    import tarfile
+
+    mode = pack_mode(out_path)
+    root = os.path.abspath(root)
+    entries = sorted({os.path.abspath(e) for o in outcomes if o.status != "failed" for e in o.entries})
+    for e in entries:
+        if os.path.commonpath([root, e]) != root or not os.path.isdir(e):
+            raise RuntimeError(f"--pack: cache entry {e} is not a directory under the cache {root}")
+    with tarfile.open(out_path, mode) as tar:
+        for e in entries:
+            tar.add(e, arcname=os.path.relpath(e, root))
+    return len(entries), os.path.getsize(out_path)
 
 
 def quiet_logs_off() -> bool:

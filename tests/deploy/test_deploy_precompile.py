@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
 
 import pytest
 
@@ -122,6 +123,9 @@ def test_cli_list_and_bad_input(capsys):
     assert main(["precompile"]) == 2                      # neither --config nor --heads
     with pytest.raises(SystemExit):
         main(["precompile", "--heads", "3/8"])            # V not a multiple of QK
+    with pytest.raises(SystemExit):                       # refused before anything compiles
+        main(["precompile", "--heads", "2/8", "--pack", "kernels.zip"])
+    assert "--pack: expected a file name ending in .tar.xz" in capsys.readouterr().err
 
 
 @pytest.mark.compile
@@ -151,12 +155,31 @@ def test_precompile_one_small_config_then_all_cache_hits(tmp_path):
     assert (s1["compiled"], s1["cached"], s1["failed"]) == (len(firsts), 0, 0), s1
     assert f"{len(firsts)} compiled, 0 cached hits, 0 failed" in first.stdout
 
-    # The second run uses two worker processes: their per-process count must agree.
-    second = subprocess.run(cmd + ["--jobs", "2", "--json", str(tmp_path / "2.json")], env=env,
-                            capture_output=True, text=True, timeout=900)
+    # The second run uses two worker processes: their per-process count must agree. It packs
+    # the entries its builds used (all hits) ...
+    pack = tmp_path / "kernels.tar.xz"
+    second = subprocess.run(cmd + ["--jobs", "2", "--json", str(tmp_path / "2.json"), "--pack", str(pack)],
+                            env=env, capture_output=True, text=True, timeout=900)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     s2 = json.load(open(tmp_path / "2.json"))
     assert (s2["compiled"], s2["cached"], s2["failed"]) == (0, len(firsts), 0), s2
+    with tarfile.open(pack) as tar:
+        names = tar.getnames()
+    entries = {n.split("/kernels/")[1].split("/")[0] for n in names if "/kernels/" in n}
+    assert 1 <= len(entries) <= len(firsts), names[:20]
+    assert all(n.count("/") >= 2 and not n.startswith("/") for n in names), names[:20]
+    assert f"packed {len(entries)} cache entries" in second.stdout, second.stdout[-2000:]
+
+    # ... and the pack alone, unpacked into an empty cache, makes every build a hit (one process).
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    with tarfile.open(pack) as tar:
+        tar.extractall(fresh)
+    third = subprocess.run(cmd + ["--json", str(tmp_path / "3.json")],
+                           env={**env, "TILELANG_CACHE_DIR": str(fresh)}, capture_output=True, text=True, timeout=900)
+    assert third.returncode == 0, third.stdout[-3000:] + third.stderr[-3000:]
+    s3 = json.load(open(tmp_path / "3.json"))
+    assert (s3["compiled"], s3["cached"], s3["failed"]) == (0, len(firsts), 0), s3
 
 
 def _nvcc() -> bool:
