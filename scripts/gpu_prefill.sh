@@ -20,7 +20,8 @@
 set -uo pipefail
 out=${OUT:-/tmp/gpu_prefill}; mkdir -p "$out"
 mkdir -p /tmp/tlall
-# TLCACHE: the compiled-kernel tar to unpack (default .gpucache/tlcache.tar.xz; a branch's own,
+# TLCACHE: the compiled-kernel tar to unpack (default .gpucache/tlcache.tar.xz, written by `qla-serve
+# precompile --heads ... --arch sm_90a --pack .gpucache/tlcache.tar.xz`; a branch's own,
 # e.g. .gpucache/tlcache_next.tar.xz, when that file is carried instead). A missing file is an error.
 tlcache=${TLCACHE:-.gpucache/tlcache.tar.xz}
 if [[ -n ${TLCACHE:-} && ! -f $tlcache ]]; then echo "TLCACHE=$tlcache: no such file (carry it)"; exit 2; fi

@@ -4,9 +4,10 @@
 #   run(command="bash scripts/gpu_validate.sh", carry=[".devbundle/site.tar.xz", ".devbundle/activate.sh",
 #       ".devbundle/stamp", ".gpucache/tlcache.tar.xz", ".gpucache/tl_tp8.tar.xz", ".gpucache/whl"])
 # .gpucache/tlcache.tar.xz: a TileLang cache compiled on a GPU-less machine for sm_90a (`qla-serve
-# precompile --heads 1/1 2/4 2/8 4/8 4/16 8/24 16/32 16/64 --arch sm_90a`: every head pair the GPU
-# tests use, prefill and decode); .gpucache/tl_tp8.tar.xz: `qla-serve precompile --config <tp8
-# config>` only. Give it a call of its own: the GPU tests alone ran past 300 s in the fifth
+# precompile --heads 1/1 2/4 2/8 4/8 4/16 8/24 16/32 16/64 --arch sm_90a --pack
+# .gpucache/tlcache.tar.xz`: every head pair the GPU tests use, prefill and decode; --pack writes
+# exactly those cache entries, unpacked below into TILELANG_CACHE_DIR); .gpucache/tl_tp8.tar.xz:
+# `qla-serve precompile --config <tp8 config> --pack .gpucache/tl_tp8.tar.xz` only. Give it a call of its own: the GPU tests alone ran past 300 s in the fifth
 # session, when the decode variants still compiled on the device.
 set -uo pipefail
 out=${OUT:-/tmp/gpu_validate}; mkdir -p "$out"
