@@ -34,10 +34,11 @@ tensor-core GEMMs with fp32 accumulation in three round trips through shared mem
 (I - N) Db; the last product). reference.blocked_solve is this algebra in torch (fp16 operands
 optional). K K^T is beta-free, so it is computed once per CTA. fp16 (11-bit mantissa) rather
 than bf16 for these operands and the outputs: the bf16 variant misses the 2e-3 relative-L2
-budget against the float64 recurrence (see benchmarks/prefill.md). q, k and v are used as loaded (their dtypes): Q K^T and K K^T are
-exact products with fp32 sums, and in form "uw" M meets V and K each as hi + lo in that tile's
-dtype (M = hi + lo to ~2^-16 relative), two GEMMs each, so no tile is converted in shared
-memory. Form "m" stores M rounded once to fp16 (as v10 did before its U0 = M V).
+budget against the float64 recurrence (see benchmarks/prefill.md). q, k and v are used as
+loaded (their dtypes): Q K^T and K K^T are exact products with fp32 sums, and in form "uw" M
+meets V and K each as hi + lo in that tile's dtype (M = hi + lo to ~2^-16 relative), two GEMMs
+each, so no tile is converted in shared memory. Form "m" stores M rounded once to fp16 (as v10
+did before its U0 = M V).
 
 Outputs (workspace, chunk-major so stage 2 loads each tile with one TMA copy; all 64 rows, rows
 >= n finite and only ever meeting zero weights in stage 2):
@@ -59,15 +60,16 @@ tiles to global memory in 16-byte stores.
 Occupancy (v11): 49 KB of shared memory and <= 128 registers, so 4 CTAs (16 warps) per SM
 share the latency of each CTA's serial phases (v10: 65 KB, 3 CTAs); form "m" takes 34 KB and
 <= 102 registers, 5 CTAs (v15); with two or four heads per CTA 4 CTAs (v29: 96, 109 and 121
-registers at one, two and four heads, no spills; v27 spilled 24-148 bytes). Which heads per CTA a call takes (prefill_api.prep_heads_per_cta) is a matter of waves:
-each such CTA takes ~1.55x (two heads) or ~3.05x (four) a one-head CTA's time on the H200, so
-the larger CTAs win where they fill the SMs in fewer or fuller waves (prep -2 to -16%, calls up
-to -7.5%: benchmarks/prefill.md "v27").
+registers at one, two and four heads, no spills; v27 spilled 24-148 bytes). Which heads per CTA
+a call takes (prefill_api.prep_heads_per_cta) is a matter of waves: each such CTA took ~1.55x
+(two heads) or ~3.05x (four) a one-head CTA's time on the H200 at v27, so the larger CTAs win
+where they fill the SMs in fewer or fuller waves (prep -2 to -16%, calls up to -7.5%:
+benchmarks/prefill.md "v27").
 Instruction count (v17): prep issues ~2 instructions per cycle per SM with 20 warps, so fewer
 instructions is time saved. Every masked elementwise product is computed for all elements and
 masked afterwards (a conditional product compiled to a branch per element), each gate factor is
-one ex2 of base-2 exponents kept in shared memory (scale folded in), and L_off, Dinv and
-Y leave their fragments by stmatrix: 2307 -> 1481 SASS instructions in form m's main span
+one ex2 of base-2 exponents kept in shared memory (scale folded in), and the solve's tiles leave
+their fragments by stmatrix: 2307 -> 1481 SASS instructions in form m's main span
 (ptxas), 19-27% less GPU time (v29: 1374-1433, `benchmarks/kernel_report.py prep 2/8 bfloat16 m
 float16`).
 Figures of every version: benchmarks/prefill.md ("v11-v13", "v14" for form "m", "v17"), and
@@ -277,10 +279,10 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
           A diag(beta) = (I - N + N^2 - N^3) Db = (I + N^2) B,  B = (I - N) Db
         N^2 and B = (I - N) Db from one N, so three round trips of a product through shared
         memory where v27's (I - N + N^2 - N^3) Dinv took four; and only A diag(beta) is formed,
-        which is all M needs. The shared-memory tiles are allocated here, per head, so that one head's
-        lifetimes end before the next head's begin and the allocator can overlap them (tiles
-        allocated once for the CTA stay live from the first head's use to the last's: 75 KB
-        at two heads)."""
+        which is all M needs. The shared-memory tiles are allocated here, per head, so that one
+        head's lifetimes end before the next head's begin and the allocator can overlap them
+        (tiles allocated once for the CTA stay live from the first head's use to the last's:
+        75 KB at two heads)."""
         db_s = _staging_tile()
         n_s = T.alloc_shared((C, C), mm_dtype)
         imn_s = _staging_tile()
