@@ -195,16 +195,17 @@ def blocked_solve(KKt, beta, operand_dtype=None, block=16):
     rnd = (lambda x: x.to(operand_dtype).to(dt)) if operand_dtype is not None else (lambda x: x)
     blk = torch.arange(C, device=KKt.device) // block
     off = blk[:, None] > blk[None, :]
+    eye = torch.eye(C, dtype=dt, device=KKt.device)
     dinv = torch.zeros_like(KKt)
     for b in range(C // block):
         r = slice(b * block, (b + 1) * block)
         # column c of Dinv_b: x[r] = [c == r] - beta_r sum_{m<r} KK[r, m] x[m]
         x = torch.zeros_like(KKt[..., r, r])
         for i in range(block):
-            acc = (KKt[..., b * block + i, r][..., :i, None] * x[..., :i, :]).sum(-2)
-            x[..., i, :] = (torch.arange(block, device=KKt.device) == i).to(dt) - beta[..., b * block + i, None] * acc
+            row = b * block + i
+            acc = (KKt[..., row, r][..., :i, None] * x[..., :i, :]).sum(-2)
+            x[..., i, :] = eye[row, r] - beta[..., row, None] * acc
         dinv[..., r, r] = x
-    eye = torch.eye(C, dtype=dt, device=KKt.device)
     db = rnd(dinv * beta[..., None, :])
     n = db @ rnd(KKt.masked_fill(~off, 0))
     b_mat = rnd(rnd(eye - n) @ db)
