@@ -76,7 +76,10 @@ def launch_dynamic_smem(host_src: str, threads: int) -> int | None:
 
 
 def ptxas(src: str, arch: str, workdir: Path) -> tuple[dict, Path]:
-    """Compile the kernel source to a cubin; registers and spill bytes from ptxas -v."""
+    """Compile the kernel source to a cubin; registers and spill bytes from ptxas -v, and whether
+    ptxas serialized the kernel's wgmma (its C7515 "Potential Performance Loss" remark: e.g. an
+    instruction writing a wgmma accumulator while another wgmma is in flight; prefill v30's
+    first form ran its chunk walk ~1.8x slower so, on the H200)."""
     import tilelang
 
     tl = Path(tilelang.__file__).parent
@@ -91,7 +94,8 @@ def ptxas(src: str, arch: str, workdir: Path) -> tuple[dict, Path]:
         raise RuntimeError("nvcc failed: " + " | ".join(l for l in log.splitlines() if "error" in l or "fatal" in l))
     regs = re.findall(r"Used (\d+) registers", log)
     spill = re.findall(r"(\d+) bytes spill stores", log)
-    return {"registers": int(regs[-1]), "spill_store_bytes": int(spill[-1]) if spill else 0}, cubin
+    return {"registers": int(regs[-1]), "spill_store_bytes": int(spill[-1]) if spill else 0,
+            "wgmma_serialized": "wgmma.mma_async instructions are serialized" in log}, cubin
 
 
 def find_cuobjdump() -> str | None:
@@ -151,7 +155,8 @@ def main() -> None:
         print(json.dumps(report))
         return
     print(f"{name} ({args.arch}): {threads} threads, {report['registers']} registers, "
-          f"{report['spill_store_bytes']} bytes spilled, {report['dynamic_smem_bytes']} bytes dynamic smem")
+          f"{report['spill_store_bytes']} bytes spilled, {report['dynamic_smem_bytes']} bytes dynamic smem"
+          + (", WGMMA SERIALIZED by ptxas (C7515)" if report["wgmma_serialized"] else ""))
     if report["loops"] is None:
         print("SASS: no cuobjdump (set CUOBJDUMP; see the module docstring)")
     for loop in report["loops"] or []:

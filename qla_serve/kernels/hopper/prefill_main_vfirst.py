@@ -151,7 +151,8 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
             vph_f = T.alloc_fragment((BV, C), mm)
             vpd_f = T.alloc_fragment((BV, C), mm)  # (V' diag(dec))^T
             o_f = T.alloc_fragment((BV, C), acc)  # O^T
-            qk_f = None if maps_mode else T.alloc_fragment((C, C), acc)  # Q K^T, then P's columns
+            qk_f = None if maps_mode else T.alloc_fragment((C, C), acc)  # Q K^T (value blocks: columns)
+            ph_f = None if maps_mode else T.alloc_fragment((C, C), mm)  # P on its way to p_s
             ready = T.alloc_barrier([32, 32])  # stage filled: the producer warp + TMA bytes
             free = T.alloc_barrier([consumers, consumers])  # stage consumed by every consumer
             o_full = T.alloc_barrier([consumers, consumers])  # O tile written by every consumer
@@ -228,7 +229,7 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
                     n = T.min(eos - t0, C)
                     emit = c >= warm_chunks  # warmup chunks: the state only
                     chain_step(st, (c // 2) % 2, emit, is_phi, scale, x_f, xh_f, vp_f, rh_f, vph_f, vpd_f, o_f, qk_f,
-                               q_s, k_s, v_s, m_s, p_s, f_s, ready)
+                               ph_f, q_s, k_s, v_s, m_s, p_s, f_s, ready)
                     if not maps_mode:
                         if c == ck:  # the state after the checkpoint's chunk: into its slot
                             for v, d in T.Parallel(BV, DK):
@@ -281,21 +282,22 @@ def _chain_step(maps_mode: bool, BV: int):
     consumers = 128 * (BV // 64)
 
     @T.macro
-    def build_p(st, scale, qk_f, p_s, f_s):
-        """P from Q K^T in qk_f (in place) into p_s[st]: every element gated, then masked (a
-        conditional product compiles to a branch per element; above the diagonal the factor
-        may be inf, and the select drops it)."""
+    def build_p(st, scale, qk_f, ph_f, p_s, f_s):
+        """P from Q K^T in qk_f into p_s[st] through ph_f (fp16): every element gated, then
+        masked (above the diagonal the factor may be inf, and the select drops it). qk_f is a
+        wgmma accumulator and R M^T is in flight meanwhile: an instruction that wrote qk_f now
+        would make ptxas serialize every wgmma of the kernel (C7515), hence ph_f."""
         ls = T.log2(scale)
         for i, c in T.Parallel(C, C):
-            qk_f[i, c] = qk_f[i, c] * T.exp2(f_s[st, 2, i] + ls - f_s[st, 2, c])
+            ph_f[i, c] = T.cast(qk_f[i, c] * T.exp2(f_s[st, 2, i] + ls - f_s[st, 2, c]), mm)
         for i, c in T.Parallel(C, C):
-            qk_f[i, c] = T.if_then_else(i >= c, qk_f[i, c], 0.0)
-        T.copy(qk_f, p_s[st, :, :])
+            ph_f[i, c] = T.if_then_else(i >= c, ph_f[i, c], T.cast(0.0, mm))
+        T.copy(ph_f, p_s[st, :, :])
         T.fence_proxy_async()  # generic-proxy writes, read by wgmma
 
     @T.macro
-    def chain_step(st, phase, emit, is_phi, scale, x_f, xh_f, vp_f, rh_f, vph_f, vpd_f, o_f, qk_f, q_s, k_s,
-                   v_s, m_s, p_s, f_s, ready):
+    def chain_step(st, phase, emit, is_phi, scale, x_f, xh_f, vp_f, rh_f, vph_f, vpd_f, o_f, qk_f, ph_f, q_s,
+                   k_s, v_s, m_s, p_s, f_s, ready):
         T.barrier_wait(ready[st], phase)
         for v, d in T.Parallel(BV, DK):
             xh_f[v, d] = T.cast(x_f[v, d], mm)
@@ -319,7 +321,7 @@ def _chain_step(maps_mode: bool, BV: int):
         T.wgmma_gemm(rh_f, m_s[st, :, :], vp_f, transpose_B=True, clear_accum=True, policy=rows)
         if not maps_mode:
             if emit:
-                build_p(st, scale, qk_f, p_s, f_s)  # while R M^T runs
+                build_p(st, scale, qk_f, ph_f, p_s, f_s)  # while R M^T runs
         T.wait_wgmma(0)
         # X <- gamma_last X + (V' diag(dec))^T K ; O^T = scale O^T diag(exp gc) + V'^T P^T
         for v, i in T.Parallel(BV, C):
@@ -467,6 +469,7 @@ def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtyp
             vpd_f = T.alloc_fragment((BV, C), mm)
             o_f = T.alloc_fragment((BV, C), acc)
             qk_f = T.alloc_fragment((C, C), acc)
+            ph_f = T.alloc_fragment((C, C), mm)
             ready = T.alloc_barrier([32, 32])
             free = T.alloc_barrier([consumers, consumers])
             o_full = T.alloc_barrier([consumers, consumers])
@@ -510,7 +513,7 @@ def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtyp
                         t0 = bos + c * C
                         n = T.min(eos - t0, C)
                         chain_step(st, (g // 2) % 2, True, False, scale, x_f, xh_f, vp_f, rh_f, vph_f, vpd_f, o_f,
-                                   qk_f, q_s, k_s, v_s, m_s, p_s, f_s, ready)
+                                   qk_f, ph_f, q_s, k_s, v_s, m_s, p_s, f_s, ready)
                         if c == ck:
                             for v, d in T.Parallel(BV, DK):
                                 pool[ck_slot, h, v0 + v, d] = T.cast(x_f[v, d], pool_dtype)
