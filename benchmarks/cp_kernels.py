@@ -52,7 +52,7 @@ def _scan_error(torch, scan, maps0, cut_levels, need, sm_count):
 
 def _finder_case(torch, hv, nseg, L, gen):
     nchunk = nseg * L
-    fbuf = torch.rand(nchunk, hv, 3, 64, generator=gen, device="cuda")
+    fbuf = torch.rand(nchunk, hv, 2, 64, generator=gen, device="cuda")
     log_decay = -25 * torch.rand(nchunk, hv, generator=gen, device="cuda")  # the bench's decays
     log_decay[:, : max(1, hv // 4)] = 0.0  # and its g = 0 heads, which walk the whole cap
     fbuf[:, :, 0, 63] = log_decay.exp()

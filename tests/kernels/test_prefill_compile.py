@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from qla_serve.kernels.hopper import prefill_api as P
-from qla_serve.kernels.hopper import prefill_main_vfirst as MV
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import kernel_report  # noqa: E402  (benchmarks/kernel_report.py: the offline resource report)
@@ -79,12 +78,11 @@ def test_compiles_sm90a(variant):
         # the fp16 copies go to two distinct buffers (one shared annotation object once bound
         # both parameters to kh: q's copy overwrote k's, caught only on the H200)
         assert re.search(r"\(qh \+", src) and re.search(r"\(kh \+", src), "expected stores to both qh and kh"
-        # form "uw" stores P, U0 and -Wk (and loads v for U0); form "m" stores M alone (its stage 2
-        # builds P: v30) and never reads v
+        # form "uw" stores U0 and -Wk (and loads v for U0), form "m" stores M and never reads v
         stores = set(re.findall(r"tma_store\((\w+)_desc", src))
         loads_v = "tma_load(v_desc" in src
         if variant.get("form", "uw") == "m":
-            assert stores == {"mbuf"} and not loads_v, stores
+            assert stores == {"pbuf", "mbuf"} and not loads_v, stores
         else:
             assert stores == {"pbuf", "ubuf", "wbuf"} and loads_v, stores
 
@@ -105,8 +103,6 @@ def test_prep_fp16_qk_beside_bf16_v(form):
     src = kern.get_kernel_source()
     assert "DataType::kFloat16" in src
     assert not re.search(r"\(qh \+", src) and not re.search(r"\(kh \+", src), "no fp16 copies of fp16 q/k"
-    # q: only P needs it (form "uw"); form "m" leaves P to stage 2 and loads no q (v30)
-    assert ("tma_load(q_desc" in src) == (form == "uw")
     assert ("DataType::kBFloat16" in src) == (form == "uw"), "only M V meets a bf16 tile"
     ctas = PREP_CTAS_PER_SM[form]
     assert f"__launch_bounds__(128, {ctas})" in src
@@ -133,8 +129,8 @@ def test_prep_fits_its_ctas_per_sm(tmp_path, form):
 
 @pytest.mark.parametrize("heads", [2, 4])
 def test_prep_heads_per_cta(tmp_path, heads):
-    """Stage 1 with several v-heads per CTA (form "m"): K K^T once per CTA, each head's M stored
-    (one TMA store per head; no P since v30), four CTAs per SM (registers and shared memory:
+    """Stage 1 with several v-heads per CTA (form "m"): Q K^T once per CTA, each head's P and M
+    stored (one TMA store per head and tile), four CTAs per SM (registers and shared memory:
     each head's tiles are allocated per head, so their lifetimes do not stack), named apart,
     listed where Hv / Hk allows them and refused where not."""
     variant = P.prep_variant(8, 2, "bfloat16", "m", "float16", heads)
@@ -143,7 +139,7 @@ def test_prep_heads_per_cta(tmp_path, heads):
     assert P.prep_variant(64, 16, "bfloat16", "m", "float16", heads) in P.kernel_variants(64, 16)
     kern = P.build(variant, "sm_90a")
     src = kern.get_kernel_source()
-    assert "pbuf_desc" not in src and src.count("tma_store(mbuf_desc") == heads
+    assert src.count("tma_store(pbuf_desc") == heads and src.count("tma_store(mbuf_desc") == heads
     assert "__launch_bounds__(128, 4)" in src
     smem = kernel_report.launch_dynamic_smem(kern.get_host_source(), threads=128)
     assert smem is not None and 4 * (smem + 1024) <= 228 * 1024, smem
@@ -190,7 +186,7 @@ def test_launches_go_to_the_kernels_host_function():
 
     fn = P._kernel(P.warmup_variant(8), (8, "warmup", "sm_90a"))
     assert isinstance(fn, tvm_ffi.Function)
-    fbuf = torch.zeros(4, 8, 3, 64)
+    fbuf = torch.zeros(4, 8, 2, 64)
     offsets, cuts = torch.tensor([0, 4], dtype=torch.int32), torch.tensor([[0, 2, 0]], dtype=torch.int32)
     warm, need = torch.zeros(2, 8, dtype=torch.int32), torch.zeros(1, 8, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="gdn_prefill_cp_warmup input fbuf device_type mismatch"):
@@ -201,22 +197,12 @@ def test_launches_go_to_the_kernels_host_function():
 def test_compiles_vfirst_sm90a(v_split, mode):
     """The V-first stage 2 (prefill_main_vfirst.py, the default at v_split 1/2): every chain GEMM takes its A
     operand from registers (wgmma_rs), nothing of the state is copied to shared memory, and the
-    consumer warpgroups meet at one named barrier per output chunk, before the product that reads the
-    P they built (v30; the maps pass builds none)."""
+    consumer warpgroups meet no named barrier."""
     src = P.build(P.main_variant(8, 2, "bfloat16", "float32", v_split, mode, "vfirst"), "sm_90a").get_kernel_source()
-    outputs = mode == "output"
-    consumers = 128 * (2 // v_split)
-    assert "gdn_prefill_main_vfirst" in src and "wgmma_rs" in src
-    # Q K^T (for P) is the one product from shared memory alone, its 64 rows one wgmma tile
-    # (columns split between the consumer warpgroups: n = 32 at v_split 1)
-    assert src.count("wgmma_ss") == outputs and "pbuf" not in src
-    if outputs:
-        assert f"kFloat32, 64, {64 * v_split // 2}, 16" in src
-    # no other barrier over the consumer threads (TileLang's automatic ones are off: every
+    assert "gdn_prefill_main_vfirst" in src and "wgmma_rs" in src and "wgmma_ss" not in src
+    # no barrier over the consumer threads anywhere (TileLang's automatic ones are off: every
     # handoff has its own mbarrier), only the one after the mbarriers' initialisation
-    partial = re.findall(r"__sync_thread_partial\((\d+), (\d+)\)", src)
-    assert partial == ([(str(MV.P_BARRIER), str(consumers))] if outputs else []), partial
-    assert "hs_s" not in src and src.count("__syncthreads()") == 1
+    assert "hs_s" not in src and "__sync_thread_partial" not in src and src.count("__syncthreads()") == 1
     # a whole chunk's O leaves by TMA store (from the swizzled o_s, issued by the storer warp)
     assert ("tma_store(out_desc" in src) == (mode == "output")
     # V-first reads M and v (prep form "m"), never U0 / -Wk
@@ -224,30 +210,31 @@ def test_compiles_vfirst_sm90a(v_split, mode):
     assert ("warpgroup_reg_alloc" in src) == (v_split == 1), "setmaxnreg.inc only at 384 threads"
 
 
-@pytest.mark.parametrize("variant", [P.main_variant(8, 2, "bfloat16", "float32", vs, mode, "vfirst")
-                                     for vs in (1, 2) for mode in ("output", "maps")]
-                         + [P.persistent_variant(8, 2, "bfloat16", "float32", vs) for vs in (1, 2)],
-                         ids=lambda v: v["name"])
-def test_vfirst_wgmma_not_serialized(variant, tmp_path):
-    """ptxas keeps the V-first chain's wgmma asynchronous: no C7515 remark (an instruction that
-    writes a wgmma accumulator while another wgmma is in flight makes ptxas serialize every wgmma
-    of the kernel; v30's first form built P in Q K^T's accumulator during R M^T and its chunk walk
-    ran ~1.8x slower on the H200), and no spills."""
+WGMMA_KERNELS = ([P.main_variant(8, 2, "bfloat16", "float32", vs, mode, "vfirst")
+                  for vs in (1, 2) for mode in ("output", "maps")]
+                 + [P.persistent_variant(8, 2, "bfloat16", "float32", vs) for vs in (1, 2)]
+                 + [P.prep_variant(8, 2, "bfloat16", "m", "float16", heads) for heads in (1, 4)])
+
+
+@pytest.mark.parametrize("variant", WGMMA_KERNELS, ids=lambda v: v["name"])
+def test_wgmma_not_serialized(variant, tmp_path):
+    """ptxas keeps the prefill's wgmma asynchronous: no C7515 remark. An instruction that writes
+    a wgmma accumulator while another wgmma is in flight makes ptxas serialize every wgmma of the
+    kernel, silently: v30's first form built P inside Q K^T's accumulator during R M^T and its
+    chunk walk ran ~1.8x slower on the H200 (benchmarks/HISTORY.md, v30)."""
     usage, _ = kernel_report.ptxas(P.build(variant, "sm_90a").get_kernel_source(), "sm_90a", tmp_path)
-    assert not usage["wgmma_serialized"] and usage["spill_store_bytes"] == 0, usage
+    assert not usage["wgmma_serialized"], usage
 
 
 @pytest.mark.parametrize("v_split", [1, 2])
 def test_compiles_persistent_sm90a(v_split):
-    """The V-first stage 2 on the persistent grid: the same chain (A operands from registers but
-    Q K^T's, one barrier over the consumers per chunk before P is read, O by TMA store from the
-    storer warp), one grid dimension (the
+    """The V-first stage 2 on the persistent grid: the same chain (A operands from registers, no
+    barrier over the consumers, O by TMA store from the storer warp), one grid dimension (the
     length of ``ctas``), the units' sequences read from ``items``."""
     kern = P.build(P.persistent_variant(8, 2, "bfloat16", "float32", v_split), "sm_90a")
     src = kern.get_kernel_source()
-    assert "gdn_prefill_main_persistent" in src and "wgmma_rs" in src and src.count("wgmma_ss") == 1
-    assert re.findall(r"__sync_thread_partial\((\d+), (\d+)\)", src) == [(str(MV.P_BARRIER), str(256 // v_split))]
-    assert src.count("__syncthreads()") == 1
+    assert "gdn_prefill_main_persistent" in src and "wgmma_rs" in src and "wgmma_ss" not in src
+    assert "__sync_thread_partial" not in src and src.count("__syncthreads()") == 1
     assert "tma_store(out_desc" in src and "tma_load(mbuf_desc" in src and "items[" in src
     assert "blockIdx.y" not in src and "blockIdx.z" not in src
     assert ("warpgroup_reg_alloc" in src) == (v_split == 1)

@@ -408,7 +408,7 @@ def test_cp_finder_long_warmups():
     hi = torch.tensor([r[1] for r in ranges], dtype=torch.float64)
     log_decay = lo + (hi - lo) * torch.rand(coffs[-1], hv, generator=gen, dtype=torch.float64)
     log_decay[150:153, 5] = -float("inf")  # exp underflowed (segment 1's walk meets it)
-    fbuf = torch.randn(coffs[-1], hv, 3, 64, generator=gen)
+    fbuf = torch.randn(coffs[-1], hv, 2, 64, generator=gen)
     fbuf[:, :, 0, 63] = log_decay.exp().float()
     log_decay = fbuf[:, :, 0, 63].double().log()  # what the kernel reads, exactly
     nsegs = [(n + L - 1) // L for n in nchunks]

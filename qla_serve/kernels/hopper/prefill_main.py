@@ -38,8 +38,6 @@ sequence, also for 0-length sequences (= initial state).
 import tilelang
 import tilelang.language as T
 
-from .prefill_prep import F_ROWS
-
 C = 64
 DK = 128
 DV = 128
@@ -121,7 +119,7 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
     def gdn_prefill_main(
         q: T.StridedTensor((ntok, Hk, DK), (sq0, sq1, 1), mm),
         k: T.StridedTensor((ntok, Hk, DK), (sk0, sk1, 1), mm),
-        fbuf: T.Tensor((nchunk, Hv, F_ROWS, C), "float32"),
+        fbuf: T.Tensor((nchunk, Hv, 2, C), "float32"),
         pbuf: T.Tensor((nchunk, Hv, C, C), mm),
         ubuf: T.Tensor((nchunk, Hv, C, DV), mm),
         wbuf: T.Tensor((nchunk, Hv, C, DK), mm),
@@ -337,21 +335,17 @@ def checkpoint_chunk(ckpt_chunk, ckpt_slot, use_ckpt, s, start, warm_chunks):
     return ck, ck_slot
 
 
-def qk_tile_loader(maps_mode: bool, builds_p: bool = False):
-    """The TMA loads both stage-2 kernels make of one chunk into stage st: q (outputs only), k
-    and the gate factors, and stage 1's P (outputs only) unless the kernel builds P itself
-    (builds_p: prefill_main_vfirst since v30, which reads fbuf's third row, the exponents of P's
-    gates, instead). Each kernel's loader adds the tiles its chain reads."""
-    f_rows = F_ROWS if builds_p else 2
+def qk_tile_loader(maps_mode: bool):
+    """The TMA loads both stage-2 kernels make of one chunk into stage st: q and P (outputs
+    only), k and the gate factors. Each kernel's loader adds the tiles its chain reads."""
 
     @T.macro
     def load_qk_tiles(st, t0, cidx, hk, h, q, k, pbuf, fbuf, q_s, k_s, p_s, f_s, ready):
         if not maps_mode:
             T.tma_copy(q[t0:t0 + C, hk, 0:DK], q_s[st, :, :], barrier=ready[st])
-            if not builds_p:
-                T.tma_copy(pbuf[cidx, h, 0:C, 0:C], p_s[st, :, :], barrier=ready[st])
+            T.tma_copy(pbuf[cidx, h, 0:C, 0:C], p_s[st, :, :], barrier=ready[st])
         T.tma_copy(k[t0:t0 + C, hk, 0:DK], k_s[st, :, :], barrier=ready[st])
-        T.tma_copy(fbuf[cidx, h, 0:f_rows, 0:C], f_s[st, :, :], barrier=ready[st])
+        T.tma_copy(fbuf[cidx, h, 0:2, 0:C], f_s[st, :, :], barrier=ready[st])
 
     return load_qk_tiles
 

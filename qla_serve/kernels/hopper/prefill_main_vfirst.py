@@ -44,7 +44,6 @@ import tilelang.language as T
 
 from .prefill_main import C, DK, DV, MODES, _NREG_PRODUCER, checkpoint_chunk, qk_tile_loader
 from .prefill_main import PASS_CONFIGS as _MAIN_PASS_CONFIGS
-from .prefill_prep import F_ROWS
 
 # Every shared-memory handoff in this kernel goes through its own mbarriers (TMA stages, the O
 # tiles), so TileLang's automatic barrier insertion is off: for the O tiles it added two
@@ -57,9 +56,6 @@ V_SPLITS = (1, 2)
 # consumers to the launch's 168 and spills ~270 bytes; at v_split 2 (256 threads) the launch
 # allocation is already 255.
 _NREG_CONSUMER = 224
-# The named barrier the consumers meet at once per output chunk, before the product that reads
-# the P they built (0 is __syncthreads; TileLang sets no other in these kernels).
-P_BARRIER = 1
 # Elements per 16 bytes of a pool slot: prefill_api checks that the slot stride is a multiple.
 _POOL_VEC = {"float32": 4, "bfloat16": 8}
 
@@ -104,7 +100,8 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
         q: T.StridedTensor((ntok, Hk, DK), (sq0, sq1, 1), mm),
         k: T.StridedTensor((ntok, Hk, DK), (sk0, sk1, 1), mm),
         values: T.StridedTensor((ntok, Hv, DV), (sv0, sv1, 1), io_dtype),  # v (loop variables take `v`)
-        fbuf: T.Tensor((nchunk, Hv, F_ROWS, C), "float32"),
+        fbuf: T.Tensor((nchunk, Hv, 2, C), "float32"),
+        pbuf: T.Tensor((nchunk, Hv, C, C), mm),
         mbuf: T.Tensor((nchunk, Hv, C, C), mm),
         pool: T.StridedTensor((nslot, Hv, DV, DK), (sp0, DV * DK, DK, 1), pool_dtype),
         slot_ids: T.Tensor((nseq,), "int32"),
@@ -135,10 +132,10 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
             v0 = (vb % v_split) * BV  # value rows (or, for Phi blocks, the rows of Phi^T)
             q_s = T.alloc_shared((2, C, DK), mm)
             k_s = T.alloc_shared((2, C, DK), mm)
-            p_s = T.alloc_shared((2, C, C), mm)  # P, built by the consumers (chunk parity)
+            p_s = T.alloc_shared((2, C, C), mm)
             v_s = T.alloc_shared((2, C, BV), io_dtype)
             m_s = T.alloc_shared((2, C, C), mm)
-            f_s = T.alloc_shared((2, F_ROWS, C), acc)  # exp(gc), dec, gc log2(e)
+            f_s = T.alloc_shared((2, 2, C), acc)  # exp(gc), dec
             o_s = T.alloc_shared((2, C, BV), io_dtype)  # O of whole chunks on their way out (TMA)
             # Swizzled: each thread reads V^T (R's first term) down a column of the tile, 4 rows
             # 256 bytes apart per warp load: the same banks, 4-way conflicts, when row-major.
@@ -151,8 +148,6 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
             vph_f = T.alloc_fragment((BV, C), mm)
             vpd_f = T.alloc_fragment((BV, C), mm)  # (V' diag(dec))^T
             o_f = T.alloc_fragment((BV, C), acc)  # O^T
-            qk_f = None if maps_mode else T.alloc_fragment((C, C), acc)  # Q K^T (value blocks: columns)
-            ph_f = None if maps_mode else T.alloc_fragment((C, C), mm)  # P on its way to p_s
             ready = T.alloc_barrier([32, 32])  # stage filled: the producer warp + TMA bytes
             free = T.alloc_barrier([consumers, consumers])  # stage consumed by every consumer
             o_full = T.alloc_barrier([consumers, consumers])  # O tile written by every consumer
@@ -228,8 +223,8 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
                     t0 = bos + c * C
                     n = T.min(eos - t0, C)
                     emit = c >= warm_chunks  # warmup chunks: the state only
-                    chain_step(st, (c // 2) % 2, emit, is_phi, scale, x_f, xh_f, vp_f, rh_f, vph_f, vpd_f, o_f, qk_f,
-                               ph_f, q_s, k_s, v_s, m_s, p_s, f_s, ready)
+                    chain_step(st, (c // 2) % 2, emit, is_phi, scale, x_f, xh_f, vp_f, rh_f, vph_f, vpd_f, o_f, q_s,
+                               k_s, v_s, m_s, p_s, f_s, ready)
                     if not maps_mode:
                         if c == ck:  # the state after the checkpoint's chunk: into its slot
                             for v, d in T.Parallel(BV, DK):
@@ -257,8 +252,8 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
                                 store_o(c - warm_chunks, t0, h, v0, o_s, out, o_full, o_free)
                 if tx < consumers + 32:
                     for c in T.serial(nchunks):
-                        load_chunk(c, bos + c * C, coff + c, hk, h, v0, q, k, values, fbuf, mbuf,
-                                   q_s, k_s, f_s, v_s, m_s, ready, free)
+                        load_chunk(c, bos + c * C, coff + c, hk, h, v0, q, k, values, pbuf, fbuf, mbuf,
+                                   q_s, k_s, p_s, f_s, v_s, m_s, ready, free)
 
     return gdn_prefill_main_vfirst, threads
 
@@ -267,49 +262,23 @@ def _chain_step(maps_mode: bool, BV: int):
     """The consumers' work on one chunk in ring stage st (phase: its mbarrier parity): wait for
     the stage, then V', O and the state update (module docstring), shared by main_func and
     persistent_func. emit (a PrimExpr, or True): the chunk's O is computed (False for warmup
-    chunks); is_phi (maps mode): the block walks the transition Phi (V = 0).
-
-    P (v30; stage 1 wrote it until then): Q K^T is issued beside the first products (a
-    shared-memory-only GEMM, columns split between the consumer warpgroups), gated and masked
-    while R M^T runs, P[i, c] = (Q K^T)[i, c] exp2(g2_i + log2(scale) - g2_c) for i >= c
-    (prefill_prep's form "uw" computes the same), stored to p_s[st] and read by the O product
-    after a barrier over the consumers: the one place they meet. p_s[st] is rewritten two
-    chunks later, after every consumer passed the next chunk's barrier, so after each one's
-    product of this chunk completed."""
+    chunks); is_phi (maps mode): the block walks the transition Phi (V = 0)."""
     mm, acc = "float16", "float32"
     rows = T.GemmWarpPolicy.FullRow  # value rows split across the consumer warpgroups
-    cols = T.GemmWarpPolicy.FullCol  # P's 64 rows are one wgmma tile: its columns are split
-    consumers = 128 * (BV // 64)
 
     @T.macro
-    def build_p(st, scale, qk_f, ph_f, p_s, f_s):
-        """P from Q K^T in qk_f into p_s[st] through ph_f (fp16): every element gated, then
-        masked (above the diagonal the factor may be inf, and the select drops it). qk_f is a
-        wgmma accumulator and R M^T is in flight meanwhile: an instruction that wrote qk_f now
-        would make ptxas serialize every wgmma of the kernel (C7515), hence ph_f."""
-        ls = T.log2(scale)
-        for i, c in T.Parallel(C, C):
-            ph_f[i, c] = T.cast(qk_f[i, c] * T.exp2(f_s[st, 2, i] + ls - f_s[st, 2, c]), mm)
-        for i, c in T.Parallel(C, C):
-            ph_f[i, c] = T.if_then_else(i >= c, ph_f[i, c], T.cast(0.0, mm))
-        T.copy(ph_f, p_s[st, :, :])
-        T.fence_proxy_async()  # generic-proxy writes, read by wgmma
-
-    @T.macro
-    def chain_step(st, phase, emit, is_phi, scale, x_f, xh_f, vp_f, rh_f, vph_f, vpd_f, o_f, qk_f, ph_f, q_s,
-                   k_s, v_s, m_s, p_s, f_s, ready):
+    def chain_step(st, phase, emit, is_phi, scale, x_f, xh_f, vp_f, rh_f, vph_f, vpd_f, o_f, q_s, k_s, v_s,
+                   m_s, p_s, f_s, ready):
         T.barrier_wait(ready[st], phase)
         for v, d in T.Parallel(BV, DK):
             xh_f[v, d] = T.cast(x_f[v, d], mm)
-        # (K S)^T = Xh K^T and O^T = Xh Q^T (and Q K^T for P); R^T = V^T - (K S)^T diag(exp gc)
-        # (V = 0 for the transition Phi); V'^T = R^T M^T.
+        # (K S)^T = Xh K^T and O^T = Xh Q^T; R^T = V^T - (K S)^T diag(exp gc) (V = 0
+        # for the transition Phi); V'^T = R^T M^T.
         T.wgmma_gemm(xh_f, k_s[st, :, :], vp_f, transpose_B=True, clear_accum=True, policy=rows)
         if not maps_mode:
             if emit:
                 T.wgmma_gemm(xh_f, q_s[st, :, :], o_f, transpose_B=True, clear_accum=True,
                              policy=rows)
-                T.wgmma_gemm(q_s[st, :, :], k_s[st, :, :], qk_f, transpose_B=True, clear_accum=True,
-                             policy=cols)
         T.wait_wgmma(0)
         if maps_mode:
             for v, i in T.Parallel(BV, C):
@@ -319,9 +288,6 @@ def _chain_step(maps_mode: bool, BV: int):
             for v, i in T.Parallel(BV, C):
                 rh_f[v, i] = T.cast(T.cast(v_s[st, i, v], acc) - vp_f[v, i] * f_s[st, 0, i], mm)
         T.wgmma_gemm(rh_f, m_s[st, :, :], vp_f, transpose_B=True, clear_accum=True, policy=rows)
-        if not maps_mode:
-            if emit:
-                build_p(st, scale, qk_f, ph_f, p_s, f_s)  # while R M^T runs
         T.wait_wgmma(0)
         # X <- gamma_last X + (V' diag(dec))^T K ; O^T = scale O^T diag(exp gc) + V'^T P^T
         for v, i in T.Parallel(BV, C):
@@ -336,7 +302,6 @@ def _chain_step(maps_mode: bool, BV: int):
                 for v, i in T.Parallel(BV, C):
                     vph_f[v, i] = T.cast(vp_f[v, i], mm)
                     o_f[v, i] = o_f[v, i] * (f_s[st, 0, i] * scale)
-                T.sync_threads(P_BARRIER, consumers)  # every consumer's columns of P are in p_s[st]
                 T.wgmma_gemm(vph_f, p_s[st, :, :], o_f, transpose_B=True, policy=rows)
         T.wait_wgmma(0)
 
@@ -378,13 +343,14 @@ def _output_movers(BV: int, io_dtype: str):
 def _chunk_loader(maps_mode: bool, BV: int):
     """The producer's TMA loads of one chunk into stage c % 2 (q and P only for outputs), after
     every consumer released that stage. v rows past T arrive as zeros (TMA bounds)."""
-    load_qk_tiles = qk_tile_loader(maps_mode, builds_p=True)
+    load_qk_tiles = qk_tile_loader(maps_mode)
 
     @T.macro
-    def load_chunk(c, t0, cidx, hk, h, v0, q, k, values, fbuf, mbuf, q_s, k_s, f_s, v_s, m_s, ready, free):
+    def load_chunk(c, t0, cidx, hk, h, v0, q, k, values, pbuf, fbuf, mbuf, q_s, k_s, p_s, f_s, v_s, m_s, ready,
+                   free):
         st = c % 2
         T.barrier_wait(free[st], (c // 2 + 1) % 2)
-        load_qk_tiles(st, t0, cidx, hk, h, q, k, None, fbuf, q_s, k_s, None, f_s, ready)
+        load_qk_tiles(st, t0, cidx, hk, h, q, k, pbuf, fbuf, q_s, k_s, p_s, f_s, ready)
         T.tma_copy(values[t0:t0 + C, h, v0:v0 + BV], v_s[st, :, :], barrier=ready[st])
         T.tma_copy(mbuf[cidx, h, 0:C, 0:C], m_s[st, :, :], barrier=ready[st])
         T.barrier_arrive(ready[st])
@@ -434,7 +400,8 @@ def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtyp
         q: T.StridedTensor((ntok, Hk, DK), (sq0, sq1, 1), mm),
         k: T.StridedTensor((ntok, Hk, DK), (sk0, sk1, 1), mm),
         values: T.StridedTensor((ntok, Hv, DV), (sv0, sv1, 1), io_dtype),
-        fbuf: T.Tensor((nchunk, Hv, F_ROWS, C), "float32"),
+        fbuf: T.Tensor((nchunk, Hv, 2, C), "float32"),
+        pbuf: T.Tensor((nchunk, Hv, C, C), mm),
         mbuf: T.Tensor((nchunk, Hv, C, C), mm),
         pool: T.StridedTensor((nslot, Hv, DV, DK), (sp0, DV * DK, DK, 1), pool_dtype),
         slot_ids: T.Tensor((nseq,), "int32"),
@@ -457,7 +424,7 @@ def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtyp
             p_s = T.alloc_shared((2, C, C), mm)
             v_s = T.alloc_shared((2, C, BV), io_dtype)
             m_s = T.alloc_shared((2, C, C), mm)
-            f_s = T.alloc_shared((2, F_ROWS, C), acc)
+            f_s = T.alloc_shared((2, 2, C), acc)
             o_s = T.alloc_shared((2, C, BV), io_dtype)
             T.annotate_layout({v_s: tilelang.layout.make_swizzled_layout(v_s),
                                o_s: tilelang.layout.make_swizzled_layout(o_s)})
@@ -468,8 +435,6 @@ def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtyp
             vph_f = T.alloc_fragment((BV, C), mm)
             vpd_f = T.alloc_fragment((BV, C), mm)
             o_f = T.alloc_fragment((BV, C), acc)
-            qk_f = T.alloc_fragment((C, C), acc)
-            ph_f = T.alloc_fragment((C, C), mm)
             ready = T.alloc_barrier([32, 32])
             free = T.alloc_barrier([consumers, consumers])
             o_full = T.alloc_barrier([consumers, consumers])
@@ -513,7 +478,7 @@ def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtyp
                         t0 = bos + c * C
                         n = T.min(eos - t0, C)
                         chain_step(st, (g // 2) % 2, True, False, scale, x_f, xh_f, vp_f, rh_f, vph_f, vpd_f, o_f,
-                                   qk_f, ph_f, q_s, k_s, v_s, m_s, p_s, f_s, ready)
+                                   q_s, k_s, v_s, m_s, p_s, f_s, ready)
                         if c == ck:
                             for v, d in T.Parallel(BV, DK):
                                 pool[ck_slot, h, v0 + v, d] = T.cast(x_f[v, d], pool_dtype)
@@ -544,7 +509,7 @@ def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtyp
                     if tx < consumers + 32:
                         for c in T.serial(nchunks):
                             load_chunk(gdone + c, bos + c * C, chunk_offsets[s] + c, h // group, h, v0, q, k, values,
-                                       fbuf, mbuf, q_s, k_s, f_s, v_s, m_s, ready, free)
+                                       pbuf, fbuf, mbuf, q_s, k_s, p_s, f_s, v_s, m_s, ready, free)
                     gdone = gdone + nchunks
                     jdone = jdone + (eos - bos) // C
 

@@ -89,9 +89,6 @@ _LOG2E = 1.4426950408889634
 
 
 FORMS = ("uw", "m")
-# fbuf's rows per (chunk, v-head): exp(gc), dec, and g2 = gc log2(e) (the exponents the V-first
-# stage 2 builds P from, v30).
-F_ROWS = 3
 
 
 def ctas_per_sm(form: str, heads_per_cta: int = 1) -> int:
@@ -140,7 +137,6 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
     # The outputs a form does not write: their own row counts, so 1-row stand-ins fit.
     nuw = nchunk if uw_form else T.dynamic("nuw")
     nm = T.dynamic("nm") if uw_form else nchunk
-    npr = nchunk if uw_form else T.dynamic("npr")  # P: form "uw" only (v30)
     mm_dtype = "float16"
     acc = "float32"
     copy_qk = qk_dtype != mm_dtype  # stage 2 wants fp16 q/k
@@ -240,18 +236,24 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
         for j in range(hpc):
             macro(j, *args)
 
+    def _scratch(product_f, spare_f):
+        """Where a head's P is built from Q K^T: in the product's own registers with one head per
+        CTA, else in a spare fragment (the product serves the next head too)."""
+        return product_f if hpc == 1 else spare_f
+
     @T.macro
-    def _p_tile(p_f, prow_s, g2_s, pbuf, cid, h):
-        """Form "uw": head h's P = scale * Lower(Gamma) o (Q K^T) from Q K^T in p_f (in place),
-        to pbuf: P[i, c] = (Q K^T)[i, c] exp2(g2_i + log2(scale) - g2_c) for i >= c (every
-        element, then masked: see _gated_m)."""
+    def _p_tile(j, qk_f, spare_f, prow_s, g2_s, pbuf, cid, h0):
+        """Head h0 + j's P = scale * Lower(Gamma) o (Q K^T) from Q K^T in qk_f, to pbuf:
+        P[i, c] = (Q K^T)[i, c] exp2(g2_i + log2(scale) - g2_c) for i >= c (every element, then
+        masked: see _gated_m)."""
         p_s = _staging_tile()
+        p_f = _scratch(qk_f, spare_f)
         for i, c in T.Parallel(C, C):
-            p_f[i, c] = p_f[i, c] * T.exp2(prow_s[0, i] - g2_s[0, c])
+            p_f[i, c] = qk_f[i, c] * T.exp2(prow_s[j, i] - g2_s[j, c])
         for i, c in T.Parallel(C, C):
             p_f[i, c] = T.if_then_else(i >= c, p_f[i, c], 0.0)
         T.copy(p_f, p_s)
-        T.copy(p_s, pbuf[cid, h, :, :])
+        T.copy(p_s, pbuf[cid, h0 + j, :, :])
 
     @T.macro
     def _kk_blocks(k_s, kk_f, kd_s, koff_s):
@@ -348,8 +350,8 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
         beta: T.Tensor((ntok, Hv), "float32"),
         cu_seqlens: T.Tensor((nseq + 1,), "int32"),
         chunk_offsets: T.Tensor((nseq + 1,), "int32"),
-        fbuf: T.Tensor((nchunk, Hv, F_ROWS, C), "float32"),
-        pbuf: T.Tensor((npr, Hv, C, C), mm_dtype),
+        fbuf: T.Tensor((nchunk, Hv, 2, C), "float32"),
+        pbuf: T.Tensor((nchunk, Hv, C, C), mm_dtype),
         mbuf: T.Tensor((nm, Hv, C, C), mm_dtype),
         ubuf: T.Tensor((nuw, Hv, C, DV), mm_dtype),
         wbuf: T.Tensor((nuw, Hv, C, DK), mm_dtype),
@@ -369,20 +371,20 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
             # q, k, v stay in their dtypes: Q K^T and K K^T take them as they are (exact
             # products, fp32 sums), and M meets V and K as two GEMMs each, hi + lo (below).
             k_s = T.alloc_shared((C, DK), qk_dtype)
-            # q: for P (form "uw") or for its fp16 copy; form "m" with fp16 q/k never reads it.
-            q_s = T.alloc_shared((C, DK), qk_dtype) if uw_form or copy_qk else None
+            q_s = T.alloc_shared((C, DK), qk_dtype)
             # TMA tile loads (one elected thread issues them; every thread waits on the barrier):
             # a plain T.copy of these bounds-checked strided tiles lowers to per-element loads.
             qk_bar = T.alloc_barrier(128)
+            p_f = T.alloc_fragment((C, C), acc)
             # Per head (row j: head h0 + j): g (then gc), beta, exp(gc), and the gate factors'
             # exponents in base 2, so that each factor is one ex2 (no multiply by log2(e) per
-            # element): g2 = gc log2(e) and, for P, its row term g2 + log2(scale) (beta enters M
-            # through the solve, _solve).
+            # element): g2 = gc log2(e) and P's row term g2 + log2(scale) (beta enters M through
+            # the solve, _solve).
             g_s = T.alloc_shared((hpc, C), acc)
             b_s = T.alloc_shared((hpc, C), acc)
             eg_s = T.alloc_shared((hpc, C), acc)
             g2_s = T.alloc_shared((hpc, C), acc)
-            prow_s = T.alloc_shared((hpc, C), acc) if uw_form else None
+            prow_s = T.alloc_shared((hpc, C), acc)
             kk_f = T.alloc_fragment((C, C), acc)
             t_f = T.alloc_fragment((C, C), acc)
             n_f = T.alloc_fragment((C, C), acc)
@@ -407,8 +409,7 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
             # Issued before the scalar g / beta loads, so that the two latencies overlap (v15's
             # ncu: g / beta loads first, then the TMA wait: 14% of prep's stall samples).
             T.tma_copy(k[t0:t0 + C, hk, 0:DK], k_s, barrier=qk_bar)
-            if q_s is not None:
-                T.tma_copy(q[t0:t0 + C, hk, 0:DK], q_s, barrier=qk_bar)
+            T.tma_copy(q[t0:t0 + C, hk, 0:DK], q_s, barrier=qk_bar)
             T.barrier_arrive(qk_bar)
             for j, i in T.Parallel(hpc, C):
                 g_s[j, i] = T.if_then_else(i < n, g[t0 + i, h0 + j], 0.0)
@@ -430,20 +431,15 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
             for j, i in T.Parallel(hpc, C):
                 g2 = g_s[j, i] * _LOG2E
                 g2_s[j, i] = g2
-                if uw_form:
-                    prow_s[j, i] = g2 + T.log2(scale)
+                prow_s[j, i] = g2 + T.log2(scale)
                 eg_s[j, i] = T.exp2(g2)
                 fbuf[cid, h0 + j, 0, i] = eg_s[j, i]
                 fbuf[cid, h0 + j, 1, i] = T.if_then_else(i < n, T.exp2(g_s[j, C - 1] * _LOG2E - g2), 0.0)
-                fbuf[cid, h0 + j, 2, i] = g2
 
-            if uw_form:
-                # P = scale * Lower(Gamma) o Q K^T (state-free, so off stage 2's sequential
-                # chain). Form "m" leaves P to its stage 2 (v30: 8 KB per chunk and head less
-                # written here and read back there).
-                p_f = T.alloc_fragment((C, C), acc)
-                T.gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)
-                _p_tile(p_f, prow_s, g2_s, pbuf, cid, h0)
+            # P = scale * Lower(Gamma) o Q K^T (state-free, so off stage 2's sequential chain):
+            # Q K^T once, then each head's gates.
+            T.gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)
+            _for_each_head(_p_tile, p_f, t_f, prow_s, g2_s, pbuf, cid, h0)
 
             # K K^T once; then each head's A diag(beta) = (I + L)^-1 diag(beta) and M.
             kd_s = T.alloc_shared((4, 16, 16), acc)

@@ -37,7 +37,6 @@ import tilelang
 import tilelang.language as T
 
 from ..reference import WARMUP_LOG_DECAY
-from .prefill_prep import F_ROWS
 
 C = 64
 THREADS = 512
@@ -60,7 +59,7 @@ def warmup_func(num_v_heads: int, pdl: bool = False):
 
     @T.prim_func
     def gdn_prefill_cp_warmup(
-        fbuf: T.Tensor((nchunk, Hv, F_ROWS, C), "float32"),
+        fbuf: T.Tensor((nchunk, Hv, 2, C), "float32"),
         chunk_offsets: T.Tensor((nseq + 1,), "int32"),
         cuts: T.Tensor((ncut, 3), "int32"),
         warm_start: T.Tensor((nitem, Hv), "int32"),
