@@ -497,7 +497,8 @@ def run(args) -> int:
                         if args.breakdown:
                             for st in ("prep", "main"):
                                 f2 = _qla_fn(lens, hk, hv, qdata, args.v_split, st, args.segment_chunks,
-                                             args.cp, args.maps_v_split)[0]
+                                             args.cp, args.maps_v_split,
+                                             persistent=False if impl == "qla16_units" else None)[0]
                                 rec[f"{impl}_{st}_gpu_ms"] = round(_gpu_time_ms(f2, args.reps, args.graph_calls)[0], 4)
                         if args.kernels:
                             rec[f"{impl}_kernels"] = _kernel_timeline(fn, args.reps, args.graph_calls)

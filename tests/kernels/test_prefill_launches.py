@@ -113,6 +113,46 @@ def test_unit_grid_when_persistent_is_off(launches, monkeypatch, v_split, lens, 
     assert (main["use_items"], main["use_warmup"]) == (0, 0)
 
 
+# the bench's mixed8192 row: one 32-chunk sequence among 25 shorter ones (5.4 chunks on average)
+MIXED8192 = [2048, 1536, 1024, 700, 513, 300, 257, 200, 129, 128, 100, 65, 64, 63, 33, 17, 9] + [1] * 8 + [998]
+
+
+def test_unit_grid_for_a_ragged_batch(launches):
+    """A CTA per unit where the persistent grid's static dealing would load one CTA well past
+    the longest unit: at 2/8, v_split 2 (the planner's plan for it), the CTA that takes the
+    32-chunk sequence's first unit also takes one unit of each later round (38 chunks against 32;
+    H200: 0.0866 ms against 0.0764). A uniform batch of the same mean stays persistent (every CTA
+    walks 3 or 4 units either way)."""
+    _call(MIXED8192, 2, 0, None)
+    assert _sequence(launches) == [("prep", "", ""), ("main", "output", "vfirst")]
+    launches.clear()
+    _call([320] * 26, 2, 0, None)
+    assert _sequence(launches) == [("prep", "", ""), ("main", "output", "vfirst+persistent")]
+
+
+def test_static_dealing_chunks_against_the_dealing():
+    """static_dealing_chunks (runs of equal chunk counts, a difference array) against dealing
+    every unit to CTA u % ncta one by one, on random batches; and the rule on the H200's A/B:
+    16/64's mixed8192 (64 units per sequence, 12.6 per CTA) stays persistent (0.317 ms against
+    0.331 per unit), 4/16's goes per unit, 64x512 stays persistent."""
+    import collections
+    import random
+
+    rng = random.Random(0)
+    for _ in range(500):
+        chunks = sorted((rng.randint(0, 40) for _ in range(rng.randint(1, 30))), reverse=True)
+        units, ncta = rng.choice([1, 3, 8, 16, 64, 200]), rng.randint(1, 140)
+        loads = [0] * ncta
+        for u, c in enumerate(c for c in chunks for _ in range(units)):
+            loads[u % ncta] += c
+        runs = sorted(collections.Counter(chunks).items(), reverse=True)
+        assert P.static_dealing_chunks(runs, units, ncta) == max(loads), (chunks, units, ncta)
+    assert P.persistent_applies("plain", "vfirst", MIXED8192, 64, 132)       # 16/64, plain
+    assert not P.persistent_applies("plain", "vfirst", MIXED8192, 16, 132)   # 4/16 (0.131 / 0.117 ms)
+    assert P.persistent_applies("plain", "vfirst", [512] * 64, 8, 132)
+    assert not P.persistent_applies("cp", "vfirst", [512] * 64, 8, 132)
+
+
 def test_cp_exact_launches_no_warmup(launches):
     _call([64 * 10, 100], 1, 3, "exact")
     assert _sequence(launches) == [("prep", "", ""), ("main", "maps", "vfirst"), ("cp_scan", "", ""),

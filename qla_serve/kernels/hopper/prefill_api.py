@@ -58,6 +58,7 @@ few attribute reads. Nothing here synchronises with the GPU.
 
 import collections
 import functools
+import itertools
 import math
 import os
 import threading
@@ -159,6 +160,17 @@ CP_PDL = True
 # tests and benchmarks set it.
 PERSISTENT = _switch_from_env("QLA_SERVE_PREFILL_PERSISTENT")
 PERSISTENT_MAX_MEAN_CHUNKS = 8
+# The persistent grid deals the units (longest sequences first) to its CTAs in turn, statically:
+# on a ragged batch the CTA that takes the longest unit also takes one of each later round, where
+# a CTA per unit lets the hardware fill in around it. So the persistent grid also needs the
+# static dealing's longest CTA walk to stay within what a CTA per unit takes at best (the longest
+# unit, or the rounds of units a CTA takes at their average length) plus what it saves per unit,
+# PERSISTENT_UNIT_SAVING chunk walks
+# (H200, 2/8 64x512: 5.7 us over 3.9 units per CTA at ~1.9 us per chunk). H200, fp16 q/k, one
+# process (benchmarks/prefill.md, "Stage 2 on a persistent grid"): mixed8192 2/8 0.0866 ms
+# persistent against 0.0764 per unit, 4/16 0.1314 / 0.1165 (this rule: per unit), 16/64 0.3173 /
+# 0.3310 (this rule: persistent).
+PERSISTENT_UNIT_SAVING = 0.8
 
 _kernels: dict = {}
 _lock = threading.Lock()
@@ -264,16 +276,51 @@ def persistent_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_d
     return v
 
 
-def persistent_applies(strategy: str, impl: str, seq_lens=None) -> bool:
+def persistent_applies(strategy: str, impl: str, seq_lens=None, units_per_seq: int = 1,
+                       sm_count: int = 132) -> bool:
     """Whether a plan's stage 2 runs on the persistent grid: PERSISTENT, no cut, V-first, and
-    (given the plan's sequence lengths) at most PERSISTENT_MAX_MEAN_CHUNKS chunks per sequence
-    on average."""
+    (given the plan's sequence lengths, units_per_seq = Hv x v_split units of each and the GPU's
+    SMs) at most PERSISTENT_MAX_MEAN_CHUNKS chunks per sequence on average, dealt evenly enough
+    (static_dealing_chunks; PERSISTENT_UNIT_SAVING)."""
     if not (PERSISTENT and strategy != "cp" and impl == "vfirst"):
         return False
     if seq_lens is None:  # the variant lists: every plan may take it
         return True
-    chunks = sum((int(n) + CHUNK - 1) // CHUNK for n in seq_lens)
-    return chunks <= PERSISTENT_MAX_MEAN_CHUNKS * max(len(seq_lens), 1)
+    runs = sorted(collections.Counter((int(n) + CHUNK - 1) // CHUNK for n in seq_lens).items(), reverse=True)
+    nseq = len(seq_lens)
+    total = sum(c * r for c, r in runs)
+    if not runs or total > PERSISTENT_MAX_MEAN_CHUNKS * nseq:
+        return False
+    nunits = nseq * units_per_seq
+    ncta = max(1, min(nunits, sm_count))
+    # what a CTA per unit takes at best: the longest unit, or whole rounds of average units
+    dispatch = max(runs[0][0], -(-nunits // ncta) * total / nseq)
+    saving = PERSISTENT_UNIT_SAVING * nunits / ncta
+    return static_dealing_chunks(runs, units_per_seq, ncta) <= dispatch + saving
+
+
+def static_dealing_chunks(runs, units_per_seq: int, ncta: int) -> int:
+    """The longest CTA walk, in chunks, of the persistent grid's dealing: sequences longest first
+    (as _persistent_grid orders them), given as runs (chunks, sequences of that many chunks) in
+    that order, each sequence units_per_seq consecutive units, unit u to CTA u % ncta. A run's
+    units are one contiguous block of equal walks: every CTA gets the block's length // ncta of
+    them and one more goes to a cyclic range of the rest (a difference array), so the cost is
+    O(distinct chunk counts + ncta)."""
+    diff = [0] * (ncta + 1)
+    base = start = 0
+    for c, r in runs:
+        whole, part = divmod(r * units_per_seq, ncta)
+        base += c * whole
+        end = start + part
+        diff[start] += c
+        if end <= ncta:
+            diff[end] -= c
+        else:  # the range wraps around past the last CTA
+            diff[ncta] -= c
+            diff[0] += c
+            diff[end - ncta] -= c
+        start = end % ncta
+    return base + max(itertools.accumulate(diff[:ncta]))
 
 
 def main_impl_for(v_split: int, target: str = ARCH) -> str:
@@ -603,7 +650,7 @@ class _Launches:
         if "main" not in stages:
             return
         self.finder = self.maps_pass = self.scan = None
-        if persistent_applies(strategy, impl, plan.seq_lens):
+        if persistent_applies(strategy, impl, plan.seq_lens, hv * vs, plan.sm_count):
             self.persistent = _kernel(persistent_variant(hv, hk, io, pool_dt, vs),
                                       (hv, hk, io, pool_dt, vs, "persistent", target))
             self.items, self.ctas = _persistent_grid(plan, hv, vs, dev)
