@@ -121,12 +121,12 @@ MAIN_IMPL = _main_impl_from_env()
 # divides Hv / Hk (else the largest that does). Read once at import from QLA_SERVE_PREP_HEADS;
 # the GPU tests and benchmarks set it instead.
 PREP_HEADS_CHOICES = (1, 2, 4)
-# The rule's figure, measured on the H200 (benchmarks/prefill.md "v27"): a CTA's time relative to
-# a one-head CTA's (2/8 and 16/64 at 4096 and 32768 chunk-heads: 1.53-1.57 for two heads,
-# 3.0-3.2 for four), each at the CTAs per SM of prefill_prep.ctas_per_sm. Not re-measured since
-# v28 / v29 shared K K^T across a CTA's heads (prep -8% at two heads, -17 to -21% at four), which
-# makes the larger CTAs relatively cheaper than these figures say.
-_PREP_CTA_COST = {1: 1.0, 2: 1.55, 4: 3.05}
+# The rule's figure, measured on the H200 with stage 1 v29 (benchmarks/prefill.md, "Stage 1's
+# heads per CTA"): a CTA's time per full wave relative to a one-head CTA's, each at the CTAs per SM
+# of prefill_prep.ctas_per_sm (16/64 64x512, 49.7 / 31.0 / 15.5 waves: 1.36 for two heads, 2.45
+# for four; 2/8 64x512: 1.42, 2.59). v27's figures were 1.55 and 3.05, before v28 / v29 shared
+# K K^T across a CTA's heads.
+_PREP_CTA_COST = {1: 1.0, 2: 1.4, 4: 2.5}
 
 
 def _prep_heads_from_env() -> int:

@@ -61,10 +61,10 @@ Occupancy (v11): 49 KB of shared memory and <= 128 registers, so 4 CTAs (16 warp
 share the latency of each CTA's serial phases (v10: 65 KB, 3 CTAs); form "m" takes 34 KB and
 <= 102 registers, 5 CTAs (v15); with two or four heads per CTA 4 CTAs (v29: 96, 109 and 121
 registers at one, two and four heads, no spills; v27 spilled 24-148 bytes). Which heads per CTA
-a call takes (prefill_api.prep_heads_per_cta) is a matter of waves: each such CTA took ~1.55x
-(two heads) or ~3.05x (four) a one-head CTA's time on the H200 at v27, so the larger CTAs win
-where they fill the SMs in fewer or fuller waves (prep -2 to -16%, calls up to -7.5%:
-benchmarks/prefill.md "v27").
+a call takes (prefill_api.prep_heads_per_cta) is a matter of waves: each such CTA takes ~1.4x
+(two heads) or ~2.5x (four) a one-head CTA's time on the H200 at v29 (v27: 1.55x, 3.05x), so the
+larger CTAs win where they fill the SMs in fewer or fuller waves (benchmarks/prefill.md "v27"
+and "Stage 1's heads per CTA").
 Instruction count (v17): prep issues ~2 instructions per cycle per SM with 20 warps, so fewer
 instructions is time saved. Every masked elementwise product is computed for all elements and
 masked afterwards (a conditional product compiled to a branch per element), each gate factor is
