@@ -249,7 +249,8 @@ def test_persistent_matches_unit_grid(case, monkeypatch):
     stages and O tiles continuing across units, longest sequences first) against the grid of a
     CTA per unit on the same inputs: outputs, final states and checkpoint states bit-identical
     (the same operations per unit), both against the float64 recurrence, other slots untouched.
-    PERSISTENT_MAX_MEAN_CHUNKS is lifted so that every case, long sequences too, takes the grid."""
+    PERSISTENT_MAX_MEAN_CHUNKS and PERSISTENT_UNIT_SAVING are lifted so that every case, long and
+    ragged batches too, takes the grid."""
     lens, Hk, Hv, vs, qk, pool_dtype, pad, ckpt = case
     gen = torch.Generator(device="cuda").manual_seed(1700 + Hv + vs)
     q, k, v, g, beta = make_case(lens, Hk, Hv, qk=qk, gen=gen)
@@ -266,6 +267,7 @@ def test_persistent_matches_unit_grid(case, monkeypatch):
         checkpoints = (torch.tensor(chunks, **dev), torch.tensor([N + i for i in range(N)], **dev))
     results = {}
     monkeypatch.setattr(_mod(), "PERSISTENT_MAX_MEAN_CHUNKS", 1 << 20)
+    monkeypatch.setattr(_mod(), "PERSISTENT_UNIT_SAVING", float("inf"))
     for persistent in (True, False):
         monkeypatch.setattr(_mod(), "PERSISTENT", persistent)
         pool = pool0.clone()

@@ -368,7 +368,7 @@ def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtyp
     (running chunk counts); each unit's operations are main_func's, so the results are
     bit-identical to a CTA per unit. Measured on the H200: 1.4-3% faster on batches of 8-chunk
     sequences, level or slower on longer ones (benchmarks/prefill.md), so prefill_api takes it
-    only for short sequences (PERSISTENT_MAX_MEAN_CHUNKS)."""
+    only for short sequences dealt evenly enough (persistent_applies)."""
     if v_split not in V_SPLITS:
         raise ValueError(f"v_split must be one of {V_SPLITS} for the V-first kernel, got {v_split}")
     Hv, Hk = num_v_heads, num_k_heads
