@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import qla_serve
+from qla_serve.bench.prefill import ROWS
 from qla_serve.kernels.hopper import (prefill_api as P, prefill_main, prefill_main_vfirst, prefill_prep,
                                       prefill_scan, prefill_warmup)
 from qla_serve.plan import force_plan
@@ -114,7 +115,7 @@ def test_unit_grid_when_persistent_is_off(launches, monkeypatch, v_split, lens, 
 
 
 # the bench's mixed8192 row: one 32-chunk sequence among 25 shorter ones (5.4 chunks on average)
-MIXED8192 = [2048, 1536, 1024, 700, 513, 300, 257, 200, 129, 128, 100, 65, 64, 63, 33, 17, 9] + [1] * 8 + [998]
+MIXED8192 = ROWS["mixed8192"]
 
 
 def test_unit_grid_for_a_ragged_batch(launches):
@@ -290,7 +291,7 @@ def test_stage1_heads_per_cta_by_the_rule(launches, lens, heads):
 def test_heads_per_cta_rule():
     """The rule against the H200's measurements (benchmarks/prefill.md, "Stage 1's heads per
     CTA", stage 1 v29): the heads per CTA that measured fastest for 2/8 and 16/64 at the bench's
-    chunk counts (2/8 at 144 chunks excepted: four heads, 0.55 of a wave, measured 9% faster
+    chunk counts (2/8 at 144 chunks excepted: four heads, 0.55 of a wave, ran stage 1 9% faster
     than the rule's one), 1 where Hv / Hk has no other divisor among the choices or the form is
     "uw", and a forced PREP_HEADS clipped to a divisor of Hv / Hk."""
     rule = P.prep_heads_per_cta

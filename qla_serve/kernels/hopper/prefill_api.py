@@ -165,11 +165,11 @@ PERSISTENT_MAX_MEAN_CHUNKS = 8
 # a CTA per unit lets the hardware fill in around it. So the persistent grid also needs the
 # static dealing's longest CTA walk to stay within what a CTA per unit takes at best (the longest
 # unit, or the rounds of units a CTA takes at their average length) plus what it saves per unit,
-# PERSISTENT_UNIT_SAVING chunk walks
-# (H200, 2/8 64x512: 5.7 us over 3.9 units per CTA at ~1.9 us per chunk). H200, fp16 q/k, one
-# process (benchmarks/prefill.md, "Stage 2 on a persistent grid"): mixed8192 2/8 0.0866 ms
-# persistent against 0.0764 per unit, 4/16 0.1314 / 0.1165 (this rule: per unit), 16/64 0.3173 /
-# 0.3310 (this rule: persistent).
+# PERSISTENT_UNIT_SAVING chunk walks (H200, 2/8 64x512: 5.7 us over 3.9 units per CTA at ~1.9 us
+# per chunk). H200, fp16 q/k, one process (benchmarks/prefill.md, "Stage 2's persistent grid on
+# ragged batches"): mixed8192 2/8 0.0866 ms persistent against 0.0764 per unit, 4/16 0.1314 /
+# 0.1165, 8/24 0.1724 / 0.1617 (this rule: per unit), 16/64 0.3173 / 0.3310 (this rule:
+# persistent).
 PERSISTENT_UNIT_SAVING = 0.8
 
 _kernels: dict = {}
