@@ -102,14 +102,9 @@ QLA_STATE_ST(cs)
 # (20.9), B = 256 74.7 -> 72.7 (71.5), B = 1 2.8 -> 2.7 (3.6). A bf16 decode of a few sequences
 # takes blocks of 16 rows: 2/8 B = 1 2.6 us, 16/32 B = 1 3.0 (FlashInfer 2.6 / 3.1). In the layer
 # (layer_ab.py, one process): fp32 16/32 d256 (8192 rows) ran 302.6 us on bv16l16-cs against 297.5
-# on bv32, so bv32 keeps the largest fp32 batches (d64, 2048 rows: 77.8 against 79.0). fp32 pools
-# from 129 to 4096 rows keep their state in shared memory (tile "m", one warp per row of 32 lanes,
-# 8 rows per block; benchmarks/decode.md "The state in shared memory", 2026-12-04, three runs beside
-# FlashInfer): 16/32 B = 32 40.7-40.9 -> 36.8-37.2 us (FlashInfer 37.3-37.6), 2/8 B = 32 12.2-12.3
-# -> 11.7-11.8 (12.0-12.1), B = 256 73.3-73.6 -> 72.5-72.9 (71.4-71.7); slower at B = 1 (2/8 2.5
-# -> 3.0) and above 4096 rows (16/32 B = 512 552-553 -> 566).
+# on bv32, so bv32 keeps the largest fp32 batches (d64, 2048 rows: 77.8 against 79.0).
 DECODE_TILES = {
-    "float32": ((128, "bv16l16-cs"), (4096, "bv8l32m-scs"), (None, "bv32")),
+    "float32": ((4096, "bv16l16-cs"), (None, "bv32")),
     "bfloat16": ((128, "bv16l16-cs"), (None, "bv32l16-cs")),
 }
 # The layer's decode launched as the conv's programmatic dependent (after_conv; the layer runs it up
