@@ -8,8 +8,6 @@ benchmarks can force, for sm_90a and sm_100a.
 
 import importlib
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -62,44 +60,18 @@ def test_variant_compiles(variant, target):
 
 
 def test_tile_specs_parse_and_bad_ones_name_the_argument():
-    """parse_tile: rows, warps, q/k staging, occupancy hint, lanes per row, cache hints, the state
-    in shared memory; a thread must hold whole rows (a power of two of them) and at most 64 state
-    values, and "m" (loaded by cp.async) takes no load hint."""
-    assert dec.parse_tile("bv32") == (32, 4, False, 0, 8, "", "", False)
-    assert dec.parse_tile("bv16l32-mb12") == (16, 4, False, 12, 32, "", "", False)
-    assert dec.parse_tile("bv8w1l16s-cs") == (8, 1, True, 0, 16, "cs", "cs", False)
-    assert dec.parse_tile("bv32l16-lcg-scs") == (32, 4, False, 0, 16, "cg", "cs", False)
+    """parse_tile: rows, warps, q/k staging, occupancy hint, lanes per row, cache hint; a thread must hold
+    whole rows (a power of two of them) and at most 64 state values."""
+    assert dec.parse_tile("bv32") == (32, 4, False, 0, 8, "", "")
+    assert dec.parse_tile("bv16l32-mb12") == (16, 4, False, 12, 32, "", "")
+    assert dec.parse_tile("bv8w1l16s-cs") == (8, 1, True, 0, 16, "cs", "cs")
+    assert dec.parse_tile("bv32l16-lcg-scs") == (32, 4, False, 0, 16, "cg", "cs")
     assert dec.parse_tile("bv32-scs").store_hint == "cs" and dec.parse_tile("bv32-scs").load_hint == ""
-    assert dec.parse_tile("bv4w1l32-cs") == (4, 1, False, 0, 32, "cs", "cs", False)
-    assert dec.parse_tile("bv16l32m-mb16-scs") == (16, 4, False, 16, 32, "", "cs", True)
+    assert dec.parse_tile("bv4w1l32-cs") == (4, 1, False, 0, 32, "cs", "cs")
     for bad in ("bv64w1", "bv8l32w4", "bv8w4", "bv16l4", "bv48", "bv64w1l32", "bv32-ca", "bv32-cs-lcg",
-                "bv32-scs-lcg", "bv32-slu", "bv32-swt", "bv32e", "bv4", "bv4w2", "bv32p", "bv2w1l32",
-                "bv16l32m-cs", "bv16l32m-lcg", "bv16ml32"):
+                "bv32-scs-lcg", "bv32-slu", "bv32-swt", "bv32e", "bv4", "bv4w2", "bv32p", "bv2w1l32"):
         with pytest.raises(ValueError, match="variant tile"):
             dec.parse_tile(bad)
-
-
-@pytest.mark.compile
-def test_state_in_shared_memory_tile(tmp_path):
-    """Tile "m" (FlashInfer's fp32 decode layout): the state's rows reach shared memory by
-    16-byte cp.async.cg, one wait, each thread moving its own rows' pieces through registers
-    (no block barrier), and leave by the tile's store hint. bv16l32m-mb16 fits 16 blocks per SM
-    (<= 32 registers, no spills), where the register tiles take 55-96. bf16 pools are refused by
-    name."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    import kernel_report
-
-    v = dec._variant("decode", 8, 2, "bfloat16", "float32", "ab", "bfloat16", "float32", True,
-                     tile="bv16l32m-mb16-scs", bias="bfloat16")
-    src = dec.build(v, "sm_90a").get_kernel_source()
-    body = src.split('extern "C" __global__')[-1]
-    assert body.count("tl::cp_async_gs<16>") == 1 and "cp_async_commit" in body and "cp_async_wait<0>" in body
-    assert "__syncthreads" not in body and "qla_st_state_cs" in body and "qla_ld_state" not in body
-    usage, _ = kernel_report.ptxas(src, "sm_90a", tmp_path)
-    assert usage["registers"] <= 32 and usage["spill_store_bytes"] == 0, usage
-    with pytest.raises(ValueError, match="fp32 pools only"):
-        dec.build(dec._variant("decode", 8, 2, "bfloat16", "bfloat16", "ab", "bfloat16", "float32", True,
-                               tile="bv16l32m-scs"), "sm_90a")
 
 
 def test_kernel_variants_are_unique_and_json_serialisable():

@@ -205,18 +205,6 @@ def test_every_tile_shape_is_correct(tile, monkeypatch):
     _check_verify(torch.bfloat16, "gb", False)
 
 
-@pytest.mark.parametrize("tile", ["bv16l32m-mb16-scs", "bv16l16m-scs", "bv8l32m-scs", "bv32l32m-mb8-scs",
-                                  "bv16l16sm-scs"])
-def test_state_in_shared_memory_tiles(tile, monkeypatch):
-    """Tile "m" (the state's rows in shared memory by cp.async, fp32 pools): decode and verify
-    against the float64 reference, padded slots and the pool outside the batch untouched, as
-    every register tile (test_every_tile_shape_is_correct, whose bf16-pool cases "m" refuses)."""
-    monkeypatch.setattr(_mod(), "TILE_OVERRIDE", tile)
-    _check_decode(2, 8, 37, torch.float32, torch.bfloat16, "ab", True)
-    _check_decode(16, 32, 5, torch.float32, torch.float16, "gb", False)
-    _check_verify(torch.float32, "ab", True)
-
-
 def _check_verify(pdt, gating, l2):
     gen = torch.Generator(device="cuda").manual_seed(11)
     Hk, Hv = 2, 8

@@ -161,9 +161,7 @@ def _check_variant(v: dict) -> None:
                 raise ValueError(f"{what} dtype: expected one of {_GATE_DTYPES}, got {dtype}")
     elif v["gating"] != "gb":
         raise ValueError(f"variant gating: expected 'gb' or 'ab', got {v['gating']!r}")
-    if parse_tile(v["tile"]).state_smem and v["pool_dtype"] != "float32":
-        raise ValueError(f"variant tile: 'm' (the state in shared memory) takes fp32 pools only, got "
-                         f"tile {v['tile']!r} with a {v['pool_dtype']} pool")
+    parse_tile(v["tile"])
 
 
 # ----------------------------------------------------------------------------------------
@@ -181,7 +179,7 @@ def _program(variant: dict):
     gdt = variant["ab_dtype"] if fused else "float32"
     prm = variant["param_dtype"] if fused else "float32"
     bias = (variant.get("bias_dtype") or prm) if fused else "float32"
-    BV, W, QK_SMEM, MIN_BLOCKS, LANES, LD_HINT, ST_HINT, SMEM_STATE = parse_tile(variant["tile"])
+    BV, W, QK_SMEM, MIN_BLOCKS, LANES, LD_HINT, ST_HINT = parse_tile(variant["tile"])
     LD_HINTED, ST_HINTED = bool(LD_HINT), bool(ST_HINT)
     AFTER_CONV = bool(variant.get("after_conv", False))
     COLS = HEAD_DIM // LANES                       # K columns per lane
@@ -287,46 +285,10 @@ def _program(variant: dict):
             gb[1] = Gb[t, h]
 
     @T.macro
-    def step_smem(st, qv, kv, Sq, Sk, Vt, Out, t, h, row0, lk, w, gb):
-        # Tile "m": the rows wait for this thread's own cp.async copies (load_state), then go
-        # through registers one at a time (sv) and back to shared memory.
-        T.ptx_wait_group(0)
-        sv = T.alloc_local((COLS,), f32)
-        for r in T.unroll(R):
-            lr = srow(row0, r) % BV
-            for c in T.unroll(NCH):
-                for e in T.vectorized(VEC):
-                    sv[c * VEC + e] = st[lr, scol(c, lk, e)]
-            d = T.alloc_var(f32)
-            d = 0.0
-            for e in T.unroll(COLS):
-                sv[e] = sv[e] * gb[0]
-                if QK_SMEM:
-                    d += sv[e] * Sk[w, scol(e // VEC, lk, e % VEC)]
-                else:
-                    d += sv[e] * kv[e]
-            for m in T.unroll(SHUFFLES):
-                d += T.shfl_xor(d, 1 << m)
-            delta = gb[1] * (T.cast(Vt[t, h, srow(row0, r)], f32) - d)
-            o = T.alloc_var(f32)
-            o = 0.0
-            for e in T.unroll(COLS):
-                if QK_SMEM:
-                    sv[e] = sv[e] + delta * Sk[w, scol(e // VEC, lk, e % VEC)]
-                    o += sv[e] * Sq[w, scol(e // VEC, lk, e % VEC)]
-                else:
-                    sv[e] = sv[e] + delta * kv[e]
-                    o += sv[e] * qv[e]
-            for m in T.unroll(SHUFFLES):
-                o += T.shfl_xor(o, 1 << m)
-            if lk == 0:
-                Out[t, h, srow(row0, r)] = T.cast(o, io)
-            for c in T.unroll(NCH):
-                for e in T.vectorized(VEC):
-                    st[lr, scol(c, lk, e)] = sv[c * VEC + e]
-
-    @T.macro
-    def step_regs(st, qv, kv, Sq, Sk, Vt, Out, t, h, row0, lk, w, gb):
+    def step(st, qv, kv, Sq, Sk, Vt, Out, t, h, row0, lk, w, gb):
+        # One token on this thread's R rows: decay, delta rule, output (lane 0 of each row).
+        # (q/k element e of this lane: qv[e] / kv[e] in registers, or column scol(e // VEC, lk,
+        # e % VEC) of the warp's staged copy.)
         for r in T.unroll(R):
             d = T.alloc_var(f32)
             d = 0.0
@@ -354,16 +316,6 @@ def _program(variant: dict):
                 Out[t, h, srow(row0, r)] = T.cast(o, io)
 
     @T.macro
-    def step(st, qv, kv, Sq, Sk, Vt, Out, t, h, row0, lk, w, gb):
-        # One token on this thread's R rows: decay, delta rule, output (lane 0 of each row).
-        # (q/k element e of this lane: qv[e] / kv[e] in registers, or column scol(e // VEC, lk,
-        # e % VEC) of the warp's staged copy.)
-        if SMEM_STATE:
-            step_smem(st, qv, kv, Sq, Sk, Vt, Out, t, h, row0, lk, w, gb)
-        else:
-            step_regs(st, qv, kv, Sq, Sk, Vt, Out, t, h, row0, lk, w, gb)
-
-    @T.macro
     def prologue(bv, inter):
         # Every kernel's start: occupancy hint, the vector-alignment facts the host checked
         # (`inter`: the intermediate buffer's strides too), this thread's lane (lk) and first
@@ -384,9 +336,7 @@ def _program(variant: dict):
         tx = T.get_thread_binding()
         lk = tx % LANES
         row0 = bv * BV + (tx // 32) * (RPW * R) + (tx % 32) // LANES
-        # the state: R rows x COLS columns in registers, or (tile "m") the block's BV rows in
-        # shared memory, each thread touching only its own rows' 16-byte pieces (no barrier)
-        st = T.alloc_shared((BV, HEAD_DIM), f32) if SMEM_STATE else T.alloc_local((R, COLS), f32)
+        st = T.alloc_local((R, COLS), f32)
         qv = T.alloc_local((COLS,), f32)
         kv = T.alloc_local((COLS,), f32)
         Sq = T.alloc_shared((W, HEAD_DIM), f32)
@@ -400,7 +350,7 @@ def _program(variant: dict):
         return f"qla_{op}_state_{hint}" + ("" if pdt == "float32" else f"<{VEC}>")
 
     @T.macro
-    def load_state_regs(Pool, slot, h, ctx):
+    def load_state(Pool, slot, h, ctx):
         tx, lk, row0, st, qv, kv, Sq, Sk, gb = ctx
         for r in T.unroll(R):
             for c in T.unroll(NCH):
@@ -412,36 +362,19 @@ def _program(variant: dict):
                         st[r, c * VEC + e] = T.cast(Pool[slot, h, srow(row0, r), scol(c, lk, e)], f32)
 
     @T.macro
-    def load_state(Pool, slot, h, ctx):
-        tx, lk, row0, st, qv, kv, Sq, Sk, gb = ctx
-        if SMEM_STATE:  # one cp.async group of this thread's 16-byte pieces; step_smem waits for it
-            for r in T.unroll(R):
-                for c in T.unroll(NCH):
-                    T.call_extern("handle", "tl::cp_async_gs<16>", T.address_of(st[srow(row0, r) % BV, scol(c, lk, 0)]),
-                                  T.address_of(Pool[slot, h, srow(row0, r), scol(c, lk, 0)]))
-            T.ptx_commit_group()
-        else:
-            load_state_regs(Pool, slot, h, ctx)
-
-    @T.macro
     def store_state(Dst, at, h, ctx):
         # This thread's rows of the state into Dst[at + (h, ...)]: at = (slot,) of the pool or
         # (intermediate id, token) of the intermediate buffer.
         tx, lk, row0, st, qv, kv, Sq, Sk, gb = ctx
         for r in T.unroll(R):
             for c in T.unroll(NCH):
-                # this thread's vector: registers, or (tile "m") its own piece of the shared rows
-                # (the expression inline: a name bound to it in a macro is a let variable, which
-                # address_of does not take)
                 if ST_HINTED:
                     T.call_extern("handle", hinted_io("st", ST_HINT),
                                   T.address_of(Dst[at + (h, srow(row0, r), scol(c, lk, 0))]),
-                                  T.address_of(st[srow(row0, r) % BV, scol(c, lk, 0)] if SMEM_STATE
-                                               else st[r, c * VEC]))
+                                  T.address_of(st[r, c * VEC]))
                 else:
                     for e in T.vectorized(VEC):
-                        Dst[at + (h, srow(row0, r), scol(c, lk, e))] = T.cast(
-                            st[srow(row0, r) % BV, scol(c, lk, e)] if SMEM_STATE else st[r, c * VEC + e], pdt)
+                        Dst[at + (h, srow(row0, r), scol(c, lk, e))] = T.cast(st[r, c * VEC + e], pdt)
 
     @T.macro
     def token(args, ctx, t, h):
@@ -629,13 +562,8 @@ def _commit_program(variant: dict):
 # ----------------------------------------------------------------------------------------
 
 def build(variant: dict, target: str):
-    """Compile ``variant`` for ``target`` (:func:`compile_for`). Tile "m" without TileLang's
-    automatic block barriers: each thread reads back only the shared-memory pieces its own
-    cp.async wrote, after its own wait (and the "s" tiles' q/k staging has its warp syncs)."""
-    if variant.get("op") == "commit":
-        return compile_for(_commit_program, variant, target)
-    own_pieces = parse_tile(variant["tile"]).state_smem
-    return compile_for(_program, variant, target, {"tl.disable_thread_storage_sync": True} if own_pieces else None)
+    """Compile ``variant`` for ``target`` (:func:`compile_for`)."""
+    return compile_for(_commit_program if variant.get("op") == "commit" else _program, variant, target)
 
 
 # (op, device index, q dtype, pool dtype, gate dtypes, l2norm, Hv, Hk, tile) -> launch function.

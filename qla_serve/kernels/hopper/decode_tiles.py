@@ -22,39 +22,32 @@ class Tile(NamedTuple):
     lanes: int         # lanes per state row
     load_hint: str     # cache hint of the state's loads: "" (none), "cg", "cs" or "lu"
     store_hint: str    # ... and of its stores: "" (none), "cg" or "cs"
-    state_smem: bool = False  # the state in shared memory (cp.async in), a row in registers at a time
 
 
 def parse_tile(tile: str) -> Tile:
-    """Tile spec "bv<rows>[w<warps>][l<lanes>][s][m][-mb<n>][-cg|-cs][-l<hint>][-s<hint>]".
+    """Tile spec "bv<rows>[w<warps>][l<lanes>][s][-mb<n>][-cg|-cs][-l<hint>][-s<hint>]".
 
     A warp covers 32 / lanes rows at a time; each thread holds R = rows * lanes / (32 * warps)
     rows (a power of two) x 128 / lanes columns of the state, at most 64 values. The cache hints
     are CUDA's load / store qualifiers on the state's vectors: "-cs" (streaming, evict first) or
-    "-cg" (L2 only) for both, or "-l<cg|cs|lu>" and "-s<cg|cs>" apart. "m" keeps the block's
-    state rows in shared memory instead (fp32 pools only: copied in by 16-byte cp.async.cg, which
-    takes no load hint, and each thread moves one of its rows at a time through registers), so
-    the block needs fewer registers and more blocks fit an SM (FlashInfer's fp32 decode layout).
-    E.g. "bv32s-mb8", "bv8w1" (one warp, 8 rows: 16 blocks per head), "bv16l32" (a warp per row),
-    "bv32l16-cs", "bv8w1l16-cs" (one warp, 8 rows of 16 lanes), "bv4w1l32" (one warp, 4 rows of
-    32 lanes: 32 blocks per head), "bv16l32m-mb16-scs"."""
+    "-cg" (L2 only) for both, or "-l<cg|cs|lu>" and "-s<cg|cs>" apart. E.g. "bv32s-mb8", "bv8w1"
+    (one warp, 8 rows: 16 blocks per head), "bv16l32" (a warp per row), "bv32l16-cs", "bv8w1l16-cs"
+    (one warp, 8 rows of 16 lanes), "bv4w1l32" (one warp, 4 rows of 32 lanes: 32 blocks per head)."""
     import re
-    m = re.fullmatch(r"bv(4|8|16|32|64)(?:w([124]))?(?:l(8|16|32))?(s?)(m?)(?:-mb(\d+))?"
+    m = re.fullmatch(r"bv(4|8|16|32|64)(?:w([124]))?(?:l(8|16|32))?(s?)(?:-mb(\d+))?"
                      r"(?:-(cg|cs)|(?:-l(cg|cs|lu))?(?:-s(cg|cs))?)", str(tile))
     ok = bool(m)
     if ok:
         rows, warps, lanes = int(m.group(1)), int(m.group(2) or _WARPS), int(m.group(3) or _LANES)
         per_thread, rem = divmod(rows * lanes, 32 * warps)
         ok = not rem and per_thread in (1, 2, 4, 8, 16) and per_thread * HEAD_DIM // lanes <= _MAX_STATE_REGS
-        ok = ok and not (m.group(5) and (m.group(7) or m.group(8)))  # "m" loads by cp.async: no load hint
     if not ok:
-        raise ValueError(f"variant tile: expected 'bv<4|8|16|32|64>[w<1|2|4>][l<8|16|32>][s][m][-mb<n>]"
+        raise ValueError(f"variant tile: expected 'bv<4|8|16|32|64>[w<1|2|4>][l<8|16|32>][s][-mb<n>]"
                          f"[-cg|-cs|-l<cg|cs|lu>-s<cg|cs>]' whose threads each hold 1, 2, 4, ... whole "
                          f"rows and at most {_MAX_STATE_REGS} state values (rows * lanes / (32 * warps) "
-                         f"rows of 128 / lanes), with no load hint beside 'm' (a store hint: -s<cg|cs>), "
-                         f"got {tile!r}")
-    return Tile(rows, warps, m.group(4) == "s", int(m.group(6) or 0), lanes,
-                m.group(7) or m.group(8) or "", m.group(7) or m.group(9) or "", m.group(5) == "m")
+                         f"rows of 128 / lanes), got {tile!r}")
+    return Tile(rows, warps, m.group(4) == "s", int(m.group(5) or 0), lanes,
+                m.group(6) or m.group(7) or "", m.group(6) or m.group(8) or "")
 
 
 # The state's cache-hinted loads and stores (the tile's hints): CUDA's __ld<hint> / __st<hint> on
