@@ -276,16 +276,18 @@ def persistent_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_d
     return v
 
 
-def persistent_applies(strategy: str, impl: str, seq_lens=None, units_per_seq: int = 1,
-                       sm_count: int = 132) -> bool:
+def persistent_applies(strategy: str, impl: str, seq_lens=None, units_per_seq: int | None = None,
+                       sm_count: int | None = None) -> bool:
     """Whether a plan's stage 2 runs on the persistent grid: PERSISTENT, no cut, V-first, and
-    (given the plan's sequence lengths, units_per_seq = Hv x v_split units of each and the GPU's
-    SMs) at most PERSISTENT_MAX_MEAN_CHUNKS chunks per sequence on average, dealt evenly enough
-    (static_dealing_chunks; PERSISTENT_UNIT_SAVING)."""
+    (given the plan's sequence lengths, with units_per_seq = Hv x v_split units of each and the
+    GPU's SMs, which the lengths need) at most PERSISTENT_MAX_MEAN_CHUNKS chunks per sequence on
+    average, dealt evenly enough (static_dealing_chunks; PERSISTENT_UNIT_SAVING)."""
     if not (PERSISTENT and strategy != "cp" and impl == "vfirst"):
         return False
     if seq_lens is None:  # the variant lists: every plan may take it
         return True
+    if units_per_seq is None or sm_count is None:
+        raise ValueError("persistent_applies: seq_lens needs units_per_seq and sm_count")
     runs = sorted(collections.Counter((int(n) + CHUNK - 1) // CHUNK for n in seq_lens).items(), reverse=True)
     nseq = len(seq_lens)
     total = sum(c * r for c, r in runs)
