@@ -18,8 +18,8 @@ BF16 = [v for v in C.kernel_variants(HV, HK) if v["io_dtype"] == "bfloat16" and 
 @pytest.mark.parametrize("variant", BF16, ids=lambda v: v["name"])
 def test_conv_variant_compiles(variant, target):
     src = C.build(variant, target).get_kernel_source()
-    # SiLU where it convolves: ex2.approx.ftz in the prefill, __expf in decode and spec
-    assert ("qla_ex2_ftz(" in src) == (variant["op"] == "conv_prefill")
+    # SiLU where it convolves: tanh.approx in the prefill (conv.SILU_FORM), __expf in decode and spec
+    assert (src.count("qla_tanh_approx(") > 1) == (variant["op"] == "conv_prefill")
     assert ("__expf(" in src) == (variant["op"] in ("conv_decode", "conv_spec", "conv_verify"))
     assert "int sc0, int sc1, int sc2" in src        # any conv-state strides: either layout
     if variant["op"] == "conv_prefill":
@@ -54,17 +54,23 @@ def test_verify_slots_compiles(target):
 
 @pytest.mark.compile
 @pytest.mark.parametrize("target", ["sm_90a", "sm_100a"])
-def test_conv_prefill_compiles(target):
+@pytest.mark.parametrize("silu_form", ["tanh", "ex2"])
+def test_conv_prefill_compiles(target, silu_form):
     """conv_prefill's default form (run on the H200 by test_layer_ops_gpu.py): the gates in the
     grid's first column of CTAs (one gate expression, there only), the walkers' warp vote that
     picks the straight-line steps (conv.FAST_STEPS), 4 CTAs per SM kept by a launch bound, no
-    block barrier."""
+    block barrier; its SiLU by tanh.approx on halved weights (conv.SILU_FORM), or by ex2.approx
+    and rcp.approx (the form before it, kept for A/B runs; its variant name unchanged)."""
     v = C.variant("conv_prefill", HV, HK, 4, "bfloat16", "bfloat16", qk_out="float16", ab="bfloat16",
-                  param="float32", gbias="bfloat16", fast_steps=True)
-    assert v["name"].endswith("_fs")
+                  param="float32", gbias="bfloat16", fast_steps=True, silu_form=silu_form)
+    assert v["name"].endswith("_fs_tanh" if silu_form == "tanh" else "_fs")
     src = C.build(v, target).get_kernel_source()
     assert "__all_sync" in src and "__launch_bounds__(128, 4)" in src and "__syncthreads" not in src
     assert src.count("log1pf(") == 1 and "blockIdx.y) == 0" in src
+    # the helpers' definitions once each; the walkers call one of them
+    tanh_calls, ex2_calls = src.count("qla_tanh_approx(") - 1, src.count("qla_ex2_ftz(") - 1
+    assert (tanh_calls > 0, ex2_calls > 0) == (silu_form == "tanh", silu_form == "ex2")
+    assert ("* 0x1p-1f" in src) == (silu_form == "tanh")   # the halved weights and bias
 
 
 def test_steps_per_walk():
@@ -106,3 +112,10 @@ def test_conv_variants_are_unique_and_checked():
         C.variant("conv_decode", HV, HK, 4, "bfloat16", "bfloat16", after_conv=True)
     with pytest.raises(ValueError, match="activation"):
         C.variant("conv_decode", HV, HK, 4, "bfloat16", "bfloat16", activation="gelu")
+    with pytest.raises(ValueError, match="silu_form"):
+        C.variant("conv_prefill", HV, HK, 4, "bfloat16", "bfloat16", ab="bfloat16", param="float32",
+                  gbias="float32", silu_form="erf")
+    # no SiLU, no form: the name and the kernel are the same whatever SILU_FORM says
+    plain = C.variant("conv_prefill", HV, HK, 4, "bfloat16", "bfloat16", activation="none", ab="bfloat16",
+                      param="float32", gbias="float32", silu_form="tanh")
+    assert "silu_form" not in plain and not plain["name"].endswith("_tanh")

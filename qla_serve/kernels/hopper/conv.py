@@ -88,6 +88,13 @@ STAGES = 3
 # 2/8 x 32768 104 -> 76 us, 16 x 512 35 -> 28, 16/64 x 32768 677 -> 535. False: the checked
 # steps alone (A/B only).
 FAST_STEPS = True
+# conv_prefill's SiLU (variant key "silu_form"): "tanh", h + h tanh.approx(h) with h = y / 2 (two
+# instructions per element), or "ex2", y rcp.approx(1 + ex2.approx(-y log2 e)) (five). The
+# kernel is issue-bound (conv_prefill.py's act); tanh.approx.f32's relative error (2^-11)
+# leaves y within bf16's rounding but where SiLU(y) << |y| (y < -2: at most ~2.4e-4 |y|
+# absolute). Measured: benchmarks/layer.md.
+SILU_FORM = "tanh"
+SILU_FORMS = ("tanh", "ex2")
 # the prefill's conv-state write-back launched as the conv_prefill grid's programmatic dependent
 # (conv_prefill_state's after_conv form): its loads (ids, lengths, the new window) overlap the
 # conv's last wave, its stores wait for the conv's end. False: a plain launch after it.
@@ -100,14 +107,14 @@ def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weigh
             activation: str = "silu", bias: bool = True, qk_out: str | None = None,
             ab: str | None = None, param: str | None = None, gbias: str | None = None,
             draft: int = 0, stages: int = STAGES, fast_steps: bool = FAST_STEPS,
-            after_conv: bool = False) -> dict:
+            silu_form: str = SILU_FORM, after_conv: bool = False) -> dict:
     """A JSON-serialisable variant description; ``name`` identifies it.
 
     io: x's dtype (and the outputs' but q/k's); state: the conv state's; weight: the conv
     weight's and bias's (default io); qk_out: conv_prefill's q/k dtype (default io); ab,
     param, gbias: conv_prefill's a/b, A_log, dt_bias dtypes; draft: conv_spec's D; stages:
     conv_prefill's cp.async ring depth (STAGES); fast_steps: its straight-line steps (FAST_STEPS);
-    after_conv:
+    silu_form: its SiLU's instructions (SILU_FORM; with activation "silu" only); after_conv:
     conv_prefill_state's form launched as conv_prefill's programmatic dependent."""
     weight = weight or io
     if op not in OPS:
@@ -132,9 +139,14 @@ def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weigh
                 raise ValueError(f"{what} dtype: expected one of {allowed}, got {dtype}")
         if stages not in (2, 3, 4, 5, 6):
             raise ValueError(f"conv_prefill stages: expected 2..6, got {stages}")
+        if silu_form not in SILU_FORMS:
+            raise ValueError(f"conv_prefill silu_form: expected one of {SILU_FORMS}, got {silu_form!r}")
         v.update(qk_dtype=qk_out, ab_dtype=ab, param_dtype=param, bias_dtype=gbias, stages=stages,
                  fast_steps=bool(fast_steps))
         name += f"_qk-{qk_out}_ab-{ab}-{param}-{gbias}_st{stages}" + ("_fs" if fast_steps else "")
+        if activation == "silu" and silu_form != "ex2":
+            v["silu_form"] = silu_form
+            name += f"_{silu_form}"
     if after_conv:
         if op != "conv_prefill_state":
             raise ValueError(f"after_conv: only conv_prefill_state has that form, got op {op!r}")
@@ -169,7 +181,7 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
             for param, gbias in _GATE_PARAMS(io):
                 out.append(variant("conv_prefill", num_v_heads, num_k_heads, 4, io, io, qk_out="float16",
                                    ab=io, param=param, gbias=gbias, stages=STAGES, fast_steps=FAST_STEPS,
-                                   **common))
+                                   silu_form=SILU_FORM, **common))
             for after in (False, True):
                 out.append(variant("conv_prefill_state", num_v_heads, num_k_heads, 4, io, io,
                                    after_conv=after, **common))
@@ -478,16 +490,18 @@ def conv_prefill(x, conv_state, weight, bias, slot_ids, has_initial_state, cu_se
     hv, hk, width = v_out.shape[1], q_out.shape[1], weight.shape[1]
     if T_:
         walk = steps_per_walk(T_, 2 * hk + hv, sm_count(x.device))
-        stages, fast = STAGES, FAST_STEPS
+        stages, fast, silu_form = STAGES, FAST_STEPS, SILU_FORM
         key = ("conv_prefill", x.device, x.dtype, conv_state.dtype, weight.dtype, q_out.dtype, a.dtype,
-               A_log.dtype, dt_bias.dtype, hv, hk, width, activation, bias is not None, stages, fast)
+               A_log.dtype, dt_bias.dtype, hv, hk, width, activation, bias is not None, stages, fast,
+               silu_form)
 
         def make():
             io, sdt, wdt = _names(x, conv_state, weight)
             ab, prm, gb = gate_dtype_names(a, b, A_log, dt_bias)
             return variant("conv_prefill", hv, hk, width, io, sdt, weight=wdt, activation=activation,
                            bias=bias is not None, qk_out=_dtype_name(q_out.dtype, "q_out", _IO_DTYPES),
-                           ab=ab, param=prm, gbias=gb, stages=stages, fast_steps=fast)
+                           ab=ab, param=prm, gbias=gb, stages=stages, fast_steps=fast,
+                           silu_form=silu_form)
         _launch_fn(key, make, x.device)(x, conv_state, weight, _bias_arg(bias, weight), slot_ids,
                                         has_initial_state, cu_seqlens, a, b, A_log, dt_bias,
                                         q_out, k_out, v_out, g_out, beta_out, walk)

@@ -31,6 +31,11 @@ __device__ __forceinline__ float qla_ex2_ftz(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
+__device__ __forceinline__ float qla_tanh_approx(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
 """
 
 
@@ -63,13 +68,23 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
     FS = v["fast_steps"]
     VEC, LANES = 8, HEAD_DIM // 8        # 16-byte vectors; a half-warp covers 128 channels
     silu = v["activation"] == "silu"
+    tanh_silu = silu and v.get("silu_form") == "tanh"
+    # the tanh form takes h = y / 2: the weights and bias are halved as they load (exact in fp32)
+    wscale = 0.5 if tanh_silu else 1.0
 
     def act(y):
-        # SiLU from the fast intrinsics (ex2.approx.ftz, rcp.approx): the precise expf and IEEE
-        # division were most of this kernel's instructions (H200, 2/8 x 32768: 149 -> 114 us), and
-        # __expf's denormal handling 3 more per element (ex2 flushes a denormal result to zero:
-        # 1 + a denormal is 1 either way, so y is the same)
-        return y * T.fast_rcp(1.0 + T.call_extern("float32", "qla_ex2_ftz", y * -LOG2E)) if silu else y
+        # (y is h = y / 2 in the tanh form.) SiLU(y) = y sigmoid(y) = h + h tanh(h): one MUFU.TANH
+        # and one FFMA per element where the ex2 form takes five instructions (FMUL, MUFU.EX2,
+        # FADD, MUFU.RCP, FMUL) and this kernel is issue-bound (ncu: 2.2 warp instructions per
+        # SM cycle); tanh.approx.f32's error (2^-11 relative) is below bf16's rounding of y
+        # (conv.SILU_FORM). The ex2 form: the fast intrinsics ex2.approx.ftz, rcp.approx (the
+        # precise expf and IEEE division were most of this kernel's instructions, H200 2/8 x 32768
+        # 149 -> 114 us; ex2 flushes a denormal result to zero: 1 + a denormal is 1 either way).
+        if not silu:
+            return y
+        if tanh_silu:
+            return y * T.call_extern("float32", "qla_tanh_approx", y) + y
+        return y * T.fast_rcp(1.0 + T.call_extern("float32", "qla_ex2_ftz", y * -LOG2E))
     ntok, N = T.dynamic("ntok N")
     sx0, sa0, sa1, sb0, sb1, sal, sdt = T.dynamic("sx0 sa0 sa1 sb0 sb1 sal sdt")
 
@@ -218,9 +233,9 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
                 buf[i, e] = X[T.min(T.max(tb - H + i, 0), ntok - 1), c0 + g * VEC + e]
         for i in T.unroll(W):
             for e in T.unroll(VEC):
-                w[i, e] = T.cast(Wt[c0 + g * VEC + e, i], f32)
+                w[i, e] = T.cast(Wt[c0 + g * VEC + e, i], f32) * wscale
         for e in T.unroll(VEC):
-            bias8[e] = T.cast(Bias[c0 + g * VEC + e], f32) if v["bias"] else 0.0
+            bias8[e] = T.cast(Bias[c0 + g * VEC + e], f32) * wscale if v["bias"] else 0.0
         seq[0] = 0
         seq[1] = 0
         seq[2] = -1
