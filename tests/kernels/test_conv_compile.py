@@ -3,7 +3,6 @@
 kernel_variants() lists for 2/8 heads in bf16, for sm_90a and sm_100a."""
 
 import importlib
-import re
 
 import pytest
 
@@ -74,30 +73,6 @@ def test_conv_prefill_compiles(target, silu_form):
     assert ("* 0x1p-1f" in src) == (silu_form == "tanh")   # the halved weights and bias
 
 
-@pytest.mark.compile
-@pytest.mark.parametrize("target", ["sm_90a", "sm_100a"])
-def test_conv_prefill_state_write_compiles(target):
-    """conv_prefill writing the conv state back itself (conv.STATE_WRITE; run on the H200 by
-    test_layer_ops_gpu.py against the reference, slots outside the batch untouched): each walk's
-    second search (the sequence its range ends in), the window stores, the gate CTAs' zeroing
-    of empty sequences' windows; still no block barrier."""
-    v = C.variant("conv_prefill", HV, HK, 4, "bfloat16", "bfloat16", qk_out="float16", ab="bfloat16",
-                  param="float32", gbias="bfloat16", fast_steps=True, state_write=True)
-    assert v["name"].endswith("_fs_tanh_ws") and v["state_write"]
-    src = C.build(v, target).get_kernel_source()
-    assert "Cu[((int64_t)mid2)]" in src                  # the range end's sequence, beside the start's
-    assert "__syncthreads" not in src
-    plain = C.build(C.variant("conv_prefill", HV, HK, 4, "bfloat16", "bfloat16", qk_out="float16",
-                              ab="bfloat16", param="float32", gbias="bfloat16", fast_steps=True),
-                    target).get_kernel_source()
-    # stores into the conv state (a statement that starts with it): the window from the input rows
-    # (in registers at a sequence's last token, loaded at a walk's end), from the old window, zeros
-    # (also the gate CTAs'); the plain form only reads it
-    stores = re.findall(r"^\s*CS\[.*\] = (\w+)", src, re.M)
-    assert sorted(set(stores)) == ["CS", "bfloat16_t", "buf"]
-    assert not re.search(r"^\s*CS\[", plain, re.M)
-
-
 def test_steps_per_walk():
     """Short walks (<= SHORT_WALK_STEPS) that leave ~CTAS_PER_SM CTAs per SM while the batch is
     small; long ones (<= MAX_STEPS_PER_WALK) once it gives LONG_WALK_CTAS_PER_SM CTAs per SM of
@@ -117,11 +92,9 @@ def test_steps_per_walk():
 def test_conv_variants_are_unique_and_checked():
     vs = C.kernel_variants(32, 16)
     names = [v["name"] for v in vs]
-    # io x bias x (3 prefill (gate params), the plain state write-back (prefills without tokens,
-    # checkpoints; its after_conv form too where the prefill conv does not write the state
-    # itself), decode, 3 spec, 3 SGLang verify)
-    assert len(names) == len(set(names)) == 2 * 2 * (11 if C.STATE_WRITE else 12)
-    assert all(v.get("state_write") == (C.STATE_WRITE or None) for v in vs if v["op"] == "conv_prefill")
+    # io x bias x (3 prefill (gate params), 2 state (plain, after_conv), decode, 3 spec, 3 SGLang
+    # verify)
+    assert len(names) == len(set(names)) == 2 * 2 * 12
     assert sum(v["op"] == "conv_verify" for v in vs) == 2 * 2 * 3
     from qla_serve.kernels import hopper
     listed = hopper.kernel_variants(32, 16)

@@ -99,9 +99,6 @@ SILU_FORMS = ("tanh", "ex2")
 # (conv_prefill_state's after_conv form): its loads (ids, lengths, the new window) overlap the
 # conv's last wave, its stores wait for the conv's end. False: a plain launch after it.
 WRITE_BACK_AFTER_CONV = True
-# conv_prefill writes the conv state back itself (variant key "state_write"; conv_prefill.py's
-# docstring says how): one launch instead of two. False: conv_prefill_state after it (A/B).
-STATE_WRITE = True
 MAX_SEQS = 1 << SEARCH_STEPS  # conv_prefill's binary search over cu_seqlens runs SEARCH_STEPS halvings
 OPS = ("conv_prefill", "conv_prefill_state", "conv_decode", "conv_spec", "conv_verify")
 
@@ -110,15 +107,14 @@ def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weigh
             activation: str = "silu", bias: bool = True, qk_out: str | None = None,
             ab: str | None = None, param: str | None = None, gbias: str | None = None,
             draft: int = 0, stages: int = STAGES, fast_steps: bool = FAST_STEPS,
-            silu_form: str = SILU_FORM, state_write: bool = False, after_conv: bool = False) -> dict:
+            silu_form: str = SILU_FORM, after_conv: bool = False) -> dict:
     """A JSON-serialisable variant description; ``name`` identifies it.
 
     io: x's dtype (and the outputs' but q/k's); state: the conv state's; weight: the conv
     weight's and bias's (default io); qk_out: conv_prefill's q/k dtype (default io); ab,
     param, gbias: conv_prefill's a/b, A_log, dt_bias dtypes; draft: conv_spec's D; stages:
     conv_prefill's cp.async ring depth (STAGES); fast_steps: its straight-line steps (FAST_STEPS);
-    silu_form: its SiLU's instructions (SILU_FORM; with activation "silu" only); state_write: it
-    writes the conv state back itself (STATE_WRITE); after_conv:
+    silu_form: its SiLU's instructions (SILU_FORM; with activation "silu" only); after_conv:
     conv_prefill_state's form launched as conv_prefill's programmatic dependent."""
     weight = weight or io
     if op not in OPS:
@@ -151,9 +147,6 @@ def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weigh
         if activation == "silu" and silu_form != "ex2":
             v["silu_form"] = silu_form
             name += f"_{silu_form}"
-        if state_write:
-            v["state_write"] = True
-            name += "_ws"
     if after_conv:
         if op != "conv_prefill_state":
             raise ValueError(f"after_conv: only conv_prefill_state has that form, got op {op!r}")
@@ -188,10 +181,8 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
             for param, gbias in _GATE_PARAMS(io):
                 out.append(variant("conv_prefill", num_v_heads, num_k_heads, 4, io, io, qk_out="float16",
                                    ab=io, param=param, gbias=gbias, stages=STAGES, fast_steps=FAST_STEPS,
-                                   silu_form=SILU_FORM, state_write=STATE_WRITE, **common))
-            # the write-back kernel: prefills with no tokens and checkpoint windows; and after the
-            # conv unless that writes the state itself
-            for after in (False,) if STATE_WRITE else (False, True):
+                                   silu_form=SILU_FORM, **common))
+            for after in (False, True):
                 out.append(variant("conv_prefill_state", num_v_heads, num_k_heads, 4, io, io,
                                    after_conv=after, **common))
             out.append(variant("conv_decode", num_v_heads, num_k_heads, 4, io, io, **common))
@@ -492,19 +483,17 @@ def conv_prefill(x, conv_state, weight, bias, slot_ids, has_initial_state, cu_se
     """x [T, dim] (unit channel stride), conv_state [S, dim, L], weight [dim, W], bias [dim] or
     None, slot_ids [N] int32, has_initial_state [N] int8 (a bool tensor's view), cu_seqlens
     [N+1] int32, a, b [T, Hv], A_log, dt_bias [Hv] -> q_out, k_out [T, Hk, 128], v_out
-    [T, Hv, 128], g_out, beta_out [T, Hv] fp32 (contiguous); and the conv-state write-back (in the
-    same kernel with STATE_WRITE, else conv_window after it; conv_window alone without tokens)."""
+    [T, Hv, 128], g_out, beta_out [T, Hv] fp32 (contiguous); then the conv-state write-back."""
     T_, N = x.shape[0], slot_ids.shape[0]
     if N > MAX_SEQS:  # the kernel's binary search over cu_seqlens takes SEARCH_STEPS halvings
         raise ValueError(f"slot_ids: the conv prefill kernel takes at most {MAX_SEQS} sequences, got {N}")
     hv, hk, width = v_out.shape[1], q_out.shape[1], weight.shape[1]
-    state_write = STATE_WRITE
     if T_:
         walk = steps_per_walk(T_, 2 * hk + hv, sm_count(x.device))
         stages, fast, silu_form = STAGES, FAST_STEPS, SILU_FORM
         key = ("conv_prefill", x.device, x.dtype, conv_state.dtype, weight.dtype, q_out.dtype, a.dtype,
                A_log.dtype, dt_bias.dtype, hv, hk, width, activation, bias is not None, stages, fast,
-               silu_form, state_write)
+               silu_form)
 
         def make():
             io, sdt, wdt = _names(x, conv_state, weight)
@@ -512,11 +501,11 @@ def conv_prefill(x, conv_state, weight, bias, slot_ids, has_initial_state, cu_se
             return variant("conv_prefill", hv, hk, width, io, sdt, weight=wdt, activation=activation,
                            bias=bias is not None, qk_out=_dtype_name(q_out.dtype, "q_out", _IO_DTYPES),
                            ab=ab, param=prm, gbias=gb, stages=stages, fast_steps=fast,
-                           silu_form=silu_form, state_write=state_write)
+                           silu_form=silu_form)
         _launch_fn(key, make, x.device)(x, conv_state, weight, _bias_arg(bias, weight), slot_ids,
                                         has_initial_state, cu_seqlens, a, b, A_log, dt_bias,
                                         q_out, k_out, v_out, g_out, beta_out, walk)
-    if N and not (T_ and state_write):
+    if N:
         conv_window(x, conv_state, slot_ids, has_initial_state, cu_seqlens, num_v_heads=hv, width=width,
                     weight_dtype=weight.dtype, after_conv=bool(T_) and WRITE_BACK_AFTER_CONV)
 

@@ -7,16 +7,9 @@ For x = mixed_qkv [T, (2 Hk + Hv) 128] packed by cu_seqlens, per token t of sequ
     q[t, h] = y[t, q_h] / ||y[t, q_h]||,  k likewise (fp32 math, stored as the variant's q/k
     dtype), v[t, h] = y[t, v_h],  g[t, h] = -exp(A_log[h]) softplus(a[t, h] + dt_bias[h]),
     beta[t, h] = sigmoid(b[t, h])
-The conv-state write-back, conv_state[slot_s, c, i] = e_s[len_s - (W - 1) + i], is this kernel's
-in the variants with "state_write" (conv.STATE_WRITE): a walk owns the tokens of its range, moved
-past the first W - 1 tokens of any sequence that the range boundary would cut, so that the walk
-holding a sequence's first token holds every token that reads the sequence's old window. That
-walk writes the new window after those reads (same thread, same channels): at the sequence's
-last token from the input rows in its registers, or, for a sequence that runs on past the walk,
-at the walk's end from the sequence's last W - 1 input rows. The gate CTAs zero the windows of
-empty sequences without a history (nothing reads them). Without "state_write", the conv state
-is only read here and conv.py's conv_prefill_state writes it back afterwards (a second launch,
-this grid's programmatic dependent).
+The conv state is only read here; conv.py's conv_prefill_state writes it back afterwards (a
+sequence spans several walks, and the walk that would write its new window cannot know that the
+one reading its old history has read it), launched as this grid's programmatic dependent.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
@@ -73,8 +66,6 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
     U = GROUP
     NS = v["stages"]
     FS = v["fast_steps"]
-    WS = v.get("state_write", False)     # the conv-state write-back in this kernel (module docstring)
-    state_dt = v["conv_state_dtype"]
     VEC, LANES = 8, HEAD_DIM // 8        # 16-byte vectors; a half-warp covers 128 channels
     silu = v["activation"] == "silu"
     tanh_silu = silu and v.get("silu_form") == "tanh"
@@ -114,56 +105,6 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
         seq[0] = Cu[lo]
         seq[1] = Cu[lo + 1]
         seq[2] = T.if_then_else(HasInit[lo] != 0, Slots[lo], -1)
-        if WS:
-            seq[3] = Slots[lo]
-
-    @T.macro
-    def find_walk_sequences(Cu, Slots, HasInit, t, t_last, seq, last):
-        # find_sequence(t) into seq, and (start, end) of the sequence holding t_last into last: two
-        # binary searches in one loop, their loads independent
-        lo = T.alloc_var(i32)
-        hi = T.alloc_var(i32)
-        lo2 = T.alloc_var(i32)
-        hi2 = T.alloc_var(i32)
-        lo = 0
-        hi = N
-        lo2 = 0
-        hi2 = N
-        for _ in T.serial(SEARCH_STEPS):
-            if hi - lo > 1:
-                mid = (lo + hi) // 2
-                if Cu[mid] <= t:
-                    lo = mid
-                else:
-                    hi = mid
-            if hi2 - lo2 > 1:
-                mid2 = (lo2 + hi2) // 2
-                if Cu[mid2] <= t_last:
-                    lo2 = mid2
-                else:
-                    hi2 = mid2
-        seq[0] = Cu[lo]
-        seq[1] = Cu[lo + 1]
-        seq[2] = T.if_then_else(HasInit[lo] != 0, Slots[lo], -1)
-        seq[3] = Slots[lo]
-        last[0] = Cu[lo2]
-        last[1] = Cu[lo2 + 1]
-
-    @T.macro
-    def write_window_from_rows(CS, u, c0, g, buf, seq):
-        # (WS) at sequence seq's last token t = seq[1] - 1, step row u: its new window, e_s[n - H + j]
-        # for j < H, is input rows t - H + 1 .. t (buf[u + 1 + j]) where they lie in the sequence,
-        # the old window's column n + j before that (read before any column it is written to:
-        # n + j > every column written so far), zeros without a history
-        n = seq[1] - seq[0]
-        for j in T.unroll(H):
-            for e in T.unroll(VEC):
-                if n - H + j >= 0:
-                    CS[seq[3], c0 + g * VEC + e, j] = T.cast(buf[u + 1 + j, e], state_dt)
-                elif seq[2] >= 0:
-                    CS[seq[3], c0 + g * VEC + e, j] = CS[seq[2], c0 + g * VEC + e, n + j]
-                else:
-                    CS[seq[3], c0 + g * VEC + e, j] = T.cast(0, state_dt)
 
     @T.macro
     def issue_rows(X, ring, t0, tend, wk, g, c0, slot):
@@ -177,13 +118,11 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
         T.ptx_commit_group()
 
     @T.macro
-    def conv_token(CS, Qo, Ko, Vo, kind, t, tstart, tend, u, c0, hb, g, w, bias8, acc, buf, seq, checked=True):
+    def conv_token(CS, Qo, Ko, Vo, kind, t, tend, u, c0, hb, g, w, bias8, acc, buf, seq, checked=True):
         # kind (a Python constant): 0 q, 1 k, 2 v channels. buf[u + i] is input row t - H + i.
         # checked=False (a Python constant): the caller knows t - seq start >= W - 1 and t < tend.
-        # Tokens outside [tstart, tend) are not this walk's: nothing stored, no history read.
         rel = t - seq[0]
         hist = seq[2]
-        mine = t < tend and (not WS or t >= tstart)
         for e in T.unroll(VEC):
             acc[e] = bias8[e]
         for i in T.unroll(W):
@@ -191,13 +130,13 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
                 for e in T.unroll(VEC):
                     acc[e] += w[i, e] * T.cast(buf[u + i, e], f32)
             else:
-                if hist >= 0 and (not WS or t >= tstart):   # a tap before the sequence: its history
+                if hist >= 0:                # a tap before the sequence: its history
                     for e in T.unroll(VEC):
                         acc[e] += w[i, e] * T.cast(CS[hist, c0 + g * VEC + e, rel + i], f32)
         for e in T.unroll(VEC):
             acc[e] = act(acc[e])
         if kind == 2:
-            if not checked or mine:
+            if not checked or t < tend:
                 for e in T.vectorized(VEC):
                     Vo[t, hb - 2 * Hk, g * VEC + e] = T.cast(acc[e], io)
         else:
@@ -210,7 +149,7 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
             for m in T.unroll(4):                # the 16 lanes of a row: xor 1, 2, 4, 8
                 ss += T.shfl_xor(ss, 1 << m)
             rn = T.rsqrt(ss + 1e-6)
-            if not checked or mine:
+            if not checked or t < tend:
                 if kind == 0:
                     for e in T.vectorized(VEC):
                         Qo[t, hb, g * VEC + e] = T.cast(acc[e] * rn, qk)
@@ -219,29 +158,24 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
                         Ko[t, hb - Hk, g * VEC + e] = T.cast(acc[e] * rn, qk)
 
     @T.macro
-    def checked_step(CS, Qo, Ko, Vo, Cu, Slots, HasInit, tg, tstart, tend, c0, hb, g, w, bias8, acc, buf, seq):
-        # one step's GROUP tokens, each checked: sequence changes, history taps, the range's end;
-        # (WS) the window of a sequence that starts in this walk (seq[3] >= 0) written at its last
-        # token (every sequence entered here starts here)
+    def checked_step(CS, Qo, Ko, Vo, Cu, Slots, HasInit, tg, tend, c0, hb, g, w, bias8, acc, buf, seq):
+        # one step's GROUP tokens, each checked: sequence changes, history taps, the range's end
         for u in T.unroll(U):
             t = tg + u
             if t >= seq[1] and t < tend:  # the walk enters the next (non-empty) sequence
                 find_sequence(Cu, Slots, HasInit, t, seq)
             if hb < Hk:
-                conv_token(CS, Qo, Ko, Vo, 0, t, tstart, tend, u, c0, hb, g, w, bias8, acc, buf, seq)
+                conv_token(CS, Qo, Ko, Vo, 0, t, tend, u, c0, hb, g, w, bias8, acc, buf, seq)
             elif hb < 2 * Hk:
-                conv_token(CS, Qo, Ko, Vo, 1, t, tstart, tend, u, c0, hb, g, w, bias8, acc, buf, seq)
+                conv_token(CS, Qo, Ko, Vo, 1, t, tend, u, c0, hb, g, w, bias8, acc, buf, seq)
             else:
-                conv_token(CS, Qo, Ko, Vo, 2, t, tstart, tend, u, c0, hb, g, w, bias8, acc, buf, seq)
-            if WS:
-                if t == seq[1] - 1 and t < tend and seq[3] >= 0:
-                    write_window_from_rows(CS, u, c0, g, buf, seq)
+                conv_token(CS, Qo, Ko, Vo, 2, t, tend, u, c0, hb, g, w, bias8, acc, buf, seq)
 
     @T.macro
     def straight_step(CS, Qo, Ko, Vo, kind, tg, tend, c0, hb, g, w, bias8, acc, buf, seq):
         # one step's GROUP tokens of one kind, unchecked (FAST_STEPS: the caller's warp vote)
         for u in T.unroll(U):
-            conv_token(CS, Qo, Ko, Vo, kind, tg + u, tg, tend, u, c0, hb, g, w, bias8, acc, buf, seq, False)
+            conv_token(CS, Qo, Ko, Vo, kind, tg + u, tend, u, c0, hb, g, w, bias8, acc, buf, seq, False)
 
     @T.macro
     def gate_block(A, Bt, A_log, dt_bias, Go, Bo, t0, tx, tokens):
@@ -274,46 +208,24 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
                     Bo[t0 + i // Hv, i % Hv] = sigmoid(T, gbv[e])
 
     @T.macro
-    def zero_empty_windows(CS, Slots, HasInit, Cu, bx, ngate, tx):
-        # (WS, gate CTA bx of ngate) an empty sequence's new window is its old one (nothing to write)
-        # or, without a history, zeros: no walk visits it, and nothing reads its slot
-        for r in T.serial(T.ceildiv(N, ngate)):
-            s = r * ngate + bx
-            if s < N:
-                if Cu[s] == Cu[s + 1] and Slots[s] >= 0 and HasInit[s] == 0:
-                    for i in T.serial(T.ceildiv(DIM * H, 128)):
-                        if i * 128 + tx < DIM * H:
-                            CS[Slots[s], (i * 128 + tx) // H, (i * 128 + tx) % H] = T.cast(0, state_dt)
-
-    @T.macro
     def walk_block(X, CS, Wt, Bias, Slots, HasInit, Cu, Qo, Ko, Vo, walk, bx, hb, tx, ring):
         # the CTA's 8 half-warps walking channel block hb (the docstring above)
         c0 = hb * HEAD_DIM
         g = tx % LANES
         T.assume(sx0 % VEC == 0)
         tb = (bx * WALKERS + tx // LANES) * (U * walk)    # this half-warp's first token
-        tend0 = T.min(tb + U * walk, ntok)                # ... and its range's end
+        tend = T.min(tb + U * walk, ntok)
         w = T.alloc_local((W, VEC), f32)
         bias8 = T.alloc_local((VEC,), f32)
         acc = T.alloc_local((VEC,), f32)
         buf = T.alloc_local((H + U, VEC), io)
-        # the current sequence's start, end, history slot (-1: none) and (WS) slot if this walk
-        # writes its window (it starts here), else -1
-        seq = T.alloc_local((4 if WS else 3,), i32)
-        last = T.alloc_local((2,), i32)     # (WS) start, end of the sequence holding tend0 - 1
-        # (WS) the tokens this walk owns, [tstart, tend): the range moved past any sequence's first
-        # W - 1 tokens that it cuts, so that one walk reads a sequence's old window and writes its
-        # new one (module docstring)
-        tstart = T.alloc_var(i32)
-        tend = T.alloc_var(i32)
-        tstart = tb
-        tend = tend0
+        seq = T.alloc_local((3,), i32)      # the current sequence's start, end, history slot
         wk = tx // LANES
         # The walk's start: every load that does not depend on its sequence first (the ring's
         # first rows, the rows before the walk, the weights), so that their latencies
         # overlap, then the sequence search's dependent loads.
         for p in T.unroll(NS - 1):
-            issue_rows(X, ring, tb + p * U, T.min(tend0 + (H - 1), ntok) if WS else tend0, wk, g, c0, p)
+            issue_rows(X, ring, tb + p * U, tend, wk, g, c0, p)
         for i in T.unroll(H):
             # the W - 1 rows before the walk (clamped into [0, ntok): a row before the
             # sequence's start is never read, its taps come from the conv state)
@@ -327,19 +239,9 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
         seq[0] = 0
         seq[1] = 0
         seq[2] = -1
-        if WS:
-            seq[3] = -1
         if tb < ntok:
-            if WS:
-                find_walk_sequences(Cu, Slots, HasInit, tb, tend0 - 1, seq, last)
-                if seq[0] < tb:     # the range starts inside a sequence: skip what is left of its head
-                    tstart = T.max(tb, T.min(seq[0] + H, seq[1]))
-                    seq[3] = -1     # and its window is another walk's
-                if tend0 < ntok:    # ... and ends inside one: run on to the end of its head
-                    tend = T.max(tend0, T.min(last[0] + H, last[1]))
-            else:
-                find_sequence(Cu, Slots, HasInit, tb, seq)
-        for step in T.serial(T.ceildiv(T.max(tend - tb, 0), U) if WS else walk):
+            find_sequence(Cu, Slots, HasInit, tb, seq)
+        for step in T.serial(walk):
             tg = tb + step * U
             # rows of step + NS - 1 start while this step computes; each thread reads back
             # only the 16-byte pieces it copied itself (no barrier)
@@ -350,10 +252,8 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
                     buf[H + u, e] = ring[step % NS, wk, u, g * VEC + e]
             if FS:
                 # straight-line where every lane of the warp may (the L2 norm's shuffles need
-                # both half-warps on the same path): a warp vote. (WS: a sequence's last token
-                # is always a checked step's, which writes its window)
-                ends_after = (tg + U < seq[1]) if WS else (tg + U <= seq[1])
-                inside = (tg - seq[0] >= H) and ends_after and (tg + U <= tend)
+                # both half-warps on the same path): a warp vote
+                inside = (tg - seq[0] >= H) and (tg + U <= seq[1]) and (tg + U <= tend)
                 if T.call_extern("int32", "__all_sync", T.uint32(0xFFFFFFFF),
                                  T.if_then_else(inside, 1, 0)) != 0:
                     if hb < Hk:
@@ -363,24 +263,14 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
                     else:
                         straight_step(CS, Qo, Ko, Vo, 2, tg, tend, c0, hb, g, w, bias8, acc, buf, seq)
                 else:
-                    checked_step(CS, Qo, Ko, Vo, Cu, Slots, HasInit, tg, tstart, tend, c0, hb, g, w, bias8, acc,
+                    checked_step(CS, Qo, Ko, Vo, Cu, Slots, HasInit, tg, tend, c0, hb, g, w, bias8, acc,
                                  buf, seq)
             else:
-                checked_step(CS, Qo, Ko, Vo, Cu, Slots, HasInit, tg, tstart, tend, c0, hb, g, w, bias8, acc, buf,
+                checked_step(CS, Qo, Ko, Vo, Cu, Slots, HasInit, tg, tend, c0, hb, g, w, bias8, acc, buf,
                              seq)
             for i in T.unroll(H):            # the last W - 1 rows open the next group
                 for e in T.vectorized(VEC):
                     buf[i, e] = buf[U + i, e]
-        if WS:
-            # a sequence that starts in this range and runs on past it: its window is its last W - 1
-            # inputs (it is longer than W - 1: the range ran to the end of its head)
-            if seq[1] > tend and seq[3] >= 0:
-                for j in T.unroll(H):
-                    for e in T.vectorized(VEC):
-                        buf[j, e] = X[seq[1] - H + j, c0 + g * VEC + e]
-                for j in T.unroll(H):
-                    for e in T.unroll(VEC):
-                        CS[seq[3], c0 + g * VEC + e, j] = T.cast(buf[j, e], state_dt)
 
     @T.prim_func
     def gdn_conv_prefill(
@@ -406,7 +296,6 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
             T.import_source(FAST_MATH_SOURCE)
             # the conv-state write-back (conv.py's conv_prefill_state, after_conv form) may launch
             # now: it loads its windows while this grid runs, and stores once it has finished
-            # (WS: no write-back follows, and no launch waits on this)
             T.pdl_trigger()
             if FS:   # the straight-line steps need 162 registers unbounded: keep 4 CTAs per SM (128)
                 T.annotate_min_blocks_per_sm(4)
@@ -414,8 +303,6 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
             ring = T.alloc_shared((NS, WALKERS, U, HEAD_DIM), io)   # per-thread pieces, see issue_rows
             if by == 0:     # the gate CTAs: the grid's first column, dispatched first
                 gate_block(A, Bt, A_log, dt_bias, Go, Bo, bx * (WALKERS * U * walk), tx, WALKERS * U * walk)
-                if WS:
-                    zero_empty_windows(CS, Slots, HasInit, Cu, bx, T.ceildiv(ntok, WALKERS * U * walk), tx)
             else:
                 walk_block(X, CS, Wt, Bias, Slots, HasInit, Cu, Qo, Ko, Vo, walk, bx, by - 1, tx, ring)
 
