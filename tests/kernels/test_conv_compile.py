@@ -74,14 +74,15 @@ def test_conv_prefill_compiles(target, silu_form):
 
 
 def test_steps_per_walk():
-    """Short walks (<= SHORT_WALK_STEPS) that leave ~CTAS_PER_SM CTAs per SM while the batch is
-    small; long ones (<= MAX_STEPS_PER_WALK) once it gives LONG_WALK_CTAS_PER_SM CTAs per SM of
-    them (steps of GROUP tokens per half-warp, WALKERS half-warps per CTA); powers of two."""
+    """Walks of up to SHORT_WALK_STEPS that leave ~CTAS_PER_SM CTAs per SM while the batch is
+    small; QUICK_WALK_STEPS once it gives MANY_CTAS_PER_SM CTAs per SM of them (steps of GROUP
+    tokens per half-warp, WALKERS half-warps per CTA); powers of two."""
     per_step = C.GROUP * C.WALKERS
     assert C.steps_per_walk(1, 12, 132) == 1
     assert C.steps_per_walk(4 * 512, 12, 132) == 4 * 512 // per_step * 12 // (132 * C.CTAS_PER_SM)
     assert C.steps_per_walk(32768, 12, 132) == C.SHORT_WALK_STEPS     # 2/8 heads: short walks
-    assert C.steps_per_walk(32768, 96, 132) == C.MAX_STEPS_PER_WALK     # 16/64 heads: long ones
+    assert C.steps_per_walk(32768, 96, 132) == C.QUICK_WALK_STEPS       # 16/64 heads: 186 CTAs per SM
+    assert C.steps_per_walk(32768, 24, 132) == C.SHORT_WALK_STEPS       # 4/16 heads: 46
     assert C.steps_per_walk(16 * 512, 96, 132) == C.SHORT_WALK_STEPS
     assert C.steps_per_walk(16 * 512, 12, 132) == C.SHORT_WALK_STEPS    # 2/8 heads, 8192 tokens
     assert C.steps_per_walk(1024, 12, 132) == 1                         # 384 steps: 1.45 -> 1

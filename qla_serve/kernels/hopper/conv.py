@@ -66,16 +66,18 @@ from .common import (_GATE_DTYPES, _IO_DTYPES, _check_heads, _dtype_name,
 CONV_STATE_DTYPES = ("bfloat16", "float16", "float32")
 WIDTHS = (2, 3, 4, 5, 6, 7, 8)
 ACTIVATIONS = ("silu", "none")
-# conv_prefill's walk length (steps_per_walk): short walks (<= 8 steps) while the batch gives
-# CTAS_PER_SM CTAs per SM of them, long walks (<= 32 steps) once it gives LONG_WALK_CTAS_PER_SM
-# of those (H200, benchmarks/layer.md: 16/64 x 32768 533 us at 32 steps against 590 at 8;
-# 2/8 x 32768 62 us at 8 steps, 64 at 32; with the gates once per walk (the form then), 8 steps
-# beat 2 at 8192 tokens:
-# 2/8 19.2 against 24.1 us, 16/64 16 x 512 129 against 168)
+# conv_prefill's walk length (steps_per_walk): up to SHORT_WALK_STEPS while the batch gives
+# CTAS_PER_SM CTAs per SM of them; QUICK_WALK_STEPS where even those give MANY_CTAS_PER_SM. H200,
+# since the gate CTAs and the tanh SiLU (benchmarks/layer.md, walk sweep of 2026-12-04), kernel us
+# at 2/4/8/16/32 steps: 2/8 x 32768 67.1/56.8/57.0/58.8/69.7, 1 x 8192 21.4/18.5/17.5/20.3/25.2;
+# 4/16 x 32768 128.4/108.0/108.5/110.0/117.9; 16/64 16 x 512 139.6/114.0/110.8/123.4/181.6, x 32768
+# 492.6/418.0/424.8/424.6/427.3 (186 CTAs per SM at 4 steps; 4/16 x 32768 and 16/64 16 x 512,
+# 46, level or slower at 4). The long walks of up to 32 steps that the walkers' own gates once
+# needed (16/64 x 32768: 533 us at 32 steps against 590 at 8) are slower everywhere now.
 CTAS_PER_SM = 2
 SHORT_WALK_STEPS = 8
-LONG_WALK_CTAS_PER_SM = 20
-MAX_STEPS_PER_WALK = 32
+QUICK_WALK_STEPS = 4
+MANY_CTAS_PER_SM = 64
 # conv_prefill's cp.async ring depth: each step's rows start STAGES - 1 steps ahead. H200: 3-4%
 # faster at 2/8, 7% at 16/64 than rows loaded straight into registers (the form before it); 4
 # stages between the two (benchmarks/layer.md).
@@ -469,13 +471,14 @@ def _names(x, conv_state, weight):
 def steps_per_walk(num_tokens: int, channel_blocks: int, sm_count: int) -> int:
     """conv_prefill's GROUP-token steps per half-warp walk. Longer walks cost fewer walk starts
     (a binary search, the W - 1 rows before the walk, a pipeline fill) but give fewer CTAs: up to
-    SHORT_WALK_STEPS while that leaves CTAS_PER_SM CTAs per SM, and up to MAX_STEPS_PER_WALK
-    where the batch still gives LONG_WALK_CTAS_PER_SM of them (many heads, long batches)."""
+    SHORT_WALK_STEPS while that leaves CTAS_PER_SM CTAs per SM, QUICK_WALK_STEPS where the batch
+    gives MANY_CTAS_PER_SM CTAs per SM of those (many heads, long batches)."""
     steps = -(-num_tokens // (GROUP * WALKERS)) * channel_blocks
+    if steps // (sm_count * QUICK_WALK_STEPS) >= MANY_CTAS_PER_SM:
+        return QUICK_WALK_STEPS
     short = min(SHORT_WALK_STEPS, steps // (sm_count * CTAS_PER_SM))
-    long = min(MAX_STEPS_PER_WALK, steps // (sm_count * LONG_WALK_CTAS_PER_SM))
     # a power of two (H200, 16/64 x 32768: 31 steps 713 us, 32 steps 680)
-    return 1 << (max(1, short, long).bit_length() - 1)
+    return 1 << (max(1, short).bit_length() - 1)
 
 
 def conv_prefill(x, conv_state, weight, bias, slot_ids, has_initial_state, cu_seqlens, a, b, A_log,
