@@ -71,5 +71,6 @@ def main():
         print(f"{form:>4} {hk}/{hv} {text:>8}: {cells}  layer-core {layer - core:.1f} "
               f"(target 1.25 x floor {1.25 * fl:.1f}; floor {fl:.1f})", flush=True)
 
+
 if __name__ == "__main__":
     main()

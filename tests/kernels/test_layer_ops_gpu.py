@@ -78,6 +78,8 @@ def test_conv_prefill_on_random_batches(walk, seed, monkeypatch):
 
 
 def _check_conv_prefill(hk, hv, lens, slots, has, layout, bias, dt_bias_dtype, seed, num_slots=24):
+    """layer_ops.gdn_layer_prefill_inputs on random inputs for sequences of ``lens`` in ``slots``
+    (-1: padding; a slot without a history filled with NaN) against reference_conv.conv_prefill."""
     gen = torch.Generator().manual_seed(seed)
     dim, W, S = (2 * hk + hv) * HEAD, 4, num_slots
     T = sum(lens)
