@@ -21,6 +21,7 @@ import torch
 from qla_serve import layer_ops
 from qla_serve.bench import layer as L
 from qla_serve.kernels import reference_conv
+from qla_serve.kernels.reference import rel_l2
 from qla_serve.kernels.hopper import conv
 
 
@@ -42,21 +43,15 @@ def run_form(case, step, stages, walk, flags=""):
 
 def reference_qkv(case, step):
     """q, k, v of reference_conv.conv_prefill on the case's inputs and a copy of its conv cache."""
-    tokens, hv = case.row.tokens, case.hv
+    tokens = case.row.tokens
     x = case.mixed_qkv[:tokens]
     plan = step.prefill_plan
-    out = [torch.empty(tokens, case.hk, 128, device=x.device, dtype=torch.float16) for _ in range(2)]
-    out += [torch.empty(tokens, hv, 128, device=x.device, dtype=x.dtype)]
-    out += [torch.empty(tokens, hv, device=x.device) for _ in range(2)]
+    out = layer_ops._prefill_outputs(tokens, case.hk, case.hv, torch.float16, x.dtype, x.device)
     reference_conv.conv_prefill(x, case.conv_state.clone(), case.conv_weight, case.conv_bias, step.ids("prefill"),
                                 step.prefill_has_initial_state.view(torch.int8), plan.cu_seqlens,
                                 case.a[:tokens], case.b[:tokens], case.A_log, case.dt_bias, activation="silu",
                                 q_out=out[0], k_out=out[1], v_out=out[2], g_out=out[3], beta_out=out[4])
     return out[:3]
-
-
-def _rel(got, want):
-    return float((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
 
 
 def kernel_us(fn, calls):
@@ -94,9 +89,9 @@ def main():
                 got = [t.clone() for t in run_form(case, step, *f)()] + [case.conv_state.clone()]
                 if want is None:
                     want = got
-                same[f] = max((0.0 if torch.equal(g.nan_to_num(7.0), w.nan_to_num(7.0)) else _rel(g, w))
+                same[f] = max((0.0 if torch.equal(g.nan_to_num(7.0), w.nan_to_num(7.0)) else rel_l2(g, w))
                               for g, w in zip(got, want))
-                ref_err[f] = "/".join(f"{_rel(g, r):.1e}" for g, r in zip(got[:3], ref))
+                ref_err[f] = "/".join(f"{rel_l2(g, r):.1e}" for g, r in zip(got[:3], ref))
             times = {f: [] for f in forms}
             for _ in range(2):
                 for f in forms:
