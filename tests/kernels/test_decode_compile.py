@@ -26,6 +26,25 @@ VARIANTS = dec.kernel_variants(HV, HK) + [
     for pool, tile in (("float32", "bv32s-mb8"), ("float32", "bv16l32-mb12"), ("bfloat16", "bv16l32"),
                        ("bfloat16", "bv32l16s"), ("float32", "bv32l16-cg"), ("bfloat16", "bv16l32-cs"),
                        ("float32", "bv32l16-lcs"), ("bfloat16", "bv32l16-lcg-scs"), ("bfloat16", "bv32-scs"))]
+# Pipelined tiles (-p<T>[s<S>]): blocks walking several row tiles, state through a cp.async ring.
+PIPELINED = [dec._variant("decode", HV, HK, "bfloat16", pool, "ab", "bfloat16", "float32", True, tile, after_conv=ac)
+             for pool, tile, ac in (("float32", "bv16l16-cs-p2", False), ("bfloat16", "bv16l16-cs-p8s3", False),
+                                    ("float32", "bv16l16-cs-p4", True), ("bfloat16", "bv32l16s-p4s4", False))]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("target", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("variant", PIPELINED, ids=lambda v: v["name"])
+def test_pipelined_tiles_compile_to_a_cp_async_ring(variant, target):
+    """The state reaches the registers through cp.async copies into shared memory, each thread
+    waiting on its own groups (no block barrier); the stores keep the tile's hint."""
+    src = dec.build(variant, target).get_kernel_source()
+    body = src.split('extern "C" __global__')[-1]
+    tile = dec.parse_tile(variant["tile"])
+    assert "tl::cp_async_gs<" in body and f"tl::cp_async_wait<{tile.pipe_stages - 1}>" in body
+    assert "__syncthreads" not in body
+    assert ("qla_st_state_cs" in body) == (tile.store_hint == "cs")
+    assert ("cudaGridDependencySynchronize();" in src) == variant.get("after_conv", False)
 
 
 @pytest.mark.compile
@@ -62,14 +81,17 @@ def test_variant_compiles(variant, target):
 def test_tile_specs_parse_and_bad_ones_name_the_argument():
     """parse_tile: rows, warps, q/k staging, occupancy hint, lanes per row, cache hint; a thread must hold
     whole rows (a power of two of them) and at most 64 state values."""
-    assert dec.parse_tile("bv32") == (32, 4, False, 0, 8, "", "")
-    assert dec.parse_tile("bv16l32-mb12") == (16, 4, False, 12, 32, "", "")
-    assert dec.parse_tile("bv8w1l16s-cs") == (8, 1, True, 0, 16, "cs", "cs")
-    assert dec.parse_tile("bv32l16-lcg-scs") == (32, 4, False, 0, 16, "cg", "cs")
+    assert dec.parse_tile("bv32") == (32, 4, False, 0, 8, "", "", 1, 0)
+    assert dec.parse_tile("bv16l32-mb12") == (16, 4, False, 12, 32, "", "", 1, 0)
+    assert dec.parse_tile("bv8w1l16s-cs") == (8, 1, True, 0, 16, "cs", "cs", 1, 0)
+    assert dec.parse_tile("bv32l16-lcg-scs") == (32, 4, False, 0, 16, "cg", "cs", 1, 0)
     assert dec.parse_tile("bv32-scs").store_hint == "cs" and dec.parse_tile("bv32-scs").load_hint == ""
-    assert dec.parse_tile("bv4w1l32-cs") == (4, 1, False, 0, 32, "cs", "cs")
+    assert dec.parse_tile("bv4w1l32-cs") == (4, 1, False, 0, 32, "cs", "cs", 1, 0)
+    assert dec.parse_tile("bv16l16-cs-p2")[-2:] == (2, 2) and dec.parse_tile("bv16l16-cs-p8s3")[-2:] == (8, 3)
+    assert dec.parse_tile("bv16l16-cs")[-2:] == (1, 0)
     for bad in ("bv64w1", "bv8l32w4", "bv8w4", "bv16l4", "bv48", "bv64w1l32", "bv32-ca", "bv32-cs-lcg",
-                "bv32-scs-lcg", "bv32-slu", "bv32-swt", "bv32e", "bv4", "bv4w2", "bv32p", "bv2w1l32"):
+                "bv32-scs-lcg", "bv32-slu", "bv32-swt", "bv32e", "bv4", "bv4w2", "bv32p", "bv2w1l32",
+                "bv64-p4", "bv16l16-p3", "bv16l16-p2s3", "bv16l16-p4s5", "bv16-p2-cs"):
         with pytest.raises(ValueError, match="variant tile"):
             dec.parse_tile(bad)
 
@@ -77,10 +99,10 @@ def test_tile_specs_parse_and_bad_ones_name_the_argument():
 def test_kernel_variants_are_unique_and_json_serialisable():
     vs = dec.kernel_variants(32, 16)
     names = [v["name"] for v in vs]
-    # 32 decode x 2 tiles, 32 verify x 2, 12 after_conv decode (bf16 pools: 2 tiles up to 256 rows,
-    # fp32: 1), 12 verify_slots x 2 tiles + 12 after_conv (1 tile up to 64 rows), 12 after_conv
-    # verify (1 tile), 4 commit
-    assert len(names) == len(set(names)) == 198
+    # 16 fp32 decode x 2 tiles, 16 bf16 decode x 3, 32 verify x 2, 12 after_conv decode (bf16
+    # pools: 2 tiles up to 256 rows, fp32: 1), 12 verify_slots x 2 tiles + 12 after_conv (1 tile up
+    # to 64 rows), 12 after_conv verify (1 tile), 4 commit
+    assert len(names) == len(set(names)) == 214
     assert sum(v.get("after_conv", False) for v in vs) == 42
     assert {v["op"] for v in vs if v.get("after_conv", False)} == {"decode", "verify", "verify_slots"}
     assert json.loads(json.dumps(vs)) == vs
@@ -150,6 +172,9 @@ def test_bad_variants_and_targets_are_rejected():
         dec.build(dict(v, pool_dtype="float16"), "sm_90a")
     with pytest.raises(ValueError, match="tile"):
         dec.build(dict(v, tile="bv48"), "sm_90a")
+    with pytest.raises(ValueError, match="pipelined"):
+        dec.build(dict(dec._variant("verify", HV, HK, "bfloat16", "float32", "gb", None, None, False), tile="bv16l16-p2"),
+                  "sm_90a")
     with pytest.raises(ValueError, match="num_v_heads"):
         dec.kernel_variants(6, 4)
 

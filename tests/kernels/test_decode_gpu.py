@@ -106,6 +106,9 @@ CASES = [
     # bf16 states, <= 128 rows: the small-batch entry of decode.DECODE_TILES (decode_tile)
     (2, 8, 5, torch.bfloat16, torch.bfloat16, "ab", True),
     (16, 32, 3, torch.bfloat16, torch.float16, "ab-sglang", True),
+    # the pipelined entries of decode.DECODE_TILES: fp32 above 2048 rows, bf16 above 8192
+    (2, 8, 300, torch.float32, torch.bfloat16, "ab", True),
+    (16, 32, 260, torch.bfloat16, torch.bfloat16, "ab-sglang", True),
 ]
 
 
@@ -203,6 +206,19 @@ def test_every_tile_shape_is_correct(tile, monkeypatch):
     _check_decode(2, 8, 19, torch.bfloat16, torch.bfloat16, "gb", False)
     _check_verify(torch.float32, "ab", True)
     _check_verify(torch.bfloat16, "gb", False)
+
+
+@pytest.mark.parametrize("tile", ["bv16l16-cs-p2", "bv16l16-cs-p8s4", "bv32l16-cs-p4", "bv16l16s-p4s4",
+                                  "bv8w1l16-cs-p4", "bv8l32-cs-p8s3"])
+def test_pipelined_decode_tiles_are_correct(tile, monkeypatch):
+    """Decode tiles whose blocks walk several row tiles through a cp.async ring (-p<T>[s<S>]): the
+    same checks as the plain tiles (padding rows, slots outside the batch bit-identical) on the
+    head pairs whose k-heads serve 1, 2 and 4 v-heads, both pool dtypes."""
+    monkeypatch.setattr(_mod(), "TILE_OVERRIDE", tile)
+    _check_decode(2, 8, 37, torch.float32, torch.bfloat16, "ab", True)
+    _check_decode(2, 8, 19, torch.bfloat16, torch.bfloat16, "gb", False)
+    _check_decode(16, 32, 20, torch.float32, torch.float16, "ab-sglang", True)
+    _check_decode(1, 1, 300, torch.bfloat16, torch.bfloat16, "ab", True)
 
 
 def _check_verify(pdt, gating, l2):

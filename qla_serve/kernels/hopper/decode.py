@@ -99,13 +99,13 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
     Matrix: op {decode, verify} x io dtype {bf16, fp16} x pool {fp32, bf16} x gating
     {g/beta fp32, raw a/b in the io dtype with A_log/dt_bias fp32, a/b and A_log/dt_bias in
     the io dtype, a/b and dt_bias in the io dtype with A_log fp32 (SGLang's and vLLM's layers)}
-    x l2norm {off, on} = 64 variants, each in every tile decode_tile can pick for its op (two per
-    pool dtype: 64 more); after_conv decode variants (the layers' decode step), verify_slots
+    x l2norm {off, on} = 64 variants, each in every tile decode_tile can pick for its op (two, or
+    three for bf16 decode: 80 more); after_conv decode variants (the layers' decode step), verify_slots
     variants, plain and after_conv (the vLLM layer's spec step), and after_conv verify variants
     (the SGLang layer's verify step), each io x pool x the three raw-gate forms, l2norm on, in
     the tiles their calls reach (after_conv: up to AFTER_CONV_MAX_ROWS rows; 18 after_conv
     decode, 24 + 12 verify_slots, 12 verify); plus 4 commit variants (pool dtype x num_accepted
-    int32/int64): 198.
+    int32/int64): 214.
     Other gate dtype combinations and tile overrides (TILE_OVERRIDE) compile on first use
     (JIT, same cache).
     """
@@ -161,7 +161,8 @@ def _check_variant(v: dict) -> None:
                 raise ValueError(f"{what} dtype: expected one of {_GATE_DTYPES}, got {dtype}")
     elif v["gating"] != "gb":
         raise ValueError(f"variant gating: expected 'gb' or 'ab', got {v['gating']!r}")
-    parse_tile(v["tile"])
+    if parse_tile(v["tile"]).pipe_stages and v["op"] != "decode":
+        raise ValueError(f"variant tile: the pipelined form (-p<T>) is decode's only, got {v['tile']!r} for {v['op']}")
 
 
 # ----------------------------------------------------------------------------------------
@@ -179,7 +180,7 @@ def _program(variant: dict):
     gdt = variant["ab_dtype"] if fused else "float32"
     prm = variant["param_dtype"] if fused else "float32"
     bias = (variant.get("bias_dtype") or prm) if fused else "float32"
-    BV, W, QK_SMEM, MIN_BLOCKS, LANES, LD_HINT, ST_HINT = parse_tile(variant["tile"])
+    BV, W, QK_SMEM, MIN_BLOCKS, LANES, LD_HINT, ST_HINT, PT, PS = parse_tile(variant["tile"])
     LD_HINTED, ST_HINTED = bool(LD_HINT), bool(ST_HINT)
     AFTER_CONV = bool(variant.get("after_conv", False))
     COLS = HEAD_DIM // LANES                       # K columns per lane
@@ -426,6 +427,62 @@ def _program(variant: dict):
     pool_t = T.StridedTensor((S, Hv, HEAD_DIM, HEAD_DIM), (sp, HEAD_DIM * HEAD_DIM, HEAD_DIM, 1), pdt)
     out_t = T.StridedTensor((rows, Hv, HEAD_DIM), (sob, soh, 1), io)
 
+    @T.macro
+    def issue_tile(Pool, slot, h, ring, stage, rows0, ctx):
+        # One cp.async group: this thread's R rows x NCH vectors of the state tile whose rows
+        # start rows0 after the block's first into its own slice of ring[stage] (only this thread
+        # reads them back: no block barrier). Committed even where nothing is copied
+        # (rows0 past the block's tiles) so that every wait counts the same groups.
+        tx, lk, row0, st, qv, kv, Sq, Sk, gb = ctx
+        if rows0 < PT * BV:
+            for r in T.unroll(R):
+                for c in T.unroll(NCH):
+                    T.call_extern("handle", f"tl::cp_async_gs<{VEC * (4 if pdt == 'float32' else 2)}>",
+                                  T.address_of(ring[stage, r, c, tx, 0]),
+                                  T.address_of(Pool[slot, h, srow(row0 + rows0, r), scol(c, lk, 0)]))
+        T.ptx_commit_group()
+
+    if op == "decode" and PS:
+        B = rows
+
+        @T.prim_func
+        def gdn_decode_pipelined(Q: q_t, Kt: k_t, Vt: v_t, Ga: ga_t, Gb: gb_t, A_log: alog_t, dt_bias: dtb_t,
+                                 Pool: pool_t, Slots: T.Tensor((B,), "int32"), Out: out_t, scale: T.float32):
+            # gdn_decode's math; a block walks PT consecutive tiles of BV rows of head h, tile
+            # j + PS - 1's state copied into the ring while tile j is updated and stored.
+            with T.Kernel(NV // PT, Hv, B, threads=W * 32) as (bt, h, i):
+                ctx = prologue(bt * PT, False)
+                tx, lk, row0, st, qv, kv, Sq, Sk, gb = ctx
+                ring = T.alloc_shared((PS, R, NCH, W * 32, VEC), pdt)
+                slot = Slots[i]
+                if slot >= 0:
+                    for j in T.unroll(PS - 1):
+                        issue_tile(Pool, slot, h, ring, j, j * BV, ctx)
+                    if AFTER_CONV:
+                        T.pdl_sync()     # (as gdn_decode's)
+                    if QK_SMEM:
+                        load_qk_smem(Q, Kt, i, h // G, tx, Sq, Sk, scale)
+                    else:
+                        load_qk_regs(Q, Kt, i, h // G, lk, qv, kv, scale)
+                    gates(Ga, Gb, A_log, dt_bias, i, h, gb)
+                    for j in T.unroll(PT):
+                        issue_tile(Pool, slot, h, ring, (j + PS - 1) % PS, (j + PS - 1) * BV, ctx)
+                        T.ptx_wait_group(PS - 1)     # tile j's group has landed
+                        for r in T.unroll(R):
+                            for c in T.unroll(NCH):
+                                for e in T.vectorized(VEC):
+                                    st[r, c * VEC + e] = T.cast(ring[j % PS, r, c, tx, e], f32)
+                        tile_ctx = (tx, lk, row0 + j * BV, st, qv, kv, Sq, Sk, gb)
+                        step(st, qv, kv, Sq, Sk, Vt, Out, i, h, row0 + j * BV, lk, tx // 32, gb)
+                        store_state(Pool, (slot,), h, tile_ctx)
+                else:
+                    if AFTER_CONV:
+                        T.pdl_sync()     # (as gdn_decode's padded rows)
+                    for j in T.unroll(PT):
+                        zero_rows(Out, i, 1, h, (tx, lk, row0 + j * BV, st, qv, kv, Sq, Sk, gb))
+
+        return gdn_decode_pipelined
+
     if op == "decode":
         B = rows
 
@@ -562,8 +619,13 @@ def _commit_program(variant: dict):
 # ----------------------------------------------------------------------------------------
 
 def build(variant: dict, target: str):
-    """Compile ``variant`` for ``target`` (:func:`compile_for`)."""
-    return compile_for(_commit_program if variant.get("op") == "commit" else _program, variant, target)
+    """Compile ``variant`` for ``target`` (:func:`compile_for`). The pipelined tiles' threads
+    each read back only the ring slice their own cp.async wrote, after their own wait: the block
+    barriers TileLang would insert around the ring are not needed (q/k staging syncs its warp)."""
+    if variant.get("op") == "commit":
+        return compile_for(_commit_program, variant, target)
+    pipelined = bool(parse_tile(variant["tile"]).pipe_stages)
+    return compile_for(_program, variant, target, {"tl.disable_thread_storage_sync": True} if pipelined else None)
 
 
 # (op, device index, q dtype, pool dtype, gate dtypes, l2norm, Hv, Hk, tile) -> launch function.

@@ -22,32 +22,42 @@ class Tile(NamedTuple):
     lanes: int         # lanes per state row
     load_hint: str     # cache hint of the state's loads: "" (none), "cg", "cs" or "lu"
     store_hint: str    # ... and of its stores: "" (none), "cg" or "cs"
+    pipe_tiles: int = 1   # decode: row tiles a block walks, the next ones' state by cp.async ("-p<T>")
+    pipe_stages: int = 0  # ... through a ring of this many tiles in shared memory (0: no ring)
 
 
 def parse_tile(tile: str) -> Tile:
-    """Tile spec "bv<rows>[w<warps>][l<lanes>][s][-mb<n>][-cg|-cs][-l<hint>][-s<hint>]".
+    """Tile spec "bv<rows>[w<warps>][l<lanes>][s][-mb<n>][-cg|-cs][-l<hint>][-s<hint>][-p<T>[s<S>]]".
 
     A warp covers 32 / lanes rows at a time; each thread holds R = rows * lanes / (32 * warps)
     rows (a power of two) x 128 / lanes columns of the state, at most 64 values. The cache hints
     are CUDA's load / store qualifiers on the state's vectors: "-cs" (streaming, evict first) or
     "-cg" (L2 only) for both, or "-l<cg|cs|lu>" and "-s<cg|cs>" apart. E.g. "bv32s-mb8", "bv8w1"
     (one warp, 8 rows: 16 blocks per head), "bv16l32" (a warp per row), "bv32l16-cs", "bv8w1l16-cs"
-    (one warp, 8 rows of 16 lanes), "bv4w1l32" (one warp, 4 rows of 32 lanes: 32 blocks per head)."""
+    (one warp, 8 rows of 16 lanes), "bv4w1l32" (one warp, 4 rows of 32 lanes: 32 blocks per head).
+    "-p<T>[s<S>]" (decode only): a block walks T consecutive tiles of rows of its head (T divides
+    128 / rows), each tile's state copied by cp.async into an S-deep ring in shared memory (S
+    defaults to 2, at most T) S - 1 tiles ahead of the one it updates, so a block keeps state
+    loads in flight while it computes and stores; the load hint does not apply to those copies."""
     import re
     m = re.fullmatch(r"bv(4|8|16|32|64)(?:w([124]))?(?:l(8|16|32))?(s?)(?:-mb(\d+))?"
-                     r"(?:-(cg|cs)|(?:-l(cg|cs|lu))?(?:-s(cg|cs))?)", str(tile))
+                     r"(?:-(cg|cs)|(?:-l(cg|cs|lu))?(?:-s(cg|cs))?)(?:-p([248])(?:s([234]))?)?", str(tile))
     ok = bool(m)
     if ok:
         rows, warps, lanes = int(m.group(1)), int(m.group(2) or _WARPS), int(m.group(3) or _LANES)
         per_thread, rem = divmod(rows * lanes, 32 * warps)
         ok = not rem and per_thread in (1, 2, 4, 8, 16) and per_thread * HEAD_DIM // lanes <= _MAX_STATE_REGS
+        pipe_tiles = int(m.group(9) or 1)
+        pipe_stages = min(int(m.group(10) or 2), pipe_tiles) if m.group(9) else 0
+        ok = ok and (HEAD_DIM // rows) % pipe_tiles == 0 and not (m.group(10) and pipe_stages < int(m.group(10)))
     if not ok:
         raise ValueError(f"variant tile: expected 'bv<4|8|16|32|64>[w<1|2|4>][l<8|16|32>][s][-mb<n>]"
-                         f"[-cg|-cs|-l<cg|cs|lu>-s<cg|cs>]' whose threads each hold 1, 2, 4, ... whole "
-                         f"rows and at most {_MAX_STATE_REGS} state values (rows * lanes / (32 * warps) "
-                         f"rows of 128 / lanes), got {tile!r}")
+                         f"[-cg|-cs|-l<cg|cs|lu>-s<cg|cs>][-p<2|4|8>[s<2|3|4>]]' whose threads each hold "
+                         f"1, 2, 4, ... whole rows and at most {_MAX_STATE_REGS} state values (rows * lanes "
+                         f"/ (32 * warps) rows of 128 / lanes), p tiles dividing 128 / rows, s stages <= p; "
+                         f"got {tile!r}")
     return Tile(rows, warps, m.group(4) == "s", int(m.group(5) or 0), lanes,
-                m.group(6) or m.group(7) or "", m.group(6) or m.group(8) or "")
+                m.group(6) or m.group(7) or "", m.group(6) or m.group(8) or "", pipe_tiles, pipe_stages)
 
 
 # The state's cache-hinted loads and stores (the tile's hints): CUDA's __ld<hint> / __st<hint> on
@@ -95,10 +105,15 @@ QLA_STATE_ST(cs)
 # (20.9), B = 256 74.7 -> 72.7 (71.5), B = 1 2.8 -> 2.7 (3.6). A bf16 decode of a few sequences
 # takes blocks of 16 rows: 2/8 B = 1 2.6 us, 16/32 B = 1 3.0 (FlashInfer 2.6 / 3.1). In the layer
 # (layer_ab.py, one process): fp32 16/32 d256 (8192 rows) ran 302.6 us on bv16l16-cs against 297.5
-# on bv32, so bv32 keeps the largest fp32 batches (d64, 2048 rows: 77.8 against 79.0).
+# on bv32, so bv32 kept the largest fp32 batches then (d64, 2048 rows: 77.8 against 79.0).
+# Above 2048 fp32 rows and 8192 bf16 rows, pipelined tiles (2026-12-04, benchmarks/decode.md
+# "Pipelined tiles"; three runs, kernel GPU us): fp32 bv8l32-cs-p8s3 (FlashInfer's layout, a warp
+# per row, a block walking 8 tiles of 8 rows through a 3-deep cp.async ring): 16/32 B = 512
+# 552 -> 542 (FlashInfer 529), B = 256 278 -> 273.5, 2/8 B = 512 143.7 -> 141.4, level at 2048
+# rows; bf16 bv16l16-cs-p8s4: 16/32 B = 512 295-307 -> 279-281 (FlashInfer 292), level at 8192 rows.
 DECODE_TILES = {
-    "float32": ((4096, "bv16l16-cs"), (None, "bv32")),
-    "bfloat16": ((128, "bv16l16-cs"), (None, "bv32l16-cs")),
+    "float32": ((2048, "bv16l16-cs"), (None, "bv8l32-cs-p8s3")),
+    "bfloat16": ((128, "bv16l16-cs"), (8192, "bv32l16-cs"), (None, "bv16l16-cs-p8s4")),
 }
 # The layer's decode launched as the conv's programmatic dependent (after_conv; the layer runs it up
 # to gdn_layer.DECODE_AFTER_CONV_MAX_ROWS = 256 rows): with bf16 states bv32l16-cs measured slower
