@@ -15,7 +15,12 @@ Decode is memory-bound: each live slot's [Hv, 128(V), 128(K)] state is read once
   more blocks fit an SM and more state bytes are in flight (FlashInfer's decode layout);
 * per row the two dot products (S k and S q) are a C-term local sum plus log2(L)
   xor-shuffles among the row's lanes; q/k l2 norms likewise (every block recomputes them: 256 bytes);
-  the "s" tiles stage q/k per warp in shared memory instead of registers.
+  the "s" tiles stage q/k per warp in shared memory instead of registers;
+* pipelined tiles ("-p<T>[s<S>]", decode only: ``gdn_decode_pipelined``): grid
+  ``(128 // (BV T), Hv, B)``, a block walks T consecutive BV-row tiles of its head (one slot id,
+  q/k norm and gate computation for all of them), each tile's state copied by 16-byte cp.async
+  into the thread's own slice of an S-deep shared ring S - 1 tiles ahead of the tile it
+  updates, so the block keeps state loads in flight while it computes and stores.
 
 The tile (rows per block, warps, lanes per row, q/k staging, occupancy and cache hints) is part
 of the variant; decode_tiles.py holds its grammar (``parse_tile``), the per-pool-dtype choices
