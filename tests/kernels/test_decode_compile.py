@@ -61,8 +61,10 @@ def test_variant_compiles(variant, target):
     vec = "float4" if variant["pool_dtype"] == "float32" else ("uint2" if lanes == 32 else "uint4")
     # cache hints: the state moves through STATE_IO_SOURCE's helpers that way, else as vectors
     body = src.split('extern "C" __global__')[-1]   # the kernel, after the imported helpers
-    for way, hint in (("ld", tile.load_hint), ("st", tile.store_hint)):
+    # (a pipelined tile's state loads are cp.async copies: no load hint there)
+    for way, hint in (("ld", "" if tile.pipe_stages else tile.load_hint), ("st", tile.store_hint)):
         assert (f"qla_{way}_state_{hint}" in body) == bool(hint)
+    assert ("tl::cp_async_gs<" in body) == bool(tile.pipe_stages)
     if not (tile.load_hint or tile.store_hint):
         assert f"*({vec}*)(Pool" in src, "state accesses are not vectorised"
     # Batch is dynamic: one compile for every B / T (no literal batch in the launch grid).
