@@ -93,9 +93,10 @@ def test_steps_per_walk():
 def test_conv_variants_are_unique_and_checked():
     vs = C.kernel_variants(32, 16)
     names = [v["name"] for v in vs]
-    # io x bias x (3 prefill (gate params), 2 state (plain, after_conv), decode, 3 spec, 3 SGLang
-    # verify)
-    assert len(names) == len(set(names)) == 2 * 2 * 12
+    # io x bias x (3 prefill (gate params), 2 state (plain, after_conv), 2 decode (1 and
+    # DECODE_SEQS sequences per thread), 3 spec, 3 SGLang verify)
+    assert len(names) == len(set(names)) == 2 * 2 * 13
+    assert {v.get("seqs", 1) for v in vs if v["op"] == "conv_decode"} == {1, C.DECODE_SEQS}
     assert sum(v["op"] == "conv_verify" for v in vs) == 2 * 2 * 3
     from qla_serve.kernels import hopper
     listed = hopper.kernel_variants(32, 16)
@@ -113,6 +114,12 @@ def test_conv_variants_are_unique_and_checked():
         C.variant("conv_decode", HV, HK, 4, "bfloat16", "bfloat16", after_conv=True)
     with pytest.raises(ValueError, match="activation"):
         C.variant("conv_decode", HV, HK, 4, "bfloat16", "bfloat16", activation="gelu")
+    with pytest.raises(ValueError, match="seqs"):
+        C.variant("conv_decode", HV, HK, 4, "bfloat16", "bfloat16", seqs=3)
+    with pytest.raises(ValueError, match="seqs"):
+        C.variant("conv_spec", HV, HK, 4, "bfloat16", "bfloat16", draft=2, seqs=4)
+    assert C.variant("conv_decode", HV, HK, 4, "bfloat16", "bfloat16", seqs=4)["name"].endswith("_s4")
+    assert "seqs" not in C.variant("conv_decode", HV, HK, 4, "bfloat16", "bfloat16")
     with pytest.raises(ValueError, match="silu_form"):
         C.variant("conv_prefill", HV, HK, 4, "bfloat16", "bfloat16", ab="bfloat16", param="float32",
                   gbias="float32", silu_form="erf")

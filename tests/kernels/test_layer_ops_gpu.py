@@ -115,10 +115,11 @@ def _check_conv_prefill(hk, hv, lens, slots, has, layout, bias, dt_bias_dtype, s
             assert torch.equal(cs[s].nan_to_num(7.0), ref_cs[s].nan_to_num(7.0)), f"conv slot {s} touched"
 
 
+@pytest.mark.parametrize("B", [256, 7, 1])     # conv.DECODE_SEQS = 4: full and partial sequence groups
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32])
-def test_conv_decode_matches_reference(state_dtype):
-    gen = torch.Generator().manual_seed(7)
-    hk, hv, W, S, B = 2, 8, 4, 300, 256
+def test_conv_decode_matches_reference(state_dtype, B):
+    gen = torch.Generator().manual_seed(7 + B)
+    hk, hv, W, S = 2, 8, 4, 300
     dim = (2 * hk + hv) * HEAD
     x = torch.randn(B, dim, generator=gen).to("cuda", torch.bfloat16)
     w, bv = _weights(dim, W, torch.bfloat16, gen, True)

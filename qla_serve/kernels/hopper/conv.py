@@ -36,8 +36,9 @@ formulas in torch; float64 truth in the layer tests):
   it loads its window while the conv runs and stores it once the conv has finished.
 * ``conv_decode``: one token per sequence: y and the shifted window (state <- [state[1:], x])
   in one pass; the output [B, dim] feeds the decode kernel (which L2-normalises q/k and
-  applies the raw gates itself). A thread owns (sequence, channel), so its reads of the old
-  window precede its writes.
+  applies the raw gates itself). A thread owns a channel of one sequence, or of DECODE_SEQS
+  sequences in large batches (all their loads issued before the first use), so its reads of
+  each old window precede its writes.
 * ``conv_spec``: vLLM's speculative sliding window: the state before the step starts at
   column ``num_accepted - 1`` (clamped to [0, state_len - (W - 1)]); afterwards columns
   [0, W - 2 + len) hold the last W - 2 history inputs and the step's tokens (columns past
@@ -97,6 +98,15 @@ FAST_STEPS = True
 # absolute). Measured: benchmarks/layer.md.
 SILU_FORM = "tanh"
 SILU_FORMS = ("tanh", "ex2")
+# conv_decode's sequences per thread (variant key "seqs") where the batch would take more than
+# DECODE_SEQS_MIN_BLOCKS blocks of one sequence (decodes x channel blocks): a thread convolves its
+# channel for DECODE_SEQS sequences, issuing every load of all of them before the first use, so
+# that the batch runs in a quarter of the blocks. One block per 128 channels and sequence ran
+# 16/32 x 256 decodes in 7.75 waves of short, latency-bound blocks: 20.6 us against an 8 us
+# floor, 13.0 with 4 per thread; layer 16/32 d256 bf16 171.7 -> 164.3 us, fp32 297.8 -> 292.5,
+# 2/8 d256 fp32 79.3 -> 78.4; but 2/8 d32 (384 blocks) 13.2 -> 13.8 (benchmarks/layer.md).
+DECODE_SEQS = 4
+DECODE_SEQS_MIN_BLOCKS = 2048
 # the prefill's conv-state write-back launched as the conv_prefill grid's programmatic dependent
 # (conv_prefill_state's after_conv form): its loads (ids, lengths, the new window) overlap the
 # conv's last wave, its stores wait for the conv's end. False: a plain launch after it.
@@ -109,7 +119,7 @@ def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weigh
             activation: str = "silu", bias: bool = True, qk_out: str | None = None,
             ab: str | None = None, param: str | None = None, gbias: str | None = None,
             draft: int = 0, stages: int = STAGES, fast_steps: bool = FAST_STEPS,
-            silu_form: str = SILU_FORM, after_conv: bool = False) -> dict:
+            silu_form: str = SILU_FORM, after_conv: bool = False, seqs: int = 1) -> dict:
     """A JSON-serialisable variant description; ``name`` identifies it.
 
     io: x's dtype (and the outputs' but q/k's); state: the conv state's; weight: the conv
@@ -117,7 +127,8 @@ def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weigh
     param, gbias: conv_prefill's a/b, A_log, dt_bias dtypes; draft: conv_spec's D; stages:
     conv_prefill's cp.async ring depth (STAGES); fast_steps: its straight-line steps (FAST_STEPS);
     silu_form: its SiLU's instructions (SILU_FORM; with activation "silu" only); after_conv:
-    conv_prefill_state's form launched as conv_prefill's programmatic dependent."""
+    conv_prefill_state's form launched as conv_prefill's programmatic dependent; seqs:
+    conv_decode's sequences per thread (DECODE_SEQS)."""
     weight = weight or io
     if op not in OPS:
         raise ValueError(f"variant op: expected one of {OPS}, got {op!r}")
@@ -149,6 +160,11 @@ def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weigh
         if activation == "silu" and silu_form != "ex2":
             v["silu_form"] = silu_form
             name += f"_{silu_form}"
+    if seqs != 1:
+        if op != "conv_decode" or seqs not in (2, 4, 8):
+            raise ValueError(f"seqs: conv_decode takes 1, 2, 4 or 8 sequences per thread, got {seqs} for {op}")
+        v["seqs"] = seqs
+        name += f"_s{seqs}"
     if after_conv:
         if op != "conv_prefill_state":
             raise ValueError(f"after_conv: only conv_prefill_state has that form, got op {op!r}")
@@ -187,7 +203,8 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
             for after in (False, True):
                 out.append(variant("conv_prefill_state", num_v_heads, num_k_heads, 4, io, io,
                                    after_conv=after, **common))
-            out.append(variant("conv_decode", num_v_heads, num_k_heads, 4, io, io, **common))
+            for seqs in (1, DECODE_SEQS):
+                out.append(variant("conv_decode", num_v_heads, num_k_heads, 4, io, io, seqs=seqs, **common))
             for d in (2, 3, 4):
                 for op in ("conv_spec", "conv_verify"):
                     out.append(variant(op, num_v_heads, num_k_heads, 4, io, io, draft=d, **common))
@@ -276,6 +293,7 @@ def _program(v: dict):
 
     if op == "conv_decode":
         B = T.dynamic("B")
+        SEQS = v.get("seqs", 1)
         sy0 = T.dynamic("sy0")
 
         @T.prim_func
@@ -287,30 +305,38 @@ def _program(v: dict):
             Slots: T.Tensor((B,), i32),
             Y: T.StridedTensor((B, DIM), (sy0, 1), io),
         ):
-            with T.Kernel(B, NH, threads=HEAD_DIM) as (i, hb):
+            with T.Kernel(T.ceildiv(B, SEQS), NH, threads=HEAD_DIM) as (ib, hb):
                 # A decode launched as this grid's programmatic dependent (decode.py's
                 # after_conv form) may start now: it loads its states while this runs and
                 # waits for this grid to finish before it reads Y.
                 T.pdl_trigger()
                 c = hb * HEAD_DIM + T.get_thread_binding()
-                slot = Slots[i]
                 w = T.alloc_local((W,), f32)
                 bias_v = T.alloc_local((1,), f32)
-                win = T.alloc_local((W,), f32)
-                if slot >= 0:
-                    load_weights(Wt, Bias, c, w, bias_v)
-                    for j in T.unroll(H):
-                        win[j] = T.cast(CS[slot, c, j], f32)
-                    win[H] = T.cast(X[i, c], f32)
-                    y = T.alloc_var(f32)
-                    y = bias_v[0]
-                    for j in T.unroll(W):
-                        y += w[j] * win[j]
-                    for j in T.unroll(H):
-                        CS[slot, c, j] = T.cast(win[j + 1], sdt)
-                    Y[i, c] = T.cast(act(y), io)
-                else:
-                    Y[i, c] = T.cast(0.0, io)
+                slot = T.alloc_local((SEQS,), i32)
+                win = T.alloc_local((SEQS, W), f32)
+                load_weights(Wt, Bias, c, w, bias_v)
+                # Sequences ib * SEQS + u: every id, then every window and input, loaded before
+                # the first is used (rows past the batch: nothing read or written).
+                for u in T.unroll(SEQS):
+                    slot[u] = Slots[T.min(ib * SEQS + u, B - 1)]
+                for u in T.unroll(SEQS):
+                    if ib * SEQS + u < B and slot[u] >= 0:
+                        for j in T.unroll(H):
+                            win[u, j] = T.cast(CS[slot[u], c, j], f32)
+                        win[u, H] = T.cast(X[ib * SEQS + u, c], f32)
+                for u in T.unroll(SEQS):
+                    if ib * SEQS + u < B:
+                        if slot[u] >= 0:
+                            y = T.alloc_var(f32)
+                            y = bias_v[0]
+                            for j in T.unroll(W):
+                                y += w[j] * win[u, j]
+                            for j in T.unroll(H):
+                                CS[slot[u], c, j] = T.cast(win[u, j + 1], sdt)
+                            Y[ib * SEQS + u, c] = T.cast(act(y), io)
+                        else:
+                            Y[ib * SEQS + u, c] = T.cast(0.0, io)
 
         return gdn_conv_decode
 
@@ -541,13 +567,14 @@ def conv_decode(x, conv_state, weight, bias, slot_ids, *, num_v_heads, activatio
     if x.shape[0] == 0:
         return
     hk = (x.shape[1] // HEAD_DIM - num_v_heads) // 2
+    seqs = DECODE_SEQS if x.shape[0] * (x.shape[1] // HEAD_DIM) > DECODE_SEQS_MIN_BLOCKS else 1
     key = ("conv_decode", x.device, x.dtype, conv_state.dtype, weight.dtype, num_v_heads, hk,
-           weight.shape[1], activation, bias is not None)
+           weight.shape[1], activation, bias is not None, seqs)
 
     def make():
         io, sdt, wdt = _names(x, conv_state, weight)
         return variant("conv_decode", num_v_heads, hk, weight.shape[1], io, sdt, weight=wdt,
-                       activation=activation, bias=bias is not None)
+                       activation=activation, bias=bias is not None, seqs=seqs)
     _launch_fn(key, make, x.device)(x, conv_state, weight, _bias_arg(bias, weight), slot_ids, out)
 
 
