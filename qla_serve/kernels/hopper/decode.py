@@ -383,8 +383,9 @@ def _program(variant: dict):
                         Dst[at + (h, srow(row0, r), scol(c, lk, e))] = T.cast(st[r, c * VEC + e], pdt)
 
     @T.macro
-    def token(args, ctx, t, h):
-        # One token t of v-head h: q/k (normalised, scaled), gates, the state update and output.
+    def qk_and_gates(args, ctx, t, h):
+        # Token t of v-head h: its q/k (normalised, scaled) into registers or the warp's staging,
+        # its gates into gb.
         Q, Kt, Vt, Ga, Gb, A_log, dt_bias, Out, scale = args
         tx, lk, row0, st, qv, kv, Sq, Sk, gb = ctx
         if QK_SMEM:
@@ -392,6 +393,13 @@ def _program(variant: dict):
         else:
             load_qk_regs(Q, Kt, t, h // G, lk, qv, kv, scale)
         gates(Ga, Gb, A_log, dt_bias, t, h, gb)
+
+    @T.macro
+    def token(args, ctx, t, h):
+        # One token t of v-head h: q/k, gates, the state update and output.
+        Q, Kt, Vt, Ga, Gb, A_log, dt_bias, Out, scale = args
+        tx, lk, row0, st, qv, kv, Sq, Sk, gb = ctx
+        qk_and_gates(args, ctx, t, h)
         step(st, qv, kv, Sq, Sk, Vt, Out, t, h, row0, lk, tx // 32, gb)
 
     @T.macro
@@ -465,11 +473,7 @@ def _program(variant: dict):
                         issue_tile(Pool, slot, h, ring, j, j * BV, ctx)
                     if AFTER_CONV:
                         T.pdl_sync()     # (as gdn_decode's)
-                    if QK_SMEM:
-                        load_qk_smem(Q, Kt, i, h // G, tx, Sq, Sk, scale)
-                    else:
-                        load_qk_regs(Q, Kt, i, h // G, lk, qv, kv, scale)
-                    gates(Ga, Gb, A_log, dt_bias, i, h, gb)
+                    qk_and_gates((Q, Kt, Vt, Ga, Gb, A_log, dt_bias, Out, scale), ctx, i, h)
                     for j in T.unroll(PT):
                         issue_tile(Pool, slot, h, ring, (j + PS - 1) % PS, (j + PS - 1) * BV, ctx)
                         T.ptx_wait_group(PS - 1)     # tile j's group has landed
