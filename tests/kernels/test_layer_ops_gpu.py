@@ -115,9 +115,13 @@ def _check_conv_prefill(hk, hv, lens, slots, has, layout, bias, dt_bias_dtype, s
             assert torch.equal(cs[s].nan_to_num(7.0), ref_cs[s].nan_to_num(7.0)), f"conv slot {s} touched"
 
 
-@pytest.mark.parametrize("B", [256, 7, 1])     # conv.DECODE_SEQS = 4: full and partial sequence groups
+# B = 256: 3072 one-sequence blocks, so conv.DECODE_SEQS per thread; 7 and 1 below the bound: one per
+# thread, or (four_per_thread) the DECODE_SEQS form forced, whose last group is partial
+@pytest.mark.parametrize("B,four_per_thread", [(256, False), (7, False), (1, False), (7, True), (1, True)])
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32])
-def test_conv_decode_matches_reference(state_dtype, B):
+def test_conv_decode_matches_reference(state_dtype, B, four_per_thread, monkeypatch):
+    if four_per_thread:
+        monkeypatch.setattr(conv_kernels, "DECODE_SEQS_MIN_BLOCKS", 0)
     gen = torch.Generator().manual_seed(7 + B)
     hk, hv, W, S = 2, 8, 4, 300
     dim = (2 * hk + hv) * HEAD
