@@ -10,5 +10,6 @@ from setuptools import find_packages, setup
 setup(
     packages=find_packages(include=["qla_serve", "qla_serve.*"]) + ["qla_serve.configs"],
     package_dir={"qla_serve.configs": "configs"},
-    package_data={"qla_serve.configs": ["*.yaml", "*/*.yaml"]},
+    package_data={"qla_serve.configs": ["*.yaml", "*/*.yaml"],
+                  "qla_serve.kernels.hopper": ["csrc/*.cc"]},
 )

@@ -5,7 +5,8 @@ adapter callable.
 
 For each case, the kernel-module call (prefill_api.prefill, plan built once) is timed with the
 kernels launched through their raw host functions (raw_launch.py, the default) and through
-TileLang's adapter callable (``JITKernel.torch_function``, the path before raw_launch.py). Each
+TileLang's adapter callable (``JITKernel.torch_function``, the path before raw_launch.py), and
+raw with the TMA descriptor memo (host_cache.py) switched off. Each
 launch is also timed alone (a perf_counter pair around it, so ~0.1 us of the figure is the
 timer). Enqueue time only: no synchronisation inside a timed loop (the queue is drained every
 100 calls). Median of 7 rounds. A benchmark, not a test.
@@ -17,6 +18,7 @@ import time
 import torch
 
 import qla_serve
+from qla_serve.kernels.hopper import host_cache
 from qla_serve.kernels.hopper import prefill_api as P
 from qla_serve.plan import force_plan
 
@@ -91,14 +93,29 @@ def _measure(case, adapter: bool, per_launch: bool):
     return statistics.median(rounds), {name: s / calls * 1e6 for name, s in totals.items()}
 
 
+PATHS = {  # launch path: (TileLang's adapter callable?, TMA descriptor memo on?)
+    "raw": (False, True),
+    "raw no memo": (False, False),
+    "adapter": (True, True),
+}
+
+
 def main() -> None:
     print(f"{'case':<26} {'launch path':<12} {'us per call':>11}  per launch (us, timed alone)")
+    memo = host_cache.install() == "installed"
     for case in CASES:
-        for adapter in (False, True):
+        for path, (adapter, memo_on) in PATHS.items():
+            if not memo and memo_on and path != "adapter":
+                continue
+            if memo:
+                host_cache.set_enabled(memo_on)
             whole, _ = _measure(case, adapter, per_launch=False)
             _, launches = _measure(case, adapter, per_launch=True)
             parts = ", ".join(f"{name.replace('gdn_prefill_', '')} {us:.1f}" for name, us in launches.items())
-            print(f"{case:<26} {'adapter' if adapter else 'raw':<12} {whole:11.1f}  {parts}")
+            print(f"{case:<26} {path:<12} {whole:11.1f}  {parts}")
+    if memo:
+        host_cache.set_enabled(True)
+        print(f"memo: {host_cache.stats()}")
 
 
 if __name__ == "__main__":

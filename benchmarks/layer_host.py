@@ -1,6 +1,7 @@
 """Where one GDN layer call's host time goes (the adapters' `gdn_layer_forward`, eager).
 
     python benchmarks/layer_host.py [--rows 2/8:d1,2/8:16x512,...] [--calls 300] [--top 25] [--first-layer]
+    python benchmarks/layer_host.py --memo-ab     # host time with / without the TMA descriptor memo
 
 Engines run prefill and mixed steps eagerly, so every GDN layer of such a step pays this on the
 CPU. For each row: the issue time of one call from an idle GPU (as `bench layer`'s "host issue
@@ -34,6 +35,9 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=300)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--first-layer", action="store_true")
+    p.add_argument("--memo-ab", action="store_true",
+                   help="only the host issue time, TMA descriptor memo (host_cache.py) on / off, "
+                        "alternating rounds; no profile")
     args = p.parse_args()
     for spec in args.rows.split(","):
         heads, row_text = spec.split(":")
@@ -51,6 +55,9 @@ def main() -> None:
         for _ in range(3):
             call()
         torch.cuda.synchronize()
+        if args.memo_ab:
+            _memo_ab(spec, call)
+            continue
         idle = []
         for _ in range(50):
             torch.cuda.synchronize()
@@ -79,6 +86,38 @@ def main() -> None:
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.top)
         print("\n".join(line for line in s.getvalue().splitlines() if line.strip())[-6000:], flush=True)
+
+
+def _issue_us(call, n: int = 50) -> float:
+    """Median host time of one call issued onto an idle GPU."""
+    import torch
+
+    out = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        call()
+        out.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(out) * 1e6
+
+
+def _memo_ab(spec: str, call) -> None:
+    from qla_serve.kernels.hopper import host_cache
+
+    if host_cache.install() != "installed":
+        print(f"== {spec}: no TMA descriptor memo ({host_cache.install()})")
+        return
+    on, off = [], []
+    for _ in range(4):
+        for flag, acc in ((True, on), (False, off)):
+            host_cache.set_enabled(flag)
+            call()
+            acc.append(_issue_us(call))
+    host_cache.set_enabled(True)
+    print(f"== {spec}: host issue us per call (idle GPU, medians of 4 rounds) memo on "
+          f"{statistics.median(on):.1f} ({', '.join(f'{x:.1f}' for x in on)}), off "
+          f"{statistics.median(off):.1f} ({', '.join(f'{x:.1f}' for x in off)})", flush=True)
 
 
 if __name__ == "__main__":

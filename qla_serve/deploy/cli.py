@@ -167,15 +167,30 @@ def _cmd_precompile(args) -> int:
                                     on_outcome=log_line if args.no_progress else None)
     summary.problems = problems + summary.problems
     print(summary.text())
+    memo = _build_host_memo()
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             f.write(pc.summary_json(outcomes, summary))
     if args.pack:
-        n, size = pc.pack_entries(outcomes, args.pack, summary.cache_dir)
+        n, size = pc.pack_entries(outcomes, args.pack, summary.cache_dir, extra=[memo] if memo else [])
         print(f"packed {n} cache entries ({size / 2**20:.1f} MiB) into {args.pack}: "
               f"tar -xf {args.pack} -C DIR, then TILELANG_CACHE_DIR=DIR"
               + ("" if summary.ok else " (failed builds left out)"))
     return 0 if summary.ok else 1
+
+
+def _build_host_memo():
+    """The TMA descriptor memo's library (kernels/hopper/host_cache.py) beside the kernels, so a
+    packed or baked cache carries it; its path, or None (said why: the kernels still work)."""
+    from qla_serve.kernels.hopper import host_cache
+
+    try:
+        path = host_cache.build()
+    except (OSError, RuntimeError) as e:
+        print(f"host: TMA descriptor memo not built (kernels encode their descriptors per launch): {e}")
+        return None
+    print(f"host: TMA descriptor memo {path}")
+    return str(path)
 
 
 # --------------------------------------------------------------------------- registration

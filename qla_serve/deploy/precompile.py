@@ -411,11 +411,12 @@ def pack_mode(path: str) -> str:
     raise ValueError(f"--pack: expected a file name ending in {', '.join(PACK_MODES)}, got {path!r}")
 
 
-def pack_entries(outcomes: list[Outcome], out_path: str, root: str) -> tuple[int, int]:
+def pack_entries(outcomes: list[Outcome], out_path: str, root: str, extra: list[str] = ()) -> tuple[int, int]:
     """Write the cache entries the successful builds used to a tar at out_path, named relative
     to the cache root, so that `tar -xf out_path -C DIR` gives a TileLang cache (TILELANG_CACHE_DIR
     = DIR) in which the same builds are hits: a deployment's compiled kernels as one artifact, or
-    the kernels a device run needs and nothing else. Returns (entries, bytes written)."""
+    the kernels a device run needs and nothing else. ``extra``: more files under the cache root
+    to carry (the host memo library). Returns (entries, bytes written)."""
     import tarfile
 
     mode = pack_mode(out_path)
@@ -424,6 +425,10 @@ def pack_entries(outcomes: list[Outcome], out_path: str, root: str) -> tuple[int
     for e in entries:
         if os.path.commonpath([root, e]) != root or not os.path.isdir(e):
             raise RuntimeError(f"--pack: cache entry {e} is not a directory under the cache {root}")
+    for e in map(os.path.abspath, extra):
+        if os.path.commonpath([root, e]) != root or not os.path.isfile(e):
+            raise RuntimeError(f"--pack: {e} is not a file under the cache {root}")
+        entries.append(e)
     with tarfile.open(out_path, mode) as tar:
         for e in entries:
             tar.add(e, arcname=os.path.relpath(e, root))

@@ -11,6 +11,8 @@ CUDA stream from torch's current stream, exactly as through the adapter.
 
 import warnings
 
+from . import host_cache
+
 
 def raw_function(kernel, name: str):
     """``kernel``'s host function (a tvm_ffi Function) for positional launches.
@@ -18,8 +20,10 @@ def raw_function(kernel, name: str):
     A kernel TileLang loaded from its disk cache holds a loaded module (``adapter.executable``);
     a fresh compile holds an executable to link first (``jit()``). These are tilelang 0.1.12
     internals: where they are missing, the adapter's own callable (the same kernel, more host
-    time per launch) with a RuntimeWarning naming the kernel, never an error.
+    time per launch) with a RuntimeWarning naming the kernel, never an error. The TMA descriptor
+    memo (host_cache.py) is installed first, before this kernel can launch.
     """
+    host_cache.install()
     try:
         exe = kernel.adapter.get_exportable_executable()
         mod = exe.jit() if hasattr(type(exe), "jit") else exe
