@@ -173,7 +173,8 @@ def _cmd_precompile(args) -> int:
             f.write(pc.summary_json(outcomes, summary))
     if args.pack:
         n, size = pc.pack_entries(outcomes, args.pack, summary.cache_dir, extra=[memo] if memo else [])
-        print(f"packed {n} cache entries ({size / 2**20:.1f} MiB) into {args.pack}: "
+        print(f"packed {n} cache entries{' and the TMA descriptor memo' if memo else ''} "
+              f"({size / 2**20:.1f} MiB) into {args.pack}: "
               f"tar -xf {args.pack} -C DIR, then TILELANG_CACHE_DIR=DIR"
               + ("" if summary.ok else " (failed builds left out)"))
     return 0 if summary.ok else 1

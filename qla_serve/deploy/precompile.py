@@ -416,7 +416,7 @@ def pack_entries(outcomes: list[Outcome], out_path: str, root: str, extra: list[
     to the cache root, so that `tar -xf out_path -C DIR` gives a TileLang cache (TILELANG_CACHE_DIR
     = DIR) in which the same builds are hits: a deployment's compiled kernels as one artifact, or
     the kernels a device run needs and nothing else. ``extra``: more files under the cache root
-    to carry (the host memo library). Returns (entries, bytes written)."""
+    to carry (the host memo library), not counted as entries. Returns (entries, bytes written)."""
     import tarfile
 
     mode = pack_mode(out_path)
@@ -425,12 +425,12 @@ def pack_entries(outcomes: list[Outcome], out_path: str, root: str, extra: list[
     for e in entries:
         if os.path.commonpath([root, e]) != root or not os.path.isdir(e):
             raise RuntimeError(f"--pack: cache entry {e} is not a directory under the cache {root}")
-    for e in map(os.path.abspath, extra):
+    files = [os.path.abspath(e) for e in extra]
+    for e in files:
         if os.path.commonpath([root, e]) != root or not os.path.isfile(e):
             raise RuntimeError(f"--pack: {e} is not a file under the cache {root}")
-        entries.append(e)
     with tarfile.open(out_path, mode) as tar:
-        for e in entries:
+        for e in entries + files:
             tar.add(e, arcname=os.path.relpath(e, root))
     return len(entries), os.path.getsize(out_path)
 

@@ -169,6 +169,13 @@ def test_precompile_one_small_config_then_all_cache_hits(tmp_path):
     assert 1 <= len(entries) <= len(firsts), names[:20]
     assert all(n.count("/") >= 2 and not n.startswith("/") for n in names), names[:20]
     assert f"packed {len(entries)} cache entries" in second.stdout, second.stdout[-2000:]
+    # the TMA descriptor memo (kernels/hopper/host_cache.py) travels with the kernels
+    from qla_serve.kernels.hopper import host_cache
+    if "and the TMA descriptor memo" in second.stdout:
+        assert any(n.startswith("qla_serve/tensormap_cache-") and n.endswith(".so") for n in names), names[-5:]
+    else:
+        assert "TMA descriptor memo not built" in second.stdout, second.stdout[-2000:]
+    assert host_cache.SOURCE.is_file()
 
     # ... and the pack alone, unpacked into an empty cache, makes every build a hit (one process).
     fresh = tmp_path / "fresh"
