@@ -185,6 +185,9 @@ def _build_host_memo():
     packed or baked cache carries it; its path, or None (said why: the kernels still work)."""
     from qla_serve.kernels.hopper import host_cache
 
+    if not host_cache.enabled_by_env():
+        print(f"host: TMA descriptor memo not built ({host_cache.ENV}=0)")
+        return None
     try:
         path = host_cache.build()
     except (OSError, RuntimeError) as e:

@@ -122,6 +122,13 @@ def test_env_switch_leaves_tilelang_alone(monkeypatch):
     assert host_cache.install() == "off"
 
 
+def test_env_switch_takes_0_or_1(monkeypatch):
+    monkeypatch.setattr(host_cache, "_STATE", None)
+    monkeypatch.setenv(host_cache.ENV, "yes")
+    with pytest.raises(ValueError, match="QLA_SERVE_TENSORMAP_CACHE: expected 0 or 1"):
+        host_cache.install()
+
+
 def test_no_compiler_warns_once_and_runs_without(monkeypatch, tmp_path):
     monkeypatch.setattr(host_cache, "_STATE", None)
     monkeypatch.setattr(host_cache, "_LIB", None)

@@ -39,7 +39,11 @@ _STATE: str | None = None      # None until install() ran: "installed", "off" or
 
 
 def enabled_by_env() -> bool:
-    return os.environ.get(ENV, "1") not in ("0", "false", "False", "")
+    """QLA_SERVE_TENSORMAP_CACHE: 1 (default) or 0; anything else is an error naming it."""
+    value = os.environ.get(ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV}: expected 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def library_path() -> Path:
