@@ -1,0 +1,48 @@
+"""The floor of a launch's host time: a tvm-ffi no-op call with N CUDA torch tensors (the
+argument conversion every TileLang launch pays), torch's own smallest launch, and a 3-argument
+TileLang kernel (slot_ids "rows") through its raw host function.
+
+    python benchmarks/launch_cost.py     # on a GPU, with the slot_ids kernels cached
+
+Enqueue time only (the queue is drained between rounds); median of 7 rounds. A benchmark, not a
+test. Figures: data/launch_cost_h200.txt, benchmarks/layer.md ("Host time of one layer call").
+"""
+import importlib
+import statistics
+import time
+
+import torch
+import tvm_ffi
+import tvm_ffi.testing  # noqa: F401  (registers testing.nop)
+
+S = importlib.import_module("qla_serve.kernels.hopper.slot_ids")   # the package exports a function of that name
+
+nop = tvm_ffi.get_global_func("testing.nop")
+dev = "cuda"
+ts = [torch.empty(64, 8, 128, device=dev) for _ in range(14)]
+
+
+def bench(f, n=20000):
+    r = []
+    for _ in range(7):
+        t = time.perf_counter()
+        for _ in range(n):
+            f()
+        r.append((time.perf_counter() - t) / n * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(r)
+
+
+print(f"nop()                 {bench(lambda: nop()):.2f} us")
+print(f"nop(3 ints)           {bench(lambda: nop(1, 2, 3)):.2f} us")
+for k in (1, 3, 10, 14):
+    print(f"nop({k} cuda tensors)  {bench(lambda: nop(*ts[:k])):.2f} us")
+x = torch.zeros(1, device=dev)
+print(f"torch x.zero_() (1 launch)  {bench(lambda: x.zero_(), 5000):.2f} us")
+print(f"torch.empty(1) cuda         {bench(lambda: torch.empty(1, device=dev), 5000):.2f} us")
+slots = torch.arange(8, dtype=torch.int32, device=dev)
+out = torch.empty_like(slots)
+S.slot_ids(slots, 0)
+fn = S._FAST[("rows", torch.int32, slots.device)]
+print(f"TileLang slot_ids rows raw launch (2 tensors, 1 int)  {bench(lambda: fn(slots, out, 0), 5000):.2f} us")
+print(f"same through slot_ids() (+ torch.empty)             {bench(lambda: S.slot_ids(slots, 0), 5000):.2f} us")
