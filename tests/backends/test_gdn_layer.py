@@ -403,6 +403,7 @@ def _run_later_layers(dev, io, monkeypatch):
         layer(step, i, shared[i], outs[i])
         per_layer.append(len(checks))
     assert len(step._checked) == 1
+    assert [k[0] for k in step._scratch] == ["decode_conv_out"]   # one conv output buffer for the step
     assert per_layer == [2, 0, 0], per_layer   # the decode conv's and the prefill inputs' checks, once
     for i in range(3):
         layer(make_step(), i, fresh[i], outs[3 + i])
@@ -457,6 +458,63 @@ def test_spec_batch_gpu(with_prefill):
 @needs_cuda
 def test_padded_spec_batch_gpu():
     _run_spec("cuda", torch.bfloat16, torch.float32, False, padded=True)
+
+
+def _run_spec_layers_share_the_step(dev, io):
+    """Two GDN layers of one spec step with prefills interleaved (their own inputs, weights and
+    caches): the step's scratch buffers (the spec conv's output, the spec and non-spec output
+    rows: StepPlan.scratch) serve both, and each layer gives bit for bit what it gives as the
+    only layer of a fresh step."""
+    gen = torch.Generator().manual_seed(7)
+    S, D = 20, 3
+    spec_slots, spec_lens, accepted = [[4, 5, 6], [10, 11, 12], [15, 16, 17]], [3, 2, 3], [2, 1, 3]
+    pre_lens, pre_slots, pre_init = [9, 1], [2, 8], [True, False]
+    Ts = sum(spec_lens)
+    T = Ts + sum(pre_lens)
+    perm = torch.randperm(T, generator=gen)
+    spec_idx, non_idx = perm[:Ts].sort().values.int(), perm[Ts:].sort().values.int()
+
+    def make_step():
+        return GL.make_step_plan(
+            num_actual_tokens=T, num_v_heads=HV, num_k_heads=HK, conv_width=W, device=dev, prefill_lens=pre_lens,
+            prefill_slots=torch.tensor(pre_slots, dtype=torch.int32, device=dev),
+            prefill_has_initial_state=torch.tensor(pre_init, device=dev),
+            spec_slots=torch.tensor(spec_slots, dtype=torch.int32, device=dev),
+            spec_cu_seqlens=torch.tensor([0, 3, 5, 8], dtype=torch.int32, device=dev),
+            num_accepted=torch.tensor(accepted, dtype=torch.int32, device=dev), num_spec_tokens=Ts,
+            spec_token_idx=spec_idx.to(dev), non_spec_token_idx=non_idx.to(dev))
+
+    inputs = [tuple(torch.randn(T, n, generator=gen).to(dev, io) for n in (DIM, HV, HV)) + (_weights(gen, dev),)
+              for _ in range(2)]
+    shared = [_cache(S, torch.float32, dev, torch.Generator().manual_seed(200 + i), spec_cols=D - 1) for i in range(2)]
+    fresh = [_cache(S, torch.float32, dev, torch.Generator().manual_seed(200 + i), spec_cols=D - 1) for i in range(2)]
+    outs = [torch.full((T, HV, D_HEAD), float("nan"), dtype=io, device=dev) for _ in range(4)]
+
+    def layer(step, i, caches, out):
+        x, a, b, (w, bias, A_log, dt_bias) = inputs[i]
+        GL.gdn_layer_forward(step, x, a, b, conv_weight=w, conv_bias=bias, activation="silu",
+                             conv_state=caches[0], ssm_state=caches[1], A_log=A_log, dt_bias=dt_bias,
+                             num_k_heads=HK, out=out)
+
+    step = make_step()
+    for i in range(2):
+        layer(step, i, shared[i], outs[i])
+    assert {k[0] for k in step._scratch} == {"spec_conv_out", "spec_out", "non_spec_out"}
+    for i in range(2):
+        layer(make_step(), i, fresh[i], outs[2 + i])
+        assert torch.equal(outs[i], outs[2 + i]), f"layer {i}: out"
+        assert torch.equal(shared[i][1], fresh[i][1]), f"layer {i}: ssm state"
+        assert torch.equal(shared[i][0], fresh[i][0]), f"layer {i}: conv state"
+
+
+def test_spec_layers_share_the_step_cpu():
+    _run_spec_layers_share_the_step("cpu", torch.float32)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_spec_layers_share_the_step_gpu():
+    _run_spec_layers_share_the_step("cuda", torch.bfloat16)
 
 
 @pytest.mark.gpu
