@@ -280,6 +280,14 @@ def _out_rows(step: StepPlan, kind: str, rows: int, out: torch.Tensor) -> torch.
                         lambda: torch.empty(shape, dtype=out.dtype, device=out.device))
 
 
+def _decode_prefill_rows(x: torch.Tensor, num_decodes: int, num_prefill: int):
+    """(x[:num_decodes], x[num_decodes:num_decodes + num_prefill]) as one torch op
+    (split_with_sizes: two slices cost ~1.5x its host time)."""
+    rest = x.shape[0] - num_decodes - num_prefill
+    parts = x.split_with_sizes([num_decodes, num_prefill, rest] if rest else [num_decodes, num_prefill])
+    return parts[0], parts[1]
+
+
 def _rows(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     """x[start:stop], or x itself where that is all of it (a slice is a torch op: ~3 us of host
     time, many per layer call of a mixed step)."""
@@ -340,12 +348,12 @@ def gdn_layer_forward(step: StepPlan, mixed_qkv: torch.Tensor, a: torch.Tensor, 
     layer = _Layer(conv_state, ssm_state, num_k_heads, Hv, scale,
                    dict(conv_weight=conv_weight, conv_bias=conv_bias, activation=activation),
                    dict(A_log=A_log, dt_bias=dt_bias))
-    x, a, b = _rows(mixed_qkv, 0, T), _rows(a, 0, T), _rows(b, 0, T)
     Td, Tp = step.num_decodes, step.num_prefill_tokens
     checks = key not in step._checked
     parts = []   # (kind, count, launch) in launch order: every op's checks ran while they were built
-    xn, an, bn, out_n = x, a, b, out
+    xn, an, bn, out_n = mixed_qkv, a, b, out     # rows: the decodes', then the prefills' (then padding)
     if step.num_spec_decodes:
+        x, a, b = _rows(mixed_qkv, 0, T), _rows(a, 0, T), _rows(b, 0, T)
         parts.append(("spec", step.num_spec_decodes, _spec_ops(step, layer, x, a, b, out, checks)))
         if step.non_spec_token_idx is None or Td + Tp == 0:
             Td = Tp = 0
@@ -353,13 +361,15 @@ def gdn_layer_forward(step: StepPlan, mixed_qkv: torch.Tensor, a: torch.Tensor, 
             idx = step.non_spec_token_idx
             xn, an, bn = x.index_select(0, idx), a.index_select(0, idx), b.index_select(0, idx)
             out_n = _out_rows(step, "non_spec_out", Td + Tp, out)
+    if Td and Tp:
+        (xd, xp), (ad, ap), (bd, bp), (od, op) = (_decode_prefill_rows(t, Td, Tp) for t in (xn, an, bn, out_n))
+    else:
+        xd, ad, bd, od = (_rows(t, 0, Td) for t in (xn, an, bn, out_n)) if Td else (None,) * 4
+        xp, ap, bp, op = (_rows(t, 0, Tp) for t in (xn, an, bn, out_n)) if Tp else (None,) * 4
     if Td:
-        parts.append(("decode", Td, _decode_ops(step, layer, _rows(xn, 0, Td), _rows(an, 0, Td), _rows(bn, 0, Td),
-                                                _rows(out_n, 0, Td), checks)))
+        parts.append(("decode", Td, _decode_ops(step, layer, xd, ad, bd, od, checks)))
     if Tp:
-        parts.append(("prefill", step.num_prefills, _prefill_ops(
-            step, layer, _rows(xn, Td, Td + Tp), _rows(an, Td, Td + Tp), _rows(bn, Td, Td + Tp),
-            _rows(out_n, Td, Td + Tp), checks)))
+        parts.append(("prefill", step.num_prefills, _prefill_ops(step, layer, xp, ap, bp, op, checks)))
     for kind, count, launch in parts:
         launch()
         if on_call:
