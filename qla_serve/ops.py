@@ -16,7 +16,6 @@ raises instead of falling back (paths.py). Validation never reads GPU memory (se
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -40,7 +39,7 @@ _resolved: dict = {}
 def _path(op: str, device: torch.device, io_dtype) -> str:
     """The path for this call, resolved once per (op, device, dtype, forced path) and logged
     then: the per-call cost is one dict lookup (decode's host time matters)."""
-    key = (op, device, io_dtype, os.environ.get("QLA_SERVE_OP_PATH"))
+    key = (op, device, io_dtype, V.env("QLA_SERVE_OP_PATH"))
     path = _resolved.get(key)
     if path is None:
         path, why = explain_path(op, device, io_dtype)

@@ -1,5 +1,7 @@
 """Bad input: a ValueError/TypeError that names the argument, raised from host metadata."""
 
+import os
+
 import pytest
 import torch
 
@@ -276,3 +278,20 @@ def test_prefill_inputs_bad_input(over, exc, match):
     args.update(over)
     with pytest.raises(exc, match=match):
         qla_serve.gdn_prefill_inputs(**args)
+
+
+def test_env_reads_follow_os_environ(monkeypatch):
+    """_validate.env (the per-call switch reads) sees what os.environ's setters and deletes do,
+    as os.environ.get does."""
+    from qla_serve import _validate as V
+
+    monkeypatch.delenv("QLA_SERVE_OP_PATH", raising=False)
+    assert V.env("QLA_SERVE_OP_PATH") is None and V.env("QLA_SERVE_OP_PATH", "auto") == "auto"
+    monkeypatch.setenv("QLA_SERVE_OP_PATH", "reference")
+    assert V.env("QLA_SERVE_OP_PATH") == "reference" == os.environ.get("QLA_SERVE_OP_PATH")
+    monkeypatch.setenv("QLA_SERVE_DEBUG", "1")
+    assert V.debug_checks()
+    monkeypatch.setenv("QLA_SERVE_DEBUG", "0")
+    assert not V.debug_checks()
+    monkeypatch.delenv("QLA_SERVE_OP_PATH")
+    assert V.env("QLA_SERVE_OP_PATH") is None
