@@ -42,10 +42,23 @@ def _cmd_info(args) -> int:
         path, why = explain_path(op, device)
         rows.append((f"{op} path", f"{path} ({why})"))
     rows.append(("TileLang cache", os.environ.get("TILELANG_CACHE_DIR", "~/.tilelang/cache (TileLang default)")))
+    rows.append(("TMA descriptor memo", _memo_status()))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
     return 0
+
+
+def _memo_status() -> str:
+    """The TMA descriptor memo (kernels/hopper/host_cache.py) as the kernels will find it; builds nothing."""
+    try:
+        from qla_serve.kernels.hopper import host_cache
+        if not host_cache.enabled_by_env():
+            return f"off ({host_cache.ENV}=0)"
+        path = host_cache.library_path()
+    except Exception as exc:  # tilelang / tvm_ffi missing, or a bad switch value
+        return f"not available ({type(exc).__name__}: {exc})"
+    return f"built: {path}" if path.exists() else f"built with c++ at the first kernel launch ({path})"
 
 
 def _version_of(module: str) -> str:
