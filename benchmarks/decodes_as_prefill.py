@@ -6,32 +6,24 @@ against all of it as one gdn_prefill over [1]*N + [512]*4 (the decodes as one-to
 
 The question (benchmarks/layer.md, "Next"): would a mixed step save launches by running its
 decodes as one-token prefill sequences? A benchmark, not a test."""
-import statistics
 import torch
+
 import qla_serve
+from qla_serve.bench.prefill import _gpu_time_ms
 
 torch.manual_seed(0)
 dev = "cuda"
 HK, HV, D = 2, 8, 128
 
 
-def timed(fn, reps=20, calls=5):
-    fn(); torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); g.replay(); b.record(); b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / calls)
-    return statistics.median(ts)
+def timed(fn) -> float:
+    """GPU us per call: the prefill bench's CUDA-graph replay timing (5 calls per graph, median of 20)."""
+    return _gpu_time_ms(fn, reps=20, graph_calls=5)[0] * 1e3
 
 
 for N in (8, 32, 128, 256):
     lens = [512] * 4
-    Tp, T = sum(lens), N + sum(lens)
+    T = N + sum(lens)
     q = torch.nn.functional.normalize(torch.randn(T, HK, D, device=dev), dim=-1).bfloat16()
     k = torch.nn.functional.normalize(torch.randn(T, HK, D, device=dev), dim=-1).bfloat16()
     v = torch.randn(T, HV, D, device=dev).bfloat16()

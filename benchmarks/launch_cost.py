@@ -4,16 +4,16 @@ TileLang kernel (slot_ids "rows") through its raw host function.
 
     python benchmarks/launch_cost.py     # on a GPU, with the slot_ids kernels cached
 
-Enqueue time only (the queue is drained between rounds); median of 7 rounds. A benchmark, not a
+Enqueue time only (the queue is drained between rounds); median over rounds (ops_host.py's). A benchmark, not a
 test. Figures: data/launch_cost_h200.txt, benchmarks/layer.md ("Host time of one layer call").
 """
 import importlib
-import statistics
-import time
 
 import torch
 import tvm_ffi
 import tvm_ffi.testing  # noqa: F401  (registers testing.nop)
+
+from ops_host import _per_call_us   # (this script's directory is on sys.path)
 
 S = importlib.import_module("qla_serve.kernels.hopper.slot_ids")   # the package exports a function of that name
 
@@ -22,15 +22,10 @@ dev = "cuda"
 ts = [torch.empty(64, 8, 128, device=dev) for _ in range(14)]
 
 
-def bench(f, n=20000):
-    r = []
-    for _ in range(7):
-        t = time.perf_counter()
-        for _ in range(n):
-            f()
-        r.append((time.perf_counter() - t) / n * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(r)
+def bench(f, calls=20000):
+    """Enqueue time per call, us: ops_host.py's median over rounds of calls // 7 calls, the queue
+    drained between rounds."""
+    return _per_call_us(f, n=calls, drain=calls // 7)
 
 
 print(f"nop()                 {bench(lambda: nop()):.2f} us")

@@ -105,7 +105,7 @@ def main() -> None:
     memo = host_cache.install() == "installed"
     for case in CASES:
         for path, (adapter, memo_on) in PATHS.items():
-            if not memo and memo_on and path != "adapter":
+            if not memo and path == "raw":     # without the memo it is the "raw no memo" row
                 continue
             if memo:
                 host_cache.set_enabled(memo_on)

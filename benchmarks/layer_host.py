@@ -58,13 +58,7 @@ def main() -> None:
         if args.memo_ab:
             _memo_ab(spec, call)
             continue
-        idle = []
-        for _ in range(50):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            call()
-            idle.append(time.perf_counter() - t0)
-        torch.cuda.synchronize()
+        idle_us = _issue_us(call)
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         t0 = time.perf_counter()
@@ -80,7 +74,7 @@ def main() -> None:
             call()
         prof.disable()
         torch.cuda.synchronize()
-        print(f"== {spec}: host issue us (idle GPU, median) {statistics.median(idle) * 1e6:.1f}; "
+        print(f"== {spec}: host issue us (idle GPU, median) {idle_us:.1f}; "
               f"back-to-back {(t1 - t0) * 1e6 / args.calls:.1f} us per call; GPU-bound wall {gpu_us:.1f} us "
               f"per call", flush=True)
         s = io.StringIO()
