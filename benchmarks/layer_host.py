@@ -2,6 +2,7 @@
 
     python benchmarks/layer_host.py [--rows 2/8:d1,2/8:16x512,...] [--calls 300] [--top 25] [--first-layer]
     python benchmarks/layer_host.py --memo-ab     # host time with / without the TMA descriptor memo
+    python benchmarks/layer_host.py --switch conv.WINDOW_CTAS=False,True   # a module switch's values
 
 Engines run prefill and mixed steps eagerly, so every GDN layer of such a step pays this on the
 CPU. For each row: the issue time of one call from an idle GPU (as `bench layer`'s "host issue
@@ -21,6 +22,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import layer_ab  # noqa: E402  (benchmarks/: its --switch parser)
 
 DEFAULT_ROWS = "2/8:d1,2/8:d256,2/8:16x512,2/8:1x32768,2/8:d32+4x512,16/64:4x8192"
 
@@ -38,6 +42,9 @@ def main() -> None:
     p.add_argument("--memo-ab", action="store_true",
                    help="only the host issue time, TMA descriptor memo (host_cache.py) on / off, "
                         "alternating rounds; no profile")
+    p.add_argument("--switch", type=layer_ab.parse_switch, default=None,
+                   help="MODULE.NAME=V1,V2 (as benchmarks/layer_ab.py): only the host issue time per "
+                        "value, alternating rounds; no profile")
     args = p.parse_args()
     for spec in args.rows.split(","):
         heads, row_text = spec.split(":")
@@ -57,6 +64,9 @@ def main() -> None:
         torch.cuda.synchronize()
         if args.memo_ab:
             _memo_ab(spec, call)
+            continue
+        if args.switch:
+            _switch_ab(spec, call, *args.switch)
             continue
         idle_us = _issue_us(call)
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -94,6 +104,20 @@ def _issue_us(call, n: int = 50) -> float:
         out.append(time.perf_counter() - t0)
     torch.cuda.synchronize()
     return statistics.median(out) * 1e6
+
+
+def _switch_ab(spec: str, call, module, name, values) -> None:
+    from unittest import mock
+
+    times = {i: [] for i in range(len(values))}
+    for _ in range(4):
+        for i, value in enumerate(values):
+            with mock.patch.object(module, name, value):
+                call()
+                times[i].append(_issue_us(call))
+    cols = ", ".join(f"{name}={v!r} {statistics.median(t):.1f} ({', '.join(f'{x:.1f}' for x in t)})"
+                     for v, t in zip(values, times.values()))
+    print(f"== {spec}: host issue us per call (idle GPU, medians of 4 rounds) {cols}", flush=True)
 
 
 def _memo_ab(spec: str, call) -> None:

@@ -33,14 +33,14 @@ def test_conv_variant_compiles(variant, target):
         assert f"float win[{3 + variant['draft']}];" in src   # history + D draft inputs in registers
     if variant["op"] == "conv_verify":   # SGLang's per-draft window scratch, any strides
         assert "int si0, int si1, int si2, int si3" in src
-    # conv_decode, conv_spec, conv_verify and conv_prefill let the kernel launched as their
-    # programmatic dependent (decode; verify_slots; verify; the conv-state write-back's after_conv
-    # form) start early; that one waits before it reads (decode, verify_slots, verify) or writes
-    # (the write-back) what the conv touches
-    assert ("cudaTriggerProgrammaticLaunchCompletion();" in src) == (variant["op"] in ("conv_decode",
-                                                                                        "conv_spec",
-                                                                                        "conv_verify",
-                                                                                        "conv_prefill"))
+    # conv_decode, conv_spec, conv_verify and conv_prefill without window CTAs let the kernel
+    # launched as their programmatic dependent (decode; verify_slots; verify; the conv-state
+    # write-back's after_conv form) start early; that one waits before it reads (decode,
+    # verify_slots, verify) or writes (the write-back) what the conv touches. With window CTAs
+    # conv_prefill writes the windows itself: nothing follows it as a dependent.
+    triggers = variant["op"] in ("conv_decode", "conv_spec", "conv_verify") or \
+        (variant["op"] == "conv_prefill" and not variant.get("window_ctas"))
+    assert ("cudaTriggerProgrammaticLaunchCompletion();" in src) == triggers
     assert ("cudaGridDependencySynchronize();" in src) == bool(variant.get("after_conv"))
 
 
@@ -63,7 +63,7 @@ def test_conv_prefill_compiles(target, silu_form):
     and rcp.approx (the form before it, kept for A/B runs; its variant name unchanged)."""
     v = C.variant("conv_prefill", HV, HK, 4, "bfloat16", "bfloat16", qk_out="float16", ab="bfloat16",
                   param="float32", gbias="bfloat16", fast_steps=True, silu_form=silu_form)
-    assert v["name"].endswith("_fs_tanh" if silu_form == "tanh" else "_fs")
+    assert v["name"].endswith(("_fs_tanh" if silu_form == "tanh" else "_fs") + ("_wc" if C.WINDOW_CTAS else ""))
     src = C.build(v, target).get_kernel_source()
     assert "__all_sync" in src and "__launch_bounds__(128, 4)" in src and "__syncthreads" not in src
     assert src.count("log1pf(") == 1 and "blockIdx.y) == 0" in src
@@ -93,9 +93,11 @@ def test_steps_per_walk():
 def test_conv_variants_are_unique_and_checked():
     vs = C.kernel_variants(32, 16)
     names = [v["name"] for v in vs]
-    # io x bias x (3 prefill (gate params), 2 state (plain, after_conv), 2 decode (1 and
+    # io x bias x (3 prefill (gate params), 2 state (plain; after_conv without the prefill's window
+    # CTAs), 2 decode (1 and
     # DECODE_SEQS sequences per thread), 3 spec, 3 SGLang verify)
-    assert len(names) == len(set(names)) == 2 * 2 * 13
+    assert len(names) == len(set(names)) == 2 * 2 * 13 - 2 * 2 * C.WINDOW_CTAS   # no after_conv state
+    assert all(v.get("window_ctas", False) == C.WINDOW_CTAS for v in vs if v["op"] == "conv_prefill")
     assert {v.get("seqs", 1) for v in vs if v["op"] == "conv_decode"} == {1, C.DECODE_SEQS}
     assert sum(v["op"] == "conv_verify" for v in vs) == 2 * 2 * 3
     from qla_serve.kernels import hopper
@@ -127,3 +129,20 @@ def test_conv_variants_are_unique_and_checked():
     plain = C.variant("conv_prefill", HV, HK, 4, "bfloat16", "bfloat16", activation="none", ab="bfloat16",
                       param="float32", gbias="float32", silu_form="tanh")
     assert "silu_form" not in plain and not plain["name"].endswith("_tanh")
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("windows", [True, False])
+def test_conv_prefill_window_ctas_compile(windows):
+    """conv.WINDOW_CTAS: the window CTAs (grid columns past the walkers' token ranges) convolve the
+    sequences' first W - 1 tokens from the conv state and write the new windows into it; the
+    walkers then read no conv state. Without them, the walkers read the history taps and a second
+    launch (conv_prefill_state) writes the windows back."""
+    v = C.variant("conv_prefill", HV, HK, 4, "bfloat16", "bfloat16", qk_out="float16", ab="bfloat16",
+                  param="float32", gbias="bfloat16", window_ctas=windows)
+    assert v["name"].endswith("_wc") == windows
+    src = C.build(v, "sm_90a").get_kernel_source()
+    # the new windows stored into the conv state (bf16 here) from the window CTAs' registers
+    assert ("] = ((bfloat16_t)win[" in src) == windows
+    # the walkers' binary search reads a sequence's slot and history flag only without them
+    assert ("HasInit[lo]" in src) == (not windows)

@@ -59,12 +59,16 @@ def test_conv_prefill_matches_reference(hk, hv, layout, bias, dt_bias_dtype, wal
 # tokens (the ones that read the old window) straddle a range boundary
 @pytest.mark.parametrize("walk", [1, 2, 3, 5])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_conv_prefill_on_random_batches(walk, seed, monkeypatch):
+# conv.WINDOW_CTAS: the sequences' first W - 1 tokens and their windows in the conv grid's window
+# CTAs, or the walkers' history taps and the after_conv write-back kernel (the form before it)
+@pytest.mark.parametrize("windows", [True, False])
+def test_conv_prefill_on_random_batches(walk, seed, windows, monkeypatch):
     """Random batches of mostly short sequences (0-7 tokens, a few long ones; empty sequences with
-    and without a history, padding slots) through conv_prefill and its conv-state write-back (the
-    after_conv kernel), against the reference: outputs, every live slot's new window bit-exact,
-    every other slot bit-identical."""
+    and without a history, padding slots) through conv_prefill and its conv-state write-back,
+    against the reference: outputs, every live slot's new window bit-exact, every other slot
+    bit-identical."""
     monkeypatch.setattr(conv_kernels, "steps_per_walk", lambda *_: walk)
+    monkeypatch.setattr(conv_kernels, "WINDOW_CTAS", windows)
     gen = torch.Generator().manual_seed(1000 + seed)
     N = 48
     lens = torch.randint(0, 8, (N,), generator=gen)
@@ -77,11 +81,27 @@ def test_conv_prefill_on_random_batches(walk, seed, monkeypatch):
                         num_slots=2 * N + 1)
 
 
-def _check_conv_prefill(hk, hv, lens, slots, has, layout, bias, dt_bias_dtype, seed, num_slots=24):
+# widths other than Qwen's 4: one history column (W = 2: a window of one token), and more history
+# columns (W = 6: 5) than a walk step's 4 tokens (the window CTAs then take two steps)
+@pytest.mark.parametrize("width", [2, 6])
+@pytest.mark.parametrize("layout", ["dim_first", "seq_first"])
+def test_conv_prefill_widths(width, layout):
+    gen = torch.Generator().manual_seed(50 + width)
+    N = 24
+    lens = torch.randint(0, 9, (N,), generator=gen)
+    lens[:2] = torch.tensor([40, 77])
+    slots = (torch.randperm(2 * N, generator=gen)[:N] + 1).tolist()
+    slots[5] = -1
+    has = (torch.rand(N, generator=gen) < 0.6).tolist()
+    _check_conv_prefill(2, 8, lens.tolist(), slots, has, layout, True, torch.float32, seed=width,
+                        num_slots=2 * N + 1, width=width)
+
+
+def _check_conv_prefill(hk, hv, lens, slots, has, layout, bias, dt_bias_dtype, seed, num_slots=24, width=4):
     """layer_ops.gdn_layer_prefill_inputs on random inputs for sequences of ``lens`` in ``slots``
     (-1: padding; a slot without a history filled with NaN) against reference_conv.conv_prefill."""
     gen = torch.Generator().manual_seed(seed)
-    dim, W, S = (2 * hk + hv) * HEAD, 4, num_slots
+    dim, W, S = (2 * hk + hv) * HEAD, width, num_slots
     T = sum(lens)
     x = torch.randn(T, dim + 64, generator=gen).to("cuda", torch.bfloat16)[:, 32:32 + dim]  # row-strided
     a, b = (torch.randn(T, hv, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))

@@ -24,16 +24,21 @@ formulas in torch; float64 truth in the layer tests):
   steps_per_walk), lane g holding channels 8g..8g+7: GROUP input rows at a time arrive in
   registers through a per-thread cp.async ring in shared memory, STAGES - 1 steps ahead, in
   16-byte pieces (x's row stride must be a multiple of 8 elements, its base 16-byte
-  aligned), and each token's taps come from the registers holding the rows before it, or
-  from the conv state at a sequence's first W - 1 tokens. A token row's 128 channels sit in
+  aligned), and each token's taps come from the registers holding the rows before it. A
+  sequence's first W - 1 tokens (taps in the conv state) are left to window CTAs (columns
+  past the walks' token ranges, WALKERS sequences each), which convolve them and then write the
+  sequence's new window into its slot: the write-back is part of this launch
+  (WINDOW_CTAS). A token row's 128 channels sit in
   16 adjacent lanes, so the q/k L2 norm is 4 xor-shuffles, and every output is a 16-byte
   store. A walk finds its sequence by a binary search in cu_seqlens, and again only where it
   crosses into the next one (no per-token index tensors). Its program: conv_prefill.py.
-* ``conv_prefill_state``: the prefill's conv-state write-back, a second launch: a sequence
-  spans several walks, and the walk that would write its new window cannot know that the one
-  reading its old history has read it. Grid (sequences, channel blocks). Its ``after_conv``
-  form is launched as the conv_prefill grid's programmatic dependent (WRITE_BACK_AFTER_CONV):
-  it loads its window while the conv runs and stores it once the conv has finished.
+* ``conv_prefill_state``: the conv-state write-back alone (conv_window): a prefill checkpoint's
+  window, and the prefill's own where conv_prefill has no window CTAs (a second launch then: a
+  sequence spans several walks, and the walk that would write its new window cannot know that
+  the one reading its old history has read it). Grid (sequences, channel blocks). Its
+  ``after_conv`` form is launched as the conv_prefill grid's programmatic dependent
+  (WRITE_BACK_AFTER_CONV): it loads its window while the conv runs and stores it once the conv
+  has finished.
 * ``conv_decode``: one token per sequence: y and the shifted window (state <- [state[1:], x])
   in one pass; the output [B, dim] feeds the decode kernel (which L2-normalises q/k and
   applies the raw gates itself). A thread owns a channel of one sequence, or of DECODE_SEQS
@@ -107,9 +112,16 @@ SILU_FORMS = ("tanh", "ex2")
 # 2/8 d256 fp32 79.3 -> 78.4; but 2/8 d32 (384 blocks) 13.2 -> 13.8 (benchmarks/layer.md).
 DECODE_SEQS = 4
 DECODE_SEQS_MIN_BLOCKS = 2048
-# the prefill's conv-state write-back launched as the conv_prefill grid's programmatic dependent
-# (conv_prefill_state's after_conv form): its loads (ids, lengths, the new window) overlap the
-# conv's last wave, its stores wait for the conv's end. False: a plain launch after it.
+# conv_prefill's window CTAs (variant key "window_ctas"): CTAs past the walkers' token ranges
+# convolve each sequence's first W - 1 tokens (the only ones with taps in the conv state) and then
+# write its new window, so that no walker reads the conv state and the write-back needs no
+# launch of its own (conv_prefill.py's window_block). False: the walkers take the history taps
+# and conv_prefill_state writes the windows back in a second launch (the form before it).
+WINDOW_CTAS = True
+# Without the window CTAs: the prefill's conv-state write-back launched as the conv_prefill
+# grid's programmatic dependent (conv_prefill_state's after_conv form): its loads (ids, lengths,
+# the new window) overlap the conv's last wave, its stores wait for the conv's end. False: a
+# plain launch after it.
 WRITE_BACK_AFTER_CONV = True
 MAX_SEQS = 1 << SEARCH_STEPS  # conv_prefill's binary search over cu_seqlens runs SEARCH_STEPS halvings
 OPS = ("conv_prefill", "conv_prefill_state", "conv_decode", "conv_spec", "conv_verify")
@@ -119,14 +131,16 @@ def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weigh
             activation: str = "silu", bias: bool = True, qk_out: str | None = None,
             ab: str | None = None, param: str | None = None, gbias: str | None = None,
             draft: int = 0, stages: int = STAGES, fast_steps: bool = FAST_STEPS,
-            silu_form: str = SILU_FORM, after_conv: bool = False, seqs: int = 1) -> dict:
+            silu_form: str = SILU_FORM, window_ctas: bool = WINDOW_CTAS, after_conv: bool = False,
+            seqs: int = 1) -> dict:
     """A JSON-serialisable variant description; ``name`` identifies it.
 
     io: x's dtype (and the outputs' but q/k's); state: the conv state's; weight: the conv
     weight's and bias's (default io); qk_out: conv_prefill's q/k dtype (default io); ab,
     param, gbias: conv_prefill's a/b, A_log, dt_bias dtypes; draft: conv_spec's D; stages:
     conv_prefill's cp.async ring depth (STAGES); fast_steps: its straight-line steps (FAST_STEPS);
-    silu_form: its SiLU's instructions (SILU_FORM; with activation "silu" only); after_conv:
+    silu_form: its SiLU's instructions (SILU_FORM; with activation "silu" only); window_ctas: its
+    window CTAs, which also write the conv state back (WINDOW_CTAS); after_conv:
     conv_prefill_state's form launched as conv_prefill's programmatic dependent; seqs:
     conv_decode's sequences per thread (DECODE_SEQS)."""
     weight = weight or io
@@ -160,6 +174,9 @@ def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weigh
         if activation == "silu" and silu_form != "ex2":
             v["silu_form"] = silu_form
             name += f"_{silu_form}"
+        if window_ctas:
+            v["window_ctas"] = True
+            name += "_wc"
     if seqs != 1:
         if op != "conv_decode" or seqs not in (2, 4, 8):
             raise ValueError(f"seqs: conv_decode takes 1, 2, 4 or 8 sequences per thread, got {seqs} for {op}")
@@ -189,7 +206,8 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
     """What the engine layers hit with Qwen3-Next / Qwen3.5 (width 4, SiLU, bias or not, the
     conv state in the model dtype, weights in the model dtype): per model dtype, the prefill
     conv (q/k fp16 from bf16 as the layers ask; a/b in the model dtype, A_log/dt_bias as
-    _GATE_PARAMS), its state write-back (plain and after_conv),
+    _GATE_PARAMS), the state write-back alone (checkpoint windows; after_conv too where the
+    prefill conv has no window CTAs),
     decode, and spec and SGLang's verify at D = 2..4 (MTP k = 1..3). Others compile on first use
     (same cache)."""
     out = []
@@ -199,8 +217,8 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
             for param, gbias in _GATE_PARAMS(io):
                 out.append(variant("conv_prefill", num_v_heads, num_k_heads, 4, io, io, qk_out="float16",
                                    ab=io, param=param, gbias=gbias, stages=STAGES, fast_steps=FAST_STEPS,
-                                   silu_form=SILU_FORM, **common))
-            for after in (False, True):
+                                   silu_form=SILU_FORM, window_ctas=WINDOW_CTAS, **common))
+            for after in (False,) if WINDOW_CTAS else (False, True):
                 out.append(variant("conv_prefill_state", num_v_heads, num_k_heads, 4, io, io,
                                    after_conv=after, **common))
             for seqs in (1, DECODE_SEQS):
@@ -512,17 +530,18 @@ def conv_prefill(x, conv_state, weight, bias, slot_ids, has_initial_state, cu_se
     """x [T, dim] (unit channel stride), conv_state [S, dim, L], weight [dim, W], bias [dim] or
     None, slot_ids [N] int32, has_initial_state [N] int8 (a bool tensor's view), cu_seqlens
     [N+1] int32, a, b [T, Hv], A_log, dt_bias [Hv] -> q_out, k_out [T, Hk, 128], v_out
-    [T, Hv, 128], g_out, beta_out [T, Hv] fp32 (contiguous); then the conv-state write-back."""
+    [T, Hv, 128], g_out, beta_out [T, Hv] fp32 (contiguous); and the conv-state write-back (by the
+    window CTAs, or by conv_window after it where WINDOW_CTAS is off)."""
     T_, N = x.shape[0], slot_ids.shape[0]
     if N > MAX_SEQS:  # the kernel's binary search over cu_seqlens takes SEARCH_STEPS halvings
         raise ValueError(f"slot_ids: the conv prefill kernel takes at most {MAX_SEQS} sequences, got {N}")
     hv, hk, width = v_out.shape[1], q_out.shape[1], weight.shape[1]
     if T_:
         walk = steps_per_walk(T_, 2 * hk + hv, sm_count(x.device))
-        stages, fast, silu_form = STAGES, FAST_STEPS, SILU_FORM
+        stages, fast, silu_form, windows = STAGES, FAST_STEPS, SILU_FORM, WINDOW_CTAS
         key = ("conv_prefill", x.device, x.dtype, conv_state.dtype, weight.dtype, q_out.dtype, a.dtype,
                A_log.dtype, dt_bias.dtype, hv, hk, width, activation, bias is not None, stages, fast,
-               silu_form)
+               silu_form, windows)
 
         def make():
             io, sdt, wdt = _names(x, conv_state, weight)
@@ -530,10 +549,12 @@ def conv_prefill(x, conv_state, weight, bias, slot_ids, has_initial_state, cu_se
             return variant("conv_prefill", hv, hk, width, io, sdt, weight=wdt, activation=activation,
                            bias=bias is not None, qk_out=_dtype_name(q_out.dtype, "q_out", _IO_DTYPES),
                            ab=ab, param=prm, gbias=gb, stages=stages, fast_steps=fast,
-                           silu_form=silu_form)
+                           silu_form=silu_form, window_ctas=windows)
         _launch_fn(key, make, x.device)(x, conv_state, weight, _bias_arg(bias, weight), slot_ids,
                                         has_initial_state, cu_seqlens, a, b, A_log, dt_bias,
                                         q_out, k_out, v_out, g_out, beta_out, walk)
+        if windows:
+            return   # its window CTAs wrote the windows back
     if N:
         conv_window(x, conv_state, slot_ids, has_initial_state, cu_seqlens, num_v_heads=hv, width=width,
                     weight_dtype=weight.dtype, after_conv=bool(T_) and WRITE_BACK_AFTER_CONV)

@@ -7,9 +7,13 @@ For x = mixed_qkv [T, (2 Hk + Hv) 128] packed by cu_seqlens, per token t of sequ
     q[t, h] = y[t, q_h] / ||y[t, q_h]||,  k likewise (fp32 math, stored as the variant's q/k
     dtype), v[t, h] = y[t, v_h],  g[t, h] = -exp(A_log[h]) softplus(a[t, h] + dt_bias[h]),
     beta[t, h] = sigmoid(b[t, h])
-The conv state is only read here; conv.py's conv_prefill_state writes it back afterwards (a
-sequence spans several walks, and the walk that would write its new window cannot know that the
-one reading its old history has read it), launched as this grid's programmatic dependent.
+and afterwards conv_state[slot_s, c, i] = e_s[len_s - (W - 1) + i] (i < W - 1), in the same grid:
+the window CTAs (conv.WINDOW_CTAS, window_block) convolve each sequence's first W - 1 tokens, the
+only ones with taps in the conv state, then write its new window; the walkers leave those tokens
+to them and never read the conv state, so no CTA has to wait for another (a sequence spans
+several walks, and a walk could not know that the one reading its old history had read it: the
+form before, still the variant without window CTAs, wrote the windows in a second launch,
+conv.py's conv_prefill_state, as this grid's programmatic dependent).
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
@@ -52,8 +56,9 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
     copied (cp.async) into its own part of a STAGES-deep shared ring STAGES - 1 steps
     earlier; it waits for its own copies (no block barrier: no thread reads another's piece),
     moves the rows into registers, and each token's W taps come from the registers holding
-    the previous W - 1 rows and its own; taps before a sequence's start come from the conv
-    state. A token's sequence is tracked as the walk goes (a binary search in cu_seqlens only
+    the previous W - 1 rows and its own; a sequence's first W - 1 tokens, whose taps reach into
+    the conv state, are the window CTAs' (columns past the walkers' token ranges: window_block;
+    without them the walkers read those taps from the conv state). A token's sequence is tracked as the walk goes (a binary search in cu_seqlens only
     when the walk crosses into a new sequence). The row's 16 lanes reduce the q/k L2 norm by
     xor-shuffles. (Forms before it: rows loaded straight into registers, 3-7% slower; 32-token
     tiles through shared memory with a block barrier per tile, slower still at 16/64; the gates
@@ -66,6 +71,10 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
     U = GROUP
     NS = v["stages"]
     FS = v["fast_steps"]
+    # the window CTAs (conv.WINDOW_CTAS): a sequence's first W - 1 tokens and its new conv-state
+    # window in CTAs of their own, the walkers never reading the conv state (window_block)
+    WINDOWS = v.get("window_ctas", False)
+    state_dt = v["conv_state_dtype"]
     VEC, LANES = 8, HEAD_DIM // 8        # 16-byte vectors; a half-warp covers 128 channels
     silu = v["activation"] == "silu"
     tanh_silu = silu and v.get("silu_form") == "tanh"
@@ -104,7 +113,10 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
                     hi = mid
         seq[0] = Cu[lo]
         seq[1] = Cu[lo + 1]
-        seq[2] = T.if_then_else(HasInit[lo] != 0, Slots[lo], -1)
+        if WINDOWS:      # (the walkers read no history: window_block does)
+            seq[2] = -1
+        else:
+            seq[2] = T.if_then_else(HasInit[lo] != 0, Slots[lo], -1)
 
     @T.macro
     def issue_rows(X, ring, t0, tend, wk, g, c0, slot):
@@ -118,9 +130,13 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
         T.ptx_commit_group()
 
     @T.macro
-    def conv_token(CS, Qo, Ko, Vo, kind, t, tend, u, c0, hb, g, w, bias8, acc, buf, seq, checked=True):
+    def conv_token(CS, Qo, Ko, Vo, kind, t, tend, u, c0, hb, g, w, bias8, acc, buf, seq, checked=True,
+                   history=True):
         # kind (a Python constant): 0 q, 1 k, 2 v channels. buf[u + i] is input row t - H + i.
         # checked=False (a Python constant): the caller knows t - seq start >= W - 1 and t < tend.
+        # history=False (a Python constant): a walker of the window-CTA form, which leaves a
+        # sequence's first W - 1 tokens (the only ones with taps in the conv state) to the
+        # window CTAs: it never reads the conv state and stores only past those tokens.
         rel = t - seq[0]
         hist = seq[2]
         for e in T.unroll(VEC):
@@ -129,14 +145,14 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
             if not checked or rel - H + i >= 0:
                 for e in T.unroll(VEC):
                     acc[e] += w[i, e] * T.cast(buf[u + i, e], f32)
-            else:
+            elif history:
                 if hist >= 0:                # a tap before the sequence: its history
                     for e in T.unroll(VEC):
                         acc[e] += w[i, e] * T.cast(CS[hist, c0 + g * VEC + e, rel + i], f32)
         for e in T.unroll(VEC):
             acc[e] = act(acc[e])
         if kind == 2:
-            if not checked or t < tend:
+            if not checked or (t < tend and (history or rel >= H)):
                 for e in T.vectorized(VEC):
                     Vo[t, hb - 2 * Hk, g * VEC + e] = T.cast(acc[e], io)
         else:
@@ -149,7 +165,7 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
             for m in T.unroll(4):                # the 16 lanes of a row: xor 1, 2, 4, 8
                 ss += T.shfl_xor(ss, 1 << m)
             rn = T.rsqrt(ss + 1e-6)
-            if not checked or t < tend:
+            if not checked or (t < tend and (history or rel >= H)):
                 if kind == 0:
                     for e in T.vectorized(VEC):
                         Qo[t, hb, g * VEC + e] = T.cast(acc[e] * rn, qk)
@@ -165,11 +181,11 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
             if t >= seq[1] and t < tend:  # the walk enters the next (non-empty) sequence
                 find_sequence(Cu, Slots, HasInit, t, seq)
             if hb < Hk:
-                conv_token(CS, Qo, Ko, Vo, 0, t, tend, u, c0, hb, g, w, bias8, acc, buf, seq)
+                conv_token(CS, Qo, Ko, Vo, 0, t, tend, u, c0, hb, g, w, bias8, acc, buf, seq, True, not WINDOWS)
             elif hb < 2 * Hk:
-                conv_token(CS, Qo, Ko, Vo, 1, t, tend, u, c0, hb, g, w, bias8, acc, buf, seq)
+                conv_token(CS, Qo, Ko, Vo, 1, t, tend, u, c0, hb, g, w, bias8, acc, buf, seq, True, not WINDOWS)
             else:
-                conv_token(CS, Qo, Ko, Vo, 2, t, tend, u, c0, hb, g, w, bias8, acc, buf, seq)
+                conv_token(CS, Qo, Ko, Vo, 2, t, tend, u, c0, hb, g, w, bias8, acc, buf, seq, True, not WINDOWS)
 
     @T.macro
     def straight_step(CS, Qo, Ko, Vo, kind, tg, tend, c0, hb, g, w, bias8, acc, buf, seq):
@@ -206,6 +222,79 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
                 if i < n:
                     Go[t0 + i // Hv, i % Hv] = log_decay(T, ga[e], A_log[i % Hv], dt_bias[i % Hv])
                     Bo[t0 + i // Hv, i % Hv] = sigmoid(T, gbv[e])
+
+    @T.macro
+    def window_step(CS, Qo, Ko, Vo, tg, tend, c0, hb, g, w, bias8, acc, buf, seq):
+        # GROUP tokens from tg of a window CTA's sequence, the history taps from the conv state
+        for u in T.unroll(U):
+            if hb < Hk:
+                conv_token(CS, Qo, Ko, Vo, 0, tg + u, tend, u, c0, hb, g, w, bias8, acc, buf, seq)
+            elif hb < 2 * Hk:
+                conv_token(CS, Qo, Ko, Vo, 1, tg + u, tend, u, c0, hb, g, w, bias8, acc, buf, seq)
+            else:
+                conv_token(CS, Qo, Ko, Vo, 2, tg + u, tend, u, c0, hb, g, w, bias8, acc, buf, seq)
+
+    @T.macro
+    def window_block(X, CS, Wt, Bias, Slots, HasInit, Cu, Qo, Ko, Vo, jb, hb, tx):
+        # a window CTA: half-warp wk takes sequence s = jb * WALKERS + wk in channel block hb. It
+        # convolves the sequence's first W - 1 tokens (the only ones whose taps reach into the
+        # conv state; the walkers leave them here), then writes the sequence's new window into
+        # its slot (conv.py's conv_prefill_state, in this grid: one launch fewer). Each thread
+        # reads the old window of its own 8 channels before it writes them, and nothing else
+        # reads them, so no other CTA has to wait for this one (nor this one for another).
+        c0 = hb * HEAD_DIM
+        g = tx % LANES
+        T.assume(sx0 % VEC == 0)
+        s = jb * WALKERS + tx // LANES
+        # both half-warps of a warp run the q/k shuffles: one past the batch's N sequences
+        # computes sequence N - 1's tokens and stores nothing
+        sr = T.min(s, N - 1)
+        w = T.alloc_local((W, VEC), f32)
+        bias8 = T.alloc_local((VEC,), f32)
+        acc = T.alloc_local((VEC,), f32)
+        buf = T.alloc_local((H + U, VEC), io)
+        seq = T.alloc_local((3,), i32)      # the sequence's start, end, history slot
+        win = T.alloc_local((H, VEC), f32)
+        for i in T.unroll(W):
+            for e in T.unroll(VEC):
+                w[i, e] = T.cast(Wt[c0 + g * VEC + e, i], f32) * wscale
+        for e in T.unroll(VEC):
+            bias8[e] = T.cast(Bias[c0 + g * VEC + e], f32) * wscale if v["bias"] else 0.0
+        seq[0] = Cu[sr]
+        seq[1] = Cu[sr + 1]
+        seq[2] = T.if_then_else(HasInit[sr] != 0, Slots[sr], -1)
+        slot = Slots[sr]
+        # stores: tokens before tend (the first W - 1 of the sequence, none past the batch)
+        tend = T.if_then_else(s < N, T.min(seq[0] + H, seq[1]), seq[0])
+        for i in T.unroll(H):       # rows before the sequence: never read (history taps)
+            for e in T.unroll(VEC):
+                buf[i, e] = T.cast(0.0, io)
+        for step in T.unroll((H + U - 1) // U):
+            tg = seq[0] + step * U
+            for u in T.unroll(U):
+                for e in T.vectorized(VEC):
+                    buf[H + u, e] = X[T.min(tg + u, ntok - 1), c0 + g * VEC + e]
+            window_step(CS, Qo, Ko, Vo, tg, tend, c0, hb, g, w, bias8, acc, buf, seq)
+            for i in T.unroll(H):
+                for e in T.vectorized(VEC):
+                    buf[i, e] = buf[U + i, e]
+        # the new window: the sequence's last W - 1 inputs, or (shorter than that) the old
+        # window's last columns before them (zeros without history), all read before any store
+        if s < N and slot >= 0:
+            for i in T.unroll(H):
+                p = seq[1] - seq[0] - H + i
+                if p >= 0:
+                    for e in T.unroll(VEC):
+                        win[i, e] = T.cast(X[seq[0] + p, c0 + g * VEC + e], f32)
+                else:
+                    for e in T.unroll(VEC):
+                        win[i, e] = 0.0
+                    if seq[2] >= 0:
+                        for e in T.unroll(VEC):
+                            win[i, e] = T.cast(CS[seq[2], c0 + g * VEC + e, H + p], f32)
+            for i in T.unroll(H):
+                for e in T.unroll(VEC):
+                    CS[slot, c0 + g * VEC + e, i] = T.cast(win[i, e], state_dt)
 
     @T.macro
     def walk_block(X, CS, Wt, Bias, Slots, HasInit, Cu, Qo, Ko, Vo, walk, bx, hb, tx, ring):
@@ -272,6 +361,14 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
                 for e in T.vectorized(VEC):
                     buf[i, e] = buf[U + i, e]
 
+    @T.macro
+    def gates_or_walk(A, Bt, A_log, dt_bias, Go, Bo, X, CS, Wt, Bias, Slots, HasInit, Cu, Qo, Ko, Vo, walk, bx, by,
+                      tx, ring):
+        if by == 0:     # the gate CTAs: the grid's first column, dispatched first
+            gate_block(A, Bt, A_log, dt_bias, Go, Bo, bx * (WALKERS * U * walk), tx, WALKERS * U * walk)
+        else:
+            walk_block(X, CS, Wt, Bias, Slots, HasInit, Cu, Qo, Ko, Vo, walk, bx, by - 1, tx, ring)
+
     @T.prim_func
     def gdn_conv_prefill(
         X: T.StridedTensor((ntok, DIM), (sx0, 1), io),
@@ -292,18 +389,28 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
         Bo: T.Tensor((ntok, Hv), f32),
         walk: T.int32,
     ):
-        with T.Kernel(T.ceildiv(ntok, WALKERS * U * walk), 1 + NH, threads=128) as (bx, by):
+        # columns past the walks' token ranges: the window CTAs (WINDOWS), WALKERS sequences each
+        with T.Kernel(T.ceildiv(ntok, WALKERS * U * walk) + (T.ceildiv(N, WALKERS) if WINDOWS else 0), 1 + NH,
+                      threads=128) as (bx, by):
             T.import_source(FAST_MATH_SOURCE)
-            # the conv-state write-back (conv.py's conv_prefill_state, after_conv form) may launch
-            # now: it loads its windows while this grid runs, and stores once it has finished
-            T.pdl_trigger()
+            if not WINDOWS:
+                # the conv-state write-back (conv.py's conv_prefill_state, after_conv form) may
+                # launch now: it loads its windows while this grid runs, and stores once it has
+                # finished
+                T.pdl_trigger()
             if FS:   # the straight-line steps need 162 registers unbounded: keep 4 CTAs per SM (128)
                 T.annotate_min_blocks_per_sm(4)
             tx = T.get_thread_binding()
             ring = T.alloc_shared((NS, WALKERS, U, HEAD_DIM), io)   # per-thread pieces, see issue_rows
-            if by == 0:     # the gate CTAs: the grid's first column, dispatched first
-                gate_block(A, Bt, A_log, dt_bias, Go, Bo, bx * (WALKERS * U * walk), tx, WALKERS * U * walk)
+            if WINDOWS:
+                if bx < T.ceildiv(ntok, WALKERS * U * walk):
+                    gates_or_walk(A, Bt, A_log, dt_bias, Go, Bo, X, CS, Wt, Bias, Slots, HasInit, Cu, Qo, Ko, Vo,
+                                  walk, bx, by, tx, ring)
+                elif by > 0:
+                    window_block(X, CS, Wt, Bias, Slots, HasInit, Cu, Qo, Ko, Vo,
+                                 bx - T.ceildiv(ntok, WALKERS * U * walk), by - 1, tx)
             else:
-                walk_block(X, CS, Wt, Bias, Slots, HasInit, Cu, Qo, Ko, Vo, walk, bx, by - 1, tx, ring)
+                gates_or_walk(A, Bt, A_log, dt_bias, Go, Bo, X, CS, Wt, Bias, Slots, HasInit, Cu, Qo, Ko, Vo,
+                              walk, bx, by, tx, ring)
 
     return gdn_conv_prefill
