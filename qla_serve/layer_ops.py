@@ -7,8 +7,8 @@ pool [S, Hv, 128, 128]. These ops turn that into the core's inputs in one or two
 the TileLang path (kernels/hopper/conv.py; math in its docstring), instead of the ~30 torch
 launches and a float32 copy of the whole conv input a torch layer spends:
 
-    q, k, v, g, beta = gdn_layer_prefill_inputs(...)   conv + split + L2 norm + gates, then the
-                                                       conv-state write-back (2 launches)
+    q, k, v, g, beta = gdn_layer_prefill_inputs(...)   conv + split + L2 norm + gates and the
+                                                       conv-state write-back (1 launch)
     y = causal_conv_decode(...)                        one token per sequence (1 launch), for
                                                        gdn_decode(..., use_qk_l2norm=True)
     y = causal_conv_spec(...)                          vLLM's speculative window (1 launch)

@@ -8,8 +8,8 @@ What one call does (the work behind vLLM's ``qwen_gdn_attention_core``), for a b
 
 * decodes (2): :func:`qla_serve.layer_ops.causal_conv_decode` (conv, window shift), then
   :func:`qla_serve.gdn_decode` on its q | k | v with the raw gates and the in-kernel L2 norm;
-* prefills (2 + the core's): :func:`qla_serve.layer_ops.gdn_layer_prefill_inputs` (conv over
-  the conv state, split, L2 norm, gates; then the conv-state write-back), then
+* prefills (1 + the core's): :func:`qla_serve.layer_ops.gdn_layer_prefill_inputs` (conv over
+  the conv state, split, L2 norm, gates and the conv-state write-back, one kernel), then
   :func:`qla_serve.gdn_prefill` with the step's shared :class:`qla_serve.PrefillPlan`; with
   vLLM's align-mode checkpoints also :func:`qla_serve.layer_ops.causal_conv_checkpoints` and
   gdn_prefill's ``checkpoints`` (each prefill's state and conv window part-way, in another slot);
