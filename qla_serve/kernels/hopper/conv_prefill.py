@@ -58,8 +58,9 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
     moves the rows into registers, and each token's W taps come from the registers holding
     the previous W - 1 rows and its own; a sequence's first W - 1 tokens, whose taps reach into
     the conv state, are the window CTAs' (columns past the walkers' token ranges: window_block;
-    without them the walkers read those taps from the conv state). A token's sequence is tracked as the walk goes (a binary search in cu_seqlens only
-    when the walk crosses into a new sequence). The row's 16 lanes reduce the q/k L2 norm by
+    without them the walkers read those taps from the conv state). A token's sequence is
+    tracked as the walk goes (a binary search in cu_seqlens only when the walk crosses into a
+    new sequence). The row's 16 lanes reduce the q/k L2 norm by
     xor-shuffles. (Forms before it: rows loaded straight into registers, 3-7% slower; 32-token
     tiles through shared memory with a block barrier per tile, slower still at 16/64; the gates
     computed by the walkers, in each step or in rounds between the steps, whose a, b loads
