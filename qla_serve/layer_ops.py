@@ -105,7 +105,8 @@ def _int32(x: torch.Tensor, device) -> torch.Tensor:
 
 def gdn_layer_prefill_inputs(mixed_qkv, a, b, conv_state, slot_ids, plan, *, conv_weight,
                              conv_bias=None, activation="silu", has_initial_state=None, A_log,
-                             dt_bias, num_k_heads: int, qk_dtype=None, _trusted=False, _outputs=None):
+                             dt_bias, num_k_heads: int, qk_dtype=None, _trusted=False, _outputs=None,
+                             _decodes=None):
     """A varlen prefill's conv over the conv state, and what :func:`qla_serve.gdn_prefill` reads.
 
     Args:
@@ -120,9 +121,12 @@ def gdn_layer_prefill_inputs(mixed_qkv, a, b, conv_state, slot_ids, plan, *, con
         has_initial_state: [N] bool or None (all True): False reads no history (zeros).
         num_k_heads: Hk (Hv comes from the plan).
         qk_dtype: q/k's dtype; None: what gdn_prefill reads best here (:func:`prefill_qk_dtype`).
-        _trusted, _outputs: internal (backends/gdn_layer). _trusted: metadata already
+        _trusted, _outputs, _decodes: internal (backends/gdn_layer). _trusted: metadata already
             checked this step (ops.gdn_prefill's). _outputs: the five output tensors, from
-            :func:`prefill_step_buffers` (qk_dtype: their q's dtype).
+            :func:`prefill_step_buffers` (qk_dtype: their q's dtype). _decodes: a mixed step's
+            decode rows (x [B, dim], int32 slot ids [B], out [B, dim]: what
+            :func:`causal_conv_decode` takes, checked by the caller with
+            :func:`check_conv_decode_args`), convolved in the same launch.
     Returns:
         (q, k, v, g, beta): q, k [T, Hk, 128] L2-normalised (from the fp32 conv output);
         v [T, Hv, 128] in mixed_qkv's dtype; g, beta [T, Hv] fp32 (contiguous).
@@ -144,9 +148,10 @@ def gdn_layer_prefill_inputs(mixed_qkv, a, b, conv_state, slot_ids, plan, *, con
         q, k, v, g, beta = _outputs
     else:
         q, k, v, g, beta = _prefill_outputs(T, Hk, Hv, qk_dtype, mixed_qkv.dtype, dev)
+    extra = {} if _decodes is None else {"decodes": _decodes}
     _run("conv_prefill", dev, mixed_qkv.dtype, mixed_qkv, conv_state, conv_weight, conv_bias,
          V.int32_index(slot_ids, dev), has_init, plan.cu_seqlens, a, b, A_log, dt_bias, activation=act,
-         q_out=q, k_out=k, v_out=v, g_out=g, beta_out=beta)
+         q_out=q, k_out=k, v_out=v, g_out=g, beta_out=beta, **extra)
     return q, k, v, g, beta
 
 

@@ -7,7 +7,8 @@ What one call does (the work behind vLLM's ``qwen_gdn_attention_core``), for a b
 ``spec_token_idx`` and the rest at ``non_spec_token_idx``; launches on the TileLang path:
 
 * decodes (2): :func:`qla_serve.layer_ops.causal_conv_decode` (conv, window shift), then
-  :func:`qla_serve.gdn_decode` on its q | k | v with the raw gates and the in-kernel L2 norm;
+  :func:`qla_serve.gdn_decode` on its q | k | v with the raw gates and the in-kernel L2 norm (in a
+  mixed call with prefills, 1: their conv runs in the prefill conv's launch, ``MIXED_CONV``);
 * prefills (1 + the core's): :func:`qla_serve.layer_ops.gdn_layer_prefill_inputs` (conv over
   the conv state, split, L2 norm, gates and the conv-state write-back, one kernel), then
   :func:`qla_serve.gdn_prefill` with the step's shared :class:`qla_serve.PrefillPlan`; with
@@ -67,6 +68,11 @@ DECODE_AFTER_CONV_MAX_ROWS = 256
 # the after_conv variants up to kernels/hopper/decode_tiles.AFTER_CONV_MAX_ROWS (both bounds here
 # stay within it: tests/kernels/test_decode_compile.py).
 SPEC_AFTER_CONV_MAX_ROWS = 64
+# A mixed step's (decodes and prefills in one call) decode conv runs in the prefill conv's launch
+# (kernels/hopper/conv.py's conv_prefill with decode CTAs: one launch fewer per mixed layer call,
+# the decode's gdn_decode then a plain launch after the prefill's); False: conv_decode apart, the
+# decode launched as its programmatic dependent as in decode-only steps (benchmarks/layer.md).
+MIXED_CONV = True
 
 
 @dataclasses.dataclass(eq=False)
@@ -366,10 +372,17 @@ def gdn_layer_forward(step: StepPlan, mixed_qkv: torch.Tensor, a: torch.Tensor, 
     else:
         xd, ad, bd, od = (_rows(t, 0, Td) for t in (xn, an, bn, out_n)) if Td else (None,) * 4
         xp, ap, bp, op = (_rows(t, 0, Tp) for t in (xn, an, bn, out_n)) if Tp else (None,) * 4
+    # a mixed call's decode conv in the prefill conv's launch (MIXED_CONV): prefills first, then
+    # the decodes' gdn_decode on that conv's output
+    one_conv = bool(Td and Tp and MIXED_CONV)
+    decode = prefill = ()
     if Td:
-        parts.append(("decode", Td, _decode_ops(step, layer, xd, ad, bd, od, checks)))
+        launch, conv_rows = _decode_ops(step, layer, xd, ad, bd, od, checks, conv_apart=not one_conv)
+        decode = (("decode", Td, launch),)
     if Tp:
-        parts.append(("prefill", step.num_prefills, _prefill_ops(step, layer, xp, ap, bp, op, checks)))
+        prefill = (("prefill", step.num_prefills,
+                    _prefill_ops(step, layer, xp, ap, bp, op, checks, decodes=conv_rows if one_conv else None)),)
+    parts += prefill + decode if one_conv else decode + prefill
     for kind, count, launch in parts:
         launch()
         if on_call:
@@ -411,10 +424,12 @@ def _spec_ops(step: StepPlan, layer: _Layer, x, a, b, out, checks: bool):
     return launch
 
 
-def _decode_ops(step: StepPlan, layer: _Layer, x, a, b, out, checks: bool):
+def _decode_ops(step: StepPlan, layer: _Layer, x, a, b, out, checks: bool, conv_apart: bool = True):
     """The launch of the step's decodes (x, a, b, out: their rows): the conv with its window
-    shift, then gdn_decode on its q | k | v with the raw gates and the in-kernel L2 norm.
-    ``checks``: as :func:`_spec_ops`'."""
+    shift, then gdn_decode on its q | k | v with the raw gates and the in-kernel L2 norm; and the
+    conv's rows (x, ids, y). ``conv_apart`` False: the launch is gdn_decode alone, the conv
+    running in the prefill conv's launch before it (MIXED_CONV). ``checks``: as
+    :func:`_spec_ops`'."""
     conv_state, ssm_state, Hk, Hv, scale, conv, gates = layer
     ids = step.ids("decode")
     y, q, k, v = _conv_out(step, "decode_conv_out", x, Hk, Hv)
@@ -423,16 +438,19 @@ def _decode_ops(step: StepPlan, layer: _Layer, x, a, b, out, checks: bool):
         check_decode_args(q, k, v, ssm_state, ids, a=a, b=b, use_qk_l2norm=True, scale=scale, out=out, **gates)
 
     def launch():
-        layer_ops.causal_conv_decode(x, conv_state, ids, num_v_heads=Hv, out=y, _trusted=True, **conv)
+        if conv_apart:
+            layer_ops.causal_conv_decode(x, conv_state, ids, num_v_heads=Hv, out=y, _trusted=True, **conv)
+        after_conv = conv_apart and x.shape[0] * Hv <= DECODE_AFTER_CONV_MAX_ROWS
         qla_serve.gdn_decode(q, k, v, ssm_state, ids, a=a, b=b, use_qk_l2norm=True, scale=scale, out=out,
-                             _trusted=True, _after_conv=x.shape[0] * Hv <= DECODE_AFTER_CONV_MAX_ROWS, **gates)
-    return launch
+                             _trusted=True, _after_conv=after_conv, **gates)
+    return launch, (x, ids, y)
 
 
-def _prefill_ops(step: StepPlan, layer: _Layer, x, a, b, out, checks: bool):
+def _prefill_ops(step: StepPlan, layer: _Layer, x, a, b, out, checks: bool, decodes=None):
     """The launch of the step's prefills (x, a, b, out: their rows): with checkpoints their
     conv windows, then the conv with the conv-state write-back, split, L2 norm and gates into the
-    step's buffers, then gdn_prefill with the step's plan. ``checks``: as :func:`_spec_ops`'."""
+    step's buffers (with ``decodes``, the decode conv's rows from :func:`_decode_ops`, in the
+    same launch), then gdn_prefill with the step's plan. ``checks``: as :func:`_spec_ops`'."""
     conv_state, ssm_state, Hk, Hv, scale, conv, gates = layer
     plan, ids, has_init = step.prefill_plan, step.ids("prefill"), step.prefill_has_initial_state
     buffers = layer_ops.prefill_step_buffers(x, plan, num_k_heads=Hk)
@@ -454,7 +472,8 @@ def _prefill_ops(step: StepPlan, layer: _Layer, x, a, b, out, checks: bool):
             layer_ops.causal_conv_checkpoints(x, conv_state, ck[1], ck[0], plan.cu_seqlens, width=width,
                                               num_v_heads=Hv, table=step.checkpoint_conv_table(), _trusted=True)
         layer_ops.gdn_layer_prefill_inputs(x, a, b, conv_state, ids, plan, has_initial_state=has_init, num_k_heads=Hk,
-                                           qk_dtype=q.dtype, _trusted=True, _outputs=buffers, **conv, **gates)
+                                           qk_dtype=q.dtype, _trusted=True, _outputs=buffers, _decodes=decodes,
+                                           **conv, **gates)
         qla_serve.gdn_prefill(q, k, v, g, beta, ssm_state, ids, plan, has_initial_state=has_init, scale=scale,
                               out=out, checkpoints=ck, _trusted=True)
     return launch

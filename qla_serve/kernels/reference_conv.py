@@ -85,8 +85,14 @@ def conv_window(x, conv_state, slot_ids, has_initial_state, cu_seqlens, *, num_v
 
 
 def conv_prefill(x, conv_state, weight, bias, slot_ids, has_initial_state, cu_seqlens, a, b, A_log,
-                 dt_bias, *, activation, q_out, k_out, v_out, g_out, beta_out) -> None:
-    """The prefill conv, then split, L2 norm of q/k (from the fp32 conv output) and gates."""
+                 dt_bias, *, activation, q_out, k_out, v_out, g_out, beta_out, decodes=None) -> None:
+    """The prefill conv, then split, L2 norm of q/k (from the fp32 conv output) and gates; with
+    ``decodes`` = (x [B, dim], slot_ids [B], out [B, dim]) also :func:`conv_decode` of a mixed
+    step's decode rows (hopper/conv.py's conv_prefill does both in one launch)."""
+    if decodes is not None:
+        xd, ids, out = decodes
+        conv_decode(xd, conv_state, weight, bias, ids, num_v_heads=v_out.shape[1], activation=activation,
+                    out=out)
     y = conv_varlen(x, conv_state, weight, bias, slot_ids, has_initial_state, cu_seqlens,
                     activation=activation)
     T, Hk, Hv = x.shape[0], q_out.shape[1], v_out.shape[1]

@@ -119,7 +119,8 @@ def _run_nonspec(device, io_dtype, pool_dtype, seed=0, checkpoints=False):
     GL.gdn_layer_forward(step, x, a, b, conv_weight=w, conv_bias=bias, activation="silu",
                          conv_state=conv, ssm_state=ssm, A_log=A_log, dt_bias=dt_bias,
                          num_k_heads=HK, out=out, on_call=lambda k, n: calls.append((k, n)))
-    assert calls == [("decode", 2), ("prefill", 4)]
+    # (gdn_layer.MIXED_CONV: the decodes' conv runs in the prefill conv's launch, their gdn_decode after it)
+    assert calls == ([("prefill", 4), ("decode", 2)] if GL.MIXED_CONV else [("decode", 2), ("prefill", 4)])
     if checkpoints:  # the conv side's table: derived once per step, kept for the step's other layers
         table = step.checkpoint_conv_table()
         assert table is step.checkpoint_conv_table() and table[1].tolist() == [10, -1, 11, -1, -1, -1, -1, -1]
@@ -248,7 +249,11 @@ def _run_spec(device, io_dtype, pool_dtype, with_prefill, seed=1, padded=False):
 @pytest.mark.parametrize("io_dtype,pool_dtype", [(torch.float32, torch.float32),
                                                  (torch.float32, torch.bfloat16),
                                                  (torch.bfloat16, torch.float32)])
-def test_nonspec_mixed_batch_cpu(io_dtype, pool_dtype):
+# gdn_layer.MIXED_CONV: the decodes' conv in the prefill conv's call (reference_conv.conv_prefill's
+# decodes), or causal_conv_decode apart
+@pytest.mark.parametrize("mixed_conv", [True, False])
+def test_nonspec_mixed_batch_cpu(io_dtype, pool_dtype, mixed_conv, monkeypatch):
+    monkeypatch.setattr(GL, "MIXED_CONV", mixed_conv)
     _run_nonspec("cpu", io_dtype, pool_dtype)
 
 
@@ -355,7 +360,10 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @needs_cuda
 @pytest.mark.parametrize("io_dtype,pool_dtype", [(torch.bfloat16, torch.float32),
                                                  (torch.bfloat16, torch.bfloat16)])
-def test_nonspec_mixed_batch_gpu(io_dtype, pool_dtype):
+# gdn_layer.MIXED_CONV: the decodes' conv as decode CTAs of the prefill conv's launch, or apart
+@pytest.mark.parametrize("mixed_conv", [True, False])
+def test_nonspec_mixed_batch_gpu(io_dtype, pool_dtype, mixed_conv, monkeypatch):
+    monkeypatch.setattr(GL, "MIXED_CONV", mixed_conv)
     _run_nonspec("cuda", io_dtype, pool_dtype)
 
 

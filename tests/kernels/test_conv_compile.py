@@ -19,8 +19,10 @@ BF16 = [v for v in C.kernel_variants(HV, HK) if v["io_dtype"] == "bfloat16" and 
 def test_conv_variant_compiles(variant, target):
     src = C.build(variant, target).get_kernel_source()
     # SiLU where it convolves: tanh.approx in the prefill (conv.SILU_FORM), __expf in decode and spec
+    # (and in the prefill conv's decode CTAs: conv_decode's arithmetic, bit for bit)
     assert (src.count("qla_tanh_approx(") > 1) == (variant["op"] == "conv_prefill")
-    assert ("__expf(" in src) == (variant["op"] in ("conv_decode", "conv_spec", "conv_verify"))
+    assert ("__expf(" in src) == (variant["op"] in ("conv_decode", "conv_spec", "conv_verify")
+                                  or variant.get("decodes", False))
     assert "int sc0, int sc1, int sc2" in src        # any conv-state strides: either layout
     if variant["op"] == "conv_prefill":
         assert "__shfl_xor_sync" in src and "half_t* __restrict__ Qo" in src   # q/k L2 norm, fp16 out
@@ -96,7 +98,9 @@ def test_conv_variants_are_unique_and_checked():
     # io x bias x (3 prefill (gate params), 2 state (plain; after_conv without the prefill's window
     # CTAs), 2 decode (1 and
     # DECODE_SEQS sequences per thread), 3 spec, 3 SGLang verify)
-    assert len(names) == len(set(names)) == 2 * 2 * 13 - 2 * 2 * C.WINDOW_CTAS   # no after_conv state
+    # with the window CTAs: no after_conv state, and each prefill conv with decode CTAs too
+    assert len(names) == len(set(names)) == 2 * 2 * 13 + 2 * 2 * 2 * C.WINDOW_CTAS
+    assert sum(v.get("decodes", False) for v in vs) == 2 * 2 * 3 * C.WINDOW_CTAS
     assert all(v.get("window_ctas", False) == C.WINDOW_CTAS for v in vs if v["op"] == "conv_prefill")
     assert {v.get("seqs", 1) for v in vs if v["op"] == "conv_decode"} == {1, C.DECODE_SEQS}
     assert sum(v["op"] == "conv_verify" for v in vs) == 2 * 2 * 3
@@ -112,6 +116,9 @@ def test_conv_variants_are_unique_and_checked():
         C.variant("conv_spec", HV, HK, 4, "bfloat16", "bfloat16", draft=0)
     with pytest.raises(ValueError, match="draft depth"):
         C.variant("conv_verify", HV, HK, 4, "bfloat16", "bfloat16", draft=17)
+    with pytest.raises(ValueError, match="decodes: conv_prefill convolves decode rows only in its window-CTA"):
+        C.variant("conv_prefill", HV, HK, 4, "bfloat16", "bfloat16", qk_out="float16", ab="bfloat16",
+                  param="float32", gbias="float32", window_ctas=False, decodes=True)
     with pytest.raises(ValueError, match="after_conv: only conv_prefill_state"):
         C.variant("conv_decode", HV, HK, 4, "bfloat16", "bfloat16", after_conv=True)
     with pytest.raises(ValueError, match="activation"):

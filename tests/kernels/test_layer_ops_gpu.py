@@ -135,6 +135,54 @@ def _check_conv_prefill(hk, hv, lens, slots, has, layout, bias, dt_bias_dtype, s
             assert torch.equal(cs[s].nan_to_num(7.0), ref_cs[s].nan_to_num(7.0)), f"conv slot {s} touched"
 
 
+# decode rows: one, a few (one of them padding), and 300 (the separate conv_decode then runs
+# conv.DECODE_SEQS sequences per thread)
+@pytest.mark.parametrize("B", [1, 5, 300])
+@pytest.mark.parametrize("layout", ["dim_first", "seq_first"])
+def test_conv_prefill_with_decode_rows_matches_two_launches(B, layout):
+    """A mixed step's decode rows convolved by the prefill conv's decode CTAs
+    (gdn_layer_prefill_inputs' _decodes, gdn_layer.MIXED_CONV) give bit for bit what the prefill
+    conv and causal_conv_decode give as two launches: q, k, v, g, beta, the decode rows' outputs
+    and every conv slot (prefill windows written back, decode windows shifted, the others
+    untouched)."""
+    gen = torch.Generator().manual_seed(90 + B)
+    hk, hv, W = 2, 8, 4
+    dim = (2 * hk + hv) * HEAD
+    lens, has = [70, 5, 0, 130], [True, False, True, True]
+    S = B + 12
+    pre_slots = [B + 1, B + 2, B + 3, B + 4]
+    dec_slots = list(range(1, B + 1))
+    if B > 1:
+        dec_slots[2] = -1                                   # padding
+    T = sum(lens)
+    x = torch.randn(B + T, dim + 64, generator=gen).to("cuda", torch.bfloat16)[:, :dim]   # row-strided
+    xd, xp = x[:B], x[B:]
+    a, b = (torch.randn(T, hv, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
+    A_log = (torch.rand(hv, generator=gen) - 1.0).cuda()
+    dt_bias = (torch.randn(hv, generator=gen) * 0.1).cuda()
+    w, bv = _weights(dim, W, torch.bfloat16, gen, True)
+    cs0 = _conv_cache(S, dim, W - 1, torch.bfloat16, layout, gen)
+    plan = plan_prefill(lens, hv, hk, device="cuda")
+    ids = torch.tensor(pre_slots, dtype=torch.int32, device="cuda")
+    dids = torch.tensor(dec_slots, dtype=torch.int32, device="cuda")
+    hi = torch.tensor(has, device="cuda")
+    got = {}
+    for fused in (True, False):
+        cs = cs0.clone()
+        y = torch.full((B, dim), float("nan"), dtype=torch.bfloat16, device="cuda")
+        kw = dict(conv_weight=w, conv_bias=bv, has_initial_state=hi, A_log=A_log, dt_bias=dt_bias, num_k_heads=hk,
+                  qk_dtype=torch.float16)
+        if fused:
+            outs = layer_ops.gdn_layer_prefill_inputs(xp, a, b, cs, ids, plan, _decodes=(xd, dids, y), **kw)
+        else:
+            layer_ops.causal_conv_decode(xd, cs, dids, conv_weight=w, conv_bias=bv, num_v_heads=hv, out=y)
+            outs = layer_ops.gdn_layer_prefill_inputs(xp, a, b, cs, ids, plan, **kw)
+        got[fused] = (*outs, y, cs)
+    for name, f, s in zip("q k v g beta y conv_state".split(), got[True], got[False]):
+        assert torch.equal(f.nan_to_num(7.0), s.nan_to_num(7.0)), name
+    assert not torch.equal(got[True][-1], cs0)        # the windows moved
+
+
 # B = 256: 3072 one-sequence blocks, so conv.DECODE_SEQS per thread; 7 and 1 below the bound: one per
 # thread, or (four_per_thread) the DECODE_SEQS form forced, whose last group is partial
 @pytest.mark.parametrize("B,four_per_thread", [(256, False), (7, False), (1, False), (7, True), (1, True)])

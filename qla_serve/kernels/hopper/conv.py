@@ -131,8 +131,8 @@ def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weigh
             activation: str = "silu", bias: bool = True, qk_out: str | None = None,
             ab: str | None = None, param: str | None = None, gbias: str | None = None,
             draft: int = 0, stages: int = STAGES, fast_steps: bool = FAST_STEPS,
-            silu_form: str = SILU_FORM, window_ctas: bool = WINDOW_CTAS, after_conv: bool = False,
-            seqs: int = 1) -> dict:
+            silu_form: str = SILU_FORM, window_ctas: bool = WINDOW_CTAS, decodes: bool = False,
+            after_conv: bool = False, seqs: int = 1) -> dict:
     """A JSON-serialisable variant description; ``name`` identifies it.
 
     io: x's dtype (and the outputs' but q/k's); state: the conv state's; weight: the conv
@@ -140,8 +140,9 @@ def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weigh
     param, gbias: conv_prefill's a/b, A_log, dt_bias dtypes; draft: conv_spec's D; stages:
     conv_prefill's cp.async ring depth (STAGES); fast_steps: its straight-line steps (FAST_STEPS);
     silu_form: its SiLU's instructions (SILU_FORM; with activation "silu" only); window_ctas: its
-    window CTAs, which also write the conv state back (WINDOW_CTAS); after_conv:
-    conv_prefill_state's form launched as conv_prefill's programmatic dependent; seqs:
+    window CTAs, which also write the conv state back (WINDOW_CTAS); decodes: conv_prefill's form
+    that also convolves a mixed step's decode rows (backends/gdn_layer.MIXED_CONV; with
+    window_ctas); after_conv: conv_prefill_state's form launched as conv_prefill's programmatic dependent; seqs:
     conv_decode's sequences per thread (DECODE_SEQS)."""
     weight = weight or io
     if op not in OPS:
@@ -177,6 +178,11 @@ def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weigh
         if window_ctas:
             v["window_ctas"] = True
             name += "_wc"
+        if decodes:
+            if not window_ctas:
+                raise ValueError("decodes: conv_prefill convolves decode rows only in its window-CTA form")
+            v["decodes"] = True
+            name += "_dec"
     if seqs != 1:
         if op != "conv_decode" or seqs not in (2, 4, 8):
             raise ValueError(f"seqs: conv_decode takes 1, 2, 4 or 8 sequences per thread, got {seqs} for {op}")
@@ -206,18 +212,18 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
     """What the engine layers hit with Qwen3-Next / Qwen3.5 (width 4, SiLU, bias or not, the
     conv state in the model dtype, weights in the model dtype): per model dtype, the prefill
     conv (q/k fp16 from bf16 as the layers ask; a/b in the model dtype, A_log/dt_bias as
-    _GATE_PARAMS), the state write-back alone (checkpoint windows; after_conv too where the
-    prefill conv has no window CTAs),
-    decode, and spec and SGLang's verify at D = 2..4 (MTP k = 1..3). Others compile on first use
+    _GATE_PARAMS; with and without a mixed step's decode CTAs), the state write-back alone
+    (checkpoint windows; after_conv too where the prefill conv has no window CTAs), decode, and spec and SGLang's verify at D = 2..4 (MTP k = 1..3). Others compile on first use
     (same cache)."""
     out = []
     for io in _IO_DTYPES:
         for has_bias in (False, True):
             common = dict(bias=has_bias)
             for param, gbias in _GATE_PARAMS(io):
-                out.append(variant("conv_prefill", num_v_heads, num_k_heads, 4, io, io, qk_out="float16",
-                                   ab=io, param=param, gbias=gbias, stages=STAGES, fast_steps=FAST_STEPS,
-                                   silu_form=SILU_FORM, window_ctas=WINDOW_CTAS, **common))
+                for decodes in (False, True) if WINDOW_CTAS else (False,):   # (mixed steps: with decode CTAs)
+                    out.append(variant("conv_prefill", num_v_heads, num_k_heads, 4, io, io, qk_out="float16",
+                                       ab=io, param=param, gbias=gbias, stages=STAGES, fast_steps=FAST_STEPS,
+                                       silu_form=SILU_FORM, window_ctas=WINDOW_CTAS, decodes=decodes, **common))
             for after in (False,) if WINDOW_CTAS else (False, True):
                 out.append(variant("conv_prefill_state", num_v_heads, num_k_heads, 4, io, io,
                                    after_conv=after, **common))
@@ -266,8 +272,41 @@ def _program(v: dict):
         # were most of the conv's instructions (conv_prefill's own SiLU: conv_prefill.py)
         return y * T.fast_rcp(1.0 + T.__exp(-y)) if silu else y
 
+    @T.macro
+    def decode_rows(X, CS, Wt, Bias, Slots, Y, B, ib, hb, tx, seqs):
+        # conv_decode's work for channel c = hb * 128 + tx of sequences ib * seqs + u (u < seqs,
+        # a Python constant; rows past the batch B: nothing read or written): the window shifted
+        # by the row's token in place, Y = act(conv). Every id, then every window and input,
+        # loaded before the first is used.
+        c = hb * HEAD_DIM + tx
+        w = T.alloc_local((W,), f32)
+        bias_v = T.alloc_local((1,), f32)
+        slot = T.alloc_local((seqs,), i32)
+        win = T.alloc_local((seqs, W), f32)
+        load_weights(Wt, Bias, c, w, bias_v)
+        for u in T.unroll(seqs):
+            slot[u] = Slots[T.min(ib * seqs + u, B - 1)]
+        for u in T.unroll(seqs):
+            if ib * seqs + u < B and slot[u] >= 0:
+                for j in T.unroll(H):
+                    win[u, j] = T.cast(CS[slot[u], c, j], f32)
+                win[u, H] = T.cast(X[ib * seqs + u, c], f32)
+        for u in T.unroll(seqs):
+            if ib * seqs + u < B:
+                if slot[u] >= 0:
+                    y = T.alloc_var(f32)
+                    y = bias_v[0]
+                    for j in T.unroll(W):
+                        y += w[j] * win[u, j]
+                    for j in T.unroll(H):
+                        CS[slot[u], c, j] = T.cast(win[u, j + 1], sdt)
+                    Y[ib * seqs + u, c] = T.cast(act(y), io)
+                else:
+                    Y[ib * seqs + u, c] = T.cast(0.0, io)
+
     if op == "conv_prefill":
-        return _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t)
+        # (a mixed step's decode rows in the same grid: conv_prefill.py's decode CTAs)
+        return _prefill_program(T, v, NH, DIM, H, conv_state_t, weight_t, decode_rows)
 
     if op == "conv_prefill_state":
         ntok = T.dynamic("ntok")
@@ -328,33 +367,7 @@ def _program(v: dict):
                 # after_conv form) may start now: it loads its states while this runs and
                 # waits for this grid to finish before it reads Y.
                 T.pdl_trigger()
-                c = hb * HEAD_DIM + T.get_thread_binding()
-                w = T.alloc_local((W,), f32)
-                bias_v = T.alloc_local((1,), f32)
-                slot = T.alloc_local((SEQS,), i32)
-                win = T.alloc_local((SEQS, W), f32)
-                load_weights(Wt, Bias, c, w, bias_v)
-                # Sequences ib * SEQS + u: every id, then every window and input, loaded before
-                # the first is used (rows past the batch: nothing read or written).
-                for u in T.unroll(SEQS):
-                    slot[u] = Slots[T.min(ib * SEQS + u, B - 1)]
-                for u in T.unroll(SEQS):
-                    if ib * SEQS + u < B and slot[u] >= 0:
-                        for j in T.unroll(H):
-                            win[u, j] = T.cast(CS[slot[u], c, j], f32)
-                        win[u, H] = T.cast(X[ib * SEQS + u, c], f32)
-                for u in T.unroll(SEQS):
-                    if ib * SEQS + u < B:
-                        if slot[u] >= 0:
-                            y = T.alloc_var(f32)
-                            y = bias_v[0]
-                            for j in T.unroll(W):
-                                y += w[j] * win[u, j]
-                            for j in T.unroll(H):
-                                CS[slot[u], c, j] = T.cast(win[u, j + 1], sdt)
-                            Y[ib * SEQS + u, c] = T.cast(act(y), io)
-                        else:
-                            Y[ib * SEQS + u, c] = T.cast(0.0, io)
+                decode_rows(X, CS, Wt, Bias, Slots, Y, B, ib, hb, T.get_thread_binding(), SEQS)
 
         return gdn_conv_decode
 
@@ -526,22 +539,27 @@ def steps_per_walk(num_tokens: int, channel_blocks: int, sm_count: int) -> int:
 
 
 def conv_prefill(x, conv_state, weight, bias, slot_ids, has_initial_state, cu_seqlens, a, b, A_log,
-                 dt_bias, *, activation, q_out, k_out, v_out, g_out, beta_out) -> None:
+                 dt_bias, *, activation, q_out, k_out, v_out, g_out, beta_out, decodes=None) -> None:
     """x [T, dim] (unit channel stride), conv_state [S, dim, L], weight [dim, W], bias [dim] or
     None, slot_ids [N] int32, has_initial_state [N] int8 (a bool tensor's view), cu_seqlens
     [N+1] int32, a, b [T, Hv], A_log, dt_bias [Hv] -> q_out, k_out [T, Hk, 128], v_out
     [T, Hv, 128], g_out, beta_out [T, Hv] fp32 (contiguous); and the conv-state write-back (by the
-    window CTAs, or by conv_window after it where WINDOW_CTAS is off)."""
+    window CTAs, or by conv_window after it where WINDOW_CTAS is off). ``decodes``: None, or a
+    mixed step's decode rows (x [B, dim], slot_ids [B] int32, out [B, dim]; slots disjoint from
+    the prefill's) that conv_decode's work is done for, in the same launch where the window CTAs
+    run (decode CTAs: one launch fewer), else by conv_decode after it."""
     T_, N = x.shape[0], slot_ids.shape[0]
     if N > MAX_SEQS:  # the kernel's binary search over cu_seqlens takes SEARCH_STEPS halvings
         raise ValueError(f"slot_ids: the conv prefill kernel takes at most {MAX_SEQS} sequences, got {N}")
     hv, hk, width = v_out.shape[1], q_out.shape[1], weight.shape[1]
+    windows = WINDOW_CTAS
     if T_:
         walk = steps_per_walk(T_, 2 * hk + hv, sm_count(x.device))
-        stages, fast, silu_form, windows = STAGES, FAST_STEPS, SILU_FORM, WINDOW_CTAS
+        stages, fast, silu_form = STAGES, FAST_STEPS, SILU_FORM
+        dec = windows and decodes is not None and decodes[0].shape[0] > 0
         key = ("conv_prefill", x.device, x.dtype, conv_state.dtype, weight.dtype, q_out.dtype, a.dtype,
                A_log.dtype, dt_bias.dtype, hv, hk, width, activation, bias is not None, stages, fast,
-               silu_form, windows)
+               silu_form, windows, dec)
 
         def make():
             io, sdt, wdt = _names(x, conv_state, weight)
@@ -549,15 +567,18 @@ def conv_prefill(x, conv_state, weight, bias, slot_ids, has_initial_state, cu_se
             return variant("conv_prefill", hv, hk, width, io, sdt, weight=wdt, activation=activation,
                            bias=bias is not None, qk_out=_dtype_name(q_out.dtype, "q_out", _IO_DTYPES),
                            ab=ab, param=prm, gbias=gb, stages=stages, fast_steps=fast,
-                           silu_form=silu_form, window_ctas=windows)
+                           silu_form=silu_form, window_ctas=windows, decodes=dec)
         _launch_fn(key, make, x.device)(x, conv_state, weight, _bias_arg(bias, weight), slot_ids,
                                         has_initial_state, cu_seqlens, a, b, A_log, dt_bias,
-                                        q_out, k_out, v_out, g_out, beta_out, walk)
-        if windows:
-            return   # its window CTAs wrote the windows back
-    if N:
+                                        q_out, k_out, v_out, g_out, beta_out, walk, *(decodes if dec else ()))
+        if dec:
+            decodes = None
+    if N and not (T_ and windows):   # (the window CTAs wrote the windows back)
         conv_window(x, conv_state, slot_ids, has_initial_state, cu_seqlens, num_v_heads=hv, width=width,
                     weight_dtype=weight.dtype, after_conv=bool(T_) and WRITE_BACK_AFTER_CONV)
+    if decodes is not None:
+        xd, ids, out = decodes
+        conv_decode(xd, conv_state, weight, bias, ids, num_v_heads=hv, activation=activation, out=out)
 
 
 def conv_window(x, conv_state, slot_ids, has_initial_state, cu_seqlens, *, num_v_heads, width,

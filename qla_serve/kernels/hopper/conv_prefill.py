@@ -43,7 +43,7 @@ __device__ __forceinline__ float qla_tanh_approx(float x) {
 """
 
 
-def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
+def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t, decode_rows):
     """The conv_prefill PrimFunc of variant ``v`` (conv.variant; module docstring): NH channel
     blocks of DIM = 128 NH channels, H = W - 1 history columns; conv_state_t(), weight_t() the
     conv state's and the weight's strided tensor types (shared with conv.py's programs).
@@ -75,6 +75,9 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
     # the window CTAs (conv.WINDOW_CTAS): a sequence's first W - 1 tokens and its new conv-state
     # window in CTAs of their own, the walkers never reading the conv state (window_block)
     WINDOWS = v.get("window_ctas", False)
+    # a mixed step's decode rows convolved in this grid too (backends/gdn_layer.MIXED_CONV: one
+    # launch fewer per mixed layer call), one column of CTAs per row (conv.py's decode_rows)
+    DECODES = v.get("decodes", False)
     state_dt = v["conv_state_dtype"]
     VEC, LANES = 8, HEAD_DIM // 8        # 16-byte vectors; a half-warp covers 128 channels
     silu = v["activation"] == "silu"
@@ -370,6 +373,70 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
         else:
             walk_block(X, CS, Wt, Bias, Slots, HasInit, Cu, Qo, Ko, Vo, walk, bx, by - 1, tx, ring)
 
+    @T.macro
+    def conv_grid(X, CS, Wt, Bias, Slots, HasInit, Cu, A, Bt, A_log, dt_bias, Qo, Ko, Vo, Go, Bo, walk, Xd, DSlots,
+                  Yd, nd):
+        # columns past the walks' token ranges: the window CTAs (WINDOWS), WALKERS sequences each,
+        # then (DECODES) one column per decode row of a mixed step
+        nwalk = T.ceildiv(ntok, WALKERS * U * walk)
+        nwin = T.ceildiv(N, WALKERS) if WINDOWS else 0
+        with T.Kernel(nwalk + nwin + (nd if DECODES else 0), 1 + NH, threads=128) as (bx, by):
+            T.import_source(FAST_MATH_SOURCE)
+            if not WINDOWS:
+                # the conv-state write-back (conv.py's conv_prefill_state, after_conv form) may
+                # launch now: it loads its windows while this grid runs, and stores once it has
+                # finished
+                T.pdl_trigger()
+            if FS:   # the straight-line steps need 162 registers unbounded: keep 4 CTAs per SM (128)
+                T.annotate_min_blocks_per_sm(4)
+            tx = T.get_thread_binding()
+            ring = T.alloc_shared((NS, WALKERS, U, HEAD_DIM), io)   # per-thread pieces, see issue_rows
+            if WINDOWS:
+                if bx < nwalk:
+                    gates_or_walk(A, Bt, A_log, dt_bias, Go, Bo, X, CS, Wt, Bias, Slots, HasInit, Cu, Qo, Ko, Vo,
+                                  walk, bx, by, tx, ring)
+                elif bx < nwalk + nwin:
+                    if by > 0:
+                        window_block(X, CS, Wt, Bias, Slots, HasInit, Cu, Qo, Ko, Vo, bx - nwalk, by - 1, tx)
+                elif DECODES:
+                    if by > 0:   # a decode row's conv: conv.py's conv_decode, one row per CTA
+                        decode_rows(Xd, CS, Wt, Bias, DSlots, Yd, nd, bx - nwalk - nwin, by - 1, tx, 1)
+            else:
+                gates_or_walk(A, Bt, A_log, dt_bias, Go, Bo, X, CS, Wt, Bias, Slots, HasInit, Cu, Qo, Ko, Vo,
+                              walk, bx, by, tx, ring)
+
+    if DECODES:
+        nd = T.dynamic("nd")
+        sxd, syd = T.dynamic("sxd syd")
+
+        @T.prim_func
+        def gdn_conv_prefill_decodes(
+            X: T.StridedTensor((ntok, DIM), (sx0, 1), io),
+            CS: conv_state_t(),
+            Wt: weight_t(),
+            Bias: T.Tensor((DIM,), v["weight_dtype"]),
+            Slots: T.Tensor((N,), i32),
+            HasInit: T.Tensor((N,), "int8"),
+            Cu: T.Tensor((N + 1,), i32),
+            A: T.StridedTensor((ntok, Hv), (sa0, sa1), ab),
+            Bt: T.StridedTensor((ntok, Hv), (sb0, sb1), ab),
+            A_log: T.StridedTensor((Hv,), (sal,), prm),
+            dt_bias: T.StridedTensor((Hv,), (sdt,), gb),
+            Qo: T.Tensor((ntok, Hk, HEAD_DIM), qk),
+            Ko: T.Tensor((ntok, Hk, HEAD_DIM), qk),
+            Vo: T.Tensor((ntok, Hv, HEAD_DIM), io),
+            Go: T.Tensor((ntok, Hv), f32),
+            Bo: T.Tensor((ntok, Hv), f32),
+            walk: T.int32,
+            Xd: T.StridedTensor((nd, DIM), (sxd, 1), io),
+            DSlots: T.Tensor((nd,), i32),
+            Yd: T.StridedTensor((nd, DIM), (syd, 1), io),
+        ):
+            conv_grid(X, CS, Wt, Bias, Slots, HasInit, Cu, A, Bt, A_log, dt_bias, Qo, Ko, Vo, Go, Bo, walk, Xd,
+                      DSlots, Yd, nd)
+
+        return gdn_conv_prefill_decodes
+
     @T.prim_func
     def gdn_conv_prefill(
         X: T.StridedTensor((ntok, DIM), (sx0, 1), io),
@@ -390,28 +457,7 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t):
         Bo: T.Tensor((ntok, Hv), f32),
         walk: T.int32,
     ):
-        # columns past the walks' token ranges: the window CTAs (WINDOWS), WALKERS sequences each
-        with T.Kernel(T.ceildiv(ntok, WALKERS * U * walk) + (T.ceildiv(N, WALKERS) if WINDOWS else 0), 1 + NH,
-                      threads=128) as (bx, by):
-            T.import_source(FAST_MATH_SOURCE)
-            if not WINDOWS:
-                # the conv-state write-back (conv.py's conv_prefill_state, after_conv form) may
-                # launch now: it loads its windows while this grid runs, and stores once it has
-                # finished
-                T.pdl_trigger()
-            if FS:   # the straight-line steps need 162 registers unbounded: keep 4 CTAs per SM (128)
-                T.annotate_min_blocks_per_sm(4)
-            tx = T.get_thread_binding()
-            ring = T.alloc_shared((NS, WALKERS, U, HEAD_DIM), io)   # per-thread pieces, see issue_rows
-            if WINDOWS:
-                if bx < T.ceildiv(ntok, WALKERS * U * walk):
-                    gates_or_walk(A, Bt, A_log, dt_bias, Go, Bo, X, CS, Wt, Bias, Slots, HasInit, Cu, Qo, Ko, Vo,
-                                  walk, bx, by, tx, ring)
-                elif by > 0:
-                    window_block(X, CS, Wt, Bias, Slots, HasInit, Cu, Qo, Ko, Vo,
-                                 bx - T.ceildiv(ntok, WALKERS * U * walk), by - 1, tx)
-            else:
-                gates_or_walk(A, Bt, A_log, dt_bias, Go, Bo, X, CS, Wt, Bias, Slots, HasInit, Cu, Qo, Ko, Vo,
-                              walk, bx, by, tx, ring)
+        conv_grid(X, CS, Wt, Bias, Slots, HasInit, Cu, A, Bt, A_log, dt_bias, Qo, Ko, Vo, Go, Bo, walk, None, None,
+                  None, 0)
 
     return gdn_conv_prefill
