@@ -13,7 +13,9 @@ process-wide tables where those hold the metadata); default: a step's later laye
 """
 
 import argparse
+import contextlib
 import cProfile
+import functools
 import io
 import pstats
 import statistics
@@ -106,18 +108,25 @@ def _issue_us(call, n: int = 50) -> float:
     return statistics.median(out) * 1e6
 
 
+def _alternate(spec: str, call, settings) -> None:
+    """Host issue time per setting, 4 rounds with the settings alternating, so that the lent
+    host's drift shows in every column. settings: (label, context manager factory) pairs."""
+    times = {label: [] for label, _ in settings}
+    for _ in range(4):
+        for label, setting in settings:
+            with setting():
+                call()
+                times[label].append(_issue_us(call))
+    cols = ", ".join(f"{label} {statistics.median(t):.1f} ({', '.join(f'{x:.1f}' for x in t)})"
+                     for label, t in times.items())
+    print(f"== {spec}: host issue us per call (idle GPU, medians of 4 rounds) {cols}", flush=True)
+
+
 def _switch_ab(spec: str, call, module, name, values) -> None:
     from unittest import mock
 
-    times = {i: [] for i in range(len(values))}
-    for _ in range(4):
-        for i, value in enumerate(values):
-            with mock.patch.object(module, name, value):
-                call()
-                times[i].append(_issue_us(call))
-    cols = ", ".join(f"{name}={v!r} {statistics.median(t):.1f} ({', '.join(f'{x:.1f}' for x in t)})"
-                     for v, t in zip(values, times.values()))
-    print(f"== {spec}: host issue us per call (idle GPU, medians of 4 rounds) {cols}", flush=True)
+    _alternate(spec, call, [(f"{name}={v!r}", functools.partial(mock.patch.object, module, name, v))
+                            for v in values])
 
 
 def _memo_ab(spec: str, call) -> None:
@@ -126,16 +135,15 @@ def _memo_ab(spec: str, call) -> None:
     if host_cache.install() != "installed":
         print(f"== {spec}: no TMA descriptor memo ({host_cache.install()})")
         return
-    on, off = [], []
-    for _ in range(4):
-        for flag, acc in ((True, on), (False, off)):
-            host_cache.set_enabled(flag)
-            call()
-            acc.append(_issue_us(call))
-    host_cache.set_enabled(True)
-    print(f"== {spec}: host issue us per call (idle GPU, medians of 4 rounds) memo on "
-          f"{statistics.median(on):.1f} ({', '.join(f'{x:.1f}' for x in on)}), off "
-          f"{statistics.median(off):.1f} ({', '.join(f'{x:.1f}' for x in off)})", flush=True)
+
+    @contextlib.contextmanager
+    def memo(flag):
+        host_cache.set_enabled(flag)
+        try:
+            yield
+        finally:
+            host_cache.set_enabled(True)
+    _alternate(spec, call, [("memo on", lambda: memo(True)), ("memo off", lambda: memo(False))])
 
 
 if __name__ == "__main__":

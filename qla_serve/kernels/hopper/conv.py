@@ -142,8 +142,8 @@ def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weigh
     silu_form: its SiLU's instructions (SILU_FORM; with activation "silu" only); window_ctas: its
     window CTAs, which also write the conv state back (WINDOW_CTAS); decodes: conv_prefill's form
     that also convolves a mixed step's decode rows (backends/gdn_layer.MIXED_CONV; with
-    window_ctas); after_conv: conv_prefill_state's form launched as conv_prefill's programmatic dependent; seqs:
-    conv_decode's sequences per thread (DECODE_SEQS)."""
+    window_ctas); after_conv: conv_prefill_state's form launched as conv_prefill's programmatic
+    dependent; seqs: conv_decode's sequences per thread (DECODE_SEQS)."""
     weight = weight or io
     if op not in OPS:
         raise ValueError(f"variant op: expected one of {OPS}, got {op!r}")
@@ -213,8 +213,9 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
     conv state in the model dtype, weights in the model dtype): per model dtype, the prefill
     conv (q/k fp16 from bf16 as the layers ask; a/b in the model dtype, A_log/dt_bias as
     _GATE_PARAMS; with and without a mixed step's decode CTAs), the state write-back alone
-    (checkpoint windows; after_conv too where the prefill conv has no window CTAs), decode, and spec and SGLang's verify at D = 2..4 (MTP k = 1..3). Others compile on first use
-    (same cache)."""
+    (checkpoint windows; after_conv too where the prefill conv has no window CTAs), decode, and
+    spec and SGLang's verify at D = 2..4 (MTP k = 1..3). Others compile on first use (same
+    cache)."""
     out = []
     for io in _IO_DTYPES:
         for has_bias in (False, True):
@@ -553,10 +554,11 @@ def conv_prefill(x, conv_state, weight, bias, slot_ids, has_initial_state, cu_se
         raise ValueError(f"slot_ids: the conv prefill kernel takes at most {MAX_SEQS} sequences, got {N}")
     hv, hk, width = v_out.shape[1], q_out.shape[1], weight.shape[1]
     windows = WINDOW_CTAS
+    # the decode rows in this launch (its decode CTAs), where it runs with window CTAs
+    dec = bool(T_) and windows and decodes is not None and decodes[0].shape[0] > 0
     if T_:
         walk = steps_per_walk(T_, 2 * hk + hv, sm_count(x.device))
         stages, fast, silu_form = STAGES, FAST_STEPS, SILU_FORM
-        dec = windows and decodes is not None and decodes[0].shape[0] > 0
         key = ("conv_prefill", x.device, x.dtype, conv_state.dtype, weight.dtype, q_out.dtype, a.dtype,
                A_log.dtype, dt_bias.dtype, hv, hk, width, activation, bias is not None, stages, fast,
                silu_form, windows, dec)
@@ -571,12 +573,10 @@ def conv_prefill(x, conv_state, weight, bias, slot_ids, has_initial_state, cu_se
         _launch_fn(key, make, x.device)(x, conv_state, weight, _bias_arg(bias, weight), slot_ids,
                                         has_initial_state, cu_seqlens, a, b, A_log, dt_bias,
                                         q_out, k_out, v_out, g_out, beta_out, walk, *(decodes if dec else ()))
-        if dec:
-            decodes = None
     if N and not (T_ and windows):   # (the window CTAs wrote the windows back)
         conv_window(x, conv_state, slot_ids, has_initial_state, cu_seqlens, num_v_heads=hv, width=width,
                     weight_dtype=weight.dtype, after_conv=bool(T_) and WRITE_BACK_AFTER_CONV)
-    if decodes is not None:
+    if decodes is not None and not dec:
         xd, ids, out = decodes
         conv_decode(xd, conv_state, weight, bias, ids, num_v_heads=hv, activation=activation, out=out)
 

@@ -123,6 +123,15 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t, decod
             seq[2] = T.if_then_else(HasInit[lo] != 0, Slots[lo], -1)
 
     @T.macro
+    def load_lane_weights(Wt, Bias, c0, g, w, bias8):
+        # lane g's 8 channels of block c0: the W taps and the bias in fp32 (halved in the tanh form)
+        for i in T.unroll(W):
+            for e in T.unroll(VEC):
+                w[i, e] = T.cast(Wt[c0 + g * VEC + e, i], f32) * wscale
+        for e in T.unroll(VEC):
+            bias8[e] = T.cast(Bias[c0 + g * VEC + e], f32) * wscale if v["bias"] else 0.0
+
+    @T.macro
     def issue_rows(X, ring, t0, tend, wk, g, c0, slot):
         # one cp.async group: rows t0..t0+U-1 of this lane's 8 channels into ring[slot] (rows at
         # or past tend: zero-filled, not read; the group is committed either way so that every
@@ -259,11 +268,7 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t, decod
         buf = T.alloc_local((H + U, VEC), io)
         seq = T.alloc_local((3,), i32)      # the sequence's start, end, history slot
         win = T.alloc_local((H, VEC), f32)
-        for i in T.unroll(W):
-            for e in T.unroll(VEC):
-                w[i, e] = T.cast(Wt[c0 + g * VEC + e, i], f32) * wscale
-        for e in T.unroll(VEC):
-            bias8[e] = T.cast(Bias[c0 + g * VEC + e], f32) * wscale if v["bias"] else 0.0
+        load_lane_weights(Wt, Bias, c0, g, w, bias8)
         seq[0] = Cu[sr]
         seq[1] = Cu[sr + 1]
         seq[2] = T.if_then_else(HasInit[sr] != 0, Slots[sr], -1)
@@ -321,14 +326,11 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t, decod
             issue_rows(X, ring, tb + p * U, tend, wk, g, c0, p)
         for i in T.unroll(H):
             # the W - 1 rows before the walk (clamped into [0, ntok): a row before the
-            # sequence's start is never read, its taps come from the conv state)
+            # sequence's start is never read, its taps come from the conv state, read by the
+            # window CTAs or, without them, by this walk)
             for e in T.vectorized(VEC):
                 buf[i, e] = X[T.min(T.max(tb - H + i, 0), ntok - 1), c0 + g * VEC + e]
-        for i in T.unroll(W):
-            for e in T.unroll(VEC):
-                w[i, e] = T.cast(Wt[c0 + g * VEC + e, i], f32) * wscale
-        for e in T.unroll(VEC):
-            bias8[e] = T.cast(Bias[c0 + g * VEC + e], f32) * wscale if v["bias"] else 0.0
+        load_lane_weights(Wt, Bias, c0, g, w, bias8)
         seq[0] = 0
         seq[1] = 0
         seq[2] = -1
