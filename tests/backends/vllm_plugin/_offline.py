@@ -3,7 +3,9 @@
     python _offline.py JOBS.json      # [{"engine": "vllm"|"hf", "model": DIR, ...}, ...]
 
 Job keys: prompts ("spec" for SPEC_PROMPTS, "prefix" for PREFIX_PROMPTS one request at a time), block (block_size), tp (tensor parallel size), backend (None = vLLM's default), dtype, max_tokens, chunk (max_num_batched_tokens,
-0 = vLLM's default), spec (prompt-lookup speculative decoding, 2 drafts). Each result has the
+0 = vLLM's default), spec (prompt-lookup speculative decoding, 2 drafts), eager (default True:
+enforce_eager; False runs vLLM's torch.compile, which its CPU build does in mode
+DYNAMO_TRACE_ONCE with inductor; the result then says which mode ran). Each result has the
 greedy token ids per prompt, or "error" (the exception text) when the engine refused to start;
 vLLM jobs also get "counts", the qla_serve path counters of this process during that job.
 
@@ -40,7 +42,7 @@ def run_vllm(job) -> dict:
     from qla_serve.backends.vllm import _stats
 
     kw = dict(model=job["model"], dtype=job.get("dtype", "float32"), max_model_len=512,
-              enforce_eager=True, seed=0)
+              enforce_eager=job.get("eager", True), seed=0)
     if job.get("backend"):
         kw["additional_config"] = {"linear_attn_backend": job["backend"]}
     if job.get("tp", 1) > 1:
@@ -66,7 +68,8 @@ def run_vllm(job) -> dict:
         outs = [o for p in _prompts(job) for o in llm.generate([p], params)]
     else:
         outs = llm.generate(_prompts(job), params)
-    res = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "seconds": round(time.time() - t0, 1)}
+    res = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "seconds": round(time.time() - t0, 1),
+           "compilation_mode": llm.llm_engine.vllm_config.compilation_config.mode.name}
     del llm, outs
     gc.collect()
     res["counts"] = {k: v - before.get(k, 0) for k, v in _stats._counts.items() if v != before.get(k, 0)}

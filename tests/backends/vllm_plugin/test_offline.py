@@ -15,6 +15,8 @@ Qwen3-Next and Qwen3.5 models, against transformers run on the same checkpoint.
 * the default backend is the control: vLLM's stock path runs and qla_serve's does not;
 * a model qla_serve cannot serve (linear head dim 64) fails at start-up with the reason;
 * tensor parallel 2 (two worker processes, each with half the GDN heads) gives the same tokens.
+* vLLM's torch.compile (``enforce_eager=False``; its CPU build compiles in mode DYNAMO_TRACE_ONCE
+  with inductor, around qla_serve's opaque custom op) gives the same tokens as transformers too.
 
 All engine jobs run in one subprocess (see _offline.py): importing vLLM dominates on 2 cores.
 """
@@ -47,6 +49,10 @@ def runs(tiny_models, tmp_path_factory):
         "next": dict(engine="vllm", model=nxt, backend="flashqla", max_tokens=MAX_TOKENS, chunk=32),
         "q35": dict(engine="vllm", model=q35, backend="flashqla", max_tokens=MAX_TOKENS, chunk=32),
         "hd64": dict(engine="vllm", model=hd64, backend="flashqla", max_tokens=2),
+        # vLLM's torch.compile instead of eager: Dynamo traces the model around qla_serve's
+        # custom op (opaque, its fake impl), inductor compiles the rest.
+        "next_compiled": dict(engine="vllm", model=nxt, backend="flashqla", max_tokens=MAX_TOKENS, chunk=32,
+                              eager=False),
         "next_prefix": dict(engine="vllm", model=nxt, backend="flashqla", max_tokens=8, prompts="prefix", block=64),
         # Last engine of the process: vLLM 0.32's CPU worker cannot start a second engine in a
         # process after a speculative one (its Triton-override rebinding fails).
@@ -77,9 +83,13 @@ def _same_tokens(got: dict, want: dict) -> dict:
     return got["counts"]
 
 
-@pytest.mark.parametrize("job,ref", [("next", "hf_next"), ("q35", "hf_q35")])
+@pytest.mark.parametrize("job,ref", [("next", "hf_next"), ("q35", "hf_q35"), ("next_compiled", "hf_next")])
 def test_flashqla_fp32_greedy_equals_transformers(runs, job, ref):
     c = _same_tokens(runs[job], runs[ref])
+    if job == "next_compiled":  # vLLM compiled the model (its CPU build: DYNAMO_TRACE_ONCE)
+        assert runs[job]["compilation_mode"] != "NONE", runs[job]["compilation_mode"]
+    else:
+        assert runs[job]["compilation_mode"] == "NONE", runs[job]["compilation_mode"]
     assert c.get("qla:prefill", 0) > 0 and c.get("qla:decode", 0) > 0, c
     assert c.get("qla:resumed_prefill", 0) > 0, f"no chunked prefill resumed from its state: {c}"
     # One PrefillPlan per step, shared by the 3 GDN layers (not one per layer).
