@@ -22,8 +22,8 @@ import torch
 from qla_serve import _validate as V
 from qla_serve.kernels import reference
 # Path selection lives below ops and the planner (paths.py); its names stay importable from here.
-from qla_serve.paths import (FLA_OPS, PATHS, _arch_of, _fla_error, explain_path, kernel_module,  # noqa: F401
-                             supported_prefill_strategies)
+from qla_serve.paths import (FLA_OPS, PATHS, _arch_of, _fla_error, device_arch, explain_path,  # noqa: F401
+                             kernel_module, supported_prefill_strategies)
 from qla_serve.plan import PrefillPlan
 
 log = logging.getLogger("qla_serve")
@@ -53,7 +53,7 @@ def path_module(path: str, device: torch.device, reference_module=reference):
     """The module that implements ``path`` on ``device``: the arch's TileLang kernels, FLA's
     fallback, or ``reference_module`` (kernels/reference.py; layer_ops passes reference_conv)."""
     if path == "tilelang":
-        return kernel_module(_arch_of(device.index if device.index is not None else torch.cuda.current_device()))
+        return kernel_module(device_arch(device))
     if path == "fla":
         from qla_serve.kernels import fla_fallback
         return fla_fallback

@@ -23,12 +23,21 @@ import torch
 
 PATHS = ("tilelang", "fla", "reference")
 FLA_OPS = ("prefill", "decode")
+# Archs whose TileLang kernels have run on that arch's hardware against the float64 reference
+# (the GPU test suite: sm90 on the H200). sm100's are the Hopper tile programs built for sm_100a:
+# compiled in CI, never run on a Blackwell GPU (kernels/blackwell/__init__.py).
+HARDWARE_VALIDATED_ARCHS = frozenset({"sm90"})
 
 
 @functools.lru_cache(maxsize=None)
 def _arch_of(index: int) -> str:
     major, minor = torch.cuda.get_device_capability(index)
     return f"sm{major}{minor}"
+
+
+def device_arch(device: torch.device) -> str:
+    """"sm90", "sm100", ... of a CUDA device (the current one where it has no index)."""
+    return _arch_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=None)
@@ -41,6 +50,20 @@ def kernel_module(arch: str):
         return importlib.import_module(name)
     except Exception as exc:  # ImportError, or TileLang failing to load its native library
         return f"{name} failed to import: {type(exc).__name__}: {exc}"
+
+
+def unvalidated_note(device) -> str | None:
+    """For a CUDA device whose arch has qla_serve TileLang kernels that have not run on its
+    hardware yet: the sentence that says so (start-up logs it as a warning); else None."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    arch = device_arch(device)
+    if arch in HARDWARE_VALIDATED_ARCHS or isinstance(kernel_module(arch), str):
+        return None
+    return (f"qla_serve's TileLang kernels for {arch} have not been run on {arch} hardware yet "
+            f"(validated: {', '.join(sorted(HARDWARE_VALIDATED_ARCHS))}): run `python -m pytest -m gpu "
+            f"tests` on this GPU before serving with them")
 
 
 @functools.lru_cache(maxsize=None)
@@ -61,7 +84,8 @@ def explain_path(op: str, device, io_dtype=torch.bfloat16) -> tuple[str, str]:
         raise ValueError(f"QLA_SERVE_OP_PATH: expected one of {PATHS + ('auto',)}, got {forced!r}")
     candidates = []
     if device.type == "cuda":
-        mod = kernel_module(_arch_of(device.index if device.index is not None else torch.cuda.current_device()))
+        arch = device_arch(device)
+        mod = kernel_module(arch)
         if isinstance(mod, str):
             candidates.append(("tilelang", None, mod))
         elif not hasattr(mod, op):
@@ -69,7 +93,8 @@ def explain_path(op: str, device, io_dtype=torch.bfloat16) -> tuple[str, str]:
         elif io_dtype == torch.float32:  # None: an op without q/k/v (commit_verified)
             candidates.append(("tilelang", None, "TileLang kernels take bf16/fp16 q/k/v, got float32"))
         else:
-            candidates.append(("tilelang", "ok", f"{mod.__name__}.{op}"))
+            untested = "" if arch in HARDWARE_VALIDATED_ARCHS else "; not yet run on this arch's hardware"
+            candidates.append(("tilelang", "ok", f"{mod.__name__}.{op}{untested}"))
         if op in FLA_OPS:
             fla_err = _fla_error()
             candidates.append(("fla", None if fla_err else "ok", fla_err or "FLA Triton fallback"))
@@ -96,6 +121,6 @@ def supported_prefill_strategies(device) -> frozenset[str]:
         return frozenset({"plain", "vsplit", "cp"})  # the reference ignores the strategy
     path, _ = explain_path("prefill", device)
     if path == "tilelang":
-        mod = kernel_module(_arch_of(device.index if device.index is not None else torch.cuda.current_device()))
+        mod = kernel_module(device_arch(device))
         return frozenset(getattr(mod, "SUPPORTED_STRATEGIES", {"plain"}))
     return frozenset({"plain"})

@@ -43,6 +43,7 @@ every op's checks before its first launch: a refused argument writes no slot.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import NamedTuple, Sequence
 
 import torch
@@ -51,6 +52,8 @@ import qla_serve
 from qla_serve import layer_ops
 from qla_serve.ops import _checked_key, check_decode_args, check_prefill_args
 from qla_serve.plan import PrefillPlan
+
+log = logging.getLogger("qla_serve")
 
 HEAD_DIM = 128
 
@@ -255,8 +258,11 @@ def ensure_kernels(device, num_v_heads: int, num_k_heads: int, io_dtype: torch.d
     if all(qla_serve.explain_path(op, device, io_dtype)[0] != "tilelang" for op in ("prefill", "decode", "verify")):
         return None
     from qla_serve.deploy import startup
-    from qla_serve.paths import _arch_of, kernel_module
-    module = kernel_module(_arch_of(device.index if device.index is not None else torch.cuda.current_device()))
+    from qla_serve.paths import device_arch, kernel_module, unvalidated_note
+    note = unvalidated_note(device)
+    if note:
+        log.warning(note)
+    module = kernel_module(device_arch(device))
     return startup.ensure_kernels(num_v_heads, num_k_heads, target=module.ARCH,
                                   io_dtype=str(io_dtype).removeprefix("torch."),
                                   state_dtype=str(state_dtype).removeprefix("torch."))

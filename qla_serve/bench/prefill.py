@@ -350,7 +350,7 @@ def _qla_fn(lens, hk, hv, data, v_split, stages="prep,main", segment_chunks="aut
 
     q, k, v, g, beta, h0 = data
     dev = q.device
-    arch = ops._arch_of(dev.index if dev.index is not None else torch.cuda.current_device())
+    arch = ops.device_arch(dev)
     mod = ops.kernel_module(arch)
     plan = qla_serve.plan_prefill(lens, hv, hk, device=dev, cp=cp, supported_strategies=mod.SUPPORTED_STRATEGIES)
     if v_split != "auto" or segment_chunks != "auto":  # forced (sweeps for the cost model)

@@ -97,3 +97,30 @@ def test_layer_start_up_hook_names_the_deployment(monkeypatch):
     assert gdn_layer.ensure_kernels("cuda:0", 8, 2, torch.bfloat16, torch.float32) is None
     assert gdn_layer.ensure_kernels("cpu", 8, 2, torch.bfloat16, torch.float32) is None
     assert len(calls) == 1
+
+
+def test_an_arch_not_run_on_hardware_is_said_at_start_up(monkeypatch, caplog):
+    """Blackwell's kernels (the Hopper tile programs built for sm_100a) have never run on a
+    Blackwell GPU: start-up builds them for sm_100a and logs a WARNING that says so, and the
+    path's reason (what the engines log, `qla-serve info` prints) says it too; Hopper's do
+    not. The GPU is stubbed (the arch lookup): none here."""
+    import logging
+
+    import torch
+
+    from qla_serve import paths
+    from qla_serve.backends import gdn_layer
+    calls = []
+    monkeypatch.setattr(startup, "ensure_kernels", lambda *a, **k: calls.append(k["target"]) or "line")
+    for arch, target, warned in (("sm100", "sm_100a", True), ("sm90", "sm_90a", False)):
+        monkeypatch.setattr(paths, "_arch_of", lambda index, arch=arch: arch)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="qla_serve"):
+            assert gdn_layer.ensure_kernels("cuda:0", 8, 2, torch.bfloat16, torch.float32) == "line"
+        said = [r.getMessage() for r in caplog.records if "have not been run on sm100 hardware" in r.getMessage()]
+        assert bool(said) == warned, caplog.records
+        assert calls[-1] == target
+        path, why = paths.explain_path("decode", torch.device("cuda", 0), torch.bfloat16)
+        assert path == "tilelang" and ("not yet run on this arch's hardware" in why) == warned, why
+        assert (paths.unvalidated_note(torch.device("cuda", 0)) is not None) == warned
+    assert paths.unvalidated_note("cpu") is None

@@ -232,8 +232,7 @@ def _full_prefill_graph() -> bool:
 
 def _tilelang_reason(ops, op: str, device) -> str:
     """Why qla_serve's TileLang path does not run ``op`` on this CUDA device."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    mod = ops.kernel_module(ops._arch_of(index))
+    mod = ops.kernel_module(ops.device_arch(device))
     if isinstance(mod, str):
         return mod
     if not hasattr(mod, op):
