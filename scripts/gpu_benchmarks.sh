@@ -35,7 +35,8 @@
 # Knobs: PREFILL_GROUPS (the prefill part's "heads:impls" groups, one bench process each; to split
 # them over calls, run a group per call and merge the earlier calls' JSONs, carried back, with
 # PREFILL_MERGE="path ..."), CP_GROUPS (the cp-sweep part's "heads|rows|v_split:L ..." groups),
-# TIMEOUT (seconds per step, default 560).
+# TIMEOUT (seconds per step, default 560), TLCACHE (compiled-kernel tars, space-separated),
+# GPU_TESTS (the tests part's pytest paths and options).
 set -uo pipefail
 out=${OUT:-/tmp/gpu_benchmarks}; mkdir -p "$out"
 part=${PART:-all}
@@ -49,9 +50,11 @@ run_date=$(date -u +%Y-%m-%dT%H:%M:%SZ)
 echo "gpu_benchmarks: PART=$part, commit $commit, $run_date"
 
 mkdir -p /tmp/tlall /tmp/tl_tp8
-tlcache=${TLCACHE:-.gpucache/tlcache.tar.xz}
-if [[ -n ${TLCACHE:-} && ! -f $tlcache ]]; then echo "TLCACHE=$tlcache: no such file (carry it)"; exit 2; fi
-[[ -f $tlcache ]] && tar -xJf "$tlcache" -C /tmp/tlall
+# TLCACHE: the compiled-kernel tars to unpack (space-separated; default .gpucache/tlcache.tar.xz).
+for tlcache in ${TLCACHE:-.gpucache/tlcache.tar.xz}; do
+  if [[ -n ${TLCACHE:-} && ! -f $tlcache ]]; then echo "TLCACHE: $tlcache: no such file (carry it)"; exit 2; fi
+  [[ -f $tlcache ]] && tar -xJf "$tlcache" -C /tmp/tlall
+done
 [[ -f .gpucache/flashqla_tlcache.tar.xz ]] && tar -xJf .gpucache/flashqla_tlcache.tar.xz -C /tmp/tlall
 [[ -f .gpucache/tl_tp8.tar.xz ]] && tar -xJf .gpucache/tl_tp8.tar.xz -C /tmp/tl_tp8
 export TILELANG_CACHE_DIR=/tmp/tlall
@@ -90,8 +93,11 @@ PY
 
 if want tests; then
   rm -f "$out/prefill_errors_h200.jsonl"
-  QLA_ERRORS_JSONL="$out/prefill_errors_h200.jsonl" step "all gpu tests" $T python -m pytest -m gpu -q -rs tests \
-    -p no:cacheprovider --continue-on-collection-errors > "$out/gpu_tests_h200.log" 2>&1
+  # GPU_TESTS: the pytest paths and options (default: all of tests/); split the suite over calls
+  # where it runs past a call's 10 minutes, e.g. "tests/kernels" then "tests --ignore=tests/kernels".
+  # shellcheck disable=SC2086
+  QLA_ERRORS_JSONL="$out/prefill_errors_h200.jsonl" step "gpu tests: ${GPU_TESTS:-tests}" $T python -m pytest -m gpu \
+    -q -rs ${GPU_TESTS:-tests} -p no:cacheprovider --continue-on-collection-errors > "$out/gpu_tests_h200.log" 2>&1
   tail -5 "$out/gpu_tests_h200.log"
   stamp "$out/gpu_tests_h200.log" "$out/prefill_errors_h200.jsonl"
 fi
