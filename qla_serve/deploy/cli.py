@@ -126,6 +126,7 @@ def _cmd_render(args) -> int:
 
 def _cmd_precompile(args) -> int:
     from . import precompile as pc
+    from . import ready
 
     requests: list[pc.HeadRequest] = []
     if args.config:
@@ -168,11 +169,16 @@ def _cmd_precompile(args) -> int:
     summary.problems = problems + summary.problems
     print(summary.text())
     memo = _build_host_memo()
+    # the engines' start-up skips its check of a set marked complete (deploy/ready.py); with
+    # --match only part of a set is built, and no set is marked
+    markers = [] if args.match else ready.mark_built_sets(requests, modules, outcomes, summary.cache_dir)
+    if markers:
+        print(f"marked {len(markers)} start-up kernel sets complete ({ready.READY_DIR}/ in the cache)")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             f.write(pc.summary_json(outcomes, summary))
     if args.pack:
-        n, size = pc.pack_entries(outcomes, args.pack, summary.cache_dir, extra=[memo] if memo else [])
+        n, size = pc.pack_entries(outcomes, args.pack, summary.cache_dir, extra=([memo] if memo else []) + markers)
         print(f"packed {n} cache entries{' and the TMA descriptor memo' if memo else ''} "
               f"({size / 2**20:.1f} MiB) into {args.pack}: "
               f"tar -xf {args.pack} -C DIR, then TILELANG_CACHE_DIR=DIR"

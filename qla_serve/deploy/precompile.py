@@ -21,11 +21,11 @@ A variant dict is opaque here except for: ``name`` (shown, matched by ``--match`
 ``pool_dtype``/``state_dtype`` and ``io_dtype`` (a config keeps only the variants of
 its state dtype and activation dtype; variants without these keys are all kept).
 
-Whether a build compiled or hit the cache is read from the cache itself: a build that
-adds an entry under ``<cache>/<version>/<platform>/kernels/`` compiled. With ``--jobs N``
-builds run in N spawned processes at once and each worker counts TileLang's cache writes
-of fresh compiles in its own process instead (the shared directory cannot tell whose
-entry is whose).
+Whether a build compiled or hit the cache: the process that builds it counts TileLang's cache
+writes (KernelCache saves an entry only after a fresh compile). With ``--jobs N`` builds run in
+N spawned processes at once, each counting its own. (Not a diff of the cache directory: another
+process writing to the same cache at the same time -- another precompile, a rank of another
+host on a shared volume -- would make hits look compiled.)
 
 ``--pack OUT.tar.xz`` also writes the cache entries the builds used, hits included (each
 process records the key of every kernel TileLang's cache looks up), as one tar relative to
@@ -96,7 +96,7 @@ class Outcome:
     job: Job
     status: str            # "compiled" | "cached" | "failed"
     seconds: float
-    new_entries: int = 0
+    new_entries: int = 0            # kernels TileLang compiled and saved to the cache for this build
     error: str = ""
     entries: tuple[str, ...] = ()   # the cache entry directories the build used (hit or compiled)
 
@@ -273,7 +273,7 @@ def _save_counter() -> list[int]:
 
     KernelCache saves an entry only after compiling (a disk hit just loads it), so the count
     tells compiled from cached for builds run in this process, whatever other processes write
-    to the same cache at the same time (the directory diff cannot: --jobs > 1)."""
+    to the same cache at the same time (a diff of the directory cannot)."""
     from tilelang.cache.kernel_cache import KernelCache
 
     counter = getattr(KernelCache, "_qla_serve_saves", None)
@@ -358,17 +358,16 @@ def run_jobs(jobs: list[Job], modules: list[KernelModule], *, progress: bool = T
 
     t_start = time.perf_counter()
     if workers <= 1:
-        used = _entry_recorder()
+        saves, used = _save_counter(), _entry_recorder()
         for job in jobs:
-            before = _cache_entries(summary.cache_dir)
-            u0 = len(used)
+            n0, u0 = saves[0], len(used)
             t0 = time.perf_counter()
             try:
                 by_name[job.module].build(job.variant, job.target)
             except Exception as e:
                 done(Outcome(job, "failed", time.perf_counter() - t0, error=_error_text(e)))
             else:
-                new = len(_cache_entries(summary.cache_dir) - before)
+                new = saves[0] - n0
                 done(Outcome(job, "compiled" if new else "cached", time.perf_counter() - t0, new,
                              entries=tuple(used[u0:])))
     else:
@@ -416,7 +415,7 @@ def pack_entries(outcomes: list[Outcome], out_path: str, root: str, extra: list[
     to the cache root, so that `tar -xf out_path -C DIR` gives a TileLang cache (TILELANG_CACHE_DIR
     = DIR) in which the same builds are hits: a deployment's compiled kernels as one artifact, or
     the kernels a device run needs and nothing else. ``extra``: more files under the cache root
-    to carry (the host memo library), not counted as entries. Returns (entries, bytes written)."""
+    to carry (the host memo library, ready markers), not counted as entries. Returns (entries, bytes written)."""
     import tarfile
 
     mode = pack_mode(out_path)

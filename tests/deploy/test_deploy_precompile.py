@@ -204,3 +204,30 @@ def test_a_kernel_module_that_fails_to_import_is_an_error(tmp_path, monkeypatch)
     mods, problems = pc.discover_modules(["qla_broken_kernels"])
     assert mods == [] and problems == [
         "module qla_broken_kernels failed to import: RuntimeError: half-written kernel module"]
+
+
+def test_another_writer_of_the_cache_does_not_make_a_hit_look_compiled(tmp_path, monkeypatch):
+    """In one process (``--jobs 1``, and the engines' start-up) a build counts as compiled only if
+    TileLang's cache saved a fresh compile in this process (pc._save_counter, which counts
+    KernelCache._save_kernel_to_disk; the real compiles of the test above go through it): an
+    entry that another process writes to the same cache meanwhile (here during the build, as a
+    concurrent precompile did) is not this build's. No compile: the builds are stand-ins, one
+    writing such an entry, one counting a save as the wrapper does."""
+    monkeypatch.setattr(pc, "cache_dir", lambda: str(tmp_path))
+    saves = pc._save_counter()
+    others = tmp_path / "0.1.12" / "linux-x86_64" / "kernels"
+
+    def foreign_write(variant, target):
+        others.mkdir(parents=True, exist_ok=True)
+        (others / "written-by-another-process").mkdir()
+
+    def own_save(variant, target):
+        saves[0] += 1
+
+    mods = [pc.KernelModule("foreign", lambda hv, hk: [], foreign_write, ("sm_90a",)),
+            pc.KernelModule("own", lambda hv, hk: [], own_save, ("sm_90a",))]
+    jobs = [pc.Job("foreign", "sm_90a", {"name": "a"}, "a"), pc.Job("own", "sm_90a", {"name": "b"}, "b")]
+    outcomes, summary = pc.run_jobs(jobs, mods, progress=False, workers=1)
+    assert [o.status for o in outcomes] == ["cached", "compiled"], outcomes
+    assert (summary.compiled, summary.cached, summary.failed) == (1, 1, 0)
+    assert len(pc._cache_entries(str(tmp_path))) == 1   # what a diff of the directory would have counted

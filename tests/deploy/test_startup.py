@@ -44,7 +44,7 @@ def test_start_up_build_compiles_once_then_loads(tmp_path):
     assert "0 from the cache, 1 compiled" in lines["FIRST"]
     assert "`qla-serve precompile --heads 2/8 --arch sm_90a -j N`" in lines["FIRST"]
     assert lines["SAME"] == "True"
-    assert "built by another process" in lines["OTHER"]
+    assert "marked complete by another process or qla-serve precompile" in lines["OTHER"]
     assert "1 from the cache, 0 compiled" in lines["HITS"]
 
 
@@ -124,3 +124,40 @@ def test_an_arch_not_run_on_hardware_is_said_at_start_up(monkeypatch, caplog):
         assert path == "tilelang" and ("not yet run on this arch's hardware" in why) == warned, why
         assert (paths.unvalidated_note(torch.device("cuda", 0)) is not None) == warned
     assert paths.unvalidated_note("cpu") is None
+
+
+def test_a_set_precompiled_completely_is_skipped_at_start_up(monkeypatch, tmp_path):
+    """`qla-serve precompile` marks each start-up set it built completely (deploy/ready.py), and
+    start-up then skips the set without building any of its variants (each a ~0.3 s cache check
+    on a 2-core host); a set with a failed build gets no marker and start-up checks it. Stand-in
+    kernel modules (no compile): start-up's build fails the test if it is called for a marked set."""
+    from qla_serve.deploy import precompile as pc
+    from qla_serve.deploy import ready
+
+    def kernel_variants(hv, hk):
+        return [{"name": f"k_hv{hv}_{io}_{st}", "io_dtype": io, "state_dtype": st}
+                for io in ("bfloat16", "float16") for st in ("float32", "bfloat16")]
+
+    def precompile_build(variant, target):
+        if variant["name"] == "k_hv16_float16_bfloat16":
+            raise RuntimeError("ptxas error")
+
+    mod = KernelModule("fake", kernel_variants, precompile_build, ("sm_90a",))
+    requests = [pc.HeadRequest(2, 8, ("sm_90a",)), pc.HeadRequest(4, 16, ("sm_90a",))]
+    jobs, problems = pc.enumerate_jobs(requests, [mod])
+    assert not problems and len(jobs) == 8
+    outcomes, summary = pc.run_jobs(jobs, [mod], progress=False)
+    assert summary.failed == 1
+    markers = ready.mark_built_sets(requests, [mod], outcomes, str(tmp_path))
+    assert len(markers) == 7           # 2 heads x 2 io x 2 state dtypes, less the failed set
+
+    built = []
+    monkeypatch.setattr(startup, "_DONE", {})
+    monkeypatch.setattr(startup, "discover_modules", lambda: ([KernelModule(
+        "fake", kernel_variants, lambda v, t: built.append(v["name"]), ("sm_90a",))], []))
+    monkeypatch.setattr(startup, "cache_dir", lambda: str(tmp_path))
+    monkeypatch.delenv("QLA_SERVE_STARTUP_COMPILE", raising=False)
+    line = startup.ensure_kernels(8, 2, target="sm_90a", io_dtype="bfloat16", state_dtype="float32")
+    assert "marked complete" in line and built == []
+    line = startup.ensure_kernels(16, 4, target="sm_90a", io_dtype="float16", state_dtype="bfloat16")
+    assert "marked complete" not in line and built == ["k_hv16_float16_bfloat16"]
