@@ -161,3 +161,37 @@ def test_a_set_precompiled_completely_is_skipped_at_start_up(monkeypatch, tmp_pa
     assert "marked complete" in line and built == []
     line = startup.ensure_kernels(16, 4, target="sm_90a", io_dtype="float16", state_dtype="bfloat16")
     assert "marked complete" not in line and built == ["k_hv16_float16_bfloat16"]
+
+
+def test_precompile_cli_packs_its_markers_and_start_up_trusts_them(monkeypatch, tmp_path, capsys):
+    """`qla-serve precompile --heads 2/8 --pack` writes the ready markers of the sets it built and
+    packs them; unpacked into an empty cache elsewhere, they let start-up skip the set. Stand-in
+    kernel modules (their builds write nothing to TileLang's cache) and no TMA memo: no compile."""
+    import tarfile
+
+    from qla_serve.cli import main
+    from qla_serve.deploy import precompile as pc
+
+    def kernel_variants(hv, hk):
+        return [{"name": f"k_hv{hv}_{io}_{st}", "io_dtype": io, "state_dtype": st}
+                for io in ("bfloat16", "float16") for st in ("float32", "bfloat16")]
+
+    built = []
+    fake = [KernelModule("fake", kernel_variants, lambda v, t: built.append(v["name"]), ("sm_90a",))]
+    monkeypatch.setattr(pc, "discover_modules", lambda *a: (fake, []))
+    monkeypatch.setattr(pc, "cache_dir", lambda: str(tmp_path / "build"))
+    monkeypatch.setenv("QLA_SERVE_TENSORMAP_CACHE", "0")
+    pack = tmp_path / "kernels.tar.xz"
+    assert main(["precompile", "--heads", "2/8", "--arch", "sm_90a", "--no-progress", "--pack", str(pack)]) == 0
+    assert "marked 4 start-up kernel sets complete" in capsys.readouterr().out
+    with tarfile.open(pack) as tar:
+        assert len([n for n in tar.getnames() if n.startswith("qla_serve_ready/")]) == 4
+        tar.extractall(tmp_path / "elsewhere")
+
+    built.clear()
+    monkeypatch.setattr(startup, "_DONE", {})
+    monkeypatch.setattr(startup, "discover_modules", lambda: (fake, []))
+    monkeypatch.setattr(startup, "cache_dir", lambda: str(tmp_path / "elsewhere"))
+    monkeypatch.delenv("QLA_SERVE_STARTUP_COMPILE", raising=False)
+    line = startup.ensure_kernels(8, 2, target="sm_90a", io_dtype="float16", state_dtype="float32")
+    assert "marked complete" in line and built == []
