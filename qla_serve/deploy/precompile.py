@@ -311,20 +311,26 @@ def _entry_recorder() -> list[str]:
     return paths
 
 
-def _build_in_worker(module: str, variant: dict, target: str) -> tuple[str, float, int, str, tuple[str, ...]]:
-    """One build in a worker process (--jobs > 1): (status, seconds, new entries, error, the
-    cache entries it used)."""
+def _counted_build(build: Callable[[dict, str], Any], variant: dict,
+                   target: str) -> tuple[str, float, int, str, tuple[str, ...]]:
+    """One build in this process: (status, seconds, kernels compiled and saved, error, the cache
+    entries it used). Compiled or cached is this process's count of TileLang's cache saves."""
     saves = _save_counter()   # imports tilelang, which sets up its logger: quiet it after
     _quiet_tilelang()
     used = _entry_recorder()
     n0, u0 = saves[0], len(used)
     t0 = time.perf_counter()
     try:
-        importlib.import_module(module).build(variant, target)
+        build(variant, target)
     except Exception as e:
         return "failed", time.perf_counter() - t0, 0, _error_text(e), ()
     new = saves[0] - n0
     return ("compiled" if new else "cached"), time.perf_counter() - t0, new, "", tuple(used[u0:])
+
+
+def _build_in_worker(module: str, variant: dict, target: str) -> tuple[str, float, int, str, tuple[str, ...]]:
+    """One build in a worker process (--jobs > 1): _counted_build of the module's build."""
+    return _counted_build(importlib.import_module(module).build, variant, target)
 
 
 def run_jobs(jobs: list[Job], modules: list[KernelModule], *, progress: bool = True, workers: int = 1,
@@ -358,18 +364,8 @@ def run_jobs(jobs: list[Job], modules: list[KernelModule], *, progress: bool = T
 
     t_start = time.perf_counter()
     if workers <= 1:
-        saves, used = _save_counter(), _entry_recorder()
         for job in jobs:
-            n0, u0 = saves[0], len(used)
-            t0 = time.perf_counter()
-            try:
-                by_name[job.module].build(job.variant, job.target)
-            except Exception as e:
-                done(Outcome(job, "failed", time.perf_counter() - t0, error=_error_text(e)))
-            else:
-                new = saves[0] - n0
-                done(Outcome(job, "compiled" if new else "cached", time.perf_counter() - t0, new,
-                             entries=tuple(used[u0:])))
+            done(Outcome(job, *_counted_build(by_name[job.module].build, job.variant, job.target)))
     else:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor, as_completed

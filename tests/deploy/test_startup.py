@@ -126,6 +126,12 @@ def test_an_arch_not_run_on_hardware_is_said_at_start_up(monkeypatch, caplog):
     assert paths.unvalidated_note("cpu") is None
 
 
+def _dtype_variants(hv, hk):
+    """A stand-in module's variants: one per activation and state dtype start-up can ask for."""
+    return [{"name": f"k_hv{hv}_{io}_{st}", "io_dtype": io, "state_dtype": st}
+            for io in ("bfloat16", "float16") for st in ("float32", "bfloat16")]
+
+
 def test_a_set_precompiled_completely_is_skipped_at_start_up(monkeypatch, tmp_path):
     """`qla-serve precompile` marks each start-up set it built completely (deploy/ready.py), and
     start-up then skips the set without building any of its variants (each a ~0.3 s cache check
@@ -134,15 +140,11 @@ def test_a_set_precompiled_completely_is_skipped_at_start_up(monkeypatch, tmp_pa
     from qla_serve.deploy import precompile as pc
     from qla_serve.deploy import ready
 
-    def kernel_variants(hv, hk):
-        return [{"name": f"k_hv{hv}_{io}_{st}", "io_dtype": io, "state_dtype": st}
-                for io in ("bfloat16", "float16") for st in ("float32", "bfloat16")]
-
     def precompile_build(variant, target):
         if variant["name"] == "k_hv16_float16_bfloat16":
             raise RuntimeError("ptxas error")
 
-    mod = KernelModule("fake", kernel_variants, precompile_build, ("sm_90a",))
+    mod = KernelModule("fake", _dtype_variants, precompile_build, ("sm_90a",))
     requests = [pc.HeadRequest(2, 8, ("sm_90a",)), pc.HeadRequest(4, 16, ("sm_90a",))]
     jobs, problems = pc.enumerate_jobs(requests, [mod])
     assert not problems and len(jobs) == 8
@@ -154,7 +156,7 @@ def test_a_set_precompiled_completely_is_skipped_at_start_up(monkeypatch, tmp_pa
     built = []
     monkeypatch.setattr(startup, "_DONE", {})
     monkeypatch.setattr(startup, "discover_modules", lambda: ([KernelModule(
-        "fake", kernel_variants, lambda v, t: built.append(v["name"]), ("sm_90a",))], []))
+        "fake", _dtype_variants, lambda v, t: built.append(v["name"]), ("sm_90a",))], []))
     monkeypatch.setattr(startup, "cache_dir", lambda: str(tmp_path))
     monkeypatch.delenv("QLA_SERVE_STARTUP_COMPILE", raising=False)
     line = startup.ensure_kernels(8, 2, target="sm_90a", io_dtype="bfloat16", state_dtype="float32")
@@ -172,12 +174,8 @@ def test_precompile_cli_packs_its_markers_and_start_up_trusts_them(monkeypatch, 
     from qla_serve.cli import main
     from qla_serve.deploy import precompile as pc
 
-    def kernel_variants(hv, hk):
-        return [{"name": f"k_hv{hv}_{io}_{st}", "io_dtype": io, "state_dtype": st}
-                for io in ("bfloat16", "float16") for st in ("float32", "bfloat16")]
-
     built = []
-    fake = [KernelModule("fake", kernel_variants, lambda v, t: built.append(v["name"]), ("sm_90a",))]
+    fake = [KernelModule("fake", _dtype_variants, lambda v, t: built.append(v["name"]), ("sm_90a",))]
     monkeypatch.setattr(pc, "discover_modules", lambda *a: (fake, []))
     monkeypatch.setattr(pc, "cache_dir", lambda: str(tmp_path / "build"))
     monkeypatch.setenv("QLA_SERVE_TENSORMAP_CACHE", "0")
