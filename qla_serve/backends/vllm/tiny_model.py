@@ -4,11 +4,20 @@ Used by the vLLM backend tests and by scripts/serve_demo.sh: a real model direct
 (config.json, safetensors, a byte-level BPE tokenizer trained on the spot) that vLLM and
 transformers both load, with the GDN shapes qla_serve serves: 4 layers (3 Gated DeltaNet +
 1 full attention), linear key/value head dim 128, 2 key heads and 4 value heads, hidden 256,
-vocab 512. vLLM's Qwen3-Next needs at least one MoE layer, so the last layer is MoE (4 experts,
-top-2) and the others are in ``mlp_only_layers``. lm_head is scaled up so greedy decoding on
-random weights has clear winners (fewer near-ties between two correct implementations).
+vocab 512. lm_head is scaled up so greedy decoding on random weights has clear winners (fewer
+near-ties between two correct implementations). The kinds:
 
-    python -m qla_serve.backends.vllm.tiny_model OUT_DIR [--kind qwen3_next|qwen3_5] [--dtype bfloat16]
+- ``qwen3_next``: Qwen3NextForCausalLM. vLLM's Qwen3-Next needs at least one MoE layer, so the
+  last layer is MoE (4 experts, top-2) and the others are in ``mlp_only_layers``.
+- ``qwen3_5``: Qwen3_5ForCausalLM, dense (the text-only class).
+- ``qwen3_5_moe``: Qwen3_5MoeForConditionalGeneration, the class the released Qwen3.5 MoE
+  checkpoints (Qwen3.5-397B-A17B, the TP8 deployment) and Qwen3.6-35B-A3B name in their
+  config.json: the text model nested under ``text_config``, every layer MoE (4 experts, top-2,
+  a shared expert), a one-block vision tower, and a processor (image and video processors, the
+  tokenizer with the four vision special tokens) so that vLLM serves it as a multimodal model,
+  as it does the real checkpoints by default.
+
+    python -m qla_serve.backends.vllm.tiny_model OUT_DIR [--kind qwen3_next|qwen3_5|qwen3_5_moe] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ import argparse
 import json
 import pathlib
 
-KINDS = ("qwen3_next", "qwen3_5")
+KINDS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 VOCAB = 512
 _CORPUS = (
     "The quick brown fox jumps over the lazy dog. Gated DeltaNet keeps a fixed-size state per "
@@ -28,23 +37,43 @@ _CORPUS = (
 )
 
 
-def _tokenizer(out: pathlib.Path) -> None:
+# The special tokens Qwen3-VL's processor looks up (transformers' processing_qwen3_vl.py).
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def _tokenizer(out: pathlib.Path, vision: bool = False):
+    """A byte-level BPE tokenizer of VOCAB ids, saved to ``out`` and returned; with ``vision``
+    VISION_TOKENS are special tokens of it too (ids 1-4, inside VOCAB)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    extra = list(VISION_TOKENS) if vision else []
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>"],
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>"] + extra,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator([_CORPUS] * 20, trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
-                                   pad_token="<|endoftext|>", bos_token="<|endoftext|>")
+                                   pad_token="<|endoftext|>", bos_token="<|endoftext|>",
+                                   **({"additional_special_tokens": extra} if extra else {}))
     fast.save_pretrained(str(out))
+    return fast
 
 
-def _config(kind: str, eos: int, linear_head_dim: int = 128):
+def _save_processor(out: pathlib.Path, tokenizer) -> None:
+    """Qwen3-VL's processor (what the Qwen3.5 checkpoints ship) with the smallest image sizes."""
+    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
+
+    images = Qwen2VLImageProcessor(patch_size=16, temporal_patch_size=2, merge_size=2,
+                                   min_pixels=32 * 32, max_pixels=64 * 64)
+    videos = Qwen3VLVideoProcessor(patch_size=16, temporal_patch_size=2, merge_size=2)
+    Qwen3VLProcessor(image_processor=images, video_processor=videos,
+                     tokenizer=tokenizer).save_pretrained(str(out))
+
+
+def _config(kind: str, eos: int, linear_head_dim: int = 128, tokenizer=None):
     common = dict(
         vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=64,
@@ -59,6 +88,18 @@ def _config(kind: str, eos: int, linear_head_dim: int = 128):
         return Qwen3NextConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
                                shared_expert_intermediate_size=128, decoder_sparse_step=1,
                                mlp_only_layers=[0, 1, 2], **common)
+    if kind == "qwen3_5_moe":
+        from transformers import Qwen3_5MoeConfig
+        text = dict(common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+                    shared_expert_intermediate_size=128)
+        del text["intermediate_size"], text["tie_word_embeddings"]
+        vision = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2,
+                      out_hidden_size=common["hidden_size"], num_position_embeddings=64)
+        ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+        return Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False,
+                                vision_start_token_id=ids["<|vision_start|>"],
+                                vision_end_token_id=ids["<|vision_end|>"],
+                                image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"])
     from transformers import Qwen3_5TextConfig
     return Qwen3_5TextConfig(**common)
 
@@ -74,12 +115,17 @@ def build_tiny_model(out_dir, kind: str = "qwen3_next", *, dtype: str = "bfloat1
     import torch
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    _tokenizer(out)
+    vision = kind == "qwen3_5_moe"
+    tokenizer = _tokenizer(out, vision)
+    if vision:
+        _save_processor(out, tokenizer)
     eos = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]["<|endoftext|>"]
-    config = _config(kind, eos, linear_head_dim)
+    config = _config(kind, eos, linear_head_dim, tokenizer)
     torch.manual_seed(seed)
     if kind == "qwen3_next":
         from transformers import Qwen3NextForCausalLM as Model
+    elif kind == "qwen3_5_moe":
+        from transformers import Qwen3_5MoeForConditionalGeneration as Model
     else:
         from transformers import Qwen3_5ForCausalLM as Model
     model = Model(config)

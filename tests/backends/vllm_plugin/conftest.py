@@ -13,9 +13,10 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
-    """{"qwen3_next": dir, "qwen3_5": dir}: random bf16 checkpoints built offline."""
+    """{kind: dir} for every tiny_model.KINDS (Qwen3-Next, dense Qwen3.5, Qwen3.5 MoE as the
+    released multimodal class): random bf16 checkpoints built offline."""
     pytest.importorskip("transformers")
-    from qla_serve.backends.vllm.tiny_model import build_tiny_model
+    from qla_serve.backends.vllm.tiny_model import KINDS, build_tiny_model
 
     root = tmp_path_factory.mktemp("tiny_models")
-    return {kind: build_tiny_model(root / kind, kind) for kind in ("qwen3_next", "qwen3_5")}
+    return {kind: build_tiny_model(root / kind, kind) for kind in KINDS}

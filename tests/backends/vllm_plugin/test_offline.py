@@ -1,5 +1,8 @@
 """End to end on CPU, offline: vLLM (LLM class) with linear_attn_backend=flashqla on tiny random
-Qwen3-Next and Qwen3.5 models, against transformers run on the same checkpoint.
+Qwen3-Next and Qwen3.5 models, against transformers run on the same checkpoint. The Qwen3.5 MoE
+model is the class the released Qwen3.5 MoE and Qwen3.6-35B-A3B checkpoints name
+(Qwen3_5MoeForConditionalGeneration: text config nested, vision tower, processor), served as
+vLLM serves those by default, multimodal, with text prompts.
 
 * float32 greedy tokens equal transformers' float32 greedy tokens (bf16 tokens of two correct
   implementations drift apart on random weights from rounding alone, so fp32 is compared);
@@ -43,11 +46,12 @@ def runs(tiny_models, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("offline")
     hd64 = build_tiny_model(tmp / "hd64", "qwen3_next", linear_head_dim=64)
-    nxt, q35 = tiny_models["qwen3_next"], tiny_models["qwen3_5"]
+    nxt, q35, moe = tiny_models["qwen3_next"], tiny_models["qwen3_5"], tiny_models["qwen3_5_moe"]
     jobs = {
         "control": dict(engine="vllm", model=nxt, dtype="bfloat16", max_tokens=4),
         "next": dict(engine="vllm", model=nxt, backend="flashqla", max_tokens=MAX_TOKENS, chunk=32),
         "q35": dict(engine="vllm", model=q35, backend="flashqla", max_tokens=MAX_TOKENS, chunk=32),
+        "q35_moe": dict(engine="vllm", model=moe, backend="flashqla", max_tokens=MAX_TOKENS, chunk=32),
         "hd64": dict(engine="vllm", model=hd64, backend="flashqla", max_tokens=2),
         # vLLM's torch.compile instead of eager: Dynamo traces the model around qla_serve's
         # custom op (opaque, its fake impl), inductor compiles the rest.
@@ -60,6 +64,7 @@ def runs(tiny_models, tmp_path_factory):
                           prompts="spec", chunk=16),
         "hf_next": dict(engine="hf", model=nxt, max_tokens=MAX_TOKENS),
         "hf_q35": dict(engine="hf", model=q35, max_tokens=MAX_TOKENS),
+        "hf_q35_moe": dict(engine="hf", model=moe, max_tokens=MAX_TOKENS),
         "hf_spec": dict(engine="hf", model=nxt, max_tokens=16, prompts="spec"),
         "hf_prefix": dict(engine="hf", model=nxt, max_tokens=8, prompts="prefix"),
     }
@@ -83,7 +88,8 @@ def _same_tokens(got: dict, want: dict) -> dict:
     return got["counts"]
 
 
-@pytest.mark.parametrize("job,ref", [("next", "hf_next"), ("q35", "hf_q35"), ("next_compiled", "hf_next")])
+@pytest.mark.parametrize("job,ref", [("next", "hf_next"), ("q35", "hf_q35"), ("q35_moe", "hf_q35_moe"),
+                                     ("next_compiled", "hf_next")])
 def test_flashqla_fp32_greedy_equals_transformers(runs, job, ref):
     c = _same_tokens(runs[job], runs[ref])
     if job == "next_compiled":  # vLLM compiled the model (its CPU build: DYNAMO_TRACE_ONCE)
@@ -95,6 +101,18 @@ def test_flashqla_fp32_greedy_equals_transformers(runs, job, ref):
     # One PrefillPlan per step, shared by the 3 GDN layers (not one per layer).
     assert 0 < 3 * c["qla:prefill_plans"] <= c["qla:prefill_layer_calls"], c
     assert _stock(c) == {}, f"vLLM's own GDN path ran: {c}"
+
+
+def test_moe_model_is_the_released_checkpoints_class(tiny_models):
+    """What q35_moe serves is the released Qwen3.5 MoE layout: the multimodal class, the text
+    model's GDN geometry nested under text_config, and a processor beside it."""
+    import json
+
+    moe = tiny_models["qwen3_5_moe"]
+    cfg = json.loads((moe / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3_5MoeForConditionalGeneration"], cfg["architectures"]
+    assert cfg["text_config"]["linear_num_value_heads"] == 4 and "vision_config" in cfg
+    assert (moe / "processor_config.json").exists() or (moe / "preprocessor_config.json").exists()
 
 
 def test_flashqla_spec_decode_fp32_equals_transformers(runs):
