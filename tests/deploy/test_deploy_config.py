@@ -17,13 +17,14 @@ DEPLOY = os.path.join(ROOT, "configs", "deploy")
 SHIPPED = sorted(glob.glob(os.path.join(DEPLOY, "*.yaml")))
 
 # The GDN geometry of each model, from its HF config.json (sources in the YAML comments):
-# (linear_num_key_heads, linear_num_value_heads). Head dims are 128 for all four.
+# (linear_num_key_heads, linear_num_value_heads). Head dims are 128 for all.
 GEOMETRY = {
     "Qwen/Qwen3.5-397B-A17B": (16, 64),
     "Qwen/Qwen3.5-122B-A10B": (16, 64),
     "Qwen/Qwen3.5-27B": (16, 48),
     "Qwen/Qwen3-Next-80B-A3B-Instruct": (16, 32),
     "Qwen/Qwen3-Next-80B-A3B-Instruct-FP8": (16, 32),
+    "Qwen/Qwen3.6-35B-A3B": (16, 32),
 }
 # What the issue asks for: model, TP, and the TP-local heads "Hk/Hv" that follow.
 EXPECTED = {
@@ -32,6 +33,9 @@ EXPECTED = {
     "qwen3.5-27b-tp2": ("Qwen/Qwen3.5-27B", 2, "8/24", None),
     "qwen3-next-80b-a3b-tp1": ("Qwen/Qwen3-Next-80B-A3B-Instruct-FP8", 1, "16/32", None),
     "qwen3-next-80b-a3b-tp4": ("Qwen/Qwen3-Next-80B-A3B-Instruct", 4, "4/8", None),
+    # The README's and docs/vllm.md's example deployment.
+    "qwen3-next-80b-a3b-tp8": ("Qwen/Qwen3-Next-80B-A3B-Instruct", 8, "2/4", 262144),
+    "qwen3.6-35b-a3b-tp1": ("Qwen/Qwen3.6-35B-A3B", 1, "16/32", 262144),
 }
 
 
