@@ -15,7 +15,8 @@ near-ties between two correct implementations). The kinds:
   config.json: the text model nested under ``text_config``, every layer MoE (4 experts, top-2,
   a shared expert), a one-block vision tower, and a processor (image and video processors, the
   tokenizer with the four vision special tokens) so that vLLM serves it as a multimodal model,
-  as it does the real checkpoints by default.
+  as it does the real checkpoints by default; and an MTP layer (``mtp.*``) for vLLM's MTP
+  speculative decoding, as the released checkpoints ship.
 
     python -m qla_serve.backends.vllm.tiny_model OUT_DIR [--kind qwen3_next|qwen3_5|qwen3_5_moe] [--dtype bfloat16]
 """
@@ -132,7 +133,38 @@ def build_tiny_model(out_dir, kind: str = "qwen3_next", *, dtype: str = "bfloat1
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
     model.to(getattr(torch, dtype)).save_pretrained(str(out), safe_serialization=True)
+    if kind == "qwen3_5_moe":
+        _add_mtp_layer(out, seed)
     return out
+
+
+def _add_mtp_layer(out: pathlib.Path, seed: int) -> None:
+    """Give the checkpoint an MTP module as the released Qwen3.5 / 3.6 ones have (``mtp.*``
+    weights, ``mtp_num_hidden_layers`` in text_config), which vLLM's ``method: mtp`` speculative
+    decoding loads (vllm/model_executor/models/qwen3_5_mtp.py): one full-attention MoE decoder
+    layer (the last model layer's weights, perturbed), the fc over [embedding | hidden] and
+    three norms. transformers does not build it (it ignores ``mtp.*``). Random, so its drafts
+    are almost never accepted."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = out / "model.safetensors"
+    weights = load_file(str(path))
+    gen = torch.Generator().manual_seed(seed + 1)
+    last = "model.language_model.layers.3."          # the full-attention layer
+    for name, w in list(weights.items()):
+        if name.startswith(last):
+            noisy = w.float() + 0.02 * torch.randn(w.shape, generator=gen)
+            weights["mtp.layers.0." + name[len(last):]] = noisy.to(w.dtype)
+    hidden = weights["lm_head.weight"].shape[1]
+    dtype = weights["lm_head.weight"].dtype
+    weights["mtp.fc.weight"] = (torch.randn(hidden, 2 * hidden, generator=gen) / (2 * hidden) ** 0.5).to(dtype)
+    for norm in ("norm", "pre_fc_norm_hidden", "pre_fc_norm_embedding"):
+        weights[f"mtp.{norm}.weight"] = torch.zeros(hidden, dtype=dtype)   # Gemma-style: scale 1 + w
+    save_file(weights, str(path), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["text_config"]["mtp_num_hidden_layers"] = 1
+    (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
 def main(argv=None) -> int:

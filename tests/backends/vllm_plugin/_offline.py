@@ -3,7 +3,8 @@
     python _offline.py JOBS.json      # [{"engine": "vllm"|"hf", "model": DIR, ...}, ...]
 
 Job keys: prompts ("spec" for SPEC_PROMPTS, "prefix" for PREFIX_PROMPTS one request at a time), block (block_size), tp (tensor parallel size), backend (None = vLLM's default), dtype, max_tokens, chunk (max_num_batched_tokens,
-0 = vLLM's default), spec (prompt-lookup speculative decoding, 2 drafts), eager (default True:
+0 = vLLM's default), spec (2 drafts per step: True for prompt lookup, "mtp" for the checkpoint's
+MTP layer), eager (default True:
 enforce_eager; False runs vLLM's torch.compile, which its CPU build does in mode
 DYNAMO_TRACE_ONCE with inductor; the result then says which mode ran). Each result has the
 greedy token ids per prompt, or "error" (the exception text) when the engine refused to start;
@@ -54,9 +55,10 @@ def run_vllm(job) -> dict:
     if job.get("spec"):
         # Prompt-lookup drafts: 2 per step, so verify batches carry up to 3 tokens per sequence.
         # vLLM's CPU build cannot run prefix caching ('align') with spec decoding (Triton precopy).
-        kw.update(enable_prefix_caching=False,
-                  speculative_config={"method": "ngram", "num_speculative_tokens": 2,
-                                      "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+        spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+        if job["spec"] == "mtp":  # the checkpoint's own MTP layer drafts (Qwen3.5 / 3.6)
+            spec = {"method": "mtp", "num_speculative_tokens": 2}
+        kw.update(enable_prefix_caching=False, speculative_config=spec)
     before = dict(_stats._counts)
     t0 = time.time()
     try:

@@ -14,7 +14,8 @@ vLLM serves those by default, multimodal, with text prompts.
   engine's worker process (this job process: VLLM_ENABLE_V1_MULTIPROCESSING=0) and vLLM's own
   GDN layer and kernels ran zero times;
 * speculative decoding (prompt-lookup drafts, up to 3 tokens per verify, some accepted, steps
-  mixing verifies with a chunked prefill) gives the same tokens;
+  mixing verifies with a chunked prefill) gives the same tokens, and so does MTP speculative
+  decoding on the Qwen3.5 MoE model (its checkpoint's MTP layer drafting);
 * the default backend is the control: vLLM's stock path runs and qla_serve's does not;
 * a model qla_serve cannot serve (linear head dim 64) fails at start-up with the reason;
 * tensor parallel 2 (two worker processes, each with half the GDN heads) gives the same tokens.
@@ -150,6 +151,22 @@ def test_flashqla_refuses_unsupported_model_at_startup(runs):
     err = runs["hd64"].get("error", "")
     assert "linear_attn_backend=flashqla cannot run layer" in err, err[-3000:]
     assert "linear key/value head dim 128, the model has 64/64" in err
+
+
+def test_flashqla_mtp_spec_decode_qwen3_5_moe(tiny_models, tmp_path):
+    """vLLM's MTP speculative decoding (``method: mtp``, the drafter Qwen3.5 / 3.6 checkpoints
+    ship) on the Qwen3.5 MoE model: the verify steps run on qla_serve (some beside a chunked
+    prefill), fp32 greedy tokens equal transformers'. The tiny MTP layer is random, so its drafts
+    are rejected: the accepted-draft path is test_flashqla_spec_decode_fp32_equals_transformers'.
+    Its own process: vLLM 0.32's CPU worker starts no engine after a speculative one."""
+    moe = tiny_models["qwen3_5_moe"]
+    out = run_jobs([dict(engine="vllm", model=moe, backend="flashqla", max_tokens=16, spec="mtp",
+                         prompts="spec", chunk=16),
+                    dict(engine="hf", model=moe, max_tokens=16, prompts="spec")],
+                   tmp_path, env=engine_env(tmp_path / "stats"))
+    c = _same_tokens(*out["results"])
+    assert c.get("qla:spec", 0) > 0 and c.get("qla:spec_with_prefill_calls", 0) > 0, c
+    assert _stock(c) == {}, c
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="TP=2 on CPU needs 2 cores (one per worker)")
