@@ -114,6 +114,7 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
     mm = "float16"
     acc = "float32"
     load_chunk = chunk_loader(maps_mode, BV)
+    walk_item, pool_load = item_walker(maps_mode, v_split)
 
     @T.prim_func
     def gdn_prefill_main(
@@ -169,55 +170,21 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
             vp_ready = T.alloc_barrier(STATE_THREADS)  # the state warpgroups wrote V'
             vp_used = T.alloc_barrier(128)  # the output warpgroup finished reading V'
 
-            # The item: a whole sequence, or a segment of one (its first chunk, its chunk count).
             s = T.alloc_var("int32")
             first = T.alloc_var("int32")
             nck = T.alloc_var("int32")
             midx = T.alloc_var("int32")
             start = T.alloc_var("int32")  # the chunk the walk starts at (< first: gate warmup)
             skip = T.alloc_var("int32")  # 1: this block has nothing to do (maps pass, warmup)
-            if use_items != 0:
-                s = items[it, 0]
-                first = items[it, 1]
-                nck = items[it, 2]
-                midx = items[it, 3]
-            else:
-                s = it
-                first = 0
-                nck = T.ceildiv(cu_seqlens[it + 1] - cu_seqlens[it], C)
-                midx = -1
-            start = first
-            skip = 0
-            if use_warmup != 0 and midx >= 0:  # (prefill_warmup.py decided, per head)
-                if maps_mode:
-                    skip = T.if_then_else(need_maps[midx % ncut, h] == 0, 1, 0)
-                elif first > 0:
-                    if warm_start[it, h] >= 0:
-                        start = warm_start[it, h]
-            seq_bos = cu_seqlens[s]
-            seq_eos = cu_seqlens[s + 1]
-            bos = seq_bos + start * C  # the walk's first token
-            item_end = seq_bos + (first + nck) * C  # may pass seq_eos
-            eos = T.min(item_end, seq_eos)
-            coff = chunk_offsets[s] + start
-            warm_chunks = first - start  # walked for the state only, no output rows
-            is_phi = vb >= v_split  # maps mode only
-            # A first segment needs no Phi (it starts from the true state): its Phi blocks copy
-            # that state to maps[map, h, 1] for the output pass instead (no walk).
-            init_copy = is_phi and first == 0
-            nchunks = T.if_then_else(init_copy or skip != 0, 0, warm_chunks + nck)
+            seq_eos, bos, item_end, eos, coff, warm_chunks, is_phi, init_copy, nchunks = \
+                walk_item(s, first, nck, midx, start, skip, it, h, vb, items, cu_seqlens, chunk_offsets,
+                          warm_start, need_maps, ncut, use_items, use_warmup)
             tx = T.get_thread_binding()
 
             if tx < STATE_THREADS:
                 slot = slot_ids[s]
                 load = T.alloc_var("int32")
-                load = 0
-                # The output pass reads the pool only for uncut sequences (map < 0).
-                if start == 0 and slot >= 0 and (maps_mode or midx < 0):
-                    if all_init != 0:
-                        load = 1
-                    elif has_init[s] != 0:
-                        load = 1
+                pool_load(load, slot, s, start, midx, has_init, all_init)
                 if is_phi and not init_copy:
                     for d, j in T.Parallel(DK, BV):
                         h_f[d, j] = T.if_then_else(d == v0 + j, 1.0, 0.0)
@@ -314,6 +281,68 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
                                    q_s, k_s, p_s, f_s, u0_s, wk_s, ready, free)
 
     return gdn_prefill_main, THREADS
+
+
+def item_walker(maps_mode: bool, v_split: int):
+    """Two macros both stage-2 kernels (main_func here and prefill_main_vfirst's) open each
+    block with: walk_item, which work item the block walks and over which chunks, and
+    pool_load, whether its initial state comes from the pool."""
+
+    @T.macro
+    def walk_item(s: T.Ref, first: T.Ref, nck: T.Ref, midx: T.Ref, start: T.Ref, skip: T.Ref, bz, h, bx, items,
+                  cu_seqlens, chunk_offsets, warm_start, need_maps, ncut, use_items, use_warmup):
+        """Work item bz (a whole sequence, or a segment of one) for value block bx of head h:
+        sets the caller's variables s (its sequence), first, nck (its first chunk and chunk
+        count), midx (its map row, -1 for none), start (the chunk the walk starts at, < first
+        for a gate warmup) and skip, and returns (the sequence's end token, the walk's first
+        token, the item's end (may pass the sequence's), its last output token + 1, the walk's
+        first chunk index, warmup chunks, is_phi, init_copy, chunks walked). bx and bz are the
+        grid indices' names in the program text: a macro argument renames the variable, and
+        the text keys TileLang's kernel cache."""
+        if use_items != 0:
+            s = items[bz, 0]
+            first = items[bz, 1]
+            nck = items[bz, 2]
+            midx = items[bz, 3]
+        else:
+            s = bz
+            first = 0
+            nck = T.ceildiv(cu_seqlens[bz + 1] - cu_seqlens[bz], C)
+            midx = -1
+        start = first
+        skip = 0
+        if use_warmup != 0 and midx >= 0:  # (prefill_warmup.py decided, per head)
+            if maps_mode:
+                skip = T.if_then_else(need_maps[midx % ncut, h] == 0, 1, 0)
+            elif first > 0:
+                if warm_start[bz, h] >= 0:
+                    start = warm_start[bz, h]
+        seq_bos = cu_seqlens[s]
+        seq_eos = cu_seqlens[s + 1]
+        bos = seq_bos + start * C  # the walk's first token
+        item_end = seq_bos + (first + nck) * C  # may pass seq_eos
+        eos = T.min(item_end, seq_eos)
+        coff = chunk_offsets[s] + start
+        warm_chunks = first - start  # walked for the state only, no output rows
+        is_phi = bx >= v_split  # maps mode only
+        # A first segment needs no Phi (it starts from the true state): its Phi blocks copy
+        # that state to maps[map, h, 1] for the output pass instead (no walk).
+        init_copy = is_phi and first == 0
+        nchunks = T.if_then_else(init_copy or skip != 0, 0, warm_chunks + nck)
+        return seq_eos, bos, item_end, eos, coff, warm_chunks, is_phi, init_copy, nchunks
+
+    @T.macro
+    def pool_load(load: T.Ref, slot, s: T.Ref, start: T.Ref, midx: T.Ref, has_init, all_init):
+        """load = 1 when the walk starts from the state in pool slot ``slot``, else 0. The output
+        pass reads the pool only for uncut sequences (map < 0)."""
+        load = 0
+        if start == 0 and slot >= 0 and (maps_mode or midx < 0):
+            if all_init != 0:
+                load = 1
+            elif has_init[s] != 0:
+                load = 1
+
+    return walk_item, pool_load
 
 
 @T.macro

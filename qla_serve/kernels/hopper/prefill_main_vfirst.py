@@ -42,7 +42,7 @@ since v16 the storer warp takes the O tiles: ~3.6 us per chunk at v_split 1 with
 import tilelang
 import tilelang.language as T
 
-from .prefill_main import C, DK, DV, MODES, _NREG_PRODUCER, checkpoint_chunk, qk_tile_loader
+from .prefill_main import C, DK, DV, MODES, _NREG_PRODUCER, checkpoint_chunk, item_walker, qk_tile_loader
 from .prefill_main import PASS_CONFIGS as _MAIN_PASS_CONFIGS
 
 # Every shared-memory handoff in this kernel goes through its own mbarriers (TMA stages, the O
@@ -94,6 +94,7 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
     load_chunk = _chunk_loader(maps_mode, BV)
     chain_step = _chain_step(maps_mode, BV)
     emit_o, store_o = _output_movers(BV, io_dtype)
+    walk_item, pool_load = item_walker(maps_mode, v_split)
 
     @T.prim_func
     def gdn_prefill_main_vfirst(
@@ -160,34 +161,9 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
             midx = T.alloc_var("int32")
             start = T.alloc_var("int32")
             skip = T.alloc_var("int32")
-            if use_items != 0:
-                s = items[it, 0]
-                first = items[it, 1]
-                nck = items[it, 2]
-                midx = items[it, 3]
-            else:
-                s = it
-                first = 0
-                nck = T.ceildiv(cu_seqlens[it + 1] - cu_seqlens[it], C)
-                midx = -1
-            start = first
-            skip = 0
-            if use_warmup != 0 and midx >= 0:
-                if maps_mode:
-                    skip = T.if_then_else(need_maps[midx % ncut, h] == 0, 1, 0)
-                elif first > 0:
-                    if warm_start[it, h] >= 0:
-                        start = warm_start[it, h]
-            seq_bos = cu_seqlens[s]
-            seq_eos = cu_seqlens[s + 1]
-            bos = seq_bos + start * C
-            item_end = seq_bos + (first + nck) * C
-            eos = T.min(item_end, seq_eos)
-            coff = chunk_offsets[s] + start
-            warm_chunks = first - start
-            is_phi = vb >= v_split
-            init_copy = is_phi and first == 0
-            nchunks = T.if_then_else(init_copy or skip != 0, 0, warm_chunks + nck)
+            seq_eos, bos, item_end, eos, coff, warm_chunks, is_phi, init_copy, nchunks = \
+                walk_item(s, first, nck, midx, start, skip, it, h, vb, items, cu_seqlens, chunk_offsets,
+                          warm_start, need_maps, ncut, use_items, use_warmup)
             tx = T.get_thread_binding()
 
             if tx < consumers:
@@ -195,12 +171,7 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
                     T.set_max_nreg(_NREG_CONSUMER, 1)
                 slot = slot_ids[s]
                 load = T.alloc_var("int32")
-                load = 0
-                if start == 0 and slot >= 0 and (maps_mode or midx < 0):
-                    if all_init != 0:
-                        load = 1
-                    elif has_init[s] != 0:
-                        load = 1
+                pool_load(load, slot, s, start, midx, has_init, all_init)
                 if is_phi and not init_copy:
                     for v, d in T.Parallel(BV, DK):
                         x_f[v, d] = T.if_then_else(d == v0 + v, 1.0, 0.0)
