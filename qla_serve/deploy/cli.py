@@ -4,7 +4,7 @@
     qla-serve config render FILE [--format shell|argv|json]
     qla-serve config render FILE... --format compose    (docker/compose.tp8-long.yaml)
     qla-serve precompile (--config FILE|DIR ... | --heads 2/8 ...) [--arch sm_90a,sm_100a] [--pack OUT.tar.xz]
-                         [--match REGEX] [--list] [--json OUT] [--no-progress] [--jobs N]
+                         [--engine vllm|sglang] [--match REGEX] [--list] [--json OUT] [--no-progress] [--jobs N]
 
 Every handler returns its exit code: 0 ok, 1 a check or a build failed (a config with bad
 fields), 2 bad input (a file that is missing, not text or not YAML; a bad --heads / --arch
@@ -20,7 +20,7 @@ from typing import Optional
 
 from qla_serve._cli_args import parse_heads, positive_int
 
-from .config import TARGETS, ConfigError, DeploymentConfig, check_config, read_yaml, resolve_config
+from .config import ENGINES, TARGETS, ConfigError, DeploymentConfig, check_config, read_yaml, resolve_config
 
 # Exit codes (module docstring).
 CHECK_FAILED, BAD_INPUT = 1, 2
@@ -135,6 +135,10 @@ def _cmd_precompile(args) -> int:
         if worst:
             return worst
         configs = [cfg for cfg, _ in loaded]
+        if args.engine:
+            configs, code = _configs_for_engine(configs, args.engine)
+            if code:
+                return code
         requests += pc.requests_from_configs(configs, args.arch)
     for hk, hv in args.heads or []:
         requests.append(pc.HeadRequest(hk, hv, args.arch or TARGETS, source=f"--heads {hk}/{hv}"))
@@ -203,6 +207,20 @@ def _build_host_memo():
     return str(path)
 
 
+def _configs_for_engine(configs, engine: str):
+    """(the configs served by ``engine``, exit code): an image for one engine compiles only its
+    own deployments' kernels. None of them left is an error (exit 2), not an empty build."""
+    kept = [c for c in configs if c.engine.name == engine]
+    for c in configs:
+        if c.engine.name != engine:
+            print(f"skipped config {c.name}: engine {c.engine.name}, not {engine}")
+    if not kept:
+        print(f"qla-serve precompile: error: --engine {engine}: none of the {len(configs)} config(s) "
+              f"is for {engine}", file=sys.stderr)
+        return [], 2
+    return kept, 0
+
+
 # --------------------------------------------------------------------------- registration
 
 
@@ -233,6 +251,8 @@ def add_cli_commands(subparsers) -> None:
                      help="TP-local QK/V head counts, e.g. 2/8 (all dtypes)")
     pc.add_argument("--arch", type=_parse_arch, default=None,
                     help="comma list of targets (default: the config's, else sm_90a,sm_100a)")
+    pc.add_argument("--engine", choices=ENGINES, default=None,
+                    help="with --config: only the configs for this engine (an engine's image)")
     pc.add_argument("--match", default=None, metavar="REGEX", help="only variants whose name matches")
     pc.add_argument("--list", action="store_true", help="list the variant builds, compile nothing")
     pc.add_argument("--json", default=None, metavar="OUT", help="also write the summary as JSON")
@@ -251,6 +271,10 @@ def _precompile_entry(parser: argparse.ArgumentParser):
         if not args.config and not args.heads:
             parser.print_usage(sys.stderr)
             print("qla-serve precompile: error: give --config FILE or --heads HK/HV", file=sys.stderr)
+            return 2
+        if args.engine and not args.config:
+            parser.print_usage(sys.stderr)
+            print("qla-serve precompile: error: --engine selects among --config files", file=sys.stderr)
             return 2
         return _cmd_precompile(args)
     return run

@@ -24,7 +24,7 @@ import difflib
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -37,6 +37,7 @@ TARGETS = ("sm_90a", "sm_100a")
 StateDType = Literal["float32", "bfloat16"]
 CPMode = Literal["auto", "off", "exact"]
 EngineName = Literal["vllm", "sglang"]
+ENGINES = get_args(EngineName)
 
 # Environment variable that carries the config's cp mode to the engine processes
 # (API server and every TP worker inherit the environment; see render.py).

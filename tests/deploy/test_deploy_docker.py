@@ -117,6 +117,7 @@ def test_every_qla_serve_command_parses_with_our_cli(engine):
         assert callable(ns.fn)
         if argv[0] == "precompile":
             assert ns.arch == ("sm_90a", "sm_100a")
+            assert ns.engine == engine      # the image builds its own engine's deployments only
             for path in ns.config:
                 assert os.path.exists(os.path.join(ROOT, path)), path
 

@@ -128,6 +128,27 @@ def test_cli_list_and_bad_input(capsys):
     assert "--pack: expected a file name ending in .tar.xz" in capsys.readouterr().err
 
 
+def test_engine_keeps_only_that_engines_configs(capsys):
+    """--engine (each image's precompile): the configs of the other engine are skipped and
+    said so; their heads are not built unless a config of this engine has them too."""
+    from qla_serve.cli import main
+
+    def heads_lines(engine):
+        assert main(["precompile", "--config", DEPLOY, "--engine", engine, "--arch", "sm_90a", "--list"]) == 0
+        return [line for line in capsys.readouterr().out.splitlines() if line.startswith(("heads ", "skipped "))]
+
+    vllm, sglang = heads_lines("vllm"), heads_lines("sglang")
+    assert "skipped config qwen3.5-27b-tp2: engine sglang, not vllm" in vllm
+    assert not any("8/24" in line for line in vllm if line.startswith("heads "))
+    assert any(line.startswith("heads 8/24 for qwen3.5-27b-tp2") for line in sglang)
+    assert not any("qwen3.5-397b-a17b-tp8:" in line for line in sglang if line.startswith("heads "))
+    # nothing left for the engine, or --engine without --config: refused, nothing built
+    assert main(["precompile", "--config", os.path.join(DEPLOY, "qwen3.5-27b-tp2.yaml"), "--engine", "vllm",
+                 "--list"]) == 2
+    assert "none of the 1 config(s) is for vllm" in capsys.readouterr().err
+    assert main(["precompile", "--heads", "2/8", "--engine", "vllm", "--list"]) == 2
+
+
 @pytest.mark.compile
 def test_precompile_one_small_config_then_all_cache_hits(tmp_path):
     """Compile, with nvcc and no GPU, one variant of every kernel family the TP8 config needs
