@@ -8,7 +8,12 @@ TileLang's disk cache, so that no request waits on a compile:
 * every variant a disk hit (the images, or ``qla-serve precompile`` beforehand): loaded, a few
   seconds; the log line says so;
 * misses compile here, at start-up, with a WARNING that names the count, the time and the
-  command that does it ahead of time (``QLA_SERVE_STARTUP_JOBS=N`` compiles in N processes);
+  command that does it ahead of time; in ``QLA_SERVE_STARTUP_JOBS`` processes at once (default
+  ``auto``: half the CPUs this process may run on, at most 8). The engines' workers are daemon
+  processes (vLLM's TP workers: ``multiproc_executor.py``, ``daemon=True``), which may not start
+  processes of their own, so the processes are started by a child interpreter (``python -m
+  qla_serve.deploy.startup``). A first start counts against the engine's own start-up
+  limit (vLLM: ``VLLM_ENGINE_READY_TIMEOUT_S``, 600 s, weight loading included);
 * a variant that fails to build stops the start-up with its error (never a silent fallback).
 
 The ranks of one host share the cache: a file lock in it lets one process build while the
@@ -22,11 +27,15 @@ first use, each logged by TileLang).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import logging
 import os
+import subprocess
+import sys
 import time
 
-from .precompile import cache_dir, discover_modules, enumerate_jobs, run_jobs
+from .precompile import Summary, cache_dir, discover_modules, enumerate_jobs, run_jobs
 from .ready import marker_path, start_up_request, write_marker
 
 log = logging.getLogger("qla_serve")
@@ -42,16 +51,50 @@ def enabled() -> bool:
     return value == "1"
 
 
+MAX_AUTO_JOBS = 8   # ~1 GB of memory per compiling process
+
+
 def _workers() -> int:
-    value = os.environ.get("QLA_SERVE_STARTUP_JOBS", "1")
+    """QLA_SERVE_STARTUP_JOBS: a positive process count, or "auto" (the default): half the CPUs
+    this process may run on, at least 1 and at most MAX_AUTO_JOBS (one rank of a host builds
+    while the others wait on the lock)."""
+    value = os.environ.get("QLA_SERVE_STARTUP_JOBS", "auto")
+    if value == "auto":
+        return max(1, min(MAX_AUTO_JOBS, len(os.sched_getaffinity(0)) // 2))
     if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"QLA_SERVE_STARTUP_JOBS: expected a positive process count, got {value!r}")
-    import multiprocessing
-    if int(value) > 1 and multiprocessing.current_process().daemon:
-        # an engine worker started as a daemon process may not start processes of its own
-        log.warning("qla_serve: QLA_SERVE_STARTUP_JOBS=%s ignored in a daemon process: building in one", value)
-        return 1
+        raise ValueError(f"QLA_SERVE_STARTUP_JOBS: expected a positive process count or 'auto', got {value!r}")
     return int(value)
+
+
+def _build(jobs, modules, spec: dict, workers: int) -> Summary:
+    """Build ``jobs`` here, or in ``workers`` processes started by a child interpreter
+    (_child_main), never by this process: an engine's worker is a daemon process, which
+    multiprocessing forbids children, and spawning from an engine process would re-import its
+    ``__main__`` (a user's script) in every compiling process."""
+    if workers > 1:
+        run = subprocess.run([sys.executable, "-m", "qla_serve.deploy.startup", json.dumps({**spec, "workers": workers})],
+                             capture_output=True, text=True)
+        if run.returncode != 0:
+            raise RuntimeError(f"qla_serve: the start-up kernel build's child process failed "
+                               f"({run.returncode}): {run.stderr[-3000:]}")
+        return Summary(**json.loads(run.stdout.strip().splitlines()[-1]))
+    return run_jobs(jobs, modules, progress=False, workers=workers)[1]
+
+
+def _child_main(argv: list[str]) -> int:
+    """``python -m qla_serve.deploy.startup SPEC``: build ensure_kernels' set (SPEC: its JSON
+    arguments and the process count) and print the summary as JSON on the last line."""
+    spec = json.loads(argv[0])
+    modules, problems = discover_modules()
+    request = start_up_request(spec["num_k_heads"], spec["num_v_heads"], spec["target"], spec["io_dtype"],
+                               spec["state_dtype"])
+    jobs, more = enumerate_jobs([request], modules, spec["match"])
+    if problems or more:
+        summary = Summary(cache_dir=cache_dir(), problems=problems + more)
+    else:
+        summary = run_jobs(jobs, modules, progress=False, workers=spec["workers"])[1]
+    print(json.dumps(dataclasses.asdict(summary)))
+    return 0
 
 
 @contextlib.contextmanager
@@ -98,13 +141,20 @@ def ensure_kernels(num_v_heads: int, num_k_heads: int, *, target: str, io_dtype:
             log.info(line)
             _DONE[key] = line
             return line
-        _, summary = run_jobs(jobs, modules, progress=False, workers=_workers())
+        workers = _workers()
+        spec = dict(num_v_heads=num_v_heads, num_k_heads=num_k_heads, target=target, io_dtype=io_dtype,
+                    state_dtype=state_dtype, match=match)
+        summary = _build(jobs, modules, spec, workers)
+        if summary.ok and summary.compiled + summary.cached != len(jobs):   # (a child's set must be ours)
+            raise RuntimeError(f"qla_serve: the start-up build covered {summary.compiled + summary.cached} "
+                               f"kernels for {what}, not the {len(jobs)} listed")
         if not summary.ok:
             raise RuntimeError(f"qla_serve: {summary.failed} of {len(jobs)} kernels for {what} failed to build "
                                f"at start-up: " + "; ".join(summary.problems + summary.failures[:3]))
         write_marker(marker, what, len(jobs))
     line = (f"qla_serve: {len(jobs)} TileLang kernels for {what} ready in {summary.seconds:.1f} s: "
-            f"{summary.cached} from the cache, {summary.compiled} compiled ({root})")
+            f"{summary.cached} from the cache, {summary.compiled} compiled"
+            + (f" in {workers} processes" if summary.compiled and workers > 1 else "") + f" ({root})")
     if summary.compiled:
         line += (f"; compile them ahead of time: `qla-serve precompile --heads {num_k_heads}/{num_v_heads} "
                  f"--arch {target} -j N` with this TILELANG_CACHE_DIR, or use the images")
@@ -112,3 +162,6 @@ def ensure_kernels(num_v_heads: int, num_k_heads: int, *, target: str, io_dtype:
     _DONE[key] = line
     return line
 
+
+if __name__ == "__main__":
+    raise SystemExit(_child_main(sys.argv[1:]))

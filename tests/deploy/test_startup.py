@@ -48,6 +48,44 @@ def test_start_up_build_compiles_once_then_loads(tmp_path):
     assert "1 from the cache, 0 compiled" in lines["HITS"]
 
 
+DAEMON_SCRIPT = r'''
+import multiprocessing, sys
+from qla_serve.deploy import startup
+
+def rank(queue):
+    kw = dict(target="sm_90a", io_dtype="bfloat16", state_dtype="float32",
+              match="^gdn_conv_decode_hv8_hk2_w4_bfloat16_cstate-bfloat16_wt-bfloat16_silu_b[01]$")
+    try:
+        queue.put(("LINE", startup.ensure_kernels(8, 2, **kw)))
+    except Exception as e:
+        queue.put(("ERROR", repr(e)))
+
+if __name__ == "__main__":
+    queue = multiprocessing.get_context("spawn").Queue()
+    p = multiprocessing.get_context("spawn").Process(target=rank, args=(queue,), daemon=True)
+    p.start()
+    print(*queue.get(timeout=900))
+    p.join()
+'''
+
+
+@pytest.mark.compile
+def test_a_daemon_worker_compiles_in_several_processes(tmp_path):
+    """The engines start their workers as daemon processes (vLLM's TP workers), which
+    multiprocessing forbids children: QLA_SERVE_STARTUP_JOBS=2 there still builds in 2 processes
+    (from a child interpreter), not one. Two real sm_90a variants, a fresh cache."""
+    script = tmp_path / "rank.py"
+    script.write_text(DAEMON_SCRIPT)
+    env = {**os.environ, "TILELANG_CACHE_DIR": str(tmp_path / "cache"), "CUDA_VISIBLE_DEVICES": "",
+           "QLA_SERVE_STARTUP_JOBS": "2"}
+    env.pop("QLA_SERVE_STARTUP_COMPILE", None)
+    run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert run.stdout.startswith("LINE "), run.stdout[-2000:] + run.stderr[-3000:]
+    assert "2 TileLang kernels for heads 2/8" in run.stdout
+    assert "0 from the cache, 2 compiled in 2 processes" in run.stdout, run.stdout
+
+
 def test_a_build_failure_stops_the_start_up(monkeypatch, tmp_path):
     def kernel_variants(hv, hk):
         return [{"name": f"fake_ok_hv{hv}"}, {"name": f"fake_broken_hv{hv}"}]
@@ -76,6 +114,10 @@ def test_switches(monkeypatch):
     monkeypatch.setenv("QLA_SERVE_STARTUP_JOBS", "0")
     with pytest.raises(ValueError, match="QLA_SERVE_STARTUP_JOBS"):
         startup._workers()
+    monkeypatch.setenv("QLA_SERVE_STARTUP_JOBS", "3")
+    assert startup._workers() == 3
+    monkeypatch.delenv("QLA_SERVE_STARTUP_JOBS")           # auto: half this process's CPUs, 1..8
+    assert startup._workers() == max(1, min(8, len(os.sched_getaffinity(0)) // 2))
 
 
 def test_layer_start_up_hook_names_the_deployment(monkeypatch):
