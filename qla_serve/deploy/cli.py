@@ -4,7 +4,7 @@
     qla-serve config render FILE [--format shell|argv|json]
     qla-serve config render FILE... --format compose    (docker/compose.tp8-long.yaml)
     qla-serve precompile (--config FILE|DIR ... | --heads 2/8 ...) [--arch sm_90a,sm_100a] [--pack OUT.tar.xz]
-                         [--engine vllm|sglang] [--match REGEX] [--list] [--json OUT] [--no-progress] [--jobs N]
+                         [--engine vllm|sglang] [--match REGEX] [--list] [--json OUT] [--no-progress] [--jobs N|auto]
 
 Every handler returns its exit code: 0 ok, 1 a check or a build failed (a config with bad
 fields), 2 bad input (a file that is missing, not text or not YAML; a bad --heads / --arch
@@ -168,7 +168,8 @@ def _cmd_precompile(args) -> int:
         print(f"[{_n[0]}/{len(jobs)}] {o.status:<8} {o.seconds:6.1f} s  {o.job.target} {o.job.name}{extra}",
               flush=True)
 
-    outcomes, summary = pc.run_jobs(jobs, modules, progress=not args.no_progress, workers=args.jobs,
+    workers = pc.auto_jobs() if args.jobs == "auto" else args.jobs
+    outcomes, summary = pc.run_jobs(jobs, modules, progress=not args.no_progress, workers=workers,
                                     on_outcome=log_line if args.no_progress else None)
     summary.problems = problems + summary.problems
     print(summary.text())
@@ -205,6 +206,15 @@ def _build_host_memo():
         return None
     print(f"host: TMA descriptor memo {path}")
     return str(path)
+
+
+def _parse_jobs(text: str):
+    if text == "auto":
+        return text
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}") from None
 
 
 def _configs_for_engine(configs, engine: str):
@@ -261,8 +271,9 @@ def add_cli_commands(subparsers) -> None:
                          "(.tar.xz, .tar.gz, .tar), relative to the cache: untar it into an empty "
                          "TILELANG_CACHE_DIR on another machine")
     pc.add_argument("--no-progress", action="store_true", help="no progress bar (logs, CI)")
-    pc.add_argument("--jobs", "-j", type=positive_int, default=1, metavar="N",
-                    help="build N variants at once in separate processes (default 1)")
+    pc.add_argument("--jobs", "-j", type=_parse_jobs, default="auto", metavar="N",
+                    help="build N variants at once in separate processes (default auto: half the "
+                         "CPUs, at most 8; ~1 GB of memory each)")
     pc.set_defaults(fn=_precompile_entry(pc))
 
 

@@ -234,6 +234,15 @@ def requests_from_configs(configs, arch: Optional[tuple[str, ...]] = None) -> li
 # --------------------------------------------------------------------------- compiling
 
 
+MAX_AUTO_JOBS = 8   # ~1 GB of memory per compiling process
+
+
+def auto_jobs() -> int:
+    """Processes for a build when none is asked for: half the CPUs this process may run on, at
+    least 1, at most MAX_AUTO_JOBS."""
+    return max(1, min(MAX_AUTO_JOBS, len(os.sched_getaffinity(0)) // 2))
+
+
 def cache_dir() -> str:
     """The directory TileLang's kernel cache writes to (TILELANG_CACHE_DIR or its default)."""
     from tilelang import env

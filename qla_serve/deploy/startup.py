@@ -35,7 +35,7 @@ import subprocess
 import sys
 import time
 
-from .precompile import Summary, cache_dir, discover_modules, enumerate_jobs, run_jobs
+from .precompile import Summary, auto_jobs, cache_dir, discover_modules, enumerate_jobs, run_jobs
 from .ready import marker_path, start_up_request, write_marker
 
 log = logging.getLogger("qla_serve")
@@ -51,16 +51,12 @@ def enabled() -> bool:
     return value == "1"
 
 
-MAX_AUTO_JOBS = 8   # ~1 GB of memory per compiling process
-
-
 def _workers() -> int:
-    """QLA_SERVE_STARTUP_JOBS: a positive process count, or "auto" (the default): half the CPUs
-    this process may run on, at least 1 and at most MAX_AUTO_JOBS (one rank of a host builds
-    while the others wait on the lock)."""
+    """QLA_SERVE_STARTUP_JOBS: a positive process count, or "auto" (the default, precompile's
+    auto_jobs: one rank of a host builds while the others wait on the lock)."""
     value = os.environ.get("QLA_SERVE_STARTUP_JOBS", "auto")
     if value == "auto":
-        return max(1, min(MAX_AUTO_JOBS, len(os.sched_getaffinity(0)) // 2))
+        return auto_jobs()
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"QLA_SERVE_STARTUP_JOBS: expected a positive process count or 'auto', got {value!r}")
     return int(value)

@@ -126,6 +126,12 @@ def test_cli_list_and_bad_input(capsys):
     with pytest.raises(SystemExit):                       # refused before anything compiles
         main(["precompile", "--heads", "2/8", "--pack", "kernels.zip"])
     assert "--pack: expected a file name ending in .tar.xz" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["precompile", "--heads", "2/8", "--jobs", "0"])
+    assert "expected a positive integer or 'auto', got '0'" in capsys.readouterr().err
+    from qla_serve.deploy.cli import build_parser
+    assert build_parser().parse_args(["precompile", "--heads", "2/8"]).jobs == "auto"   # the default
+    assert 1 <= pc.auto_jobs() <= pc.MAX_AUTO_JOBS
 
 
 def test_engine_keeps_only_that_engines_configs(capsys):
