@@ -175,7 +175,7 @@ def test_precompile_one_small_config_then_all_cache_hits(tmp_path):
     cmd = [sys.executable, "-m", "qla_serve.cli", "precompile", "--config", TP8, "--arch", "sm_90a",
            "--match", match, "--no-progress"]
 
-    first = subprocess.run(cmd + ["--json", str(tmp_path / "1.json")], env=env, capture_output=True,
+    first = subprocess.run(cmd + ["--jobs", "1", "--json", str(tmp_path / "1.json")], env=env, capture_output=True,
                            text=True, timeout=900)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     s1 = json.load(open(tmp_path / "1.json"))

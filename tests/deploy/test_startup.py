@@ -98,6 +98,7 @@ def test_a_build_failure_stops_the_start_up(monkeypatch, tmp_path):
                                                                             ("sm_90a",))], []))
     monkeypatch.setattr(startup, "cache_dir", lambda: str(tmp_path))
     monkeypatch.delenv("QLA_SERVE_STARTUP_COMPILE", raising=False)
+    monkeypatch.setenv("QLA_SERVE_STARTUP_JOBS", "1")       # in this process: the stand-in module
     with pytest.raises(RuntimeError, match="1 of 2 kernels .* failed to build at start-up: .*fake_broken_hv8: "
                                            "RuntimeError: ptxas error"):
         startup.ensure_kernels(8, 2, target="sm_90a", io_dtype="bfloat16", state_dtype="float32")
@@ -201,6 +202,7 @@ def test_a_set_precompiled_completely_is_skipped_at_start_up(monkeypatch, tmp_pa
         "fake", _dtype_variants, lambda v, t: built.append(v["name"]), ("sm_90a",))], []))
     monkeypatch.setattr(startup, "cache_dir", lambda: str(tmp_path))
     monkeypatch.delenv("QLA_SERVE_STARTUP_COMPILE", raising=False)
+    monkeypatch.setenv("QLA_SERVE_STARTUP_JOBS", "1")       # in this process: the stand-in module
     line = startup.ensure_kernels(8, 2, target="sm_90a", io_dtype="bfloat16", state_dtype="float32")
     assert "marked complete" in line and built == []
     line = startup.ensure_kernels(16, 4, target="sm_90a", io_dtype="float16", state_dtype="bfloat16")
@@ -222,7 +224,8 @@ def test_precompile_cli_packs_its_markers_and_start_up_trusts_them(monkeypatch, 
     monkeypatch.setattr(pc, "cache_dir", lambda: str(tmp_path / "build"))
     monkeypatch.setenv("QLA_SERVE_TENSORMAP_CACHE", "0")
     pack = tmp_path / "kernels.tar.xz"
-    assert main(["precompile", "--heads", "2/8", "--arch", "sm_90a", "--no-progress", "--pack", str(pack)]) == 0
+    assert main(["precompile", "--heads", "2/8", "--arch", "sm_90a", "--no-progress", "--jobs", "1",
+                 "--pack", str(pack)]) == 0
     assert "marked 4 start-up kernel sets complete" in capsys.readouterr().out
     with tarfile.open(pack) as tar:
         assert len([n for n in tar.getnames() if n.startswith("qla_serve_ready/")]) == 4
