@@ -43,10 +43,23 @@ def _cmd_info(args) -> int:
         rows.append((f"{op} path", f"{path} ({why})"))
     rows.append(("TileLang cache", os.environ.get("TILELANG_CACHE_DIR", "~/.tilelang/cache (TileLang default)")))
     rows.append(("TMA descriptor memo", _memo_status()))
+    rows.append(("start-up kernel build", _startup_status()))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
     return 0
+
+
+def _startup_status() -> str:
+    """What an engine's start-up would do about kernels (deploy/startup.py), from the switches."""
+    from qla_serve.deploy import startup
+    try:
+        if not startup.enabled():
+            return "off (QLA_SERVE_STARTUP_COMPILE=0: kernels build on first use)"
+        jobs = os.environ.get("QLA_SERVE_STARTUP_JOBS", "auto")
+        return f"on; misses compile in {startup.build_processes()} process(es) (QLA_SERVE_STARTUP_JOBS={jobs})"
+    except ValueError as exc:
+        return f"refused: {exc}"
 
 
 def _memo_status() -> str:

@@ -53,6 +53,7 @@ def test_info_and_demo_as_console_commands():
     assert info.returncode == 0, info.stderr
     assert "prefill path" in info.stdout
     assert "TMA descriptor memo" in info.stdout
+    assert "start-up kernel build" in info.stdout
     demo = subprocess.run([sys.executable, "-m", "qla_serve.cli", "demo", "--seqlens", "70,1,0", "--decode-steps", "2"],
                           capture_output=True, text=True, timeout=300)
     assert demo.returncode == 0, demo.stdout + demo.stderr

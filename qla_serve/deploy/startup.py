@@ -51,7 +51,7 @@ def enabled() -> bool:
     return value == "1"
 
 
-def _workers() -> int:
+def build_processes() -> int:
     """QLA_SERVE_STARTUP_JOBS: a positive process count, or "auto" (the default, precompile's
     auto_jobs: one rank of a host builds while the others wait on the lock)."""
     value = os.environ.get("QLA_SERVE_STARTUP_JOBS", "auto")
@@ -137,7 +137,7 @@ def ensure_kernels(num_v_heads: int, num_k_heads: int, *, target: str, io_dtype:
             log.info(line)
             _DONE[key] = line
             return line
-        workers = _workers()
+        workers = build_processes()
         spec = dict(num_v_heads=num_v_heads, num_k_heads=num_k_heads, target=target, io_dtype=io_dtype,
                     state_dtype=state_dtype, match=match)
         summary = _build(jobs, modules, spec, workers)

@@ -114,11 +114,11 @@ def test_switches(monkeypatch):
         startup.ensure_kernels(4, 1, target="sm_90a", io_dtype="float16", state_dtype="float32")
     monkeypatch.setenv("QLA_SERVE_STARTUP_JOBS", "0")
     with pytest.raises(ValueError, match="QLA_SERVE_STARTUP_JOBS"):
-        startup._workers()
+        startup.build_processes()
     monkeypatch.setenv("QLA_SERVE_STARTUP_JOBS", "3")
-    assert startup._workers() == 3
+    assert startup.build_processes() == 3
     monkeypatch.delenv("QLA_SERVE_STARTUP_JOBS")           # auto: half this process's CPUs, 1..8
-    assert startup._workers() == max(1, min(8, len(os.sched_getaffinity(0)) // 2))
+    assert startup.build_processes() == max(1, min(8, len(os.sched_getaffinity(0)) // 2))
 
 
 def test_layer_start_up_hook_names_the_deployment(monkeypatch):
