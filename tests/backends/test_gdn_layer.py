@@ -156,11 +156,13 @@ def _run_nonspec(device, io_dtype, pool_dtype, seed=0, checkpoints=False):
             assert torch.equal(conv[s], conv0[s]), f"conv slot {s} changed"
 
 
-def _run_spec(device, io_dtype, pool_dtype, with_prefill, seed=1, padded=False):
+def _run_spec(device, io_dtype, pool_dtype, with_prefill, seed=1, padded=False, checkpoints=False):
     """Spec decodes (D = 3: 2 drafts) with ragged lengths, a padding row, and optionally prefills
     interleaved through token index permutations. ``padded``: vLLM's padded spec batch under a
     captured graph (gpu_model_runner.py ~4047, gdn_attn.py ~649 in vLLM 0.33): a 0-length row at
-    the end too, and num_actual_tokens 4 past the spec cu_seqlens' end."""
+    the end too, and num_actual_tokens 4 past the spec cu_seqlens' end. ``checkpoints`` (with
+    prefills): vLLM 0.33's defaults together, MTP beside a prefill chunk that writes an
+    align-mode checkpoint (the state and conv window after 128 of its 150 tokens into slot 18)."""
     gen = torch.Generator().manual_seed(seed)
     S, D = 20, 3
     conv, ssm = _cache(S, pool_dtype, device, gen, spec_cols=D - 1)
@@ -175,6 +177,9 @@ def _run_spec(device, io_dtype, pool_dtype, with_prefill, seed=1, padded=False):
         accepted.append(1)
         extra = 4
     pre_lens, pre_slots, pre_init = ([9, 1], [2, 8], [True, False]) if with_prefill else ([], [], [])
+    ck_chunks, ck_slots = [0, 0], [NULL, NULL]
+    if checkpoints:
+        pre_lens, ck_chunks, ck_slots = [150, 1], [2, 0], [18, NULL]
     Ts, Tp = sum(spec_lens), sum(pre_lens)
     T = Ts + Tp + extra
     # Token order of the batch: prefill tokens and spec tokens interleaved (vLLM orders requests,
@@ -197,7 +202,9 @@ def _run_spec(device, io_dtype, pool_dtype, with_prefill, seed=1, padded=False):
         spec_cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=device),
         num_accepted=torch.tensor(accepted, dtype=torch.int32, device=device), num_spec_tokens=Ts,
         spec_token_idx=spec_idx.to(device) if with_prefill else None,
-        non_spec_token_idx=non_idx.to(device) if with_prefill else None)
+        non_spec_token_idx=non_idx.to(device) if with_prefill else None,
+        prefill_checkpoint_chunks=ck_chunks if checkpoints else None,
+        prefill_checkpoint_slots=torch.tensor(ck_slots, dtype=torch.int32, device=device) if checkpoints else None)
     out = torch.zeros(T, HV, D_HEAD, dtype=io_dtype, device=device)
     out[Ts:] = 7.0   # padding tokens' rows (when padded) keep what the adapter put there
     GL.gdn_layer_forward(step, x, a, b, conv_weight=w, conv_bias=bias, activation="silu",
@@ -227,9 +234,17 @@ def _run_spec(device, io_dtype, pool_dtype, with_prefill, seed=1, padded=False):
     if with_prefill:
         xn, an, bn, on = (t[non_idx.to(device)] for t in (x, a, b, out))
         t0 = 0
-        for L, slot, has in zip(pre_lens, pre_slots, pre_init):
+        for L, slot, has, ck, ck_slot in zip(pre_lens, pre_slots, pre_init, ck_chunks, ck_slots):
             hist = conv0[slot, :, :W - 1] if has else torch.zeros(DIM, W - 1, device=device)
             init = ssm0[slot] if has else torch.zeros(HV, D_HEAD, D_HEAD, device=device)
+            if ck_slot != NULL:   # the state and conv window after 64 * ck of its tokens
+                n = 64 * ck
+                _, full_ck, final_ck, _ = _oracle_seq(xn[t0:t0 + n].cpu(), an[t0:t0 + n].cpu(),
+                                                      bn[t0:t0 + n].cpu(), hist.float().cpu(), init.float().cpu(),
+                                                      w.cpu(), bias.cpu(), A_log.cpu(), dt_bias.cpu())
+                _close(ssm[ck_slot].double().cpu(), final_ck, **tol)
+                _close(conv[ck_slot, :, :W - 1].double().cpu(), full_ck[:, -(W - 1):], **tol)
+                written.add(ck_slot)
             o, full, final, _ = _oracle_seq(xn[t0:t0 + L].cpu(), an[t0:t0 + L].cpu(), bn[t0:t0 + L].cpu(),
                                             hist.float().cpu(), init.float().cpu(), w.cpu(), bias.cpu(),
                                             A_log.cpu(), dt_bias.cpu())
@@ -237,7 +252,7 @@ def _run_spec(device, io_dtype, pool_dtype, with_prefill, seed=1, padded=False):
             _close(ssm[slot].double().cpu(), final, **tol)
             written.add(slot)
             t0 += L
-    conv_written = {row[0] for row in spec_slots if row[0] != NULL} | set(pre_slots)
+    conv_written = {row[0] for row in spec_slots if row[0] != NULL} | set(pre_slots) | set(ck_slots) - {NULL}
     for s in range(S):
         if s not in written:
             # Slots of unaccepted/unused draft positions, of other requests and the null block.
@@ -272,6 +287,11 @@ def test_spec_batch_cpu(with_prefill, io_dtype):
 
 def test_padded_spec_batch_cpu():
     _run_spec("cpu", torch.float32, torch.float32, False, padded=True)
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_spec_batch_with_prefill_checkpoints_cpu(pool_dtype):
+    _run_spec("cpu", torch.float32, pool_dtype, True, checkpoints=True)
 
 
 def test_step_plan_reuses_host_parts():
@@ -466,6 +486,13 @@ def test_spec_batch_gpu(with_prefill):
 @needs_cuda
 def test_padded_spec_batch_gpu():
     _run_spec("cuda", torch.bfloat16, torch.float32, False, padded=True)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_spec_batch_with_prefill_checkpoints_gpu(pool_dtype):
+    _run_spec("cuda", torch.bfloat16, pool_dtype, True, checkpoints=True)
 
 
 def _run_spec_layers_share_the_step(dev, io):

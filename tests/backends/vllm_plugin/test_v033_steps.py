@@ -180,6 +180,67 @@ def test_prefill_checkpoint_rows():
         QlaGDNMetadataBuilder._qla_step(_builder(), md, m)
 
 
+def test_mtp_beside_a_prefill_chunk_with_a_checkpoint():
+    """vLLM 0.33's GPU defaults together (MTP, align-mode prefix caching, chunked prefill): two
+    spec decodes, a non-spec 1-token decode and a 150-token chunk that writes a checkpoint after
+    128 tokens, in one step. Transcribed from gdn_attn.py (0.33): with spec decodes the non-spec
+    decode is counted as a prefill (~420-426: num_decodes 0), every non-spec row is a prefill row
+    (prefill_state_indices = non_spec_state_indices_tensor, ~528-530), the token indices are a
+    stable argsort of the spec-token mask (int64, ~454-460), num_accepted_tokens[spec rows], and
+    the checkpoint rows are the non-spec requests (~578-583)."""
+    gen = torch.Generator().manual_seed(11)
+    S, D = 16, 3
+    conv, ssm = _caches(S, W - 2 + D, gen)
+    w, bias, A_log, dt_bias = _weights(gen)
+    qlens = [3, 2, 1, 150]
+    spec_mask = torch.tensor([True, True, False, False])
+    block_table = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 0, 0], [9, 0, 0]], dtype=torch.int32)
+    cu = [0]
+    for n in qlens:
+        cu.append(cu[-1] + n)
+    T = cu[-1]
+    token_mask = torch.repeat_interleave(spec_mask, torch.tensor(qlens))
+    index = torch.argsort(token_mask, stable=True)
+    non_spec_idx, spec_idx = index[:151], index[151:]
+    accepted = torch.tensor([2, 1, 1, 1], dtype=torch.int32)
+    ck = types.SimpleNamespace(offsets=[0, 128], checkpoint_offsets=torch.tensor([0, 128], dtype=torch.int32),
+                               state_indices=torch.tensor([NULL, 11], dtype=torch.int32))
+    md = types.SimpleNamespace(
+        checkpoint=ck, num_prefills=2, num_decodes=0, num_spec_decodes=2, num_spec_decode_tokens=5,
+        num_actual_tokens=T, spec_sequence_masks_cpu=spec_mask,
+        spec_state_indices_tensor=block_table[spec_mask, :D], spec_query_start_loc=torch.tensor([0, 3, 5], dtype=torch.int32),
+        num_accepted_tokens=accepted[spec_mask], non_spec_state_indices_tensor=block_table[~spec_mask, 0],
+        prefill_state_indices=block_table[~spec_mask, 0], prefill_has_initial_state=torch.tensor([True, False]),
+        spec_token_indx=spec_idx, non_spec_token_indx=non_spec_idx)
+    m = types.SimpleNamespace(query_start_loc_cpu=torch.tensor(cu, dtype=torch.int32), num_reqs=4,
+                              seq_lens_cpu_upper_bound=torch.tensor([40, 30, 20, 150]))
+    step = QlaGDNMetadataBuilder._qla_step(_builder(), md, m)
+    assert step.prefill_plan.seq_lens == (1, 150) and step.num_spec_decodes == 2
+    assert step.prefill_checkpoint_chunks.tolist() == [0, 2]
+    assert step.ids("prefill_checkpoint").tolist() == [-1, 11]
+    x = torch.randn(T, DIM, generator=gen)
+    a, b = torch.randn(T, HV, generator=gen), torch.randn(T, HV, generator=gen)
+    conv0, ssm0 = conv.clone(), ssm.clone()
+    out = _run(step, x, a, b, conv, ssm, w, bias, A_log, dt_bias, T)
+    by_hand = GL.make_step_plan(
+        num_actual_tokens=T, num_v_heads=HV, num_k_heads=HK, conv_width=W, device="cpu",
+        prefill_lens=[1, 150], prefill_slots=torch.tensor([7, 9], dtype=torch.int32),
+        prefill_has_initial_state=torch.tensor([True, False]),
+        spec_slots=torch.tensor([[1, 2, 3], [4, 5, 6]], dtype=torch.int32),
+        spec_cu_seqlens=torch.tensor([0, 3, 5], dtype=torch.int32), num_accepted=torch.tensor([2, 1], dtype=torch.int32),
+        num_spec_tokens=5, spec_token_idx=torch.arange(0, 5, dtype=torch.int32),
+        non_spec_token_idx=torch.arange(5, T, dtype=torch.int32),
+        prefill_checkpoint_chunks=[0, 2], prefill_checkpoint_slots=torch.tensor([NULL, 11], dtype=torch.int32))
+    conv_h, ssm_h = conv0.clone(), ssm0.clone()
+    out_h = _run(by_hand, x, a, b, conv_h, ssm_h, w, bias, A_log, dt_bias, T)
+    torch.testing.assert_close(out, out_h)
+    torch.testing.assert_close(ssm, ssm_h)
+    torch.testing.assert_close(conv, conv_h)
+    assert not torch.equal(ssm[11], ssm0[11]) and not torch.equal(conv[11], conv0[11])   # the checkpoint
+    for s in set(range(S)) - {1, 2, 3, 4, 5, 6, 7, 9, 11}:
+        assert torch.equal(ssm[s], ssm0[s]) and torch.equal(conv[s], conv0[s]), f"slot {s}"
+
+
 @pytest.mark.parametrize("mode,path,declares", [
     ("align", "tilelang", True), ("align", "reference", True), ("align", "fla", False),
     ("none", "tilelang", False), ("none", "reference", False)])
