@@ -49,7 +49,7 @@ def test_start_up_build_compiles_once_then_loads(tmp_path):
 
 
 DAEMON_SCRIPT = r'''
-import multiprocessing, sys
+import multiprocessing
 from qla_serve.deploy import startup
 
 def rank(queue):
