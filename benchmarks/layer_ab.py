@@ -9,6 +9,9 @@ Two rounds, the values interleaved, so that drift shows.
     # the decode as the conv's programmatic dependent, never / always
     python benchmarks/layer_ab.py --switch gdn_layer.DECODE_AFTER_CONV_MAX_ROWS=0,1073741824 \
         --heads 2/8,16/32 --rows d1,d32,d256 --states fp32,bf16
+    # the conv prefill's walk length: the rule against fixed walks (non-powers of two included)
+    python benchmarks/layer_ab.py --switch conv.WALK_STEPS=None,5,6,7 \
+        --heads 2/8,4/16 --rows 1x8192,16x512 --states fp32
     # the decode's default tiles against one forced tile (TILE_OVERRIDE: every decode and verify)
     python benchmarks/layer_ab.py --switch "decode.TILE_OVERRIDE=None,'bv32'" \
         --heads 16/32 --rows d64,d256 --states fp32

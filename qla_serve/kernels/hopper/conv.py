@@ -81,6 +81,11 @@ ACTIVATIONS = ("silu", "none")
 # 46, level or slower at 4). The long walks of up to 32 steps that the walkers' own gates once
 # needed (16/64 x 32768: 533 us at 32 steps against 590 at 8) are slower everywhere now.
 CTAS_PER_SM = 2
+# A walk length for every conv_prefill call instead of the rule (None: steps_per_walk), for A/B
+# runs through the whole layer (benchmarks/layer_ab.py --switch conv.WALK_STEPS=None,7): the rule
+# gives powers of two only; non-power-of-two walks (2/8 x 8192: 7 steps give 481 CTAs for 528
+# slots where 8 give 416) are measured by hand first.
+WALK_STEPS = None
 SHORT_WALK_STEPS = 8
 QUICK_WALK_STEPS = 4
 MANY_CTAS_PER_SM = 64
@@ -557,7 +562,7 @@ def conv_prefill(x, conv_state, weight, bias, slot_ids, has_initial_state, cu_se
     # the decode rows in this launch (its decode CTAs), where it runs with window CTAs
     dec = bool(T_) and windows and decodes is not None and decodes[0].shape[0] > 0
     if T_:
-        walk = steps_per_walk(T_, 2 * hk + hv, sm_count(x.device))
+        walk = WALK_STEPS or steps_per_walk(T_, 2 * hk + hv, sm_count(x.device))
         stages, fast, silu_form = STAGES, FAST_STEPS, SILU_FORM
         key = ("conv_prefill", x.device, x.dtype, conv_state.dtype, weight.dtype, q_out.dtype, a.dtype,
                A_log.dtype, dt_bias.dtype, hv, hk, width, activation, bias is not None, stages, fast,
