@@ -35,7 +35,7 @@ import subprocess
 import sys
 import time
 
-from .precompile import Summary, auto_jobs, cache_dir, discover_modules, enumerate_jobs, run_jobs
+from .precompile import Job, Summary, auto_jobs, cache_dir, discover_modules, enumerate_jobs, run_jobs
 from .ready import marker_path, start_up_request, write_marker
 
 log = logging.getLogger("qla_serve")
@@ -62,13 +62,14 @@ def build_processes() -> int:
     return int(value)
 
 
-def _build(jobs, modules, spec: dict, workers: int) -> Summary:
+def _build(jobs, modules, workers: int) -> Summary:
     """Build ``jobs`` here, or in ``workers`` processes started by a child interpreter
-    (_child_main), never by this process: an engine's worker is a daemon process, which
-    multiprocessing forbids children, and spawning from an engine process would re-import its
-    ``__main__`` (a user's script) in every compiling process."""
+    (_child_main, handed the jobs on its stdin), never by this process: an engine's worker is a
+    daemon process, which multiprocessing forbids children, and spawning from an engine process
+    would re-import its ``__main__`` (a user's script) in every compiling process."""
     if workers > 1:
-        run = subprocess.run([sys.executable, "-m", "qla_serve.deploy.startup", json.dumps({**spec, "workers": workers})],
+        spec = {"workers": workers, "jobs": [dataclasses.asdict(j) for j in jobs]}
+        run = subprocess.run([sys.executable, "-m", "qla_serve.deploy.startup"], input=json.dumps(spec),
                              capture_output=True, text=True)
         if run.returncode != 0:
             raise RuntimeError(f"qla_serve: the start-up kernel build's child process failed "
@@ -77,18 +78,12 @@ def _build(jobs, modules, spec: dict, workers: int) -> Summary:
     return run_jobs(jobs, modules, progress=False, workers=workers)[1]
 
 
-def _child_main(argv: list[str]) -> int:
-    """``python -m qla_serve.deploy.startup SPEC``: build ensure_kernels' set (SPEC: its JSON
-    arguments and the process count) and print the summary as JSON on the last line."""
-    spec = json.loads(argv[0])
-    modules, problems = discover_modules()
-    request = start_up_request(spec["num_k_heads"], spec["num_v_heads"], spec["target"], spec["io_dtype"],
-                               spec["state_dtype"])
-    jobs, more = enumerate_jobs([request], modules, spec["match"])
-    if problems or more:
-        summary = Summary(cache_dir=cache_dir(), problems=problems + more)
-    else:
-        summary = run_jobs(jobs, modules, progress=False, workers=spec["workers"])[1]
+def _child_main() -> int:
+    """``python -m qla_serve.deploy.startup`` with {"workers": N, "jobs": [...]} (JSON) on stdin:
+    build those jobs in N processes and print the summary as JSON on the last line."""
+    spec = json.load(sys.stdin)
+    modules, _ = discover_modules()     # the jobs name their modules; the workers import them
+    summary = run_jobs([Job(**j) for j in spec["jobs"]], modules, progress=False, workers=spec["workers"])[1]
     print(json.dumps(dataclasses.asdict(summary)))
     return 0
 
@@ -138,12 +133,7 @@ def ensure_kernels(num_v_heads: int, num_k_heads: int, *, target: str, io_dtype:
             _DONE[key] = line
             return line
         workers = build_processes()
-        spec = dict(num_v_heads=num_v_heads, num_k_heads=num_k_heads, target=target, io_dtype=io_dtype,
-                    state_dtype=state_dtype, match=match)
-        summary = _build(jobs, modules, spec, workers)
-        if summary.ok and summary.compiled + summary.cached != len(jobs):   # (a child's set must be ours)
-            raise RuntimeError(f"qla_serve: the start-up build covered {summary.compiled + summary.cached} "
-                               f"kernels for {what}, not the {len(jobs)} listed")
+        summary = _build(jobs, modules, workers)
         if not summary.ok:
             raise RuntimeError(f"qla_serve: {summary.failed} of {len(jobs)} kernels for {what} failed to build "
                                f"at start-up: " + "; ".join(summary.problems + summary.failures[:3]))
@@ -160,4 +150,4 @@ def ensure_kernels(num_v_heads: int, num_k_heads: int, *, target: str, io_dtype:
 
 
 if __name__ == "__main__":
-    raise SystemExit(_child_main(sys.argv[1:]))
+    raise SystemExit(_child_main())
