@@ -82,9 +82,11 @@ ACTIVATIONS = ("silu", "none")
 # needed (16/64 x 32768: 533 us at 32 steps against 590 at 8) are slower everywhere now.
 CTAS_PER_SM = 2
 # A walk length for every conv_prefill call instead of the rule (None: steps_per_walk), for A/B
-# runs through the whole layer (benchmarks/layer_ab.py --switch conv.WALK_STEPS=None,7): the rule
-# gives powers of two only; non-power-of-two walks (2/8 x 8192: 7 steps give 481 CTAs for 528
-# slots where 8 give 416) are measured by hand first.
+# runs through the whole layer (benchmarks/layer_ab.py --switch conv.WALK_STEPS=None,7). The rule
+# gives powers of two only; walks of 5-7 steps at 8192 tokens (2/8: 7 steps give 494 CTAs for 528
+# slots where 8 give 429) were slower on the H200 in the kernel and in the layer (2/8 1 x 8192
+# conv 15.7 us at the rule's 8 steps against 18.2-19.4, layer 93.1 against 94.3-98.4;
+# benchmarks/data/conv_walks_8192_h200.txt).
 WALK_STEPS = None
 SHORT_WALK_STEPS = 8
 QUICK_WALK_STEPS = 4
