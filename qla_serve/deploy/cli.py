@@ -257,8 +257,9 @@ def add_cli_commands(subparsers) -> None:
     src = pc.add_argument_group("what to compile (one or both)")
     src.add_argument("--config", action="append", metavar="FILE|DIR",
                      help="deployment config(s); its TP-local heads, dtypes and targets")
-    src.add_argument("--heads", type=parse_heads, nargs="+", metavar="HK/HV",
-                     help="TP-local QK/V head counts, e.g. 2/8 (all dtypes)")
+    # extend: a repeated --heads adds its pairs (argparse's default would keep the last only)
+    src.add_argument("--heads", type=parse_heads, nargs="+", action="extend", metavar="HK/HV",
+                     help="TP-local QK/V head counts, e.g. 2/8 (all dtypes); several, or repeated")
     pc.add_argument("--arch", type=_parse_arch, default=None,
                     help="comma list of targets (default: the config's, else sm_90a,sm_100a)")
     pc.add_argument("--engine", choices=ENGINES, default=None,

@@ -121,6 +121,11 @@ def test_cli_list_and_bad_input(capsys):
     assert out[-1] == f"{len(builds)} kernel variant builds" and builds
     assert "heads 2/8 for qwen3.5-397b-a17b-tp8: targets sm_90a, state float32, io bfloat16" in out
     assert main(["precompile"]) == 2                      # neither --config nor --heads
+    # several pairs after one --heads, or --heads repeated: every pair is built, none dropped
+    for args in (["--heads", "2/8", "4/16"], ["--heads", "2/8", "--heads", "4/16"]):
+        assert main(["precompile", *args, "--arch", "sm_90a", "--match", "^gdn_commit_", "--list"]) == 0
+        heads = [line for line in capsys.readouterr().out.splitlines() if line.startswith("heads ")]
+        assert heads == ["heads 2/8 for --heads 2/8: targets sm_90a", "heads 4/16 for --heads 4/16: targets sm_90a"]
     with pytest.raises(SystemExit):
         main(["precompile", "--heads", "3/8"])            # V not a multiple of QK
     with pytest.raises(SystemExit):                       # refused before anything compiles
