@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from .common import (_IO_DTYPES, _TORCH_TO_TL, _check_heads, _dtype_name, check_pool_alignment, compile_for,
-                     gate_dtype_names, launch_function)
+from .common import (_IO_DTYPES, _TORCH_TO_TL, HEAD_DIM, _check_heads, _dtype_name, check_pool_alignment,
+                     compile_for, gate_dtype_names, launch_function)
 from .decode_program import _ACC_DTYPES, _POOL_DTYPES, commit_program, program
 from .decode_tiles import (AFTER_CONV_MAX_ROWS, AFTER_CONV_TILES, DECODE_TILES, STATE_IO_SOURCE,  # noqa: F401
                            VERIFY_TILES,  # noqa: F401 (re-exported)
