@@ -2,10 +2,12 @@
 arguments (kernels/hopper/prefill_api.prefill). CPU only.
 
 The compiled kernels cannot run without a GPU, so here each launch goes to a recording stand-in
-(a mock, the only one in this file) instead of the TileLang kernel; everything else is real: the
-plan, its segment tables, the workspaces, the kernel switches. Every recorded argument list is
-matched, by position, against the parameters of the real PrimFunc the variant builds (parsed,
-not compiled), so an argument missing, extra or out of order fails here rather than on the H200.
+(launch_check.record_launches: the only stand-in in this file) instead of the TileLang kernel;
+everything else is real: the plan, its segment tables, the workspaces, the kernel switches, and
+the program each variant builds (prefill_api.build, uncompiled). Every recorded argument list is
+matched, by position, against that program's parameters (count, dtypes, ranks, extents and
+strides: launch_check.check_arguments), so an argument missing, extra, out of order or misshapen
+fails here rather than on the H200.
 The kernels themselves run in tests/kernels/test_prefill_gpu.py.
 """
 
@@ -14,46 +16,28 @@ import torch
 
 import qla_serve
 from qla_serve.bench.prefill import ROWS
-from qla_serve.kernels.hopper import (prefill_api as P, prefill_main, prefill_main_vfirst, prefill_prep,
-                                      prefill_scan, prefill_warmup)
+from qla_serve.kernels.hopper import prefill_api as P
 from qla_serve.plan import force_plan
+
+from launch_check import check_arguments, record_launches  # tests/kernels/launch_check.py
 
 HV, HK = 8, 2
 
 
-def _prim_func(variant):
-    op = variant["op"]
-    if op == "prefill_prep":
-        return prefill_prep.prep_func(HV, HK, variant["io_dtype"], variant.get("form", "uw"))
-    if op == "prefill_cp_scan":
-        return prefill_scan.scan_func(HV)
-    if op == "prefill_cp_warmup":
-        return prefill_warmup.warmup_func(HV)
-    if variant.get("persistent"):
-        return prefill_main_vfirst.persistent_func(HV, HK, variant["io_dtype"], variant["pool_dtype"],
-                                                   variant["v_split"])[0]
-    mod = prefill_main_vfirst if variant.get("impl") == "vfirst" else prefill_main
-    return mod.main_func(HV, HK, variant["io_dtype"], variant["pool_dtype"], variant["v_split"], variant["mode"])[0]
-
-
-def _param_names(func):
-    return [func.buffer_map[p].name if p in func.buffer_map else p.name for p in func.params]
-
-
 @pytest.fixture
 def launches(monkeypatch):
-    """Replace every kernel launch by a recorder: a list of (variant, {param name: argument})."""
+    """Replace every kernel launch by a recorder: a list of (variant, {param name: argument}),
+    each launch checked against the program the variant builds (launch_check.py)."""
+    record_launches(monkeypatch)   # tilelang.compile returns the program; caches start empty
     calls = []
 
     def fake_fn(variant, short_key):
-        names = _param_names(_prim_func(variant))
+        program = P.build(variant, short_key[-1]).func
 
         def launch(*args):
-            assert len(args) == len(names), f"{variant['name']}: {len(args)} arguments for {names}"
-            calls.append((variant, dict(zip(names, args))))
+            calls.append((variant, check_arguments(program, args, variant["name"])))
         return launch
 
-    monkeypatch.setattr(P, "_fns", {})
     monkeypatch.setattr(P, "_fn", fake_fn)
     # the package defaults, whatever the environment says; tests that need v8 switch to it
     monkeypatch.setattr(P, "GATE_WARMUP", True)

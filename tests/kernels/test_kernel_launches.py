@@ -1,0 +1,289 @@
+"""Every public op and the engines' GDN layer on the TileLang path, down to the kernel launch, on
+the CPU: each launch matched against the program its variant builds (launch_check.py).
+
+The ops are dispatched to kernels/hopper as on an H100/H200; the compiled kernels are the one
+stand-in (launch_check.record_launches: a launch records and checks its arguments instead of
+running). Everything above the launch is real: validation, the variant's name and program, the
+tile pick, the launch code's argument lists and defaults (``scale=None``: what an engine never
+passes, so the layer tests never reach it). What the kernels compute is checked by the ``gpu``
+tests against the float64 reference; here, that a call reaches them with what they take.
+"""
+
+import pytest
+import torch
+
+import qla_serve
+from qla_serve import layer_ops
+from qla_serve.backends import gdn_layer as GL
+
+from launch_check import check_arguments, force_tilelang_path, record_launches
+from launch_check import conv as conv_module
+
+HK, HV, D = 2, 8, 128
+DIM = (2 * HK + HV) * D
+BF16 = torch.bfloat16
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    force_tilelang_path(monkeypatch)
+    return record_launches(monkeypatch)
+
+
+@pytest.fixture
+def layer_launches(launches, monkeypatch):
+    monkeypatch.setattr(layer_ops, "SLOT_IDS_KERNEL", False)
+    return launches
+
+
+def _names(calls):
+    return [c.name for c in calls]
+
+
+def _qkv(T, dtype=BF16):
+    return (torch.randn(T, HK, D, dtype=dtype), torch.randn(T, HK, D, dtype=dtype),
+            torch.randn(T, HV, D, dtype=dtype))
+
+
+def _raw_gates(T, param_dtype=torch.float32, bias_dtype=None):
+    return dict(a=torch.randn(T, HV, dtype=BF16), b=torch.randn(T, HV, dtype=BF16),
+                A_log=torch.zeros(HV, dtype=param_dtype), dt_bias=torch.zeros(HV, dtype=bias_dtype or param_dtype))
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("gates", ["g_beta", "raw_fp32", "raw_bf16", "raw_mixed"])
+@pytest.mark.parametrize("scale", [None, 0.05])
+def test_decode(launches, pool_dtype, gates, scale):
+    """gdn_decode in each gate form and pool dtype, with and without a scale: one decode launch,
+    its scale the default 128 ** -0.5 where none is given."""
+    B = 3
+    q, k, v = _qkv(B)
+    pool = torch.zeros(5, HV, D, D, dtype=pool_dtype)
+    if gates == "g_beta":
+        kw = dict(g=-torch.rand(B, HV), beta=torch.rand(B, HV))
+    else:
+        param, bias = {"raw_fp32": (torch.float32, None), "raw_bf16": (BF16, None),
+                       "raw_mixed": (torch.float32, BF16)}[gates]
+        kw = _raw_gates(B, param, bias)
+    qla_serve.gdn_decode(q, k, v, pool, torch.tensor([1, -1, 3], dtype=torch.int32), use_qk_l2norm=True,
+                         scale=scale, **kw)
+    assert [n.split("_hv")[0] for n in _names(launches)] == ["gdn_decode"]
+    assert launches[0].args["scale"] == pytest.approx(D ** -0.5 if scale is None else scale)
+
+
+def test_kernel_module_default_scale(launches):
+    """The kernel modules' own default scale (the contract of qla_serve/kernels/__init__.py, which
+    the GPU tests call directly; the public ops pass a float): decode, verify and verify_slots
+    with scale=None launch with 128 ** -0.5."""
+    from qla_serve.kernels import hopper
+
+    N, Dd = 2, 2
+    q, k, v = _qkv(N * Dd)
+    pool = torch.zeros(8, HV, D, D)
+    out = torch.empty_like(v)
+    slots, cu = torch.tensor([1, 2], dtype=torch.int32), torch.tensor([0, Dd, 2 * Dd], dtype=torch.int32)
+    gates = _raw_gates(N * Dd)
+    hopper.decode(q, k, v, pool, torch.arange(N * Dd, dtype=torch.int32), g=None, beta=None, **gates,
+                  use_qk_l2norm=True, scale=None, out=out)
+    hopper.verify(q, k, v, pool, slots, cu, torch.zeros(2, Dd, HV, D, D), slots - 1, g=None, beta=None,
+                  **gates, use_qk_l2norm=True, scale=None, out=out)
+    hopper.verify_slots(q, k, v, pool, torch.tensor([[1, 2], [3, 4]], dtype=torch.int32), slots, cu, **gates,
+                        use_qk_l2norm=True, scale=None, out=out)
+    assert [c.args["scale"] for c in launches] == [pytest.approx(D ** -0.5)] * 3
+
+
+@pytest.mark.parametrize("acc_dtype", [torch.int32, torch.int64])
+def test_verify_then_commit(launches, acc_dtype):
+    """gdn_verify into an intermediate buffer, then commit_verified: two launches."""
+    N, Dd = 2, 3
+    q, k, v = _qkv(N * Dd)
+    pool = torch.zeros(4, HV, D, D)
+    inter = torch.zeros(3, Dd, HV, D, D)
+    cu = torch.tensor([0, Dd, 2 * Dd], dtype=torch.int32)
+    slots, inter_ids = torch.tensor([1, 2], dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32)
+    qla_serve.gdn_verify(q, k, v, pool, slots, cu, inter, inter_ids, use_qk_l2norm=True, **_raw_gates(N * Dd))
+    qla_serve.commit_verified(pool, slots, inter, inter_ids, torch.tensor([1, 3], dtype=acc_dtype))
+    assert [n.split("_hv")[0] for n in _names(launches)] == ["gdn_verify", "commit_verified"]
+    assert launches[0].args["scale"] == pytest.approx(D ** -0.5)
+
+
+def test_verify_slots(launches):
+    """vLLM's spec verify straight into per-token pool slots."""
+    N, Dd = 2, 3
+    q, k, v = _qkv(N * Dd)
+    pool = torch.zeros(8, HV, D, D)
+    spec = torch.tensor([[1, 2, 3], [4, 5, 6]], dtype=torch.int32)
+    layer_ops.gdn_verify_slots(q, k, v, pool, spec, torch.tensor([1, 2], dtype=torch.int32),
+                               torch.tensor([0, 3, 6], dtype=torch.int32), **_raw_gates(N * Dd))
+    assert [n.split("_hv")[0] for n in _names(launches)] == ["gdn_verify_slots"]
+
+
+@pytest.mark.parametrize("qk_dtype", [None, torch.float16])
+def test_prefill_inputs_then_prefill(launches, qk_dtype):
+    """gdn_prefill_inputs (one launch) feeding gdn_prefill (stage 1, stage 2) on a plain plan."""
+    lens = [100, 30]
+    T = sum(lens)
+    q, k, v = _qkv(T)
+    q2, k2, g, beta = qla_serve.gdn_prefill_inputs(q, k, qk_dtype=qk_dtype, **_raw_gates(T))
+    pool = torch.zeros(4, HV, D, D)
+    plan = qla_serve.plan_prefill(lens, HV, HK, device="cpu", cp="off", arch="sm90")
+    qla_serve.gdn_prefill(q2, k2, v, g, beta, pool, torch.tensor([1, 2], dtype=torch.int32), plan)
+    names = _names(launches)
+    assert names[0].startswith("gdn_prefill_inputs") or names[0].startswith("gdn_inputs"), names
+    assert any("prep" in n for n in names[1:]) and any("main" in n for n in names[1:]), names
+
+
+def test_layer_conv_ops(launches):
+    """The layer ops' conv launches outside a layer call: decode, spec window, SGLang's verify
+    window, the prefill checkpoints' windows."""
+    w, bias = torch.randn(DIM, 4, dtype=BF16), torch.randn(DIM, dtype=BF16)
+    conv_state = torch.zeros(6, DIM, 3 + 2, dtype=BF16)
+    x = torch.randn(3, DIM, dtype=BF16)
+    ids = torch.tensor([1, 2, 3], dtype=torch.int32)
+    layer_ops.causal_conv_decode(x, conv_state, ids, conv_weight=w, conv_bias=bias, num_v_heads=HV)
+    layer_ops.causal_conv_spec(x, conv_state, ids[:1], torch.tensor([1], dtype=torch.int32),
+                               torch.tensor([0, 3], dtype=torch.int32), conv_weight=w, conv_bias=None,
+                               num_v_heads=HV, draft=3)
+    sg_state = torch.zeros(6, DIM, 3, dtype=BF16)
+    windows = torch.zeros(2, 3, DIM, 3, dtype=BF16)
+    layer_ops.causal_conv_verify(x, sg_state, ids[:1], windows, torch.tensor([1], dtype=torch.int32),
+                                 conv_weight=w, conv_bias=bias, num_v_heads=HV, draft=3)
+    xp = torch.randn(130, DIM, dtype=BF16)
+    layer_ops.causal_conv_checkpoints(xp, sg_state, torch.tensor([4, 5], dtype=torch.int32),
+                                      torch.tensor([2, 0], dtype=torch.int32),
+                                      torch.tensor([0, 129, 130], dtype=torch.int32), width=4, num_v_heads=HV)
+    kinds = [n.split("_hv")[0] for n in _names(launches)]
+    assert kinds[:3] == ["gdn_conv_decode", "gdn_conv_spec", "gdn_conv_verify"], kinds
+    assert "gdn_conv_prefill_state" in kinds[3:], kinds
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_slot_ids(launches, dtype):
+    """The step's slot ids, one launch per kind: decode rows, prefill sequences (with
+    cu_seqlens), spec rows [Ns, D]."""
+    layer_ops.slot_ids(torch.tensor([3, 0, 5], dtype=dtype), 0)
+    layer_ops.slot_ids(torch.tensor([3, 0], dtype=dtype), 0, cu_seqlens=torch.tensor([0, 4, 4], dtype=torch.int32))
+    layer_ops.slot_ids(torch.tensor([[1, 2, 3], [0, 0, 0]], dtype=dtype), 0)
+    assert [n.split("_hv")[0] for n in _names(launches)] == [
+        f"gdn_slot_ids_{kind}_{str(dtype).split('.')[1]}" for kind in ("rows", "seqs", "spec")]
+
+
+# The layer tests below derive the step's slot ids with torch (layer_ops.SLOT_IDS_KERNEL off): the
+# layer's argument checks read the ids on a CPU, and a recorded launch writes none.
+# test_slot_ids covers that kernel's launches.
+
+def _cache(slots, dtype=torch.float32, spec_cols=0):
+    """vLLM's layer cache shape per slot: a conv window [DIM, W - 1 + spec] and a state."""
+    return torch.zeros(slots, DIM, 3 + spec_cols, dtype=BF16), torch.zeros(slots, HV, D, D, dtype=dtype)
+
+
+def _layer(step, T, conv, ssm):
+    w, bias = torch.randn(DIM, 4, dtype=BF16), torch.randn(DIM, dtype=BF16)
+    x, a, b = torch.randn(T, DIM, dtype=BF16), torch.randn(T, HV, dtype=BF16), torch.randn(T, HV, dtype=BF16)
+    out = torch.zeros(T, HV, D, dtype=BF16)
+    GL.gdn_layer_forward(step, x, a, b, conv_weight=w, conv_bias=bias, activation="silu", conv_state=conv,
+                         ssm_state=ssm, A_log=torch.zeros(HV), dt_bias=torch.zeros(HV, dtype=BF16),
+                         num_k_heads=HK, out=out)
+
+
+# (gdn_layer.MIXED_CONV, conv.WINDOW_CTAS): the defaults, then each module switch's other form
+@pytest.mark.parametrize("mixed_conv,window_ctas", [(True, True), (False, True), (True, False)])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, BF16])
+def test_layer_mixed_step(layer_launches, monkeypatch, pool_dtype, mixed_conv, window_ctas):
+    """vLLM's non-spec step, decodes then prefills (one with a checkpoint): the conv (the decodes'
+    in the prefill conv's launch, or conv_decode apart; the conv-state write-back by the window
+    CTAs, or conv_window after the conv), the prefill core, the decode."""
+    monkeypatch.setattr(GL, "MIXED_CONV", mixed_conv)
+    monkeypatch.setattr(conv_module, "WINDOW_CTAS", window_ctas)
+    conv, ssm = _cache(12, pool_dtype)
+    lens = [70, 150]
+    T = 2 + sum(lens)
+    step = GL.make_step_plan(
+        num_actual_tokens=T, num_v_heads=HV, num_k_heads=HK, conv_width=4, device="cpu",
+        decode_slots=torch.tensor([3, 7], dtype=torch.int32), prefill_lens=lens,
+        prefill_slots=torch.tensor([5, 9], dtype=torch.int32),
+        prefill_has_initial_state=torch.tensor([False, True]),
+        prefill_checkpoint_chunks=[1, 2], prefill_checkpoint_slots=torch.tensor([10, 11], dtype=torch.int32))
+    _layer(step, T, conv, ssm)
+    kinds = [n.split("_hv")[0] for n in _names(layer_launches)]
+    assert "gdn_conv_prefill" in kinds and "gdn_decode" in kinds, kinds
+    assert ("gdn_conv_decode" in kinds) == (not (mixed_conv and window_ctas)), kinds
+    assert "gdn_conv_prefill_state" in kinds, kinds   # the checkpoints' windows (and without window CTAs the write-back)
+    assert any("prep" in n for n in kinds) and any("main" in n for n in kinds), kinds
+
+
+@pytest.mark.parametrize("decodes", [1, 64, 256])
+def test_layer_decode_step(layer_launches, decodes):
+    """A decode-only step: the conv, then the decode (its dependent form while decodes x v-heads
+    <= 256, gdn_layer's rule)."""
+    conv, ssm = _cache(decodes + 1)
+    step = GL.make_step_plan(num_actual_tokens=decodes, num_v_heads=HV, num_k_heads=HK, conv_width=4,
+                             device="cpu", decode_slots=torch.arange(1, decodes + 1, dtype=torch.int32))
+    _layer(step, decodes, conv, ssm)
+    names = _names(layer_launches)
+    assert [n.split("_hv")[0] for n in names][-2:] == ["gdn_conv_decode", "gdn_decode"], names
+    assert names[-1].endswith("_pdl") == (decodes * HV <= 256), names[-1]
+
+
+def test_layer_spec_step_with_prefill(layer_launches):
+    """vLLM's spec step beside a prefill: conv_spec then verify_slots, and the prefill's chain."""
+    Dd = 3
+    conv, ssm = _cache(20, spec_cols=Dd - 1)
+    spec_lens, pre_lens = [3, 2], [9]
+    Ts, T = sum(spec_lens), sum(spec_lens) + sum(pre_lens)
+    perm = torch.randperm(T, generator=torch.Generator().manual_seed(0))
+    step = GL.make_step_plan(
+        num_actual_tokens=T, num_v_heads=HV, num_k_heads=HK, conv_width=4, device="cpu",
+        prefill_lens=pre_lens, prefill_slots=torch.tensor([2], dtype=torch.int32),
+        prefill_has_initial_state=torch.tensor([True]),
+        spec_slots=torch.tensor([[4, 5, 6], [10, 11, 12]], dtype=torch.int32),
+        spec_cu_seqlens=torch.tensor([0, 3, 5], dtype=torch.int32),
+        num_accepted=torch.tensor([2, 1], dtype=torch.int32), num_spec_tokens=Ts,
+        spec_token_idx=perm[:Ts].sort().values.int(), non_spec_token_idx=perm[Ts:].sort().values.int())
+    _layer(step, T, conv, ssm)
+    kinds = [n.split("_hv")[0] for n in _names(layer_launches)]
+    assert "gdn_conv_spec" in kinds and "gdn_verify_slots" in kinds and "gdn_conv_prefill" in kinds, kinds
+
+
+@pytest.mark.parametrize("requests", [2, 16])
+def test_sglang_verify_step(launches, requests):
+    """SGLang's target-verify step as backends/sglang/verify_layer.forward_verify composes it:
+    conv_verify, then gdn_verify on strided q | k | v views of the conv output, as the conv's
+    dependent launch up to AFTER_CONV_MAX_ROWS rows (requests x v-heads; 16 x 8 is past it)."""
+    from qla_serve.backends.sglang.verify_layer import AFTER_CONV_MAX_ROWS
+
+    Dd, N = 3, requests
+    w = torch.randn(DIM, 4, dtype=BF16)
+    conv_state, windows = torch.zeros(N + 1, DIM, 3, dtype=BF16), torch.zeros(N + 1, Dd, DIM, 3, dtype=BF16)
+    pool, inter = torch.zeros(N + 1, HV, D, D), torch.zeros(N + 1, Dd, HV, D, D)
+    ids = torch.arange(1, N + 1, dtype=torch.int32)
+    y = layer_ops.causal_conv_verify(torch.randn(N * Dd, DIM, dtype=BF16), conv_state, ids, windows, ids,
+                                     conv_weight=w, num_v_heads=HV, draft=Dd)
+    heads = y.view(N * Dd, 2 * HK + HV, D)
+    qla_serve.gdn_verify(heads[:, :HK], heads[:, HK:2 * HK], heads[:, 2 * HK:], pool, ids,
+                         torch.arange(0, N * Dd + 1, Dd, dtype=torch.int32), inter, ids, use_qk_l2norm=True,
+                         scale=D ** -0.5, _after_conv=N * HV <= AFTER_CONV_MAX_ROWS, **_raw_gates(N * Dd))
+    names = _names(launches)
+    assert [n.split("_hv")[0] for n in names] == ["gdn_conv_verify", "gdn_verify"], names
+    assert names[1].endswith("_pdl") == (N * HV <= AFTER_CONV_MAX_ROWS), names
+
+
+def test_the_check_fails_on_a_wrong_launch(launches):
+    """The checker itself: a launch with two arguments swapped, one dropped, a wrong dtype or a
+    shape that disagrees with another argument's is refused, naming the parameter."""
+    q, k, v = _qkv(2)
+    pool = torch.zeros(3, HV, D, D)
+    qla_serve.gdn_decode(q, k, v, pool, torch.tensor([0, 1], dtype=torch.int32), **_raw_gates(2))
+    (call,) = launches
+    args = list(call.args.values())
+    check_arguments(call.program, tuple(args), "as launched")
+    bad = {
+        "k and v swapped": args[:1] + [args[2], args[1]] + args[3:],
+        "out dropped": args[:-2] + args[-1:],
+        "a bf16 pool": args[:7] + [args[7].to(BF16)] + args[8:],
+        "out of one row": args[:9] + [args[9][:1]] + args[10:],
+        "an int scale": args[:-1] + [1],
+    }
+    for what, wrong in bad.items():
+        with pytest.raises(AssertionError):
+            check_arguments(call.program, tuple(wrong), what)
