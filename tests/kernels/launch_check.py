@@ -40,6 +40,9 @@ class Launch(NamedTuple):
     args: dict
     program: object
 
+    def __repr__(self) -> str:   # the program's text would bury a failing assertion's message
+        return f"Launch({self.name!r})"
+
 
 class _Program:
     """What the stand-in tilelang.compile returns: the program, uncompiled."""

@@ -40,6 +40,21 @@ def _names(calls):
     return [c.name for c in calls]
 
 
+_PRECOMPILED: dict = {}
+
+
+def _assert_precompiled(calls):
+    """Every kernel a layer step launched is one `qla-serve precompile` builds for these heads
+    (hopper.kernel_variants): none compiles on first use while serving."""
+    from qla_serve.kernels import hopper
+
+    if not _PRECOMPILED:
+        _PRECOMPILED.update((v["name"], v) for v in hopper.kernel_variants(HV, HK))
+    assert calls, "no launch recorded"
+    missing = [c.name for c in calls if c.name not in _PRECOMPILED]
+    assert not missing, f"launched but not precompiled: {missing}"
+
+
 def _qkv(T, dtype=BF16):
     return (torch.randn(T, HK, D, dtype=dtype), torch.randn(T, HK, D, dtype=dtype),
             torch.randn(T, HV, D, dtype=dtype))
@@ -210,6 +225,8 @@ def test_layer_mixed_step(layer_launches, monkeypatch, pool_dtype, mixed_conv, w
     assert ("gdn_conv_decode" in kinds) == (not (mixed_conv and window_ctas)), kinds
     assert "gdn_conv_prefill_state" in kinds, kinds   # the checkpoints' windows (and without window CTAs the write-back)
     assert any("prep" in n for n in kinds) and any("main" in n for n in kinds), kinds
+    if mixed_conv and window_ctas:   # the defaults; a switch's other form is a tuning form, built on first use
+        _assert_precompiled(layer_launches)
 
 
 @pytest.mark.parametrize("decodes", [1, 64, 256])
@@ -223,6 +240,7 @@ def test_layer_decode_step(layer_launches, decodes):
     names = _names(layer_launches)
     assert [n.split("_hv")[0] for n in names][-2:] == ["gdn_conv_decode", "gdn_decode"], names
     assert names[-1].endswith("_pdl") == (decodes * HV <= 256), names[-1]
+    _assert_precompiled(layer_launches)
 
 
 def test_layer_spec_step_with_prefill(layer_launches):
@@ -243,6 +261,7 @@ def test_layer_spec_step_with_prefill(layer_launches):
     _layer(step, T, conv, ssm)
     kinds = [n.split("_hv")[0] for n in _names(layer_launches)]
     assert "gdn_conv_spec" in kinds and "gdn_verify_slots" in kinds and "gdn_conv_prefill" in kinds, kinds
+    _assert_precompiled(layer_launches)
 
 
 @pytest.mark.parametrize("requests", [2, 16])
@@ -266,6 +285,7 @@ def test_sglang_verify_step(launches, requests):
     names = _names(launches)
     assert [n.split("_hv")[0] for n in names] == ["gdn_conv_verify", "gdn_verify"], names
     assert names[1].endswith("_pdl") == (N * HV <= AFTER_CONV_MAX_ROWS), names
+    _assert_precompiled(launches)
 
 
 def test_the_check_fails_on_a_wrong_launch(launches):
