@@ -9,6 +9,8 @@ passes, so the layer tests never reach it). What the kernels compute is checked 
 tests against the float64 reference; here, that a call reaches them with what they take.
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -286,6 +288,46 @@ def test_sglang_verify_step(launches, requests):
     assert [n.split("_hv")[0] for n in names] == ["gdn_conv_verify", "gdn_verify"], names
     assert names[1].endswith("_pdl") == (N * HV <= AFTER_CONV_MAX_ROWS), names
     _assert_precompiled(launches)
+
+
+def _sglang_layer():
+    """The attributes backends/sglang reads from SGLang 0.5.23's RadixLinearAttention (the
+    stand-ins of tests/backends/sglang_plugin/test_{decode,extend}_layer.py)."""
+    return SimpleNamespace(layer_id=3, conv_weights=torch.randn(DIM, 4, dtype=BF16), bias=None, activation="silu",
+                           num_k_heads=HK, num_v_heads=HV, head_k_dim=D, A_log=torch.zeros(HV),
+                           dt_bias=torch.zeros(HV, dtype=BF16))
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, BF16])
+def test_sglang_decode_and_extend_steps(layer_launches, pool_dtype):
+    """SGLang's decode and extend steps as the plugin runs them (backends/sglang/decode_layer.py,
+    extend_layer.py), on SGLang's conv cache [size + 1, dim, W - 1] and temporal pool."""
+    from qla_serve.backends.sglang import decode_layer, extend_layer
+    from qla_serve.backends.sglang.kernel import ExtendBatch
+
+    conv, ssm = torch.zeros(24, DIM, 3, dtype=BF16), torch.zeros(24, HV, D, D, dtype=pool_dtype)
+    cache, layer = SimpleNamespace(conv=[conv], temporal=ssm), _sglang_layer()
+    ids = torch.tensor([5, 0, 17, -1], dtype=torch.int32)
+    backend = SimpleNamespace(
+        forward_metadata=SimpleNamespace(mamba_cache_indices=ids, replayssm_write_pos=None),
+        req_to_token_pool=SimpleNamespace(mamba2_layer_cache=lambda layer_id: cache),
+        _track_mamba_state_decode=lambda *args: None)
+    x, a, b = torch.randn(4, DIM, dtype=BF16), torch.randn(4, HV, dtype=BF16), torch.randn(4, HV, dtype=BF16)
+    decode_layer.forward_decode(backend, layer, None, x, a, b)
+    decoded = len(layer_launches)
+    assert [n.split("_hv")[0] for n in _names(layer_launches)] == ["gdn_conv_decode", "gdn_decode"]
+
+    lens = [37, 130]
+    qsl = torch.tensor([0, 37, 167], dtype=torch.int32)
+    backend = SimpleNamespace(forward_metadata=SimpleNamespace(mamba_cache_indices=ids[:2] + 1, query_start_loc=qsl))
+    fb = SimpleNamespace(extend_prefix_lens=torch.tensor([0, 12], dtype=torch.int32))
+    T = sum(lens) + 3
+    x, a, b = torch.randn(T, DIM, dtype=BF16), torch.randn(T, HV, dtype=BF16), torch.randn(T, HV, dtype=BF16)
+    extend_layer.forward_extend(backend, layer, fb, x, a, b, ExtendBatch(query_start_loc=qsl, seq_lens=lens,
+                                                                           num_tokens=sum(lens)), cache)
+    kinds = [n.split("_hv")[0] for n in _names(layer_launches[decoded:])]
+    assert kinds[0] == "gdn_conv_prefill" and any("main" in n for n in kinds), kinds
+    _assert_precompiled(layer_launches)
 
 
 def test_the_check_fails_on_a_wrong_launch(launches):
