@@ -128,9 +128,10 @@ def _compact_strides(shape) -> list:
     return strides[::-1]
 
 
-def record_launches(monkeypatch) -> list[Launch]:
-    """Route every Hopper kernel launch of this test to :func:`check_arguments`; returns the list
-    the checked launches are appended to, in launch order."""
+def record_launches(monkeypatch, target: str = "sm_90a") -> list[Launch]:
+    """Route every kernel launch of this test to :func:`check_arguments`, the device taken for
+    one of ``target`` ("sm_90a", or "sm_100a": Blackwell's module builds the same programs for
+    it); returns the list the checked launches are appended to, in launch order."""
     import tilelang
 
     calls: list[Launch] = []
@@ -143,7 +144,7 @@ def record_launches(monkeypatch) -> list[Launch]:
     monkeypatch.setattr(tilelang, "compile", lambda func, *a, **k: _Program(func))
     for mod in (common, prefill_api):
         monkeypatch.setattr(mod, "raw_function", raw_function)
-    monkeypatch.setattr(common, "_device_target", lambda idx: "sm_90a")
+    monkeypatch.setattr(common, "_device_target", lambda idx: target)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     # the process-wide caches of compiled kernels and launch functions start empty and stay unshared
     for mod in (conv, decode, prefill_inputs, slot_ids):
@@ -153,11 +154,11 @@ def record_launches(monkeypatch) -> list[Launch]:
     return calls
 
 
-def force_tilelang_path(monkeypatch) -> None:
-    """Dispatch the public ops and the layer ops to the TileLang kernel module on CPU tensors (on
-    a CPU the path selection answers "reference")."""
+def force_tilelang_path(monkeypatch, arch: str = "sm90") -> None:
+    """Dispatch the public ops and the layer ops to the TileLang kernel module of ``arch``
+    ("sm90" or "sm100") on CPU tensors (on a CPU the path selection answers "reference")."""
     from qla_serve import layer_ops, ops
 
     monkeypatch.setattr(ops, "_path", lambda op, device, io_dtype: "tilelang")
     monkeypatch.setattr(layer_ops, "_path", lambda op, device, io_dtype: "tilelang")
-    monkeypatch.setattr(ops, "device_arch", lambda device: "sm90")
+    monkeypatch.setattr(ops, "device_arch", lambda device: arch)

@@ -26,10 +26,19 @@ DIM = (2 * HK + HV) * D
 BF16 = torch.bfloat16
 
 
+# Hopper, and Blackwell (the same programs built for sm_100a; its prefill runs the v8 stage 2)
+ARCHS = {"sm90": "sm_90a", "sm100": "sm_100a"}
+
+
+@pytest.fixture(params=sorted(ARCHS))
+def arch(request):
+    return request.param
+
+
 @pytest.fixture
-def launches(monkeypatch):
-    force_tilelang_path(monkeypatch)
-    return record_launches(monkeypatch)
+def launches(monkeypatch, arch):
+    force_tilelang_path(monkeypatch, arch)
+    return record_launches(monkeypatch, ARCHS[arch])
 
 
 @pytest.fixture
@@ -45,15 +54,15 @@ def _names(calls):
 _PRECOMPILED: dict = {}
 
 
-def _assert_precompiled(calls):
+def _assert_precompiled(calls, arch):
     """Every kernel a layer step launched is one `qla-serve precompile` builds for these heads
-    (hopper.kernel_variants): none compiles on first use while serving."""
-    from qla_serve.kernels import hopper
+    and this arch (the arch module's kernel_variants): none compiles on first use while serving."""
+    from qla_serve.paths import kernel_module
 
-    if not _PRECOMPILED:
-        _PRECOMPILED.update((v["name"], v) for v in hopper.kernel_variants(HV, HK))
+    if arch not in _PRECOMPILED:
+        _PRECOMPILED[arch] = {v["name"] for v in kernel_module(arch).kernel_variants(HV, HK)}
     assert calls, "no launch recorded"
-    missing = [c.name for c in calls if c.name not in _PRECOMPILED]
+    missing = [c.name for c in calls if c.name not in _PRECOMPILED[arch]]
     assert not missing, f"launched but not precompiled: {missing}"
 
 
@@ -136,14 +145,14 @@ def test_verify_slots(launches):
 
 
 @pytest.mark.parametrize("qk_dtype", [None, torch.float16])
-def test_prefill_inputs_then_prefill(launches, qk_dtype):
+def test_prefill_inputs_then_prefill(launches, arch, qk_dtype):
     """gdn_prefill_inputs (one launch) feeding gdn_prefill (stage 1, stage 2) on a plain plan."""
     lens = [100, 30]
     T = sum(lens)
     q, k, v = _qkv(T)
     q2, k2, g, beta = qla_serve.gdn_prefill_inputs(q, k, qk_dtype=qk_dtype, **_raw_gates(T))
     pool = torch.zeros(4, HV, D, D)
-    plan = qla_serve.plan_prefill(lens, HV, HK, device="cpu", cp="off", arch="sm90")
+    plan = qla_serve.plan_prefill(lens, HV, HK, device="cpu", cp="off", arch=arch)
     qla_serve.gdn_prefill(q2, k2, v, g, beta, pool, torch.tensor([1, 2], dtype=torch.int32), plan)
     names = _names(launches)
     assert names[0].startswith("gdn_prefill_inputs") or names[0].startswith("gdn_inputs"), names
@@ -206,7 +215,7 @@ def _layer(step, T, conv, ssm):
 # (gdn_layer.MIXED_CONV, conv.WINDOW_CTAS): the defaults, then each module switch's other form
 @pytest.mark.parametrize("mixed_conv,window_ctas", [(True, True), (False, True), (True, False)])
 @pytest.mark.parametrize("pool_dtype", [torch.float32, BF16])
-def test_layer_mixed_step(layer_launches, monkeypatch, pool_dtype, mixed_conv, window_ctas):
+def test_layer_mixed_step(layer_launches, arch, monkeypatch, pool_dtype, mixed_conv, window_ctas):
     """vLLM's non-spec step, decodes then prefills (one with a checkpoint): the conv (the decodes'
     in the prefill conv's launch, or conv_decode apart; the conv-state write-back by the window
     CTAs, or conv_window after the conv), the prefill core, the decode."""
@@ -228,11 +237,11 @@ def test_layer_mixed_step(layer_launches, monkeypatch, pool_dtype, mixed_conv, w
     assert "gdn_conv_prefill_state" in kinds, kinds   # the checkpoints' windows (and without window CTAs the write-back)
     assert any("prep" in n for n in kinds) and any("main" in n for n in kinds), kinds
     if mixed_conv and window_ctas:   # the defaults; a switch's other form is a tuning form, built on first use
-        _assert_precompiled(layer_launches)
+        _assert_precompiled(layer_launches, arch)
 
 
 @pytest.mark.parametrize("decodes", [1, 64, 256])
-def test_layer_decode_step(layer_launches, decodes):
+def test_layer_decode_step(layer_launches, arch, decodes):
     """A decode-only step: the conv, then the decode (its dependent form while decodes x v-heads
     <= 256, gdn_layer's rule)."""
     conv, ssm = _cache(decodes + 1)
@@ -242,10 +251,10 @@ def test_layer_decode_step(layer_launches, decodes):
     names = _names(layer_launches)
     assert [n.split("_hv")[0] for n in names][-2:] == ["gdn_conv_decode", "gdn_decode"], names
     assert names[-1].endswith("_pdl") == (decodes * HV <= 256), names[-1]
-    _assert_precompiled(layer_launches)
+    _assert_precompiled(layer_launches, arch)
 
 
-def test_layer_spec_step_with_prefill(layer_launches):
+def test_layer_spec_step_with_prefill(layer_launches, arch):
     """vLLM's spec step beside a prefill: conv_spec then verify_slots, and the prefill's chain."""
     Dd = 3
     conv, ssm = _cache(20, spec_cols=Dd - 1)
@@ -263,11 +272,11 @@ def test_layer_spec_step_with_prefill(layer_launches):
     _layer(step, T, conv, ssm)
     kinds = [n.split("_hv")[0] for n in _names(layer_launches)]
     assert "gdn_conv_spec" in kinds and "gdn_verify_slots" in kinds and "gdn_conv_prefill" in kinds, kinds
-    _assert_precompiled(layer_launches)
+    _assert_precompiled(layer_launches, arch)
 
 
 @pytest.mark.parametrize("requests", [2, 16])
-def test_sglang_verify_step(launches, requests):
+def test_sglang_verify_step(launches, arch, requests):
     """SGLang's target-verify step as backends/sglang/verify_layer.forward_verify composes it:
     conv_verify, then gdn_verify on strided q | k | v views of the conv output, as the conv's
     dependent launch up to AFTER_CONV_MAX_ROWS rows (requests x v-heads; 16 x 8 is past it)."""
@@ -287,7 +296,7 @@ def test_sglang_verify_step(launches, requests):
     names = _names(launches)
     assert [n.split("_hv")[0] for n in names] == ["gdn_conv_verify", "gdn_verify"], names
     assert names[1].endswith("_pdl") == (N * HV <= AFTER_CONV_MAX_ROWS), names
-    _assert_precompiled(launches)
+    _assert_precompiled(launches, arch)
 
 
 def _sglang_layer():
@@ -299,7 +308,7 @@ def _sglang_layer():
 
 
 @pytest.mark.parametrize("pool_dtype", [torch.float32, BF16])
-def test_sglang_decode_and_extend_steps(layer_launches, pool_dtype):
+def test_sglang_decode_and_extend_steps(layer_launches, arch, pool_dtype):
     """SGLang's decode and extend steps as the plugin runs them (backends/sglang/decode_layer.py,
     extend_layer.py), on SGLang's conv cache [size + 1, dim, W - 1] and temporal pool."""
     from qla_serve.backends.sglang import decode_layer, extend_layer
@@ -327,7 +336,7 @@ def test_sglang_decode_and_extend_steps(layer_launches, pool_dtype):
                                                                            num_tokens=sum(lens)), cache)
     kinds = [n.split("_hv")[0] for n in _names(layer_launches[decoded:])]
     assert kinds[0] == "gdn_conv_prefill" and any("main" in n for n in kinds), kinds
-    _assert_precompiled(layer_launches)
+    _assert_precompiled(layer_launches, arch)
 
 
 def test_the_check_fails_on_a_wrong_launch(launches):
