@@ -1,12 +1,19 @@
-"""Every public op and the engines' GDN layer on the TileLang path, down to the kernel launch, on
-the CPU: each launch matched against the program its variant builds (launch_check.py).
+"""Every public op and the engines' GDN layer steps on the TileLang path, down to the kernel
+launch, on the CPU: each launch matched against the program its variant builds (launch_check.py).
 
-The ops are dispatched to kernels/hopper as on an H100/H200; the compiled kernels are the one
-stand-in (launch_check.record_launches: a launch records and checks its arguments instead of
-running). Everything above the launch is real: validation, the variant's name and program, the
-tile pick, the launch code's argument lists and defaults (``scale=None``: what an engine never
-passes, so the layer tests never reach it). What the kernels compute is checked by the ``gpu``
-tests against the float64 reference; here, that a call reaches them with what they take.
+The ops are dispatched to kernels/hopper (and Blackwell's module) as on an H200; the compiled
+kernels are the one stand-in (launch_check.record_launches: a launch records and checks its
+arguments instead of running). Everything above the launch is real: the step plan, validation,
+the variant's name and program, the tile pick, the launch code's argument lists and defaults
+(``scale=None``: what an engine never passes, so the layer tests never reach it).
+
+The tensors live on torch's meta device, CUDA's stand-in here: it has shapes, dtypes and strides
+but no values, so any host read of a device tensor's value on these paths (``.item()``,
+``.tolist()``, ``bool()``, a copy to the CPU: a GPU sync on a real device) raises. A step
+therefore passing here syncs nothing between its step plan and its last launch.
+
+What the kernels compute is checked by the ``gpu`` tests against the float64 reference; here,
+that a call reaches them with what they take.
 """
 
 from types import SimpleNamespace
@@ -24,6 +31,14 @@ from launch_check import conv as conv_module
 HK, HV, D = 2, 8, 128
 DIM = (2 * HK + HV) * D
 BF16 = torch.bfloat16
+DEV = torch.device("meta")   # CUDA's stand-in (module docstring)
+
+
+def _on_dev(factory):
+    return lambda *args, **kw: factory(*args, device=DEV, **kw)
+
+
+randn, rand, zeros, tensor, arange = map(_on_dev, (torch.randn, torch.rand, torch.zeros, torch.tensor, torch.arange))
 
 
 # Hopper, and Blackwell (the same programs built for sm_100a; its prefill runs the v8 stage 2)
@@ -39,12 +54,6 @@ def arch(request):
 def launches(monkeypatch, arch):
     force_tilelang_path(monkeypatch, arch)
     return record_launches(monkeypatch, ARCHS[arch])
-
-
-@pytest.fixture
-def layer_launches(launches, monkeypatch):
-    monkeypatch.setattr(layer_ops, "SLOT_IDS_KERNEL", False)
-    return launches
 
 
 def _names(calls):
@@ -67,13 +76,13 @@ def _assert_precompiled(calls, arch):
 
 
 def _qkv(T, dtype=BF16):
-    return (torch.randn(T, HK, D, dtype=dtype), torch.randn(T, HK, D, dtype=dtype),
-            torch.randn(T, HV, D, dtype=dtype))
+    return (randn(T, HK, D, dtype=dtype), randn(T, HK, D, dtype=dtype),
+            randn(T, HV, D, dtype=dtype))
 
 
 def _raw_gates(T, param_dtype=torch.float32, bias_dtype=None):
-    return dict(a=torch.randn(T, HV, dtype=BF16), b=torch.randn(T, HV, dtype=BF16),
-                A_log=torch.zeros(HV, dtype=param_dtype), dt_bias=torch.zeros(HV, dtype=bias_dtype or param_dtype))
+    return dict(a=randn(T, HV, dtype=BF16), b=randn(T, HV, dtype=BF16),
+                A_log=zeros(HV, dtype=param_dtype), dt_bias=zeros(HV, dtype=bias_dtype or param_dtype))
 
 
 @pytest.mark.parametrize("pool_dtype", [torch.float32, BF16])
@@ -84,14 +93,14 @@ def test_decode(launches, pool_dtype, gates, scale):
     its scale the default 128 ** -0.5 where none is given."""
     B = 3
     q, k, v = _qkv(B)
-    pool = torch.zeros(5, HV, D, D, dtype=pool_dtype)
+    pool = zeros(5, HV, D, D, dtype=pool_dtype)
     if gates == "g_beta":
-        kw = dict(g=-torch.rand(B, HV), beta=torch.rand(B, HV))
+        kw = dict(g=-rand(B, HV), beta=rand(B, HV))
     else:
         param, bias = {"raw_fp32": (torch.float32, None), "raw_bf16": (BF16, None),
                        "raw_mixed": (torch.float32, BF16)}[gates]
         kw = _raw_gates(B, param, bias)
-    qla_serve.gdn_decode(q, k, v, pool, torch.tensor([1, -1, 3], dtype=torch.int32), use_qk_l2norm=True,
+    qla_serve.gdn_decode(q, k, v, pool, tensor([1, -1, 3], dtype=torch.int32), use_qk_l2norm=True,
                          scale=scale, **kw)
     assert [n.split("_hv")[0] for n in _names(launches)] == ["gdn_decode"]
     assert launches[0].args["scale"] == pytest.approx(D ** -0.5 if scale is None else scale)
@@ -105,15 +114,15 @@ def test_kernel_module_default_scale(launches):
 
     N, Dd = 2, 2
     q, k, v = _qkv(N * Dd)
-    pool = torch.zeros(8, HV, D, D)
+    pool = zeros(8, HV, D, D)
     out = torch.empty_like(v)
-    slots, cu = torch.tensor([1, 2], dtype=torch.int32), torch.tensor([0, Dd, 2 * Dd], dtype=torch.int32)
+    slots, cu = tensor([1, 2], dtype=torch.int32), tensor([0, Dd, 2 * Dd], dtype=torch.int32)
     gates = _raw_gates(N * Dd)
-    hopper.decode(q, k, v, pool, torch.arange(N * Dd, dtype=torch.int32), g=None, beta=None, **gates,
+    hopper.decode(q, k, v, pool, arange(N * Dd, dtype=torch.int32), g=None, beta=None, **gates,
                   use_qk_l2norm=True, scale=None, out=out)
-    hopper.verify(q, k, v, pool, slots, cu, torch.zeros(2, Dd, HV, D, D), slots - 1, g=None, beta=None,
+    hopper.verify(q, k, v, pool, slots, cu, zeros(2, Dd, HV, D, D), slots - 1, g=None, beta=None,
                   **gates, use_qk_l2norm=True, scale=None, out=out)
-    hopper.verify_slots(q, k, v, pool, torch.tensor([[1, 2], [3, 4]], dtype=torch.int32), slots, cu, **gates,
+    hopper.verify_slots(q, k, v, pool, tensor([[1, 2], [3, 4]], dtype=torch.int32), slots, cu, **gates,
                         use_qk_l2norm=True, scale=None, out=out)
     assert [c.args["scale"] for c in launches] == [pytest.approx(D ** -0.5)] * 3
 
@@ -123,12 +132,12 @@ def test_verify_then_commit(launches, acc_dtype):
     """gdn_verify into an intermediate buffer, then commit_verified: two launches."""
     N, Dd = 2, 3
     q, k, v = _qkv(N * Dd)
-    pool = torch.zeros(4, HV, D, D)
-    inter = torch.zeros(3, Dd, HV, D, D)
-    cu = torch.tensor([0, Dd, 2 * Dd], dtype=torch.int32)
-    slots, inter_ids = torch.tensor([1, 2], dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32)
+    pool = zeros(4, HV, D, D)
+    inter = zeros(3, Dd, HV, D, D)
+    cu = tensor([0, Dd, 2 * Dd], dtype=torch.int32)
+    slots, inter_ids = tensor([1, 2], dtype=torch.int32), tensor([0, 2], dtype=torch.int32)
     qla_serve.gdn_verify(q, k, v, pool, slots, cu, inter, inter_ids, use_qk_l2norm=True, **_raw_gates(N * Dd))
-    qla_serve.commit_verified(pool, slots, inter, inter_ids, torch.tensor([1, 3], dtype=acc_dtype))
+    qla_serve.commit_verified(pool, slots, inter, inter_ids, tensor([1, 3], dtype=acc_dtype))
     assert [n.split("_hv")[0] for n in _names(launches)] == ["gdn_verify", "commit_verified"]
     assert launches[0].args["scale"] == pytest.approx(D ** -0.5)
 
@@ -137,10 +146,10 @@ def test_verify_slots(launches):
     """vLLM's spec verify straight into per-token pool slots."""
     N, Dd = 2, 3
     q, k, v = _qkv(N * Dd)
-    pool = torch.zeros(8, HV, D, D)
-    spec = torch.tensor([[1, 2, 3], [4, 5, 6]], dtype=torch.int32)
-    layer_ops.gdn_verify_slots(q, k, v, pool, spec, torch.tensor([1, 2], dtype=torch.int32),
-                               torch.tensor([0, 3, 6], dtype=torch.int32), **_raw_gates(N * Dd))
+    pool = zeros(8, HV, D, D)
+    spec = tensor([[1, 2, 3], [4, 5, 6]], dtype=torch.int32)
+    layer_ops.gdn_verify_slots(q, k, v, pool, spec, tensor([1, 2], dtype=torch.int32),
+                               tensor([0, 3, 6], dtype=torch.int32), **_raw_gates(N * Dd))
     assert [n.split("_hv")[0] for n in _names(launches)] == ["gdn_verify_slots"]
 
 
@@ -151,9 +160,9 @@ def test_prefill_inputs_then_prefill(launches, arch, qk_dtype):
     T = sum(lens)
     q, k, v = _qkv(T)
     q2, k2, g, beta = qla_serve.gdn_prefill_inputs(q, k, qk_dtype=qk_dtype, **_raw_gates(T))
-    pool = torch.zeros(4, HV, D, D)
-    plan = qla_serve.plan_prefill(lens, HV, HK, device="cpu", cp="off", arch=arch)
-    qla_serve.gdn_prefill(q2, k2, v, g, beta, pool, torch.tensor([1, 2], dtype=torch.int32), plan)
+    pool = zeros(4, HV, D, D)
+    plan = qla_serve.plan_prefill(lens, HV, HK, device=DEV, cp="off", arch=arch)
+    qla_serve.gdn_prefill(q2, k2, v, g, beta, pool, tensor([1, 2], dtype=torch.int32), plan)
     names = _names(launches)
     assert names[0].startswith("gdn_prefill_inputs") or names[0].startswith("gdn_inputs"), names
     assert any("prep" in n for n in names[1:]) and any("main" in n for n in names[1:]), names
@@ -162,22 +171,22 @@ def test_prefill_inputs_then_prefill(launches, arch, qk_dtype):
 def test_layer_conv_ops(launches):
     """The layer ops' conv launches outside a layer call: decode, spec window, SGLang's verify
     window, the prefill checkpoints' windows."""
-    w, bias = torch.randn(DIM, 4, dtype=BF16), torch.randn(DIM, dtype=BF16)
-    conv_state = torch.zeros(6, DIM, 3 + 2, dtype=BF16)
-    x = torch.randn(3, DIM, dtype=BF16)
-    ids = torch.tensor([1, 2, 3], dtype=torch.int32)
+    w, bias = randn(DIM, 4, dtype=BF16), randn(DIM, dtype=BF16)
+    conv_state = zeros(6, DIM, 3 + 2, dtype=BF16)
+    x = randn(3, DIM, dtype=BF16)
+    ids = tensor([1, 2, 3], dtype=torch.int32)
     layer_ops.causal_conv_decode(x, conv_state, ids, conv_weight=w, conv_bias=bias, num_v_heads=HV)
-    layer_ops.causal_conv_spec(x, conv_state, ids[:1], torch.tensor([1], dtype=torch.int32),
-                               torch.tensor([0, 3], dtype=torch.int32), conv_weight=w, conv_bias=None,
+    layer_ops.causal_conv_spec(x, conv_state, ids[:1], tensor([1], dtype=torch.int32),
+                               tensor([0, 3], dtype=torch.int32), conv_weight=w, conv_bias=None,
                                num_v_heads=HV, draft=3)
-    sg_state = torch.zeros(6, DIM, 3, dtype=BF16)
-    windows = torch.zeros(2, 3, DIM, 3, dtype=BF16)
-    layer_ops.causal_conv_verify(x, sg_state, ids[:1], windows, torch.tensor([1], dtype=torch.int32),
+    sg_state = zeros(6, DIM, 3, dtype=BF16)
+    windows = zeros(2, 3, DIM, 3, dtype=BF16)
+    layer_ops.causal_conv_verify(x, sg_state, ids[:1], windows, tensor([1], dtype=torch.int32),
                                  conv_weight=w, conv_bias=bias, num_v_heads=HV, draft=3)
-    xp = torch.randn(130, DIM, dtype=BF16)
-    layer_ops.causal_conv_checkpoints(xp, sg_state, torch.tensor([4, 5], dtype=torch.int32),
-                                      torch.tensor([2, 0], dtype=torch.int32),
-                                      torch.tensor([0, 129, 130], dtype=torch.int32), width=4, num_v_heads=HV)
+    xp = randn(130, DIM, dtype=BF16)
+    layer_ops.causal_conv_checkpoints(xp, sg_state, tensor([4, 5], dtype=torch.int32),
+                                      tensor([2, 0], dtype=torch.int32),
+                                      tensor([0, 129, 130], dtype=torch.int32), width=4, num_v_heads=HV)
     kinds = [n.split("_hv")[0] for n in _names(launches)]
     assert kinds[:3] == ["gdn_conv_decode", "gdn_conv_spec", "gdn_conv_verify"], kinds
     assert "gdn_conv_prefill_state" in kinds[3:], kinds
@@ -187,35 +196,31 @@ def test_layer_conv_ops(launches):
 def test_slot_ids(launches, dtype):
     """The step's slot ids, one launch per kind: decode rows, prefill sequences (with
     cu_seqlens), spec rows [Ns, D]."""
-    layer_ops.slot_ids(torch.tensor([3, 0, 5], dtype=dtype), 0)
-    layer_ops.slot_ids(torch.tensor([3, 0], dtype=dtype), 0, cu_seqlens=torch.tensor([0, 4, 4], dtype=torch.int32))
-    layer_ops.slot_ids(torch.tensor([[1, 2, 3], [0, 0, 0]], dtype=dtype), 0)
+    layer_ops.slot_ids(tensor([3, 0, 5], dtype=dtype), 0)
+    layer_ops.slot_ids(tensor([3, 0], dtype=dtype), 0, cu_seqlens=tensor([0, 4, 4], dtype=torch.int32))
+    layer_ops.slot_ids(tensor([[1, 2, 3], [0, 0, 0]], dtype=dtype), 0)
     assert [n.split("_hv")[0] for n in _names(launches)] == [
         f"gdn_slot_ids_{kind}_{str(dtype).split('.')[1]}" for kind in ("rows", "seqs", "spec")]
 
 
-# The layer tests below derive the step's slot ids with torch (layer_ops.SLOT_IDS_KERNEL off): the
-# layer's argument checks read the ids on a CPU, and a recorded launch writes none.
-# test_slot_ids covers that kernel's launches.
-
 def _cache(slots, dtype=torch.float32, spec_cols=0):
     """vLLM's layer cache shape per slot: a conv window [DIM, W - 1 + spec] and a state."""
-    return torch.zeros(slots, DIM, 3 + spec_cols, dtype=BF16), torch.zeros(slots, HV, D, D, dtype=dtype)
+    return zeros(slots, DIM, 3 + spec_cols, dtype=BF16), zeros(slots, HV, D, D, dtype=dtype)
 
 
 def _layer(step, T, conv, ssm):
-    w, bias = torch.randn(DIM, 4, dtype=BF16), torch.randn(DIM, dtype=BF16)
-    x, a, b = torch.randn(T, DIM, dtype=BF16), torch.randn(T, HV, dtype=BF16), torch.randn(T, HV, dtype=BF16)
-    out = torch.zeros(T, HV, D, dtype=BF16)
+    w, bias = randn(DIM, 4, dtype=BF16), randn(DIM, dtype=BF16)
+    x, a, b = randn(T, DIM, dtype=BF16), randn(T, HV, dtype=BF16), randn(T, HV, dtype=BF16)
+    out = zeros(T, HV, D, dtype=BF16)
     GL.gdn_layer_forward(step, x, a, b, conv_weight=w, conv_bias=bias, activation="silu", conv_state=conv,
-                         ssm_state=ssm, A_log=torch.zeros(HV), dt_bias=torch.zeros(HV, dtype=BF16),
+                         ssm_state=ssm, A_log=zeros(HV), dt_bias=zeros(HV, dtype=BF16),
                          num_k_heads=HK, out=out)
 
 
 # (gdn_layer.MIXED_CONV, conv.WINDOW_CTAS): the defaults, then each module switch's other form
 @pytest.mark.parametrize("mixed_conv,window_ctas", [(True, True), (False, True), (True, False)])
 @pytest.mark.parametrize("pool_dtype", [torch.float32, BF16])
-def test_layer_mixed_step(layer_launches, arch, monkeypatch, pool_dtype, mixed_conv, window_ctas):
+def test_layer_mixed_step(launches, arch, monkeypatch, pool_dtype, mixed_conv, window_ctas):
     """vLLM's non-spec step, decodes then prefills (one with a checkpoint): the conv (the decodes'
     in the prefill conv's launch, or conv_decode apart; the conv-state write-back by the window
     CTAs, or conv_window after the conv), the prefill core, the decode."""
@@ -225,36 +230,37 @@ def test_layer_mixed_step(layer_launches, arch, monkeypatch, pool_dtype, mixed_c
     lens = [70, 150]
     T = 2 + sum(lens)
     step = GL.make_step_plan(
-        num_actual_tokens=T, num_v_heads=HV, num_k_heads=HK, conv_width=4, device="cpu",
-        decode_slots=torch.tensor([3, 7], dtype=torch.int32), prefill_lens=lens,
-        prefill_slots=torch.tensor([5, 9], dtype=torch.int32),
-        prefill_has_initial_state=torch.tensor([False, True]),
-        prefill_checkpoint_chunks=[1, 2], prefill_checkpoint_slots=torch.tensor([10, 11], dtype=torch.int32))
+        num_actual_tokens=T, num_v_heads=HV, num_k_heads=HK, conv_width=4, device=DEV,
+        decode_slots=tensor([3, 7], dtype=torch.int32), prefill_lens=lens,
+        prefill_slots=tensor([5, 9], dtype=torch.int32),
+        prefill_has_initial_state=tensor([False, True]),
+        prefill_checkpoint_chunks=[1, 2], prefill_checkpoint_slots=tensor([10, 11], dtype=torch.int32))
     _layer(step, T, conv, ssm)
-    kinds = [n.split("_hv")[0] for n in _names(layer_launches)]
+    kinds = [n.split("_hv")[0] for n in _names(launches)]
+    assert kinds[:2] == ["gdn_slot_ids_rows_int32", "gdn_slot_ids_seqs_int32"], kinds   # decodes, prefills
     assert "gdn_conv_prefill" in kinds and "gdn_decode" in kinds, kinds
     assert ("gdn_conv_decode" in kinds) == (not (mixed_conv and window_ctas)), kinds
     assert "gdn_conv_prefill_state" in kinds, kinds   # the checkpoints' windows (and without window CTAs the write-back)
     assert any("prep" in n for n in kinds) and any("main" in n for n in kinds), kinds
     if mixed_conv and window_ctas:   # the defaults; a switch's other form is a tuning form, built on first use
-        _assert_precompiled(layer_launches, arch)
+        _assert_precompiled(launches, arch)
 
 
 @pytest.mark.parametrize("decodes", [1, 64, 256])
-def test_layer_decode_step(layer_launches, arch, decodes):
+def test_layer_decode_step(launches, arch, decodes):
     """A decode-only step: the conv, then the decode (its dependent form while decodes x v-heads
     <= 256, gdn_layer's rule)."""
     conv, ssm = _cache(decodes + 1)
     step = GL.make_step_plan(num_actual_tokens=decodes, num_v_heads=HV, num_k_heads=HK, conv_width=4,
-                             device="cpu", decode_slots=torch.arange(1, decodes + 1, dtype=torch.int32))
+                             device=DEV, decode_slots=arange(1, decodes + 1, dtype=torch.int32))
     _layer(step, decodes, conv, ssm)
-    names = _names(layer_launches)
-    assert [n.split("_hv")[0] for n in names][-2:] == ["gdn_conv_decode", "gdn_decode"], names
+    names = _names(launches)
+    assert [n.split("_hv")[0] for n in names] == ["gdn_slot_ids_rows_int32", "gdn_conv_decode", "gdn_decode"], names
     assert names[-1].endswith("_pdl") == (decodes * HV <= 256), names[-1]
-    _assert_precompiled(layer_launches, arch)
+    _assert_precompiled(launches, arch)
 
 
-def test_layer_spec_step_with_prefill(layer_launches, arch):
+def test_layer_spec_step_with_prefill(launches, arch):
     """vLLM's spec step beside a prefill: conv_spec then verify_slots, and the prefill's chain."""
     Dd = 3
     conv, ssm = _cache(20, spec_cols=Dd - 1)
@@ -262,17 +268,18 @@ def test_layer_spec_step_with_prefill(layer_launches, arch):
     Ts, T = sum(spec_lens), sum(spec_lens) + sum(pre_lens)
     perm = torch.randperm(T, generator=torch.Generator().manual_seed(0))
     step = GL.make_step_plan(
-        num_actual_tokens=T, num_v_heads=HV, num_k_heads=HK, conv_width=4, device="cpu",
-        prefill_lens=pre_lens, prefill_slots=torch.tensor([2], dtype=torch.int32),
-        prefill_has_initial_state=torch.tensor([True]),
-        spec_slots=torch.tensor([[4, 5, 6], [10, 11, 12]], dtype=torch.int32),
-        spec_cu_seqlens=torch.tensor([0, 3, 5], dtype=torch.int32),
-        num_accepted=torch.tensor([2, 1], dtype=torch.int32), num_spec_tokens=Ts,
-        spec_token_idx=perm[:Ts].sort().values.int(), non_spec_token_idx=perm[Ts:].sort().values.int())
+        num_actual_tokens=T, num_v_heads=HV, num_k_heads=HK, conv_width=4, device=DEV,
+        prefill_lens=pre_lens, prefill_slots=tensor([2], dtype=torch.int32),
+        prefill_has_initial_state=tensor([True]),
+        spec_slots=tensor([[4, 5, 6], [10, 11, 12]], dtype=torch.int32),
+        spec_cu_seqlens=tensor([0, 3, 5], dtype=torch.int32),
+        num_accepted=tensor([2, 1], dtype=torch.int32), num_spec_tokens=Ts,
+        spec_token_idx=perm[:Ts].sort().values.int().to(DEV),
+        non_spec_token_idx=perm[Ts:].sort().values.int().to(DEV))
     _layer(step, T, conv, ssm)
-    kinds = [n.split("_hv")[0] for n in _names(layer_launches)]
+    kinds = [n.split("_hv")[0] for n in _names(launches)]
     assert "gdn_conv_spec" in kinds and "gdn_verify_slots" in kinds and "gdn_conv_prefill" in kinds, kinds
-    _assert_precompiled(layer_launches, arch)
+    _assert_precompiled(launches, arch)
 
 
 @pytest.mark.parametrize("requests", [2, 16])
@@ -283,15 +290,15 @@ def test_sglang_verify_step(launches, arch, requests):
     from qla_serve.backends.sglang.verify_layer import AFTER_CONV_MAX_ROWS
 
     Dd, N = 3, requests
-    w = torch.randn(DIM, 4, dtype=BF16)
-    conv_state, windows = torch.zeros(N + 1, DIM, 3, dtype=BF16), torch.zeros(N + 1, Dd, DIM, 3, dtype=BF16)
-    pool, inter = torch.zeros(N + 1, HV, D, D), torch.zeros(N + 1, Dd, HV, D, D)
-    ids = torch.arange(1, N + 1, dtype=torch.int32)
-    y = layer_ops.causal_conv_verify(torch.randn(N * Dd, DIM, dtype=BF16), conv_state, ids, windows, ids,
+    w = randn(DIM, 4, dtype=BF16)
+    conv_state, windows = zeros(N + 1, DIM, 3, dtype=BF16), zeros(N + 1, Dd, DIM, 3, dtype=BF16)
+    pool, inter = zeros(N + 1, HV, D, D), zeros(N + 1, Dd, HV, D, D)
+    ids = arange(1, N + 1, dtype=torch.int32)
+    y = layer_ops.causal_conv_verify(randn(N * Dd, DIM, dtype=BF16), conv_state, ids, windows, ids,
                                      conv_weight=w, num_v_heads=HV, draft=Dd)
     heads = y.view(N * Dd, 2 * HK + HV, D)
     qla_serve.gdn_verify(heads[:, :HK], heads[:, HK:2 * HK], heads[:, 2 * HK:], pool, ids,
-                         torch.arange(0, N * Dd + 1, Dd, dtype=torch.int32), inter, ids, use_qk_l2norm=True,
+                         arange(0, N * Dd + 1, Dd, dtype=torch.int32), inter, ids, use_qk_l2norm=True,
                          scale=D ** -0.5, _after_conv=N * HV <= AFTER_CONV_MAX_ROWS, **_raw_gates(N * Dd))
     names = _names(launches)
     assert [n.split("_hv")[0] for n in names] == ["gdn_conv_verify", "gdn_verify"], names
@@ -302,49 +309,50 @@ def test_sglang_verify_step(launches, arch, requests):
 def _sglang_layer():
     """The attributes backends/sglang reads from SGLang 0.5.23's RadixLinearAttention (the
     stand-ins of tests/backends/sglang_plugin/test_{decode,extend}_layer.py)."""
-    return SimpleNamespace(layer_id=3, conv_weights=torch.randn(DIM, 4, dtype=BF16), bias=None, activation="silu",
-                           num_k_heads=HK, num_v_heads=HV, head_k_dim=D, A_log=torch.zeros(HV),
-                           dt_bias=torch.zeros(HV, dtype=BF16))
+    return SimpleNamespace(layer_id=3, conv_weights=randn(DIM, 4, dtype=BF16), bias=None, activation="silu",
+                           num_k_heads=HK, num_v_heads=HV, head_k_dim=D, A_log=zeros(HV),
+                           dt_bias=zeros(HV, dtype=BF16))
 
 
 @pytest.mark.parametrize("pool_dtype", [torch.float32, BF16])
-def test_sglang_decode_and_extend_steps(layer_launches, arch, pool_dtype):
+def test_sglang_decode_and_extend_steps(launches, arch, pool_dtype):
     """SGLang's decode and extend steps as the plugin runs them (backends/sglang/decode_layer.py,
     extend_layer.py), on SGLang's conv cache [size + 1, dim, W - 1] and temporal pool."""
     from qla_serve.backends.sglang import decode_layer, extend_layer
     from qla_serve.backends.sglang.kernel import ExtendBatch
 
-    conv, ssm = torch.zeros(24, DIM, 3, dtype=BF16), torch.zeros(24, HV, D, D, dtype=pool_dtype)
+    conv, ssm = zeros(24, DIM, 3, dtype=BF16), zeros(24, HV, D, D, dtype=pool_dtype)
     cache, layer = SimpleNamespace(conv=[conv], temporal=ssm), _sglang_layer()
-    ids = torch.tensor([5, 0, 17, -1], dtype=torch.int32)
+    ids = tensor([5, 0, 17, -1], dtype=torch.int32)
     backend = SimpleNamespace(
         forward_metadata=SimpleNamespace(mamba_cache_indices=ids, replayssm_write_pos=None),
         req_to_token_pool=SimpleNamespace(mamba2_layer_cache=lambda layer_id: cache),
         _track_mamba_state_decode=lambda *args: None)
-    x, a, b = torch.randn(4, DIM, dtype=BF16), torch.randn(4, HV, dtype=BF16), torch.randn(4, HV, dtype=BF16)
+    x, a, b = randn(4, DIM, dtype=BF16), randn(4, HV, dtype=BF16), randn(4, HV, dtype=BF16)
     decode_layer.forward_decode(backend, layer, None, x, a, b)
-    decoded = len(layer_launches)
-    assert [n.split("_hv")[0] for n in _names(layer_launches)] == ["gdn_conv_decode", "gdn_decode"]
+    decoded = len(launches)
+    assert [n.split("_hv")[0] for n in _names(launches)] == ["gdn_slot_ids_rows_int32", "gdn_conv_decode",
+                                                            "gdn_decode"]
 
     lens = [37, 130]
-    qsl = torch.tensor([0, 37, 167], dtype=torch.int32)
+    qsl = tensor([0, 37, 167], dtype=torch.int32)
     backend = SimpleNamespace(forward_metadata=SimpleNamespace(mamba_cache_indices=ids[:2] + 1, query_start_loc=qsl))
-    fb = SimpleNamespace(extend_prefix_lens=torch.tensor([0, 12], dtype=torch.int32))
+    fb = SimpleNamespace(extend_prefix_lens=tensor([0, 12], dtype=torch.int32))
     T = sum(lens) + 3
-    x, a, b = torch.randn(T, DIM, dtype=BF16), torch.randn(T, HV, dtype=BF16), torch.randn(T, HV, dtype=BF16)
+    x, a, b = randn(T, DIM, dtype=BF16), randn(T, HV, dtype=BF16), randn(T, HV, dtype=BF16)
     extend_layer.forward_extend(backend, layer, fb, x, a, b, ExtendBatch(query_start_loc=qsl, seq_lens=lens,
                                                                            num_tokens=sum(lens)), cache)
-    kinds = [n.split("_hv")[0] for n in _names(layer_launches[decoded:])]
-    assert kinds[0] == "gdn_conv_prefill" and any("main" in n for n in kinds), kinds
-    _assert_precompiled(layer_launches, arch)
+    kinds = [n.split("_hv")[0] for n in _names(launches[decoded:])]
+    assert kinds[:2] == ["gdn_slot_ids_seqs_int32", "gdn_conv_prefill"] and "gdn_prefill_main" in kinds, kinds
+    _assert_precompiled(launches, arch)
 
 
 def test_the_check_fails_on_a_wrong_launch(launches):
     """The checker itself: a launch with two arguments swapped, one dropped, a wrong dtype or a
     shape that disagrees with another argument's is refused, naming the parameter."""
     q, k, v = _qkv(2)
-    pool = torch.zeros(3, HV, D, D)
-    qla_serve.gdn_decode(q, k, v, pool, torch.tensor([0, 1], dtype=torch.int32), **_raw_gates(2))
+    pool = zeros(3, HV, D, D)
+    qla_serve.gdn_decode(q, k, v, pool, tensor([0, 1], dtype=torch.int32), **_raw_gates(2))
     (call,) = launches
     args = list(call.args.values())
     check_arguments(call.program, tuple(args), "as launched")
