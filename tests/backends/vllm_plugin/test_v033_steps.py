@@ -254,3 +254,37 @@ def test_checkpoint_alignment_by_prefill_path(mode, path, declares, monkeypatch)
     cfg = types.SimpleNamespace(cache_config=types.SimpleNamespace(mamba_cache_mode=mode),
                                 model_config=types.SimpleNamespace(dtype=torch.bfloat16))
     assert vllm_layer.writes_checkpoints(cfg) is declares
+
+
+def test_step_builder_reads_no_device_value():
+    """The adapter's step builder on vLLM 0.33's metadata reads only vLLM's host copies
+    (``query_start_loc_cpu``, ``spec_sequence_masks_cpu``, ``seq_lens_cpu_upper_bound``, the
+    checkpoint's ``offsets``): with every device tensor on the meta device (no values, so a host
+    read, i.e. a GPU sync, raises), the step of vLLM's GPU defaults (MTP beside a chunked prefill
+    writing a checkpoint, as in the test above) still builds, its device tensors on that device."""
+    meta = torch.device("meta")
+    spec_mask = torch.tensor([True, True, False, False])
+    cu = [0, 3, 5, 6, 156]
+    block_table = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 0, 0], [9, 0, 0]], dtype=torch.int32)
+    ck = types.SimpleNamespace(offsets=[0, 128], checkpoint_offsets=torch.tensor([0, 128], dtype=torch.int32).to(meta),
+                               state_indices=torch.tensor([NULL, 11], dtype=torch.int32).to(meta))
+    md = types.SimpleNamespace(
+        checkpoint=ck, num_prefills=2, num_decodes=0, num_spec_decodes=2, num_spec_decode_tokens=5,
+        num_actual_tokens=cu[-1], spec_sequence_masks_cpu=spec_mask,
+        spec_state_indices_tensor=block_table[spec_mask].to(meta),
+        spec_query_start_loc=torch.tensor([0, 3, 5], dtype=torch.int32).to(meta),
+        num_accepted_tokens=torch.tensor([2, 1], dtype=torch.int32).to(meta),
+        non_spec_state_indices_tensor=block_table[~spec_mask, 0].to(meta),
+        prefill_state_indices=block_table[~spec_mask, 0].to(meta),
+        prefill_has_initial_state=torch.tensor([True, False]).to(meta),
+        spec_token_indx=torch.arange(0, 5).to(meta), non_spec_token_indx=torch.arange(5, cu[-1]).to(meta))
+    m = types.SimpleNamespace(query_start_loc_cpu=torch.tensor(cu, dtype=torch.int32), num_reqs=4,
+                              seq_lens_cpu_upper_bound=torch.tensor([40, 30, 20, 150]))
+    builder = types.SimpleNamespace(qla_num_v_heads=HV, qla_num_k_heads=HK, qla_conv_width=W, device=meta,
+                                    qla_cp="auto")
+    step = QlaGDNMetadataBuilder._qla_step(builder, md, m)
+    assert step.prefill_plan.seq_lens == (1, 150) and step.num_spec_decodes == 2
+    assert {step.prefill_checkpoint_chunks.device, step.ids("prefill_checkpoint").device,
+            step.ids("spec").device} == {meta}
+    with pytest.raises(NotImplementedError, match="meta"):   # what a host read of a device value does here
+        step.ids("spec").tolist()
