@@ -284,25 +284,29 @@ def test_layer_spec_step_with_prefill(launches, arch):
 
 @pytest.mark.parametrize("requests", [2, 16])
 def test_sglang_verify_step(launches, arch, requests):
-    """SGLang's target-verify step as backends/sglang/verify_layer.forward_verify composes it:
-    conv_verify, then gdn_verify on strided q | k | v views of the conv output, as the conv's
-    dependent launch up to AFTER_CONV_MAX_ROWS rows (requests x v-heads; 16 x 8 is past it)."""
-    from qla_serve.backends.sglang.verify_layer import AFTER_CONV_MAX_ROWS
+    """SGLang's target-verify step through the plugin's backends/sglang/verify_layer.forward_verify:
+    the step's ids (slot ids: one launch), conv_verify, then gdn_verify on strided q | k | v views
+    of the conv output, as the conv's dependent launch up to AFTER_CONV_MAX_ROWS rows (requests x
+    v-heads; 16 x 8 is past it). ``select_rows`` stands in for SGLang's
+    select_verify_intermediate_state_indices without pp_spec_stable_rows (its default rows), as in
+    tests/backends/sglang_plugin/test_verify_layer.py."""
+    from qla_serve.backends.sglang.verify_layer import AFTER_CONV_MAX_ROWS, forward_verify
 
     Dd, N = 3, requests
-    w = randn(DIM, 4, dtype=BF16)
-    conv_state, windows = zeros(N + 1, DIM, 3, dtype=BF16), zeros(N + 1, Dd, DIM, 3, dtype=BF16)
-    pool, inter = zeros(N + 1, HV, D, D), zeros(N + 1, Dd, HV, D, D)
-    ids = arange(1, N + 1, dtype=torch.int32)
-    y = layer_ops.causal_conv_verify(randn(N * Dd, DIM, dtype=BF16), conv_state, ids, windows, ids,
-                                     conv_weight=w, num_v_heads=HV, draft=Dd)
-    heads = y.view(N * Dd, 2 * HK + HV, D)
-    qla_serve.gdn_verify(heads[:, :HK], heads[:, HK:2 * HK], heads[:, 2 * HK:], pool, ids,
-                         arange(0, N * Dd + 1, Dd, dtype=torch.int32), inter, ids, use_qk_l2norm=True,
-                         scale=D ** -0.5, _after_conv=N * HV <= AFTER_CONV_MAX_ROWS, **_raw_gates(N * Dd))
+    cache = SimpleNamespace(conv=[zeros(N + 1, DIM, 3, dtype=BF16)], temporal=zeros(N + 1, HV, D, D),
+                            intermediate_ssm=zeros(N + 1, Dd, HV, D, D),
+                            intermediate_conv_window=[zeros(N + 1, Dd, DIM, 3, dtype=BF16)])
+    layer = _sglang_layer()
+    meta = SimpleNamespace(mamba_cache_indices=arange(1, N + 1, dtype=torch.int32),
+                           query_start_loc=arange(0, (N + 1) * Dd, Dd, dtype=torch.int32))
+    backend = SimpleNamespace(forward_metadata=meta, verify_intermediate_state_indices=arange(N + 1, dtype=torch.int32),
+                              req_to_token_pool=SimpleNamespace(size=N + 1))
+    fb = SimpleNamespace(spec_info=SimpleNamespace(draft_token_num=Dd), req_pool_indices=arange(N))
+    forward_verify(backend, layer, fb, randn(N * Dd, DIM, dtype=BF16), randn(N * Dd, HV, dtype=BF16),
+                   randn(N * Dd, HV, dtype=BF16), cache, select_rows=lambda rows, req, valid, size: rows)
     names = _names(launches)
-    assert [n.split("_hv")[0] for n in names] == ["gdn_conv_verify", "gdn_verify"], names
-    assert names[1].endswith("_pdl") == (N * HV <= AFTER_CONV_MAX_ROWS), names
+    assert [n.split("_hv")[0] for n in names] == ["gdn_slot_ids_rows_int32", "gdn_conv_verify", "gdn_verify"], names
+    assert names[-1].endswith("_pdl") == (N * HV <= AFTER_CONV_MAX_ROWS), names
     _assert_precompiled(launches, arch)
 
 
