@@ -246,6 +246,24 @@ def test_layer_mixed_step(launches, arch, monkeypatch, pool_dtype, mixed_conv, w
         _assert_precompiled(launches, arch)
 
 
+# bench layer's long rows: the planner cuts them into segments (context parallelism)
+@pytest.mark.parametrize("lens", [[32768], [8192] * 4, [2048, 1024, 4096, 512, 512]], ids=["1x32768", "4x8192", "mixed"])
+def test_layer_long_prefill_step(launches, arch, lens):
+    """A prefill step the planner runs with context parallelism: the conv, stage 1, the warmup
+    finder, the maps pass, the scan and the output pass."""
+    conv, ssm = _cache(len(lens) + 1)
+    T = sum(lens)
+    step = GL.make_step_plan(num_actual_tokens=T, num_v_heads=HV, num_k_heads=HK, conv_width=4, device=DEV,
+                             prefill_lens=lens, prefill_slots=arange(1, len(lens) + 1, dtype=torch.int32),
+                             prefill_has_initial_state=tensor([True] * len(lens)))
+    assert step.prefill_plan.strategy == "cp"
+    _layer(step, T, conv, ssm)
+    kinds = [n.split("_hv")[0] for n in _names(launches)]
+    assert kinds[:3] == ["gdn_slot_ids_seqs_int32", "gdn_conv_prefill", "gdn_prefill_prep"], kinds
+    assert "gdn_prefill_cp_scan" in kinds and kinds.count("gdn_prefill_main") == 2, kinds
+    _assert_precompiled(launches, arch)
+
+
 @pytest.mark.parametrize("decodes", [1, 64, 256])
 def test_layer_decode_step(launches, arch, decodes):
     """A decode-only step: the conv, then the decode (its dependent form while decodes x v-heads
