@@ -1,10 +1,14 @@
 """The Python glue of one GDN layer call (`gdn_layer_forward`), every kernel launch a no-op.
 
-    python benchmarks/layer_glue_host.py [--root DIR] [--calls 2000]
+    python benchmarks/layer_glue_host.py [--root DIR] [--calls 2000] [--to-launch]
 
 Runs on any machine (CPU tensors; the ops' path dispatch answers "tilelang" and launches nothing),
 so a host-time change of a few microseconds shows, which the lent H200's host hides in its
-run-to-run noise (30-50%: benchmarks/h200_validation.md, session 29). ``--root``: the checkout
+run-to-run noise (30-50%: benchmarks/h200_validation.md, session 29). ``--to-launch``: down to
+the raw launch instead, the kernel modules' host code included (variant lookup, alignment
+checks, argument lists; the TileLang programs are never compiled and the launch function does
+nothing: tests/kernels/launch_check.py's stand-ins), on meta-device tensors (CUDA's stand-in: no
+values, so no CPU-only value checks). ``--root``: the checkout
 whose qla_serve to import (e.g. an older commit unpacked with `git archive REV qla_serve | tar -x
 -C DIR`), to compare two trees in turn. Per row (2/8 heads: one decode, 16 x 512 prefill, 32
 decodes + 4 x 512): the median over ``--calls`` calls as a step's later layer (its checks passed)
@@ -20,32 +24,56 @@ from pathlib import Path
 ROWS = {"d1": (1, []), "16x512": (0, [512] * 16), "d32+4x512": (32, [512] * 4)}
 
 
-def _case(GL, torch, decodes, lens, hk=2, hv=8, head=128, width=4):
-    """A layer call on zero CPU tensors of the row's shapes, and its step."""
+def _case(GL, torch, decodes, lens, hk=2, hv=8, head=128, width=4, device="cpu"):
+    """A layer call on zero tensors of the row's shapes, and its step."""
     dim = (2 * hk + hv) * head
     T = decodes + sum(lens)
     kw = {}
     if decodes:
-        kw["decode_slots"] = torch.arange(1, decodes + 1, dtype=torch.int32)
+        kw["decode_slots"] = torch.arange(1, decodes + 1, dtype=torch.int32, device=device)
     if lens:
-        kw.update(prefill_lens=lens, prefill_slots=torch.arange(decodes + 1, decodes + 1 + len(lens), dtype=torch.int32),
-                  prefill_has_initial_state=torch.ones(len(lens), dtype=torch.bool))
-    step = GL.make_step_plan(num_actual_tokens=T, num_v_heads=hv, num_k_heads=hk, conv_width=width, device="cpu", **kw)
-    n = {"decode": decodes, "prefill": len(lens)}
-    step._derive = lambda kind: torch.arange(1, n[kind] + 1, dtype=torch.int32)   # no slot-id launch either
+        kw.update(prefill_lens=lens,
+                  prefill_slots=torch.arange(decodes + 1, decodes + 1 + len(lens), dtype=torch.int32, device=device),
+                  prefill_has_initial_state=torch.ones(len(lens), dtype=torch.bool, device=device))
+    step = GL.make_step_plan(num_actual_tokens=T, num_v_heads=hv, num_k_heads=hk, conv_width=width, device=device, **kw)
+    if device == "cpu":
+        n = {"decode": decodes, "prefill": len(lens)}
+        step._derive = lambda kind: torch.arange(1, n[kind] + 1, dtype=torch.int32)   # no slot-id launch either
     bf16 = torch.bfloat16
-    x, a, b = torch.zeros(T, dim, dtype=bf16), torch.zeros(T, hv, dtype=bf16), torch.zeros(T, hv, dtype=bf16)
-    args = dict(conv_weight=torch.zeros(dim, width, dtype=bf16), conv_bias=torch.zeros(dim, dtype=bf16),
-                activation="silu", conv_state=torch.zeros(64, dim, width - 1, dtype=bf16),
-                ssm_state=torch.zeros(64, hv, head, head), A_log=torch.zeros(hv), dt_bias=torch.zeros(hv),
-                num_k_heads=hk, out=torch.zeros(T, hv, head, dtype=bf16))
+
+    def zeros(*shape, dtype=bf16):
+        return torch.zeros(*shape, dtype=dtype, device=device)
+    x, a, b = zeros(T, dim), zeros(T, hv), zeros(T, hv)
+    args = dict(conv_weight=zeros(dim, width), conv_bias=zeros(dim), activation="silu",
+                conv_state=zeros(64, dim, width - 1), ssm_state=zeros(64, hv, head, head, dtype=torch.float32),
+                A_log=zeros(hv, dtype=torch.float32), dt_bias=zeros(hv, dtype=torch.float32), num_k_heads=hk,
+                out=zeros(T, hv, head))
     return (lambda: GL.gdn_layer_forward(step, x, a, b, **args)), step
+
+
+def _no_op_launches(root: str) -> None:
+    """The ops on the TileLang path down to a raw launch function that does nothing (the CPU launch
+    tests' stand-ins, tests/kernels/launch_check.py, with the argument check left out)."""
+    from pathlib import Path as _P
+
+    import pytest
+
+    sys.path.insert(0, str(_P(root) / "tests" / "kernels"))
+    import launch_check
+
+    mp = pytest.MonkeyPatch()
+    launch_check.force_tilelang_path(mp)
+    launch_check.record_launches(mp)
+    for mod in (launch_check.common, launch_check.prefill_api):
+        mp.setattr(mod, "raw_function", lambda kernel, name: (lambda *args: None))
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--root", default=str(Path(__file__).resolve().parent.parent))
     p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--to-launch", action="store_true",
+                   help="time the kernel modules' host code too (no-op raw launches, meta tensors)")
     args = p.parse_args()
     sys.path.insert(0, args.root)
     import torch
@@ -54,13 +82,18 @@ def main() -> None:
     from qla_serve import layer_ops, ops
     from qla_serve.backends import gdn_layer as GL
 
-    print(f"qla_serve from {Path(qla_serve.__file__).parent}")
-    ops._run = lambda *a, **k: "tilelang"
-    layer_ops._run = lambda *a, **k: None
-    # the layer key is None for CPU slot ids (values checked on every call): key by metadata alone
-    GL._layer_key = lambda step, tensors, scalars: ("gdn_layer", *scalars, *map(ops._metadata, tensors))
+    print(f"qla_serve from {Path(qla_serve.__file__).parent}" + (", down to the raw launch" if args.to_launch else ""))
+    device = "cpu"
+    if args.to_launch:
+        device = "meta"
+        _no_op_launches(args.root)
+    else:
+        ops._run = lambda *a, **k: "tilelang"
+        layer_ops._run = lambda *a, **k: None
+        # the layer key is None for CPU slot ids (values checked on every call): key by metadata alone
+        GL._layer_key = lambda step, tensors, scalars: ("gdn_layer", *scalars, *map(ops._metadata, tensors))
     for name, (decodes, lens) in ROWS.items():
-        call, step = _case(GL, torch, decodes, lens)
+        call, step = _case(GL, torch, decodes, lens, device=device)
         call()
         res = []
         for first in (False, True):
