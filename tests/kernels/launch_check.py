@@ -2,7 +2,7 @@
 they would run (a helper of tests/kernels, not a test module).
 
 :func:`record_launches` swaps two things, so that every launch path above them runs for real on
-CPU tensors: ``tilelang.compile`` returns the TileLang program it was given instead of compiling
+CPU or meta-device tensors: ``tilelang.compile`` returns the TileLang program it was given instead of compiling
 it (each module's own ``build`` picks that program from the variant, as on the GPU), and the raw
 launch function (raw_launch.raw_function) becomes a checker of that program's parameters. Each
 launch is then matched, by position, against the program's parameters, as the tvm-ffi host
@@ -108,7 +108,8 @@ def check_arguments(func, args: tuple, label: str) -> dict:
                                  f"got shape {list(arg.shape)}")
         for i, extent in enumerate(buf.shape):
             _match(label, f"{name}.shape[{i}]", extent, arg.shape[i], bound, pending)
-        # a stride only matters along a dimension of more than one element (torch leaves others free)
+        # a stride only matters along a dimension of more than one element (torch leaves others
+        # free; not checking them can miss a mismatch there, never report a false one)
         strides = list(buf.strides) or _compact_strides(buf.shape)
         for i, stride in enumerate(strides):
             if arg.shape[i] > 1:
@@ -156,7 +157,7 @@ def record_launches(monkeypatch, target: str = "sm_90a") -> list[Launch]:
 
 def force_tilelang_path(monkeypatch, arch: str = "sm90") -> None:
     """Dispatch the public ops and the layer ops to the TileLang kernel module of ``arch``
-    ("sm90" or "sm100") on CPU tensors (on a CPU the path selection answers "reference")."""
+    ("sm90" or "sm100") on CPU or meta tensors (where the path selection answers "reference")."""
     from qla_serve import layer_ops, ops
 
     monkeypatch.setattr(ops, "_path", lambda op, device, io_dtype: "tilelang")
