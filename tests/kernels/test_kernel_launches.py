@@ -63,15 +63,15 @@ def _names(calls):
 _PRECOMPILED: dict = {}
 
 
-def _assert_precompiled(calls, arch):
+def _assert_precompiled(calls, arch, hk=HK, hv=HV):
     """Every kernel a layer step launched is one `qla-serve precompile` builds for these heads
     and this arch (the arch module's kernel_variants): none compiles on first use while serving."""
     from qla_serve.paths import kernel_module
 
-    if arch not in _PRECOMPILED:
-        _PRECOMPILED[arch] = {v["name"] for v in kernel_module(arch).kernel_variants(HV, HK)}
+    if (arch, hk, hv) not in _PRECOMPILED:
+        _PRECOMPILED[arch, hk, hv] = {v["name"] for v in kernel_module(arch).kernel_variants(hv, hk)}
     assert calls, "no launch recorded"
-    missing = [c.name for c in calls if c.name not in _PRECOMPILED[arch]]
+    missing = [c.name for c in calls if c.name not in _PRECOMPILED[arch, hk, hv]]
     assert not missing, f"launched but not precompiled: {missing}"
 
 
@@ -298,6 +298,32 @@ def test_layer_spec_step_with_prefill(launches, arch):
     kinds = [n.split("_hv")[0] for n in _names(launches)]
     assert "gdn_conv_spec" in kinds and "gdn_verify_slots" in kinds and "gdn_conv_prefill" in kinds, kinds
     _assert_precompiled(launches, arch)
+
+
+# TP-local heads of other deployments (Qwen3-Next at TP1: 16/32; 16/64-head models at TP4 and TP1):
+# the host picks tiles, stage-1 heads per CTA, V splits and CP by heads and rows
+@pytest.mark.parametrize("hk,hv", [(4, 16), (16, 32), (16, 64)])
+@pytest.mark.parametrize("kind", ["decode 64", "mixed", "prefill 4 x 8192"])
+def test_layer_steps_at_other_heads(launches, arch, hk, hv, kind):
+    """A decode step, a mixed step and a long prefill step at other head counts: every launch
+    checked against its program and in the precompile list of those heads."""
+    dim = (2 * hk + hv) * D
+    decodes, lens = {"decode 64": (64, []), "mixed": (32, [512] * 4), "prefill 4 x 8192": (0, [8192] * 4)}[kind]
+    T, n = decodes + sum(lens), decodes + len(lens)
+    kw = dict(decode_slots=arange(1, decodes + 1, dtype=torch.int32)) if decodes else {}
+    if lens:
+        kw.update(prefill_lens=lens, prefill_slots=arange(decodes + 1, n + 1, dtype=torch.int32),
+                  prefill_has_initial_state=tensor([True] * len(lens)))
+    step = GL.make_step_plan(num_actual_tokens=T, num_v_heads=hv, num_k_heads=hk, conv_width=4, device=DEV, **kw)
+    GL.gdn_layer_forward(step, randn(T, dim, dtype=BF16), randn(T, hv, dtype=BF16), randn(T, hv, dtype=BF16),
+                         conv_weight=randn(dim, 4, dtype=BF16), conv_bias=None, activation="silu",
+                         conv_state=zeros(n + 1, dim, 3, dtype=BF16), ssm_state=zeros(n + 1, hv, D, D),
+                         A_log=zeros(hv), dt_bias=zeros(hv, dtype=BF16), num_k_heads=hk,
+                         out=zeros(T, hv, D, dtype=BF16))
+    kinds = [c.name.split("_hv")[0] for c in launches]
+    assert ("gdn_decode" in kinds) == bool(decodes) and ("gdn_prefill_main" in kinds) == bool(lens), kinds
+    assert all(f"_hv{hv}_" in c.name or c.name.startswith("gdn_slot_ids") for c in launches), _names(launches)
+    _assert_precompiled(launches, arch, hk, hv)
 
 
 @pytest.mark.parametrize("requests", [2, 16])
