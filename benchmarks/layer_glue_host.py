@@ -54,11 +54,9 @@ def _case(GL, torch, decodes, lens, hk=2, hv=8, head=128, width=4, device="cpu")
 def _no_op_launches(root: str) -> None:
     """The ops on the TileLang path down to a raw launch function that does nothing (the CPU launch
     tests' stand-ins, tests/kernels/launch_check.py, with the argument check left out)."""
-    from pathlib import Path as _P
-
     import pytest
 
-    sys.path.insert(0, str(_P(root) / "tests" / "kernels"))
+    sys.path.insert(0, str(Path(root) / "tests" / "kernels"))
     import launch_check
 
     mp = pytest.MonkeyPatch()

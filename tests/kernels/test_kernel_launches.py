@@ -203,18 +203,22 @@ def test_slot_ids(launches, dtype):
         f"gdn_slot_ids_{kind}_{str(dtype).split('.')[1]}" for kind in ("rows", "seqs", "spec")]
 
 
-def _cache(slots, dtype=torch.float32, spec_cols=0):
-    """vLLM's layer cache shape per slot: a conv window [DIM, W - 1 + spec] and a state."""
-    return zeros(slots, DIM, 3 + spec_cols, dtype=BF16), zeros(slots, HV, D, D, dtype=dtype)
+def _cache(slots, dtype=torch.float32, spec_cols=0, hk=HK, hv=HV):
+    """vLLM's layer cache shape per slot: a conv window [dim, W - 1 + spec] and a state."""
+    dim = (2 * hk + hv) * D
+    return zeros(slots, dim, 3 + spec_cols, dtype=BF16), zeros(slots, hv, D, D, dtype=dtype)
 
 
-def _layer(step, T, conv, ssm):
-    w, bias = randn(DIM, 4, dtype=BF16), randn(DIM, dtype=BF16)
-    x, a, b = randn(T, DIM, dtype=BF16), randn(T, HV, dtype=BF16), randn(T, HV, dtype=BF16)
-    out = zeros(T, HV, D, dtype=BF16)
-    GL.gdn_layer_forward(step, x, a, b, conv_weight=w, conv_bias=bias, activation="silu", conv_state=conv,
-                         ssm_state=ssm, A_log=zeros(HV), dt_bias=zeros(HV, dtype=BF16),
-                         num_k_heads=HK, out=out)
+def _layer(step, T, conv, ssm, hk=HK, bias=True):
+    """One layer call of ``step`` on random bf16 activations and weights (A_log fp32, dt_bias bf16:
+    vLLM's Qwen GDN layer), the heads taken from the caches."""
+    hv = ssm.shape[1]
+    dim = (2 * hk + hv) * D
+    x, a, b = randn(T, dim, dtype=BF16), randn(T, hv, dtype=BF16), randn(T, hv, dtype=BF16)
+    GL.gdn_layer_forward(step, x, a, b, conv_weight=randn(dim, 4, dtype=BF16),
+                         conv_bias=randn(dim, dtype=BF16) if bias else None, activation="silu", conv_state=conv,
+                         ssm_state=ssm, A_log=zeros(hv), dt_bias=zeros(hv, dtype=BF16), num_k_heads=hk,
+                         out=zeros(T, hv, D, dtype=BF16))
 
 
 # (gdn_layer.MIXED_CONV, conv.WINDOW_CTAS): the defaults, then each module switch's other form
@@ -305,9 +309,8 @@ def test_layer_spec_step_with_prefill(launches, arch):
 @pytest.mark.parametrize("hk,hv", [(4, 16), (16, 32), (16, 64)])
 @pytest.mark.parametrize("kind", ["decode 64", "mixed", "prefill 4 x 8192"])
 def test_layer_steps_at_other_heads(launches, arch, hk, hv, kind):
-    """A decode step, a mixed step and a long prefill step at other head counts: every launch
-    checked against its program and in the precompile list of those heads."""
-    dim = (2 * hk + hv) * D
+    """A decode step, a mixed step and a long prefill step at other head counts (no conv bias):
+    every launch checked against its program and in the precompile list of those heads."""
     decodes, lens = {"decode 64": (64, []), "mixed": (32, [512] * 4), "prefill 4 x 8192": (0, [8192] * 4)}[kind]
     T, n = decodes + sum(lens), decodes + len(lens)
     kw = dict(decode_slots=arange(1, decodes + 1, dtype=torch.int32)) if decodes else {}
@@ -315,11 +318,7 @@ def test_layer_steps_at_other_heads(launches, arch, hk, hv, kind):
         kw.update(prefill_lens=lens, prefill_slots=arange(decodes + 1, n + 1, dtype=torch.int32),
                   prefill_has_initial_state=tensor([True] * len(lens)))
     step = GL.make_step_plan(num_actual_tokens=T, num_v_heads=hv, num_k_heads=hk, conv_width=4, device=DEV, **kw)
-    GL.gdn_layer_forward(step, randn(T, dim, dtype=BF16), randn(T, hv, dtype=BF16), randn(T, hv, dtype=BF16),
-                         conv_weight=randn(dim, 4, dtype=BF16), conv_bias=None, activation="silu",
-                         conv_state=zeros(n + 1, dim, 3, dtype=BF16), ssm_state=zeros(n + 1, hv, D, D),
-                         A_log=zeros(hv), dt_bias=zeros(hv, dtype=BF16), num_k_heads=hk,
-                         out=zeros(T, hv, D, dtype=BF16))
+    _layer(step, T, *_cache(n + 1, hk=hk, hv=hv), hk=hk, bias=False)
     kinds = [c.name.split("_hv")[0] for c in launches]
     assert ("gdn_decode" in kinds) == bool(decodes) and ("gdn_prefill_main" in kinds) == bool(lens), kinds
     assert all(f"_hv{hv}_" in c.name or c.name.startswith("gdn_slot_ids") for c in launches), _names(launches)
