@@ -30,6 +30,7 @@ import torch
 
 from qla_serve import _validate as V
 from qla_serve.kernels import reference_conv
+from qla_serve.launch_record import note_dispatch
 from qla_serve.ops import (_checked_key, _checks_due, _passed, _path, _same_dtype, _scale, path_module,
                            prefill_qk_dtype)
 from qla_serve.plan import PrefillPlan
@@ -46,7 +47,9 @@ SLOT_IDS_KERNEL = True
 def _run(op: str, device: torch.device, io_dtype, *args, **kwargs):
     """ops._run with the layer ops' reference module (FLA has none of these ops: paths.py);
     returns what the op returns."""
-    return getattr(path_module(_path(op, device, io_dtype), device, reference_conv), op)(*args, **kwargs)
+    path = _path(op, device, io_dtype)
+    note_dispatch(op, path)
+    return getattr(path_module(path, device, reference_conv), op)(*args, **kwargs)
 
 
 def _activation(activation) -> str:
@@ -99,7 +102,10 @@ def _check_conv_out(out, x) -> None:
 
 
 def _int32(x: torch.Tensor, device) -> torch.Tensor:
-    """Counts and offsets (num_accepted, cu_seqlens) as the kernels take them."""
+    """Counts and offsets (num_accepted, cu_seqlens) as the kernels take them (as they are where
+    they already are: no torch call, which a launch replay's watcher would refuse)."""
+    if x.dtype is torch.int32 and x.device == device:
+        return x
     return x.to(device, torch.int32, non_blocking=True)
 
 

@@ -21,6 +21,7 @@ import torch
 
 from qla_serve import _validate as V
 from qla_serve.kernels import reference
+from qla_serve.launch_record import note_dispatch
 # Path selection lives below ops and the planner (paths.py); its names stay importable from here.
 from qla_serve.paths import (FLA_OPS, PATHS, _arch_of, _fla_error, device_arch, explain_path,  # noqa: F401
                              kernel_module, supported_prefill_strategies)
@@ -63,6 +64,7 @@ def path_module(path: str, device: torch.device, reference_module=reference):
 def _run(op: str, device: torch.device, io_dtype, *args, **kwargs) -> str:
     """Call ``op`` of the module that implements this call's path; returns the path."""
     path = _path(op, device, io_dtype)
+    note_dispatch(op, path)
     getattr(path_module(path, device), op)(*args, **kwargs)
     return path
 
@@ -199,13 +201,16 @@ def _check_prefill(plan, q, k, v, g, beta, pool, slot_ids, has_initial_state, ou
 
 
 def _metadata(x):
-    return None if x is None else (x.dtype, x.shape, x.stride(), x.device)
+    """What the checks read of a tensor: dtype, shape, strides, device, and its address modulo
+    16 (the vector and TMA alignment checks: a view one element further along passes no other)."""
+    return None if x is None else (x.dtype, x.shape, x.stride(), x.device, x.data_ptr() % 16)
 
 
 def _checked_key(tag, tensors, index_tensors) -> tuple | None:
     """The key under which a public op records that arguments with this metadata passed its
-    checks: every tensor's dtype, shape, strides and device, which is all the checks read, so an
-    engine's other GDN layers of the step (same metadata, other tensors) skip them. gdn_prefill
+    checks: every tensor's dtype, shape, strides, device and address modulo 16 (:func:`_metadata`),
+    which is all the checks read, so an engine's other GDN layers of the step (same metadata,
+    other tensors) skip them. gdn_prefill
     keeps its keys in the plan (~16 -> ~5 us on the CPU machine), gdn_decode / gdn_verify in
     _checked_steps (the engines' decode call, benchmarks/ops_host.py: 39 -> 31 us of host time
     on the H200's CPU). None, and the checks run on every call, where they also read values (an

@@ -44,12 +44,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import NamedTuple, Sequence
 
 import torch
 
 import qla_serve
 from qla_serve import layer_ops
+from qla_serve.backends.launch_replay import LaunchReplays, launch_parts
 from qla_serve.ops import _checked_key, check_decode_args, check_prefill_args
 from qla_serve.plan import PrefillPlan
 
@@ -76,6 +78,11 @@ SPEC_AFTER_CONV_MAX_ROWS = 64
 # the decode's gdn_decode then a plain launch after the prefill's); False: conv_decode apart, the
 # decode launched as its programmatic dependent as in decode-only steps (benchmarks/layer.md).
 MIXED_CONV = True
+# A step's later layers replay the launches its earlier layers recorded (backends/launch_replay.py):
+# the ops' host code runs on the step's first three layers only (2/8 heads, a later layer call down
+# to its launches on the CPU machine: 43 -> 19 us with one decode, 86 -> 32 with 32 decodes and
+# 4 x 512; benchmarks/layer.md). False (QLA_SERVE_LAUNCH_REPLAY=0 at start-up): every layer runs it.
+LAUNCH_REPLAY = os.environ.get("QLA_SERVE_LAUNCH_REPLAY", "1") != "0"
 
 
 @dataclasses.dataclass(eq=False)
@@ -118,6 +125,7 @@ class StepPlan:
     # layer-call metadata keys (_layer_key) whose ops passed their checks in this step
     _checked: set = dataclasses.field(default_factory=set, repr=False)
     _scratch: dict = dataclasses.field(default_factory=dict, repr=False)
+    _replays: LaunchReplays = dataclasses.field(default_factory=LaunchReplays, repr=False)
 
     @property
     def num_prefills(self) -> int:
@@ -292,6 +300,15 @@ def _out_rows(step: StepPlan, kind: str, rows: int, out: torch.Tensor) -> torch.
                         lambda: torch.empty(shape, dtype=out.dtype, device=out.device))
 
 
+def _gather(step: StepPlan, what: tuple, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x[idx] into the step's buffer for ``what`` (rows and input: a and b have one shape), in
+    StepPlan.scratch as the conv outputs: no allocation per layer call, and the same buffer for
+    the launch replay."""
+    shape = (idx.shape[0], *x.shape[1:])
+    buf = step.scratch((*what, shape, x.dtype, x.device), lambda: torch.empty(shape, dtype=x.dtype, device=x.device))
+    return torch.index_select(x, 0, idx, out=buf)
+
+
 def _decode_prefill_rows(x: torch.Tensor, num_decodes: int, num_prefill: int):
     """(x[:num_decodes], x[num_decodes:num_decodes + num_prefill]) as one torch op
     (split_with_sizes: two slices cost ~1.5x its host time)."""
@@ -307,7 +324,7 @@ def _rows(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
 
 
 def _layer_key(step: StepPlan, tensors, scalars) -> tuple | None:
-    """The metadata key of one layer call (every tensor's dtype, shape, strides, device, and
+    """The metadata key of one layer call (every tensor's dtype, shape, strides, device, alignment, and
     the non-tensor arguments): a later layer of the step with the same key hands its ops
     arguments of the same metadata as one whose ops passed their checks, so its ops skip them
     (``_trusted``: 10 tensors' metadata per call instead of the ops' 37 on a mixed step;
@@ -327,6 +344,52 @@ class _Layer(NamedTuple):
     scale: float | None
     conv: dict      # conv_weight, conv_bias, activation
     gates: dict     # A_log, dt_bias
+
+
+class _Rows(NamedTuple):
+    """One layer call's rows per kind, (x, a, b, out) each (views, or gathers where spec and
+    other tokens interleave), None where the step has none; and the buffers whose rows go back
+    into ``out`` at the end (spec_out at ``spec_token_idx``, non_spec_out at
+    ``non_spec_token_idx``) or None."""
+    spec: tuple | None
+    decode: tuple | None
+    prefill: tuple | None
+    spec_out: torch.Tensor | None
+    non_spec_out: torch.Tensor | None
+
+    def flat(self) -> tuple:
+        """Every row tensor in a fixed order (the launch replay's sources past the inputs)."""
+        return (*(self.spec or (None,) * 4), *(self.decode or (None,) * 4), *(self.prefill or (None,) * 4),
+                self.spec_out, self.non_spec_out)
+
+
+def _call_rows(step: StepPlan, mixed_qkv, a, b, out) -> _Rows:
+    """The call's rows: [decodes | prefills], or with spec decodes the spec tokens and the
+    others gathered by ``spec_token_idx`` / ``non_spec_token_idx`` (StepPlan's doc)."""
+    T, Td, Tp = step.num_actual_tokens, step.num_decodes, step.num_prefill_tokens
+    spec = spec_out = non_spec_out = None
+    xn, an, bn, out_n = mixed_qkv, a, b, out
+    if step.num_spec_decodes:
+        x, a, b = _rows(mixed_qkv, 0, T), _rows(a, 0, T), _rows(b, 0, T)
+        idx = step.spec_token_idx
+        if idx is None:
+            spec = (x, a, b, _rows(out, 0, T))
+        else:
+            spec_out = _out_rows(step, "spec_out", idx.shape[0], out)
+            spec = (*(_gather(step, ("spec_rows", name), t, idx) for name, t in zip("xab", (x, a, b))), spec_out)
+        if step.non_spec_token_idx is None or Td + Tp == 0:
+            Td = Tp = 0
+        else:
+            idx = step.non_spec_token_idx
+            xn, an, bn = (_gather(step, ("non_spec_rows", name), t, idx) for name, t in zip("xab", (x, a, b)))
+            out_n = non_spec_out = _out_rows(step, "non_spec_out", Td + Tp, out)
+    if Td and Tp:
+        (xd, xp), (ad, ap), (bd, bp), (od, op) = (_decode_prefill_rows(t, Td, Tp) for t in (xn, an, bn, out_n))
+        decode, prefill = (xd, ad, bd, od), (xp, ap, bp, op)
+    else:
+        decode = tuple(_rows(t, 0, Td) for t in (xn, an, bn, out_n)) if Td else None
+        prefill = tuple(_rows(t, 0, Tp) for t in (xn, an, bn, out_n)) if Tp else None
+    return _Rows(spec, decode, prefill, spec_out, non_spec_out)
 
 
 def gdn_layer_forward(step: StepPlan, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
@@ -349,84 +412,71 @@ def gdn_layer_forward(step: StepPlan, mixed_qkv: torch.Tensor, a: torch.Tensor, 
 
     Every op's arguments are checked before the call's first launch (on the step's first layer,
     and on a later one whose metadata differs), so an argument refused by any op leaves every
-    conv and SSM state slot as it was.
+    conv and SSM state slot as it was. Later layers whose metadata passed replay the launches
+    the step's earlier layers recorded (launch_replay.py; ``LAUNCH_REPLAY``).
     """
-    T = step.num_actual_tokens
-    if T == 0:
+    if step.num_actual_tokens == 0:
         return
-    Hv = ssm_state.shape[1]
-    key = _layer_key(step, (mixed_qkv, a, b, conv_weight, conv_bias, conv_state, ssm_state, A_log, dt_bias, out),
-                     (activation, scale, num_k_heads))
-    layer = _Layer(conv_state, ssm_state, num_k_heads, Hv, scale,
-                   dict(conv_weight=conv_weight, conv_bias=conv_bias, activation=activation),
-                   dict(A_log=A_log, dt_bias=dt_bias))
-    Td, Tp = step.num_decodes, step.num_prefill_tokens
+    tensors = (mixed_qkv, a, b, conv_weight, conv_bias, conv_state, ssm_state, A_log, dt_bias, out)
+    key = _layer_key(step, tensors, (activation, scale, num_k_heads))
+    rows = _call_rows(step, mixed_qkv, a, b, out)
     checks = key not in step._checked
-    parts = []   # (kind, count, launch) in launch order: every op's checks ran while they were built
-    xn, an, bn, out_n = mixed_qkv, a, b, out     # rows: the decodes', then the prefills' (then padding)
-    if step.num_spec_decodes:
-        x, a, b = _rows(mixed_qkv, 0, T), _rows(a, 0, T), _rows(b, 0, T)
-        parts.append(("spec", step.num_spec_decodes, _spec_ops(step, layer, x, a, b, out, checks)))
-        if step.non_spec_token_idx is None or Td + Tp == 0:
-            Td = Tp = 0
-        else:
-            idx = step.non_spec_token_idx
-            xn, an, bn = x.index_select(0, idx), a.index_select(0, idx), b.index_select(0, idx)
-            out_n = _out_rows(step, "non_spec_out", Td + Tp, out)
-    if Td and Tp:
-        (xd, xp), (ad, ap), (bd, bp), (od, op) = (_decode_prefill_rows(t, Td, Tp) for t in (xn, an, bn, out_n))
+
+    def build():
+        layer = _Layer(conv_state, ssm_state, num_k_heads, ssm_state.shape[1], scale,
+                       dict(conv_weight=conv_weight, conv_bias=conv_bias, activation=activation),
+                       dict(A_log=A_log, dt_bias=dt_bias))
+        return _parts(step, layer, rows, checks)
+
+    if checks or key is None or not LAUNCH_REPLAY:
+        launch_parts(build(), on_call)
+        if key is not None:
+            step._checked.add(key)
     else:
-        xd, ad, bd, od = (_rows(t, 0, Td) for t in (xn, an, bn, out_n)) if Td else (None,) * 4
-        xp, ap, bp, op = (_rows(t, 0, Tp) for t in (xn, an, bn, out_n)) if Tp else (None,) * 4
-    # a mixed call's decode conv in the prefill conv's launch (MIXED_CONV): prefills first, then
-    # the decodes' gdn_decode on that conv's output
-    one_conv = bool(Td and Tp and MIXED_CONV)
+        step._replays.run(key, tensors, tensors + rows.flat(), build, on_call)
+    if rows.spec_out is not None:
+        out.index_copy_(0, step.spec_token_idx.long(), rows.spec_out)
+    if rows.non_spec_out is not None:
+        out.index_copy_(0, step.non_spec_token_idx.long(), rows.non_spec_out)
+
+
+def _parts(step: StepPlan, layer: _Layer, rows: _Rows, checks: bool) -> list:
+    """The call's (kind, count, launch) in launch order; every op's checks (``checks``) ran
+    while they were built. A mixed call's decode conv runs in the prefill conv's launch
+    (MIXED_CONV): the prefills first, then the decodes' gdn_decode on that conv's output."""
+    parts = []
+    if rows.spec:
+        parts.append(("spec", step.num_spec_decodes, _spec_ops(step, layer, *rows.spec, checks)))
+    one_conv = bool(rows.decode and rows.prefill and MIXED_CONV)
     decode = prefill = ()
-    if Td:
-        launch, conv_rows = _decode_ops(step, layer, xd, ad, bd, od, checks, conv_apart=not one_conv)
-        decode = (("decode", Td, launch),)
-    if Tp:
+    if rows.decode:
+        launch, conv_rows = _decode_ops(step, layer, *rows.decode, checks, conv_apart=not one_conv)
+        decode = (("decode", step.num_decodes, launch),)
+    if rows.prefill:
         prefill = (("prefill", step.num_prefills,
-                    _prefill_ops(step, layer, xp, ap, bp, op, checks, decodes=conv_rows if one_conv else None)),)
-    parts += prefill + decode if one_conv else decode + prefill
-    for kind, count, launch in parts:
-        launch()
-        if on_call:
-            on_call(kind, count)
-    if out_n is not out:
-        out.index_copy_(0, step.non_spec_token_idx.long(), out_n)
-    if key is not None:
-        step._checked.add(key)
+                    _prefill_ops(step, layer, *rows.prefill, checks, decodes=conv_rows if one_conv else None)),)
+    return parts + list(prefill + decode if one_conv else decode + prefill)
 
 
 def _spec_ops(step: StepPlan, layer: _Layer, x, a, b, out, checks: bool):
-    """The launch of the step's spec decodes: their conv over vLLM's sliding window, then the
-    verify into per-token slots. x, a, b, out: the call's first T rows; the spec tokens are at
-    ``step.spec_token_idx`` (None: all of them). ``checks``: their ops' checks run here, before
-    any launch, on the arguments the launch takes."""
+    """The launch of the step's spec decodes (x, a, b, out: their rows, :func:`_call_rows`):
+    their conv over vLLM's sliding window, then the verify into per-token slots. ``checks``:
+    their ops' checks run here, before any launch, on the arguments the launch takes."""
     conv_state, ssm_state, Hk, Hv, scale, conv, gates = layer
-    idx = step.spec_token_idx
-    if idx is None:
-        xs, as_, bs, o = x, a, b, _rows(out, 0, step.num_actual_tokens)
-    else:
-        xs, as_, bs = x.index_select(0, idx), a.index_select(0, idx), b.index_select(0, idx)
-        o = _out_rows(step, "spec_out", xs.shape[0], out)
     ids, acc, cu, conv_ids = step.ids("spec"), step.ids("num_accepted"), step.ids("spec_cu_seqlens"), step.ids("spec_conv")
     draft = ids.shape[1]
-    y, q, k, v = _conv_out(step, "spec_conv_out", xs, Hk, Hv)
+    y, q, k, v = _conv_out(step, "spec_conv_out", x, Hk, Hv)
     if checks:
-        layer_ops.check_conv_spec_args(xs, conv_state, conv_ids, acc, cu, num_v_heads=Hv, draft=draft, out=y, **conv)
-        layer_ops.check_verify_slots_args(q, k, v, ssm_state, ids, acc, cu, a=as_, b=bs, use_qk_l2norm=True,
-                                          scale=scale, out=o, **gates)
+        layer_ops.check_conv_spec_args(x, conv_state, conv_ids, acc, cu, num_v_heads=Hv, draft=draft, out=y, **conv)
+        layer_ops.check_verify_slots_args(q, k, v, ssm_state, ids, acc, cu, a=a, b=b, use_qk_l2norm=True,
+                                          scale=scale, out=out, **gates)
 
     def launch():
-        layer_ops.causal_conv_spec(xs, conv_state, conv_ids, acc, cu, num_v_heads=Hv, draft=draft, out=y,
+        layer_ops.causal_conv_spec(x, conv_state, conv_ids, acc, cu, num_v_heads=Hv, draft=draft, out=y,
                                    _trusted=True, **conv)
-        layer_ops.gdn_verify_slots(q, k, v, ssm_state, ids, acc, cu, a=as_, b=bs, use_qk_l2norm=True, scale=scale,
-                                   out=o, _trusted=True, _after_conv=ids.shape[0] * Hv <= SPEC_AFTER_CONV_MAX_ROWS,
+        layer_ops.gdn_verify_slots(q, k, v, ssm_state, ids, acc, cu, a=a, b=b, use_qk_l2norm=True, scale=scale,
+                                   out=out, _trusted=True, _after_conv=ids.shape[0] * Hv <= SPEC_AFTER_CONV_MAX_ROWS,
                                    **gates)
-        if idx is not None:
-            out.index_copy_(0, idx.long(), o)
     return launch
 
 

@@ -420,13 +420,32 @@ def _qla_plan(case: LayerCase, i: int, cp: str):
         prefill_has_initial_state=has, null_slot=NULL_SLOT, cp=cp)
 
 
+# The GDN layers of a step a bench call cycles through (Qwen3-Next's 36 of 48 layers).
+STEP_LAYERS = 36
+
+
 def qla_call(case: LayerCase, step) -> Callable[[], None]:
-    """One layer call of qla_serve's adapter core on the case's tensors, for ``step``."""
+    """One layer call of qla_serve's adapter core on the case's tensors, for ``step``: successive
+    calls go through STEP_LAYERS sets of views of those tensors, each set standing for one GDN
+    layer's own tensors (the same memory: the GPU work is the same). An engine calls each layer
+    of a step on its own tensors, and from the step's fourth layer on the layer replays the
+    launches that the step recorded (backends/launch_replay.py); one set of tensors called over
+    and over would never replay (the recording waits for other layer tensors)."""
+    import torch
+
     from qla_serve.backends import gdn_layer
 
     kw = case.layer_kwargs()
-    return lambda: gdn_layer.gdn_layer_forward(step, case.mixed_qkv, case.a, case.b, activation="silu",
-                                               scale=None, **kw)
+
+    def views(x):
+        return x.view(x.shape) if isinstance(x, torch.Tensor) else x
+    layers = itertools.cycle([((views(case.mixed_qkv), views(case.a), views(case.b)),
+                               {k: views(v) for k, v in kw.items()}) for _ in range(STEP_LAYERS)])
+
+    def call():
+        (x, a, b), layer = next(layers)
+        gdn_layer.gdn_layer_forward(step, x, a, b, activation="silu", scale=None, **layer)
+    return call
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,6 +21,8 @@ from qla_serve.backends import gdn_layer as GL
 from qla_serve.kernels import reference
 
 HK, HV, D_HEAD, W = 2, 4, 128, 4
+# GDN layers of one step in the multi-layer tests: the first checks, two record, three replay
+LAYERS = 6
 DIM = 2 * HK * D_HEAD + HV * D_HEAD
 NULL = 0
 
@@ -392,8 +394,9 @@ def _run_later_layers(dev, io, monkeypatch):
     their ops' checks (gdn_layer._layer_key; counted here by the layer ops' _check_conv, which
     the decode conv and the prefill inputs run when they check) and take the prefill's inputs in
     the step's buffers; each layer still gives bit for bit what it gives as the first layer of a
-    fresh step. A later call whose metadata differs (out in another dtype) is checked again and
-    refused by name."""
+    fresh step. From the fourth layer on, on the TileLang path, the layers replay the launches
+    the second and third recorded (backends/launch_replay.py): the same bits again. A later call
+    whose metadata differs (out in another dtype) is checked again and refused by name."""
     from qla_serve import layer_ops, ops
 
     # gdn_decode / causal_conv_decode keep passed keys process-wide: an earlier test with the
@@ -418,24 +421,25 @@ def _run_later_layers(dev, io, monkeypatch):
                              num_k_heads=HK, out=out)
 
     inputs = [(torch.randn(T, DIM, generator=gen).to(dev, io), torch.randn(T, HV, generator=gen).to(dev, io),
-               torch.randn(T, HV, generator=gen).to(dev, io), _weights(gen, dev)) for _ in range(3)]
-    shared = [_cache(S, torch.float32, dev, torch.Generator().manual_seed(100 + i)) for i in range(3)]
-    fresh = [_cache(S, torch.float32, dev, torch.Generator().manual_seed(100 + i)) for i in range(3)]
-    outs = [torch.full((T, HV, D_HEAD), float("nan"), dtype=io, device=dev) for _ in range(6)]
+               torch.randn(T, HV, generator=gen).to(dev, io), _weights(gen, dev)) for _ in range(LAYERS)]
+    shared = [_cache(S, torch.float32, dev, torch.Generator().manual_seed(100 + i)) for i in range(LAYERS)]
+    fresh = [_cache(S, torch.float32, dev, torch.Generator().manual_seed(100 + i)) for i in range(LAYERS)]
+    outs = [torch.full((T, HV, D_HEAD), float("nan"), dtype=io, device=dev) for _ in range(2 * LAYERS)]
     checks = []
     real_check = layer_ops._check_conv
     monkeypatch.setattr(layer_ops, "_check_conv", lambda *args, **kw: checks.append(1) or real_check(*args, **kw))
     step, per_layer = make_step(), []
-    for i in range(3):
+    for i in range(LAYERS):
         checks.clear()
         layer(step, i, shared[i], outs[i])
         per_layer.append(len(checks))
     assert len(step._checked) == 1
     assert [k[0] for k in step._scratch] == ["decode_conv_out"]   # one conv output buffer for the step
-    assert per_layer == [2, 0, 0], per_layer   # the decode conv's and the prefill inputs' checks, once
-    for i in range(3):
-        layer(make_step(), i, fresh[i], outs[3 + i])
-        assert torch.equal(outs[i], outs[3 + i]), f"layer {i}: out"
+    assert per_layer == [2] + [0] * (LAYERS - 1), per_layer   # the decode conv's and the prefill inputs' checks, once
+    assert step._replays.replayed == (LAYERS - 3 if dev == "cuda" else 0), step._replays.refused
+    for i in range(LAYERS):
+        layer(make_step(), i, fresh[i], outs[LAYERS + i])
+        assert torch.equal(outs[i], outs[LAYERS + i]), f"layer {i}: out"
         assert torch.equal(shared[i][1], fresh[i][1]), f"layer {i}: ssm state"
         assert torch.equal(shared[i][0], fresh[i][0]), f"layer {i}: conv state"
     with pytest.raises(TypeError, match="^out: expected dtype"):
@@ -496,10 +500,11 @@ def test_spec_batch_with_prefill_checkpoints_gpu(pool_dtype):
 
 
 def _run_spec_layers_share_the_step(dev, io):
-    """Two GDN layers of one spec step with prefills interleaved (their own inputs, weights and
-    caches): the step's scratch buffers (the spec conv's output, the spec and non-spec output
-    rows: StepPlan.scratch) serve both, and each layer gives bit for bit what it gives as the
-    only layer of a fresh step."""
+    """GDN layers of one spec step with prefills interleaved (their own inputs, weights and
+    caches): the step's scratch buffers (the spec conv's output, the spec and non-spec rows
+    gathered and their outputs: StepPlan.scratch) serve them all, the layers from the fourth on
+    replay the step's recorded launches on the TileLang path, and each layer gives bit for bit
+    what it gives as the only layer of a fresh step."""
     gen = torch.Generator().manual_seed(7)
     S, D = 20, 3
     spec_slots, spec_lens, accepted = [[4, 5, 6], [10, 11, 12], [15, 16, 17]], [3, 2, 3], [2, 1, 3]
@@ -520,10 +525,12 @@ def _run_spec_layers_share_the_step(dev, io):
             spec_token_idx=spec_idx.to(dev), non_spec_token_idx=non_idx.to(dev))
 
     inputs = [tuple(torch.randn(T, n, generator=gen).to(dev, io) for n in (DIM, HV, HV)) + (_weights(gen, dev),)
-              for _ in range(2)]
-    shared = [_cache(S, torch.float32, dev, torch.Generator().manual_seed(200 + i), spec_cols=D - 1) for i in range(2)]
-    fresh = [_cache(S, torch.float32, dev, torch.Generator().manual_seed(200 + i), spec_cols=D - 1) for i in range(2)]
-    outs = [torch.full((T, HV, D_HEAD), float("nan"), dtype=io, device=dev) for _ in range(4)]
+              for _ in range(LAYERS)]
+    shared = [_cache(S, torch.float32, dev, torch.Generator().manual_seed(200 + i), spec_cols=D - 1)
+              for i in range(LAYERS)]
+    fresh = [_cache(S, torch.float32, dev, torch.Generator().manual_seed(200 + i), spec_cols=D - 1)
+             for i in range(LAYERS)]
+    outs = [torch.full((T, HV, D_HEAD), float("nan"), dtype=io, device=dev) for _ in range(2 * LAYERS)]
 
     def layer(step, i, caches, out):
         x, a, b, (w, bias, A_log, dt_bias) = inputs[i]
@@ -532,12 +539,13 @@ def _run_spec_layers_share_the_step(dev, io):
                              num_k_heads=HK, out=out)
 
     step = make_step()
-    for i in range(2):
+    for i in range(LAYERS):
         layer(step, i, shared[i], outs[i])
-    assert {k[0] for k in step._scratch} == {"spec_conv_out", "spec_out", "non_spec_out"}
-    for i in range(2):
-        layer(make_step(), i, fresh[i], outs[2 + i])
-        assert torch.equal(outs[i], outs[2 + i]), f"layer {i}: out"
+    assert {k[0] for k in step._scratch} == {"spec_conv_out", "spec_out", "non_spec_out", "spec_rows", "non_spec_rows"}
+    assert step._replays.replayed == (LAYERS - 3 if dev == "cuda" else 0), step._replays.refused
+    for i in range(LAYERS):
+        layer(make_step(), i, fresh[i], outs[LAYERS + i])
+        assert torch.equal(outs[i], outs[LAYERS + i]), f"layer {i}: out"
         assert torch.equal(shared[i][1], fresh[i][1]), f"layer {i}: ssm state"
         assert torch.equal(shared[i][0], fresh[i][0]), f"layer {i}: conv state"
 

@@ -9,6 +9,8 @@ import threading
 
 import torch
 
+from qla_serve.launch_record import recordable
+
 from .raw_launch import raw_function
 
 HEAD_DIM = 128
@@ -106,7 +108,7 @@ def launch_function(variant: dict, device: torch.device, build_fn, name: str | N
     idx = device.index if device.index is not None else torch.cuda.current_device()
     with _BUILD_LOCK:
         kernel = build_fn(variant, _device_target(idx))
-    return raw_function(kernel, name or variant["name"])
+    return recordable(raw_function(kernel, name or variant["name"]))
 
 
 def check_pool_alignment(pool) -> None:

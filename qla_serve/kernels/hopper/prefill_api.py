@@ -65,6 +65,8 @@ import threading
 
 import torch
 
+from qla_serve.launch_record import recordable
+
 from . import prefill_main, prefill_main_vfirst, prefill_prep, prefill_scan, prefill_warmup
 from .common import _TORCH_TO_TL, check_pool_alignment, sm_count
 from .raw_launch import raw_function
@@ -467,7 +469,7 @@ def _check_tma_strides(**tensors) -> None:
 
 
 def _fn(variant: dict, short_key: tuple):
-    fn = raw_function(build(variant, short_key[-1]), variant["name"])
+    fn = recordable(raw_function(build(variant, short_key[-1]), variant["name"]))
     _fns[short_key] = fn
     return fn
 

@@ -1,0 +1,230 @@
+"""The launch replay of a step's later GDN layers (backends/launch_replay.py) against the ops'
+own host code, launch by launch, on the CPU.
+
+As in test_kernel_launches.py, the compiled kernels are the one stand-in (launch_check: a launch
+records its arguments, checked against its program, instead of running) and the tensors live on
+the meta device; the step plans, the layer, the ops, the kernel modules' launch code and the
+replay are the real ones. Each layer of a step has its own weights, caches and activations, as
+in an engine. A step's layers run with the replay on, then its replayed layers run again on the
+same step with it off (the ops' host code, their checks passed): both must launch the same
+kernels with the same arguments (the same tensor, or a view of the same memory with the same
+shape, strides and dtype; the same scalars).
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from qla_serve.backends import gdn_layer as GL
+from qla_serve.backends import launch_replay
+
+from launch_check import force_tilelang_path, record_launches
+
+D = 128
+BF16 = torch.bfloat16
+DEV = torch.device("meta")
+LAYERS = 6
+
+
+@pytest.fixture(params=["sm90", "sm100"])
+def launches(request, monkeypatch):
+    force_tilelang_path(monkeypatch, request.param)
+    return record_launches(monkeypatch, {"sm90": "sm_90a", "sm100": "sm_100a"}[request.param])
+
+
+def _t(data, dtype=torch.int32):
+    return torch.tensor(data, dtype=dtype, device=DEV)
+
+
+def _layers(n, T, slots, hk, hv, pool_dtype=torch.float32, spec_cols=0, bias=True):
+    """``n`` layers' arguments for gdn_layer_forward: each its own tensors (vLLM's shapes)."""
+    dim = (2 * hk + hv) * D
+
+    def one():
+        return dict(mixed_qkv=torch.randn(T, dim, dtype=BF16, device=DEV),
+                    a=torch.randn(T, hv, dtype=BF16, device=DEV), b=torch.randn(T, hv, dtype=BF16, device=DEV),
+                    conv_weight=torch.randn(dim, 4, dtype=BF16, device=DEV),
+                    conv_bias=torch.randn(dim, dtype=BF16, device=DEV) if bias else None, activation="silu",
+                    conv_state=torch.zeros(slots, dim, 3 + spec_cols, dtype=BF16, device=DEV),
+                    ssm_state=torch.zeros(slots, hv, D, D, dtype=pool_dtype, device=DEV),
+                    A_log=torch.zeros(hv, device=DEV), dt_bias=torch.zeros(hv, dtype=BF16, device=DEV),
+                    num_k_heads=hk, out=torch.zeros(T, hv, D, dtype=BF16, device=DEV), scale=D ** -0.5)
+    return [one() for _ in range(n)]
+
+
+def _forward(step, layer):
+    kw = dict(layer)
+    GL.gdn_layer_forward(step, kw.pop("mixed_qkv"), kw.pop("a"), kw.pop("b"), **kw)
+
+
+def _same_argument(x, y) -> bool:
+    if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+        return launch_replay._view(x) == launch_replay._view(y)
+    return type(x) is type(y) and x == y
+
+
+def _run_and_compare(launches, monkeypatch, step, layers):
+    """Every layer with the replay on, then the replayed ones again with it off; returns the
+    replayed layer count."""
+    per_layer = []
+    for layer in layers:
+        start = len(launches)
+        _forward(step, layer)
+        per_layer.append(launches[start:])
+    replayed = step._replays.replayed
+    monkeypatch.setattr(GL, "LAUNCH_REPLAY", False)
+    for i in range(len(layers) - replayed, len(layers)):
+        start = len(launches)
+        _forward(step, layers[i])
+        own = launches[start:]
+        assert [c.name for c in per_layer[i]] == [c.name for c in own], i
+        for got, want in zip(per_layer[i], own):
+            bad = [name for name in want.args if not _same_argument(got.args[name], want.args[name])]
+            assert not bad, f"layer {i}, {want.name}: replayed arguments differ in {bad}"
+    assert step._replays.replayed == replayed   # the off run replayed nothing
+    return replayed
+
+
+def _plain_step(decodes, lens, hk, hv, checkpoints=False):
+    n = decodes + len(lens)
+    kw = dict(decode_slots=torch.arange(1, decodes + 1, dtype=torch.int32, device=DEV)) if decodes else {}
+    if lens:
+        kw.update(prefill_lens=lens, prefill_slots=torch.arange(decodes + 1, n + 1, dtype=torch.int32, device=DEV),
+                  prefill_has_initial_state=_t([i % 2 == 1 for i in range(len(lens))], torch.bool))
+        if checkpoints:
+            kw.update(prefill_checkpoint_chunks=[1] * len(lens),
+                      prefill_checkpoint_slots=torch.arange(n + 1, n + 1 + len(lens), dtype=torch.int32, device=DEV))
+    T = decodes + sum(lens)
+    step = GL.make_step_plan(num_actual_tokens=T, num_v_heads=hv, num_k_heads=hk, conv_width=4, device=DEV, **kw)
+    return step, T, 2 * n + 2
+
+
+STEPS = {   # decodes, prefill lengths, heads, checkpoints
+    "decode 1": (1, [], 2, 8, False),
+    "decode 64": (64, [], 2, 8, False),
+    "decode 256": (256, [], 2, 8, False),
+    "prefill 16 x 512": (0, [512] * 16, 2, 8, False),
+    "mixed": (32, [512] * 4, 2, 8, False),
+    "mixed, checkpoints": (2, [70, 150], 2, 8, True),
+    "prefill 4 x 8192 (CP)": (0, [8192] * 4, 2, 8, False),
+    "mixed 16/64": (32, [512] * 4, 16, 64, False),
+    "decode 64 at 16/32": (64, [], 16, 32, False),
+}
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("case", list(STEPS))
+def test_replay_launches_what_the_ops_launch(launches, monkeypatch, case, pool_dtype):
+    """Non-spec steps: layer 0 checks, layers 1 and 2 record, the rest replay the same launches
+    as the ops would make."""
+    decodes, lens, hk, hv, checkpoints = STEPS[case]
+    step, T, slots = _plain_step(decodes, lens, hk, hv, checkpoints)
+    layers = _layers(LAYERS, T, slots, hk, hv, pool_dtype, bias=hk == 2)
+    assert _run_and_compare(launches, monkeypatch, step, layers) == LAYERS - 3, step._replays.refused
+
+
+def _spec_step(with_prefill: bool):
+    spec_lens, pre_lens = [3, 2], [9] if with_prefill else []
+    Ts, T = sum(spec_lens), sum(spec_lens) + sum(pre_lens)
+    kw = dict(spec_slots=_t([[4, 5, 6], [10, 11, 12]]), spec_cu_seqlens=_t([0, 3, 5]), num_accepted=_t([2, 1]),
+              num_spec_tokens=Ts)
+    if with_prefill:
+        perm = torch.randperm(T, generator=torch.Generator().manual_seed(0))
+        kw.update(prefill_lens=pre_lens, prefill_slots=_t([2]), prefill_has_initial_state=_t([True], torch.bool),
+                  spec_token_idx=perm[:Ts].sort().values.int().to(DEV),
+                  non_spec_token_idx=perm[Ts:].sort().values.int().to(DEV))
+    return GL.make_step_plan(num_actual_tokens=T, num_v_heads=8, num_k_heads=2, conv_width=4, device=DEV, **kw), T
+
+
+@pytest.mark.parametrize("with_prefill", [False, True], ids=["spec only", "spec and prefill"])
+def test_replay_of_spec_steps(launches, monkeypatch, with_prefill):
+    """vLLM's spec steps (the spec rows gathered by index where prefills interleave: the gathers
+    and the scatters back into ``out`` run on every call, outside the replay)."""
+    step, T = _spec_step(with_prefill)
+    layers = _layers(LAYERS, T, 20, 2, 8, spec_cols=2)
+    assert _run_and_compare(launches, monkeypatch, step, layers) == LAYERS - 3, step._replays.refused
+
+
+def test_a_layer_with_other_alignment_or_metadata_is_not_replayed(launches, monkeypatch):
+    """A later layer whose tensor sits at another address modulo 16, or whose metadata differs,
+    gets the ops' checks and host code, not the replay: a misaligned mixed_qkv is refused by
+    name as on the step's first layer."""
+    step, T, slots = _plain_step(32, [512] * 4, 2, 8)
+    layers = _layers(5, T, slots, 2, 8)
+    for layer in layers:
+        _forward(step, layer)
+    assert step._replays.replayed == 2
+    bad = dict(_layers(1, T, slots, 2, 8)[0])
+    bad["mixed_qkv"] = torch.randn(T * bad["mixed_qkv"].shape[1] + 1, dtype=BF16, device=DEV)[1:].view(T, -1)
+    with pytest.raises(ValueError, match="mixed_qkv"):
+        _forward(step, bad)
+    other = dict(_layers(1, T, slots, 2, 8)[0], conv_bias=None)
+    _forward(step, other)
+    assert step._replays.replayed == 2
+
+
+def test_a_layer_called_again_with_its_own_tensors_is_not_taken_for_the_step(launches):
+    """A second recording on the first's tensors (a bench calling one layer over and over) proves
+    nothing about which arguments are the step's own: the key waits for other tensors, and gives
+    up after a few tries."""
+    step, T, slots = _plain_step(32, [512] * 4, 2, 8)
+    layer = _layers(1, T, slots, 2, 8)[0]
+    for _ in range(6):
+        _forward(step, layer)
+    assert step._replays.replayed == 0
+    assert list(step._replays.refused.values()) == ["the layer calls repeat the same tensors"]
+
+
+def test_torch_calls_in_the_ops_host_code_stop_the_replay(launches, monkeypatch):
+    """An op whose host code launches torch work (here a zero fill slipped into gdn_decode's
+    kernel module) cannot be replayed by its raw launches alone: the watcher refuses the key
+    and every layer runs the ops."""
+    from qla_serve.kernels import blackwell, hopper
+
+    for module in (hopper, blackwell):
+        def with_a_fill(q, *args, out, _own=module.decode, **kw):
+            out.zero_()
+            _own(q, *args, out=out, **kw)
+        monkeypatch.setattr(module, "decode", with_a_fill)
+    step, T, slots = _plain_step(32, [512] * 4, 2, 8)
+    for layer in _layers(LAYERS, T, slots, 2, 8):
+        _forward(step, layer)
+    assert step._replays.replayed == 0
+    assert "zero_" in next(iter(step._replays.refused.values()))
+
+
+def test_a_view_of_a_layer_tensor_made_in_the_ops_stops_the_replay(launches, monkeypatch):
+    """A launch argument that the ops made from a layer tensor (here a fresh view of the pool in
+    gdn_decode's kernel module) is neither a source of the call nor the step's own: replaying
+    the recorded view would hand every later layer the recorded layer's pool. Refused."""
+    from qla_serve.kernels import blackwell, hopper
+
+    for module in (hopper, blackwell):
+        def with_a_view(q, k, v, pool, *args, _own=module.decode, **kw):
+            _own(q, k, v, pool.view(pool.shape), *args, **kw)
+        monkeypatch.setattr(module, "decode", with_a_view)
+    step, T, slots = _plain_step(32, [512] * 4, 2, 8)
+    for layer in _layers(LAYERS, T, slots, 2, 8):
+        _forward(step, layer)
+    assert step._replays.replayed == 0
+    assert list(step._replays.refused.values()) == [
+        "argument 7 of a launch is a view of a layer tensor that the layer did not make"]
+
+
+def test_an_op_off_the_tilelang_path_stops_the_replay(launches, monkeypatch):
+    """An op dispatched to the reference or FLA path launches through torch or Triton, which no
+    raw launch records: never replayed."""
+    from qla_serve import ops
+
+    own_path, own_module = ops._path, ops.path_module
+    fla = SimpleNamespace(decode=lambda *a, **k: None)   # (FLA's decode, which these tests cannot run)
+    monkeypatch.setattr(ops, "_path", lambda op, device, io_dtype: "fla" if op == "decode" else own_path(
+        op, device, io_dtype))
+    monkeypatch.setattr(ops, "path_module", lambda path, device, *ref: fla if path == "fla" else own_module(
+        path, device, *ref))
+    step, T, slots = _plain_step(32, [512] * 4, 2, 8)
+    for layer in _layers(LAYERS, T, slots, 2, 8):
+        _forward(step, layer)
+    assert step._replays.replayed == 0
+    assert "decode ran on the fla path" in step._replays.refused.values()
