@@ -58,29 +58,37 @@ def _forward(step, layer):
     GL.gdn_layer_forward(step, kw.pop("mixed_qkv"), kw.pop("a"), kw.pop("b"), **kw)
 
 
-def _same_argument(x, y) -> bool:
+def _same_argument(x, y, same_storage=None) -> bool:
+    """The same scalar, or a tensor view of the same memory (``same_storage``: a storage of the
+    replayed call that stands for one of the other call's: an output each call allocates)."""
     if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
-        return launch_replay._view(x) == launch_replay._view(y)
+        vx, vy = launch_replay._view(x), launch_replay._view(y)
+        if same_storage and vx[0] == same_storage[0]:
+            vx = (same_storage[1], *vx[1:])
+        return vx == vy
     return type(x) is type(y) and x == y
 
 
-def _run_and_compare(launches, monkeypatch, step, layers):
+def _run_and_compare(launches, monkeypatch, step, layers, forward=None):
     """Every layer with the replay on, then the replayed ones again with it off; returns the
-    replayed layer count."""
+    replayed layer count. ``forward(layer)``: one layer call (default: gdn_layer_forward),
+    returning the output tensor it allocated, if it does."""
+    forward = forward or (lambda layer: _forward(step, layer))
     per_layer = []
     for layer in layers:
         start = len(launches)
-        _forward(step, layer)
-        per_layer.append(launches[start:])
+        out = forward(layer)
+        per_layer.append((launches[start:], out))
     replayed = step._replays.replayed
     monkeypatch.setattr(GL, "LAUNCH_REPLAY", False)
     for i in range(len(layers) - replayed, len(layers)):
         start = len(launches)
-        _forward(step, layers[i])
-        own = launches[start:]
-        assert [c.name for c in per_layer[i]] == [c.name for c in own], i
-        for got, want in zip(per_layer[i], own):
-            bad = [name for name in want.args if not _same_argument(got.args[name], want.args[name])]
+        out = forward(layers[i])
+        own, (got_launches, got_out) = launches[start:], per_layer[i]
+        same = None if out is None else (got_out.untyped_storage()._cdata, out.untyped_storage()._cdata)
+        assert [c.name for c in got_launches] == [c.name for c in own], i
+        for got, want in zip(got_launches, own):
+            bad = [name for name in want.args if not _same_argument(got.args[name], want.args[name], same)]
             assert not bad, f"layer {i}, {want.name}: replayed arguments differ in {bad}"
     assert step._replays.replayed == replayed   # the off run replayed nothing
     return replayed
@@ -144,6 +152,56 @@ def test_replay_of_spec_steps(launches, monkeypatch, with_prefill):
     step, T = _spec_step(with_prefill)
     layers = _layers(LAYERS, T, 20, 2, 8, spec_cols=2)
     assert _run_and_compare(launches, monkeypatch, step, layers) == LAYERS - 3, step._replays.refused
+
+
+def _sglang_model(layers: int, pool_dtype, hk=2, hv=8, slots=24):
+    """SGLang 0.5.23's per-layer views of its mamba pool (``mamba2_layer_cache(layer_id)``: a new
+    object per call over the pool's layer) and each layer's RadixLinearAttention attributes (the
+    stand-ins of tests/backends/sglang_plugin/test_{decode,extend}_layer.py)."""
+    dim = (2 * hk + hv) * D
+    conv = torch.zeros(layers, slots, dim, 3, dtype=BF16, device=DEV)
+    ssm = torch.zeros(layers, slots, hv, D, D, dtype=pool_dtype, device=DEV)
+    attns = [SimpleNamespace(layer_id=i, conv_weights=torch.randn(dim, 4, dtype=BF16, device=DEV), bias=None,
+                             activation="silu", num_k_heads=hk, num_v_heads=hv, head_k_dim=D,
+                             A_log=torch.zeros(hv, device=DEV), dt_bias=torch.zeros(hv, dtype=BF16, device=DEV))
+             for i in range(layers)]
+    pool = SimpleNamespace(mamba2_layer_cache=lambda i: SimpleNamespace(conv=[conv[i]], temporal=ssm[i]))
+    return pool, attns, dim
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, BF16])
+def test_replay_of_sglang_decode_and_extend_steps(launches, monkeypatch, pool_dtype):
+    """SGLang's decode and extend steps as the plugin runs them (backends/sglang/decode_layer.py,
+    extend_layer.py), each layer on its own view of SGLang's pools and a fresh output."""
+    from qla_serve.backends.sglang import decode_layer, extend_layer
+    from qla_serve.backends.sglang.kernel import ExtendBatch
+
+    pool, attns, dim = _sglang_model(LAYERS, pool_dtype)
+    ids = _t([5, 0, 17, -1])
+    backend = SimpleNamespace(forward_metadata=SimpleNamespace(mamba_cache_indices=ids, replayssm_write_pos=None),
+                              req_to_token_pool=pool, _track_mamba_state_decode=lambda *args: None)
+    rows = [(torch.randn(4, dim, dtype=BF16, device=DEV), torch.randn(4, 8, dtype=BF16, device=DEV),
+             torch.randn(4, 8, dtype=BF16, device=DEV)) for _ in attns]
+    step = decode_layer._decode_step(backend, attns[0], 4)
+    assert _run_and_compare(launches, monkeypatch, step, list(range(LAYERS)), lambda i: decode_layer.forward_decode(
+        backend, attns[i], None, *rows[i])) == LAYERS - 3, step._replays.refused
+
+    monkeypatch.setattr(GL, "LAUNCH_REPLAY", True)
+    lens = [37, 130]
+    qsl = _t([0, 37, 167])
+    backend = SimpleNamespace(forward_metadata=SimpleNamespace(mamba_cache_indices=ids[:2] + 1, query_start_loc=qsl))
+    fb = SimpleNamespace(extend_prefix_lens=_t([0, 12]))
+    batch = ExtendBatch(query_start_loc=qsl, seq_lens=lens, num_tokens=sum(lens))
+    T = sum(lens) + 3
+    rows = [(torch.randn(T, dim, dtype=BF16, device=DEV), torch.randn(T, 8, dtype=BF16, device=DEV),
+             torch.randn(T, 8, dtype=BF16, device=DEV)) for _ in attns]
+
+    def extend(i):
+        return extend_layer.forward_extend(backend, attns[i], fb, *rows[i], batch, pool.mamba2_layer_cache(i))
+    extend(0)
+    step = batch.step
+    assert _run_and_compare(launches, monkeypatch, step, list(range(1, LAYERS)), extend) == LAYERS - 3, \
+        step._replays.refused
 
 
 def test_a_layer_with_other_alignment_or_metadata_is_not_replayed(launches, monkeypatch):
