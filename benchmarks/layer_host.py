@@ -3,13 +3,18 @@
     python benchmarks/layer_host.py [--rows 2/8:d1,2/8:16x512,...] [--calls 300] [--top 25] [--first-layer]
     python benchmarks/layer_host.py --memo-ab     # host time with / without the TMA descriptor memo
     python benchmarks/layer_host.py --switch conv.WINDOW_CTAS=False,True   # a module switch's values
+    python benchmarks/layer_host.py --step [--switch gdn_layer.LAUNCH_REPLAY=False,True]   # whole steps
 
 Engines run prefill and mixed steps eagerly, so every GDN layer of such a step pays this on the
 CPU. For each row: the issue time of one call from an idle GPU (as `bench layer`'s "host issue
 us") and of back-to-back calls, the GPU time per call (events), then a cProfile of the
 back-to-back calls: the functions with the most own time. ``--first-layer``: every call as a
 step's first GDN layer (its metadata not yet checked this step: the ops' checks run, from their
-process-wide tables where those hold the metadata); default: a step's later layers.
+process-wide tables where those hold the metadata); default: a step's later layers (bench
+layer's qla_call: successive calls go through 36 layers' views, so that from the fourth call
+on they replay the step's recorded launches, backends/launch_replay.py). ``--step``: instead,
+the host time of whole steps of 36 layer calls, each on a fresh step plan (its first layer's
+checks, the two recording calls and the replays), per step and per layer call.
 """
 
 import argparse
@@ -44,6 +49,8 @@ def main() -> None:
     p.add_argument("--memo-ab", action="store_true",
                    help="only the host issue time, TMA descriptor memo (host_cache.py) on / off, "
                         "alternating rounds; no profile")
+    p.add_argument("--step", action="store_true",
+                   help="host time of whole steps (L.STEP_LAYERS layer calls on a fresh step plan each)")
     p.add_argument("--switch", type=layer_ab.parse_switch, default=None,
                    help="MODULE.NAME=V1,V2 (as benchmarks/layer_ab.py): only the host issue time per "
                         "value, alternating rounds; no profile")
@@ -53,6 +60,9 @@ def main() -> None:
         hk, hv = (int(x) for x in heads.split("/"))
         row = L.parse_row(row_text)
         case = L.LayerCase(hk, hv, row, torch.float32, "cuda", nsets=1)
+        if args.step:
+            _steps(spec, case, args.switch)
+            continue
         step = L.qla_step(case, 0)
         call = L.qla_call(case, step)
         if args.first_layer:
@@ -106,6 +116,43 @@ def _issue_us(call, n: int = 50) -> float:
         out.append(time.perf_counter() - t0)
     torch.cuda.synchronize()
     return statistics.median(out) * 1e6
+
+
+def _step_us(case, rounds: int = 20) -> list[float]:
+    """Host us of whole steps: L.STEP_LAYERS layer calls, each step on a fresh step plan (made,
+    with its slot ids, before the clock starts), issued onto an idle GPU."""
+    import torch
+
+    from qla_serve.bench import layer as L
+
+    out = []
+    for _ in range(rounds):
+        call = L.qla_call(case, L.qla_step(case, 0))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(L.STEP_LAYERS):
+            call()
+        out.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return out
+
+
+def _steps(spec: str, case, switch) -> None:
+    from unittest import mock
+
+    from qla_serve.bench import layer as L
+
+    _step_us(case, 2)    # first calls: kernel loads
+    settings = [("", contextlib.nullcontext)] if switch is None else [
+        (f"{switch[1]}={v!r} ", functools.partial(mock.patch.object, switch[0], switch[1], v)) for v in switch[2]]
+    times = {label: [] for label, _ in settings}
+    for _ in range(3):
+        for label, setting in settings:
+            with setting():
+                times[label].append(statistics.median(_step_us(case)))
+    cols = ", ".join(f"{label}{min(t):.0f} us a step, {min(t) / L.STEP_LAYERS:.1f} per layer call "
+                     f"(rounds {', '.join(f'{x:.0f}' for x in t)})" for label, t in times.items())
+    print(f"== {spec}: host time of steps of {L.STEP_LAYERS} layer calls: {cols}", flush=True)
 
 
 def _alternate(spec: str, call, settings) -> None:
