@@ -435,9 +435,15 @@ def gdn_layer_forward(step: StepPlan, mixed_qkv: torch.Tensor, a: torch.Tensor, 
     else:
         step._replays.run(key, tensors, tensors + rows.flat(), build, on_call)
     if rows.spec_out is not None:
-        out.index_copy_(0, step.spec_token_idx.long(), rows.spec_out)
+        out.index_copy_(0, _int64(step, "spec_token_idx"), rows.spec_out)
     if rows.non_spec_out is not None:
-        out.index_copy_(0, step.non_spec_token_idx.long(), rows.non_spec_out)
+        out.index_copy_(0, _int64(step, "non_spec_token_idx"), rows.non_spec_out)
+
+
+def _int64(step: StepPlan, name: str) -> torch.Tensor:
+    """The step's token index ``name`` as int64 (what index_copy_ takes), converted once per step
+    (StepPlan.scratch) instead of once per layer call."""
+    return step.scratch(("int64", name), lambda: getattr(step, name).long())
 
 
 def _parts(step: StepPlan, layer: _Layer, rows: _Rows, checks: bool) -> list:

@@ -502,7 +502,7 @@ def test_spec_batch_with_prefill_checkpoints_gpu(pool_dtype):
 def _run_spec_layers_share_the_step(dev, io):
     """GDN layers of one spec step with prefills interleaved (their own inputs, weights and
     caches): the step's scratch buffers (the spec conv's output, the spec and non-spec rows
-    gathered and their outputs: StepPlan.scratch) serve them all, the layers from the fourth on
+    gathered, their outputs and int64 token indices: StepPlan.scratch) serve them all, the layers from the fourth on
     replay the step's recorded launches on the TileLang path, and each layer gives bit for bit
     what it gives as the only layer of a fresh step."""
     gen = torch.Generator().manual_seed(7)
@@ -541,7 +541,8 @@ def _run_spec_layers_share_the_step(dev, io):
     step = make_step()
     for i in range(LAYERS):
         layer(step, i, shared[i], outs[i])
-    assert {k[0] for k in step._scratch} == {"spec_conv_out", "spec_out", "non_spec_out", "spec_rows", "non_spec_rows"}
+    assert {k[0] for k in step._scratch} == {"spec_conv_out", "spec_out", "non_spec_out", "spec_rows", "non_spec_rows",
+                                             "int64"}
     assert step._replays.replayed == (LAYERS - 3 if dev == "cuda" else 0), step._replays.refused
     for i in range(LAYERS):
         layer(make_step(), i, fresh[i], outs[LAYERS + i])
