@@ -178,14 +178,15 @@ def test_compiles_cp_warmup_sm90a():
 
 def test_launches_go_to_the_kernels_host_function():
     """prefill_api launches through raw_launch.raw_function: the compiled host function itself
-    (a tvm_ffi Function, not TileLang's Python adapter), which still checks its arguments. Here,
+    (a tvm_ffi Function, not TileLang's Python adapter; behind launch_record.recordable, the
+    launch replay's recording hook), which still checks its arguments. Here,
     with no GPU, that check is what runs: CPU tensors are refused by the host function by name,
     before any launch. (Whether the launch itself runs is test_prefill_gpu.py's business.)"""
     import torch
     import tvm_ffi
 
     fn = P._kernel(P.warmup_variant(8), (8, "warmup", "sm_90a"))
-    assert isinstance(fn, tvm_ffi.Function)
+    assert isinstance(fn.raw, tvm_ffi.Function)
     fbuf = torch.zeros(4, 8, 2, 64)
     offsets, cuts = torch.tensor([0, 4], dtype=torch.int32), torch.tensor([[0, 2, 0]], dtype=torch.int32)
     warm, need = torch.zeros(2, 8, dtype=torch.int32), torch.zeros(1, 8, dtype=torch.int32)
