@@ -324,8 +324,8 @@ def _rows(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
 
 
 def _layer_key(step: StepPlan, tensors, scalars) -> tuple | None:
-    """The metadata key of one layer call (every tensor's dtype, shape, strides, device, alignment, and
-    the non-tensor arguments): a later layer of the step with the same key hands its ops
+    """The metadata key of one layer call (every tensor's dtype, shape, strides, device and
+    address modulo 16, and the non-tensor arguments): a later layer of the step with the same key hands its ops
     arguments of the same metadata as one whose ops passed their checks, so its ops skip them
     (``_trusted``: 10 tensors' metadata per call instead of the ops' 37 on a mixed step;
     benchmarks/layer.md, "Host time of one layer call"). None (checks on
