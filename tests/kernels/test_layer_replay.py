@@ -132,8 +132,8 @@ def test_replay_launches_what_the_ops_launch(launches, monkeypatch, case, pool_d
     assert _run_and_compare(launches, monkeypatch, step, layers) == LAYERS - 3, step._replays.refused
 
 
-def _spec_step(with_prefill: bool):
-    spec_lens, pre_lens = [3, 2], [9] if with_prefill else []
+def _spec_step(with_prefill: bool, checkpoints: bool = False):
+    spec_lens, pre_lens = [3, 2], [150] if with_prefill else []
     Ts, T = sum(spec_lens), sum(spec_lens) + sum(pre_lens)
     kw = dict(spec_slots=_t([[4, 5, 6], [10, 11, 12]]), spec_cu_seqlens=_t([0, 3, 5]), num_accepted=_t([2, 1]),
               num_spec_tokens=Ts)
@@ -142,16 +142,21 @@ def _spec_step(with_prefill: bool):
         kw.update(prefill_lens=pre_lens, prefill_slots=_t([2]), prefill_has_initial_state=_t([True], torch.bool),
                   spec_token_idx=perm[:Ts].sort().values.int().to(DEV),
                   non_spec_token_idx=perm[Ts:].sort().values.int().to(DEV))
+    if checkpoints:
+        kw.update(prefill_checkpoint_chunks=[2], prefill_checkpoint_slots=_t([14]))
     return GL.make_step_plan(num_actual_tokens=T, num_v_heads=8, num_k_heads=2, conv_width=4, device=DEV, **kw), T
 
 
-@pytest.mark.parametrize("with_prefill", [False, True], ids=["spec only", "spec and prefill"])
-def test_replay_of_spec_steps(launches, monkeypatch, with_prefill):
+@pytest.mark.parametrize("with_prefill,checkpoints", [(False, False), (True, False), (True, True)],
+                         ids=["spec only", "spec and prefill", "spec and prefill, checkpoints"])
+def test_replay_of_spec_steps(launches, monkeypatch, with_prefill, checkpoints):
     """vLLM's spec steps (the spec rows gathered by index where prefills interleave: the gathers
-    and the scatters back into ``out`` run on every call, outside the replay)."""
-    step, T = _spec_step(with_prefill)
+    and the scatters back into ``out`` run on every call, outside the replay), and the step of
+    vLLM 0.33's GPU defaults: MTP beside a chunked prefill writing an align-mode checkpoint."""
+    step, T = _spec_step(with_prefill, checkpoints)
     layers = _layers(LAYERS, T, 20, 2, 8, spec_cols=2)
     assert _run_and_compare(launches, monkeypatch, step, layers) == LAYERS - 3, step._replays.refused
+    assert any(c.name.startswith("gdn_conv_prefill_state") for c in launches) == checkpoints
 
 
 def _sglang_model(layers: int, pool_dtype, hk=2, hv=8, slots=24):
