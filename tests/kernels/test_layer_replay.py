@@ -187,9 +187,12 @@ def test_replay_of_sglang_decode_and_extend_steps(launches, monkeypatch, pool_dt
                               req_to_token_pool=pool, _track_mamba_state_decode=lambda *args: None)
     rows = [(torch.randn(4, dim, dtype=BF16, device=DEV), torch.randn(4, 8, dtype=BF16, device=DEV),
              torch.randn(4, 8, dtype=BF16, device=DEV)) for _ in attns]
-    step = decode_layer._decode_step(backend, attns[0], 4)
-    assert _run_and_compare(launches, monkeypatch, step, list(range(LAYERS)), lambda i: decode_layer.forward_decode(
-        backend, attns[i], None, *rows[i])) == LAYERS - 3, step._replays.refused
+    def decode(i):
+        return decode_layer.forward_decode(backend, attns[i], None, *rows[i])
+    decode(0)   # the pass's first layer makes its step (decode_layer._decode_step)
+    step = backend.forward_metadata.qla_decode
+    assert _run_and_compare(launches, monkeypatch, step, list(range(1, LAYERS)), decode) == LAYERS - 3, \
+        step._replays.refused
 
     monkeypatch.setattr(GL, "LAUNCH_REPLAY", True)
     lens = [37, 130]

@@ -62,20 +62,27 @@ def step_ids(backend, layer) -> tuple:
 
 
 def _decode_step(backend, layer, B: int) -> gdn_layer.StepPlan:
-    """The forward batch's decode StepPlan for ``B`` rows over SGLang's ``mamba_cache_indices``
-    (``decode_slots``): made by its first GDN layer, kept on SGLang's per-batch metadata (a new
-    object per forward batch, eager, captured or replayed: MambaAttnBackendBase assigns
-    ``forward_metadata`` anew in every init_forward_metadata* method), so every later layer reuses
-    its slot ids. SGLang's slot 0 (a reserved dummy) and -1 (graph padding) are both padding:
-    never read or written. Under a captured decode graph the ids' derivation is part of the graph
-    and re-reads SGLang's persistent index buffer at every replay."""
+    """The forward pass's decode StepPlan for ``B`` rows over SGLang's ``mamba_cache_indices``
+    (``decode_slots``): made by its first GDN layer, kept on SGLang's per-batch metadata, so every
+    later layer reuses its slot ids. SGLang's slot 0 (a reserved dummy) and -1 (graph padding) are
+    both padding: never read or written.
+
+    One metadata object can serve several forward passes: SGLang 0.5.23 captures a decode (or
+    target-verify) graph by setting the metadata once (runner/decode_cuda_graph_runner.py:1400,
+    ``init_forward_metadata_out_graph(in_capture=True)``), then running two warmup passes and the
+    captured one over it (runner_backend/full_cuda_graph_backend.py:162-182). So a call from the
+    layer that made the step starts a new pass and makes a new one: the captured pass derives its
+    slot ids inside the graph, which then re-reads SGLang's persistent index buffer at every
+    replay (a step kept from a warmup would replay the capture-time slots)."""
     meta = backend.forward_metadata
     cache_indices = meta.mamba_cache_indices
     step = getattr(meta, "qla_decode", None)
-    if step is None or step.decode_slots is not cache_indices or step.num_actual_tokens != B:
+    if step is None or step.decode_slots is not cache_indices or step.num_actual_tokens != B \
+            or step.info.get("first_layer") == layer.layer_id:
         Hv = backend.req_to_token_pool.mamba2_layer_cache(layer.layer_id).temporal.shape[1]
         step = gdn_layer.make_step_plan(num_actual_tokens=B, num_v_heads=Hv, num_k_heads=layer.num_k_heads,
                                         conv_width=layer.conv_weights.shape[1], device=cache_indices.device,
                                         decode_slots=cache_indices, null_slot=0)
+        step.info["first_layer"] = layer.layer_id
         meta.qla_decode = step
     return step

@@ -41,6 +41,7 @@ class VerifyStep:
     slot_ids: torch.Tensor           # [N] int32, SGLang's 0 and -1 -> -1
     window_ids: torch.Tensor         # [N] int32 rows of the intermediate caches
     cu_seqlens: torch.Tensor         # [N + 1] int32
+    first_layer: int                 # the layer_id of the GDN layer that made it
 
 
 def forward_verify(backend, layer, forward_batch, mixed_qkv: torch.Tensor, a: torch.Tensor,
@@ -59,7 +60,7 @@ def forward_verify(backend, layer, forward_batch, mixed_qkv: torch.Tensor, a: to
     Returns:
         [1, N * D, Hv, 128] in mixed_qkv's dtype (rows of padding requests zero).
     """
-    step = _verify_step(backend, forward_batch, mixed_qkv.shape[0], select_rows)
+    step = _verify_step(backend, layer, forward_batch, mixed_qkv.shape[0], select_rows)
     N, D, Hk = step.num_seqs, step.draft, layer.num_k_heads
     Hv = cache.temporal.shape[1]
     y = layer_ops.causal_conv_verify(mixed_qkv, cache.conv[0], step.slot_ids, cache.intermediate_conv_window[0],
@@ -74,16 +75,19 @@ def forward_verify(backend, layer, forward_batch, mixed_qkv: torch.Tensor, a: to
     return out
 
 
-def _verify_step(backend, forward_batch, T: int, select_rows) -> VerifyStep:
-    """The forward batch's VerifyStep, kept on SGLang's per-batch metadata (a new object per
-    batch: eager, captured or replayed), so that every later layer reuses its ids. The scratch
-    rows are SGLang's own choice (``select_verify_intermediate_state_indices``, as its
-    forward_extend takes them, :1000-1005: its per-position table, or the requests' pool rows
-    under ``pp_spec_stable_rows``)."""
+def _verify_step(backend, layer, forward_batch, T: int, select_rows) -> VerifyStep:
+    """The forward pass's VerifyStep, kept on SGLang's per-batch metadata, so that every later
+    layer reuses its ids; a call from the layer that made it starts a new pass over the same
+    metadata (SGLang's graph capture: two warmup passes and the captured one over one metadata
+    object, decode_layer._decode_step) and makes a new one, whose ids the captured pass derives
+    inside the graph. The scratch rows are SGLang's own choice
+    (``select_verify_intermediate_state_indices``, as its forward_extend takes them, :1000-1005:
+    its per-position table, or the requests' pool rows under ``pp_spec_stable_rows``)."""
     meta = backend.forward_metadata
     cache_indices = meta.mamba_cache_indices
     step = getattr(meta, "qla_verify", None)
-    if step is None or step.cache_indices is not cache_indices or step.num_seqs * step.draft != T:
+    if step is None or step.cache_indices is not cache_indices or step.num_seqs * step.draft != T \
+            or step.first_layer == layer.layer_id:
         D = int(forward_batch.spec_info.draft_token_num)
         N = T // D
         if N * D != T:
@@ -97,7 +101,7 @@ def _verify_step(backend, forward_batch, T: int, select_rows) -> VerifyStep:
             cache_indices[:qsl.shape[0] - 1] >= 0, backend.req_to_token_pool.size)
         step = meta.qla_verify = VerifyStep(
             cache_indices=cache_indices, num_seqs=N, draft=D, slot_ids=layer_ops.slot_ids(cache_indices[:N], 0),
-            window_ids=_int32(window_ids[:N]), cu_seqlens=_int32(qsl[:N + 1]))
+            window_ids=_int32(window_ids[:N]), cu_seqlens=_int32(qsl[:N + 1]), first_layer=layer.layer_id)
     return step
 
 

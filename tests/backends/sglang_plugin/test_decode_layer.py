@@ -40,9 +40,9 @@ def _backend(conv, ssm, meta):
         tracked=tracked)
 
 
-def _layer(Hk, Hv, dev, gen):
+def _layer(Hk, Hv, dev, gen, layer_id=3):
     dim = (2 * Hk + Hv) * C.D
-    return SimpleNamespace(layer_id=3, conv_weights=(torch.randn(dim, W, generator=gen) * 0.5).to(dev, torch.bfloat16),
+    return SimpleNamespace(layer_id=layer_id, conv_weights=(torch.randn(dim, W, generator=gen) * 0.5).to(dev, torch.bfloat16),
                            bias=None, activation="silu", num_k_heads=Hk, num_v_heads=Hv, head_k_dim=C.D,
                            A_log=(torch.rand(Hv, generator=gen) * 0.5 - 1.0).to(dev),
                            dt_bias=(torch.randn(Hv, generator=gen) * 0.1).to(dev, torch.bfloat16))
@@ -93,6 +93,38 @@ def test_decode_layer_cpu():
     _run("cpu", 2, 4, torch.float32, seed=21)
 
 
+def test_each_forward_pass_over_one_metadata_makes_its_step(monkeypatch):
+    """SGLang 0.5.23 captures a decode graph with one metadata object for two warmup passes and
+    the captured pass (runner/decode_cuda_graph_runner.py:1400, then
+    runner_backend/full_cuda_graph_backend.py:162-182): the first GDN layer of every pass makes
+    that pass's step and derives its slot ids (for the captured pass: inside the graph), the
+    later layers of the pass share them."""
+    from qla_serve import layer_ops
+
+    derived = []
+    real = layer_ops.slot_ids
+    monkeypatch.setattr(layer_ops, "slot_ids", lambda *a, **k: derived.append(1) or real(*a, **k))
+    gen = torch.Generator().manual_seed(24)
+    Hk, Hv, S, B = 2, 4, 12, 3
+    dim = (2 * Hk + Hv) * C.D
+    layers = [_layer(Hk, Hv, "cpu", gen, layer_id=i) for i in (3, 7, 11)]
+    caches = [(torch.randn(S, dim, W - 1, generator=gen).to(torch.bfloat16), C.pool(S, Hv, torch.float32, "cpu", gen))
+              for _ in layers]
+    x = torch.randn(B, dim, generator=gen).to(torch.bfloat16)
+    a, b = (torch.randn(B, Hv, generator=gen).to(torch.bfloat16) for _ in range(2))
+    meta = _meta(torch.tensor([4, 0, 9], dtype=torch.int32))
+    passes = []
+    for _ in range(3):
+        steps = []
+        for layer, (conv, ssm) in zip(layers, caches):
+            decode_layer.forward_decode(_backend(conv, ssm, meta), layer, None, x, a, b)
+            steps.append(meta.qla_decode)
+        assert steps[0] is steps[1] is steps[2]
+        passes.append(steps[0])
+    assert len({id(step) for step in passes}) == 3
+    assert len(derived) == 3, "one slot-id derivation per pass"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
@@ -104,13 +136,14 @@ def test_decode_layer_gpu(Hk, Hv, pool_dtype):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_decode_layer_in_a_cuda_graph():
-    """SGLang's decode graph: captured once (two layers of one forward batch: the step's slot ids
-    derived once, in the graph), replayed after SGLang rewrites its persistent index buffer in
-    place (other slots, a padding row moved): the same as eager calls on copies of the caches."""
+    """SGLang's decode graph: captured once after two warmup passes over the same metadata, as
+    SGLang does (two layers of one forward batch: the step's slot ids derived once per pass, in
+    the graph for the captured one), replayed after SGLang rewrites its persistent index buffer
+    in place (other slots, a padding row moved): the same as eager calls on copies of the caches."""
     gen = torch.Generator().manual_seed(23)
     Hk, Hv, S, B = 2, 8, 30, 5
     dim = (2 * Hk + Hv) * C.D
-    layers = [_layer(Hk, Hv, "cuda", gen) for _ in range(2)]
+    layers = [_layer(Hk, Hv, "cuda", gen, layer_id=i) for i in (3, 7)]
     caches = [(torch.randn(S, dim, W - 1, generator=gen).to("cuda", torch.bfloat16),
                C.pool(S, Hv, torch.float32, "cuda", gen)) for _ in range(2)]
     x = torch.randn(B, dim, generator=gen).to("cuda", torch.bfloat16)
@@ -122,17 +155,20 @@ def test_decode_layer_in_a_cuda_graph():
         return [decode_layer.forward_decode(_backend(conv, ssm, meta), layer, None, x, a, b)
                 for layer, (conv, ssm) in zip(layers, caches_)]
 
+    # SGLang's capture: one metadata object for two warmup passes and the captured one
+    # (runner/decode_cuda_graph_runner.py:1400, runner_backend/full_cuda_graph_backend.py:162-182)
+    captured = _meta(idx)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         for _ in range(2):                                    # compile and launch outside the capture
-            forward([(c.clone(), p.clone()) for c, p in caches], _meta(idx))
+            forward([(c.clone(), p.clone()) for c, p in caches], captured)
     torch.cuda.current_stream().wait_stream(s)
-    captured = _meta(idx)
+    warm = captured.qla_decode
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static = forward(caches, captured)
-    assert captured.qla_decode.decode_slots is idx
+    assert captured.qla_decode.decode_slots is idx and captured.qla_decode is not warm
     for trial, new in enumerate(([7, 9, 21, -1, 2], [0, 3, 4, 28, 15], [11, -1, 0, 6, 9])):
         idx.copy_(torch.tensor(new, dtype=torch.int32))
         x.copy_(torch.randn(B, dim, generator=gen).to(torch.bfloat16))

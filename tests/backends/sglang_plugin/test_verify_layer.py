@@ -121,6 +121,36 @@ def test_verify_layer_cpu():
     _run("cpu", 2, 4, torch.float32, 3, seed=41)
 
 
+def test_each_forward_pass_over_one_metadata_makes_its_step(monkeypatch):
+    """SGLang 0.5.23 captures a target-verify graph (the decode runner's, with draft-token-wide
+    requests) with one metadata object for two warmup passes and the captured pass
+    (runner/decode_cuda_graph_runner.py:1400, runner_backend/full_cuda_graph_backend.py:162-182):
+    the first GDN layer of every pass makes that pass's VerifyStep and derives its ids (for the
+    captured pass: inside the graph), the pass's later layers share it."""
+    from qla_serve import layer_ops
+
+    derived = []
+    real = layer_ops.slot_ids
+    monkeypatch.setattr(layer_ops, "slot_ids", lambda *a, **k: derived.append(1) or real(*a, **k))
+    slots, D = [5, 0, 17], 2
+    backend, fb = _backend(slots, D, "cpu")
+    model = []
+    for layer_id, seed in ((2, 45), (6, 46)):
+        cache, layer, x, a, b = _setup("cpu", 1, 2, torch.float32, D, slots, seed)
+        layer.layer_id = layer_id
+        model.append((cache, layer, x, a, b))
+    passes = []
+    for _ in range(3):
+        steps = []
+        for cache, layer, x, a, b in model:
+            verify_layer.forward_verify(backend, layer, fb, x, a, b, cache, select_rows=_select_rows)
+            steps.append(backend.forward_metadata.qla_verify)
+        assert steps[0] is steps[1]
+        passes.append(steps[0])
+    assert len({id(step) for step in passes}) == 3
+    assert len(derived) == 3, "one slot-id derivation per pass"
+
+
 def test_verify_layer_refuses_a_ragged_batch():
     slots = [5, 7]
     cache, layer, x, a, b = _setup("cpu", 1, 2, torch.float32, 3, slots, 42)
@@ -140,8 +170,10 @@ def test_verify_layer_gpu(Hk, Hv, D, pool_dtype):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_verify_layer_in_a_cuda_graph():
-    """SGLang's verify graph: captured once (the step's ids derived in the graph), replayed after
-    SGLang rewrites its persistent index buffer in place: the same as eager calls on copies."""
+    """SGLang's verify graph: captured once after two warmup passes over the same metadata, as
+    SGLang does (the step's ids derived in each pass, in the graph for the captured one),
+    replayed after SGLang rewrites its persistent index buffer in place: the same as eager calls
+    on copies."""
     D, slots = 3, [4, 9, -1, 12]
     cache, layer, x, a, b = _setup("cuda", 2, 8, torch.float32, D, slots, 44)
     backend, fb = _backend(slots, D, "cuda")
@@ -161,15 +193,20 @@ def test_verify_layer_in_a_cuda_graph():
     def meta_of(ids):
         return SimpleNamespace(mamba_cache_indices=ids, query_start_loc=backend.forward_metadata.query_start_loc)
 
+    # SGLang's capture: one metadata object for two warmup passes and the captured one
+    # (runner/decode_cuda_graph_runner.py:1400, runner_backend/full_cuda_graph_backend.py:162-182)
+    captured = meta_of(idx)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         for _ in range(2):
-            forward(copy(cache), meta_of(idx))
+            forward(copy(cache), captured)
     torch.cuda.current_stream().wait_stream(s)
+    warm = captured.qla_verify
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static = forward(cache, meta_of(idx))
+        static = forward(cache, captured)
+    assert captured.qla_verify is not warm
     for trial, new in enumerate(([7, 9, 21, -1], [0, 3, 4, 18], [11, -1, 0, 6])):
         idx.copy_(torch.tensor(new, dtype=torch.int32))
         ref_cache = copy(cache)
