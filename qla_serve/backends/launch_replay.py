@@ -9,16 +9,18 @@ layer call's ~35-80 on the CPU machine, benchmarks/layer.md) gives the same answ
 So, per step and layer key:
 
 1. the first later-layer call runs the ops and records what they launch
-   (qla_serve.launch_record) under a torch-call watcher: any torch op other than reading
-   tensor metadata or taking a view, or any op dispatched off the TileLang path, and this key
-   is never replayed in this step;
+   (qla_serve.launch_record);
 2. the next call records again, on other layer tensors (not the same objects: a caller that
-   runs one layer over and over waits, and gives up after a few tries): each launch argument
-   must be, in both calls alike, one of the call's *sources* (its tensor arguments and the row
-   views the layer made of them, by identity), or the same object, or a view of the same
-   memory, sharing no storage with the call's layer tensors (the step's own tensors, a
-   scalar), and the launches must be the same functions; a view of a layer tensor made inside
-   the ops, or an object that differs between the calls, and this key is never replayed;
+   runs one layer over and over waits, and gives up after a few tries), under a torch-call
+   watcher unless the watcher already found that launch sequence clean in this process. The
+   recording holds if the ops dispatched every op to the TileLang path, ran no torch op other
+   than metadata reads and views, launched the same functions both times, and each launch
+   argument is, in both calls alike, one of the call's *sources* (its tensor arguments and the
+   row views the layer made of them, by identity), or the same object or a view of the same
+   memory sharing no storage with the call's layer tensors (the step's own tensors), or the
+   same scalar. Otherwise (an op off the TileLang path, a torch op a replay would skip, a view
+   of a layer tensor made inside the ops, an object that differs between the calls) this key
+   is never replayed in this step;
 3. every later call with the same key replays: the recorded functions on its own sources.
 
 Nothing of a layer call outlives it but the step's own tensors and weak references (a step
@@ -32,6 +34,7 @@ argument by argument, for every kind of step).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 
@@ -50,6 +53,11 @@ _SOURCE, _CONST = 0, 1
 _REFUSED = "refused"
 _MAX_TRIES = 3          # second recordings whose layer tensors repeat the first's before giving up
 _logged: set = set()
+# Launch sequences (_shape) whose recording the torch-call watcher found clean in this process:
+# later steps record them without it (the watcher costs ~80-130 us a step on the CPU machine).
+# The shape holds the launch functions themselves, so none of them is freed and its id reused.
+_CLEAN: set = set()
+_CLEAN_MAX = 4096
 
 
 class _TorchCalls(TorchFunctionMode):
@@ -100,6 +108,13 @@ def _template(events: list, sources: tuple, layer_tensors: tuple):
         else:
             out.append(ev)
     return out
+
+
+def _shape(template: list) -> tuple:
+    """What a record's host code did, as far as its launches show: the launch functions (the
+    kernel variants: the code path that picked them) with their argument kinds, and the parts."""
+    return tuple((ev[1], tuple(kind if kind == _SOURCE else type(a) for kind, a in ev[2])) if ev[0] == "launch"
+                 else ev for ev in template)
 
 
 def _same_const(a, b) -> bool:
@@ -172,17 +187,19 @@ class LaunchReplays:
             launch_parts(build(), on_call)
             return
         if entry is None:
-            watcher = _TorchCalls()
-            with launch_record.record() as events, watcher:
+            with launch_record.record() as events:
                 launch_parts(build(), on_call)
-            why = f"torch calls {sorted(set(watcher.others))} in the ops' host code" if watcher.others else None
-            template = why or _template(events, sources, layer_tensors)
+            template = _template(events, sources, layer_tensors)
             if isinstance(template, str):
                 return self._refuse(key, template)
             self._entries[key] = _First(template, layer_tensors)
             return
-        with launch_record.record() as events:
+        shape = _shape(entry.template)
+        watcher = None if shape in _CLEAN else _TorchCalls()
+        with launch_record.record() as events, (watcher or contextlib.nullcontext()):
             launch_parts(build(), on_call)
+        if watcher is not None and watcher.others:
+            return self._refuse(key, f"torch calls {sorted(set(watcher.others))} in the ops' host code")
         if entry.repeated_by(layer_tensors):
             entry.tries += 1
             if entry.tries >= _MAX_TRIES:
@@ -192,6 +209,10 @@ class LaunchReplays:
         merged = template if isinstance(template, str) else _merge(entry.template, template)
         if isinstance(merged, str):
             return self._refuse(key, merged)
+        if watcher is not None:
+            if len(_CLEAN) >= _CLEAN_MAX:
+                _CLEAN.clear()
+            _CLEAN.add(shape)
         self._entries[key] = merged
 
     def _refuse(self, key: tuple, why: str) -> None:
