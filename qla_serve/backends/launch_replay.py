@@ -196,7 +196,7 @@ class LaunchReplays:
             return
         shape = _shape(entry.template)
         watcher = None if shape in _CLEAN else _TorchCalls()
-        with launch_record.record() as events, (watcher or contextlib.nullcontext()):
+        with launch_record.record() as events, (contextlib.nullcontext() if watcher is None else watcher):
             launch_parts(build(), on_call)
         if watcher is not None and watcher.others:
             return self._refuse(key, f"torch calls {sorted(set(watcher.others))} in the ops' host code")
