@@ -80,7 +80,7 @@ SPEC_AFTER_CONV_MAX_ROWS = 64
 MIXED_CONV = True
 # A step's later layers replay the launches its earlier layers recorded (backends/launch_replay.py):
 # the ops' host code runs on the step's first three layers only (2/8 heads, a later layer call down
-# to its launches on the CPU machine: 43 -> 19 us with one decode, 86 -> 32 with 32 decodes and
+# to its launches on the CPU machine: 35 -> 19 us with one decode, 78 -> 32 with 32 decodes and
 # 4 x 512; benchmarks/layer.md). False (QLA_SERVE_LAUNCH_REPLAY=0 at start-up): every layer runs it.
 LAUNCH_REPLAY = os.environ.get("QLA_SERVE_LAUNCH_REPLAY", "1") != "0"
 
