@@ -608,6 +608,62 @@ def test_padded_spec_batch_in_a_cuda_graph():
         assert torch.equal(ssm[s], ssm0[s]) and torch.equal(conv[s], conv0[s])
 
 
+@pytest.mark.gpu
+@needs_cuda
+def test_a_step_of_six_layers_in_a_cuda_graph(monkeypatch):
+    """vLLM's FULL decode graph of a step of six GDN layers, each with its own weights, caches and
+    activations: captured with the launch replay on (layers 4-6 replay inside the capture what
+    layers 2-3 recorded), then replayed after the engine rewrites its persistent slot buffer in
+    place (other slots, the padding moved): every layer's output, SSM and conv states equal, bit
+    for bit, those of eager calls on fresh steps without the replay, over copies of the caches."""
+    gen = torch.Generator().manual_seed(13)
+    S, B = 16, 5
+    weights = [_weights(gen, "cuda") for _ in range(LAYERS)]
+    caches = [_cache(S, torch.float32, "cuda", torch.Generator().manual_seed(300 + i)) for i in range(LAYERS)]
+    xs = [torch.randn(B, DIM, generator=gen).to("cuda", torch.bfloat16) for _ in range(LAYERS)]
+    gates = [tuple(torch.randn(B, HV, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
+             for _ in range(LAYERS)]
+    outs = [torch.zeros(B, HV, D_HEAD, dtype=torch.bfloat16, device="cuda") for _ in range(LAYERS)]
+    slots = torch.tensor([3, 7, NULL, 11, 2], dtype=torch.int32, device="cuda")   # vLLM's persistent buffer
+
+    def step(ids):
+        return GL.make_step_plan(num_actual_tokens=B, num_v_heads=HV, num_k_heads=HK, conv_width=W, device="cuda",
+                                 decode_slots=ids)
+
+    def forward(st, caches_, outs_):
+        for (w, bias, A_log, dt_bias), (conv, ssm), x, (a, b), out in zip(weights, caches_, xs, gates, outs_):
+            GL.gdn_layer_forward(st, x, a, b, conv_weight=w, conv_bias=bias, activation="silu", conv_state=conv,
+                                 ssm_state=ssm, A_log=A_log, dt_bias=dt_bias, num_k_heads=HK, out=out)
+
+    def copies():   # the caches' values in the same paged layout
+        out = []
+        for i, (conv, ssm) in enumerate(caches):
+            conv_c, ssm_c = _cache(S, torch.float32, "cuda", torch.Generator().manual_seed(400 + i))
+            conv_c.copy_(conv)
+            ssm_c.copy_(ssm)
+            out.append((conv_c, ssm_c))
+        return out
+
+    forward(step(slots), copies(), [torch.empty_like(o) for o in outs])   # compile and load outside the capture
+    torch.cuda.synchronize()
+    captured = step(slots)   # vLLM builds the capture run's metadata afresh
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward(captured, caches, outs)
+    assert captured._replays.replayed == LAYERS - 3, captured._replays.refused
+    monkeypatch.setattr(GL, "LAUNCH_REPLAY", False)
+    for trial, new in enumerate(([5, NULL, 9, 12, 1], [14, 3, 6, NULL, 8])):
+        slots.copy_(torch.tensor(new, dtype=torch.int32))
+        ref_caches, ref_outs = copies(), [torch.zeros_like(o) for o in outs]
+        forward(step(slots.clone()), ref_caches, ref_outs)
+        graph.replay()
+        torch.cuda.synchronize()
+        for i in range(LAYERS):
+            assert torch.equal(outs[i], ref_outs[i]), f"trial {trial} layer {i}: out"
+            assert torch.equal(caches[i][1], ref_caches[i][1]), f"trial {trial} layer {i}: ssm state"
+            assert torch.equal(caches[i][0], ref_caches[i][0]), f"trial {trial} layer {i}: conv state"
+
+
 def test_padded_decode_batch_cpu():
     """vLLM 0.33's FULL decode graph pads the decode rows with the null block
     (v1/attention/backends/gdn_attn.py ~655-668: non_spec_state_indices_tensor[num_decodes:]
