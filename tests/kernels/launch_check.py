@@ -155,6 +155,18 @@ def record_launches(monkeypatch, target: str = "sm_90a") -> list[Launch]:
     return calls
 
 
+# The arch modules the launch tests drive, and their compile targets: Hopper, and Blackwell (the
+# same programs built for sm_100a; its prefill runs the v8 stage 2)
+ARCHS = {"sm90": "sm_90a", "sm100": "sm_100a"}
+
+
+def record_arch_launches(monkeypatch, arch: str) -> list[Launch]:
+    """The ops on ``arch``'s TileLang path (:func:`force_tilelang_path`), every launch recorded
+    and checked against its program built for that arch's target (:func:`record_launches`)."""
+    force_tilelang_path(monkeypatch, arch)
+    return record_launches(monkeypatch, ARCHS[arch])
+
+
 def force_tilelang_path(monkeypatch, arch: str = "sm90") -> None:
     """Dispatch the public ops and the layer ops to the TileLang kernel module of ``arch``
     ("sm90" or "sm100") on CPU or meta tensors (where the path selection answers "reference")."""

@@ -25,7 +25,7 @@ import qla_serve
 from qla_serve import layer_ops
 from qla_serve.backends import gdn_layer as GL
 
-from launch_check import check_arguments, force_tilelang_path, record_launches
+from launch_check import ARCHS, check_arguments, record_arch_launches
 from launch_check import conv as conv_module
 
 HK, HV, D = 2, 8, 128
@@ -41,10 +41,6 @@ def _on_dev(factory):
 randn, rand, zeros, tensor, arange = map(_on_dev, (torch.randn, torch.rand, torch.zeros, torch.tensor, torch.arange))
 
 
-# Hopper, and Blackwell (the same programs built for sm_100a; its prefill runs the v8 stage 2)
-ARCHS = {"sm90": "sm_90a", "sm100": "sm_100a"}
-
-
 @pytest.fixture(params=sorted(ARCHS))
 def arch(request):
     return request.param
@@ -52,8 +48,7 @@ def arch(request):
 
 @pytest.fixture
 def launches(monkeypatch, arch):
-    force_tilelang_path(monkeypatch, arch)
-    return record_launches(monkeypatch, ARCHS[arch])
+    return record_arch_launches(monkeypatch, arch)
 
 
 def _names(calls):

@@ -19,7 +19,7 @@ import torch
 from qla_serve.backends import gdn_layer as GL
 from qla_serve.backends import launch_replay
 
-from launch_check import force_tilelang_path, record_launches
+from launch_check import ARCHS, record_arch_launches
 
 D = 128
 BF16 = torch.bfloat16
@@ -27,10 +27,9 @@ DEV = torch.device("meta")
 LAYERS = 6
 
 
-@pytest.fixture(params=["sm90", "sm100"])
+@pytest.fixture(params=sorted(ARCHS))
 def launches(request, monkeypatch):
-    force_tilelang_path(monkeypatch, request.param)
-    return record_launches(monkeypatch, {"sm90": "sm_90a", "sm100": "sm_100a"}[request.param])
+    return record_arch_launches(monkeypatch, request.param)
 
 
 def _t(data, dtype=torch.int32):
