@@ -138,20 +138,17 @@ def _step_us(case, rounds: int = 20) -> list[float]:
 
 
 def _steps(spec: str, case, switch) -> None:
-    from unittest import mock
-
     from qla_serve.bench import layer as L
 
     _step_us(case, 2)    # first calls: kernel loads
-    settings = [("", contextlib.nullcontext)] if switch is None else [
-        (f"{switch[1]}={v!r} ", functools.partial(mock.patch.object, switch[0], switch[1], v)) for v in switch[2]]
+    settings = [("", contextlib.nullcontext)] if switch is None else _switch_settings(*switch)
     times = {label: [] for label, _ in settings}
     for _ in range(3):
         for label, setting in settings:
             with setting():
                 times[label].append(statistics.median(_step_us(case)))
-    cols = ", ".join(f"{label}{min(t):.0f} us a step, {min(t) / L.STEP_LAYERS:.1f} per layer call "
-                     f"(rounds {', '.join(f'{x:.0f}' for x in t)})" for label, t in times.items())
+    cols = ", ".join(f"{label + ' ' if label else ''}{min(t):.0f} us a step, {min(t) / L.STEP_LAYERS:.1f} per "
+                     f"layer call (rounds {', '.join(f'{x:.0f}' for x in t)})" for label, t in times.items())
     print(f"== {spec}: host time of steps of {L.STEP_LAYERS} layer calls: {cols}", flush=True)
 
 
@@ -169,11 +166,15 @@ def _alternate(spec: str, call, settings) -> None:
     print(f"== {spec}: host issue us per call (idle GPU, medians of 4 rounds) {cols}", flush=True)
 
 
-def _switch_ab(spec: str, call, module, name, values) -> None:
+def _switch_settings(module, name, values) -> list:
+    """(label, context manager factory) per value of a module switch (layer_ab.parse_switch's)."""
     from unittest import mock
 
-    _alternate(spec, call, [(f"{name}={v!r}", functools.partial(mock.patch.object, module, name, v))
-                            for v in values])
+    return [(f"{name}={v!r}", functools.partial(mock.patch.object, module, name, v)) for v in values]
+
+
+def _switch_ab(spec: str, call, module, name, values) -> None:
+    _alternate(spec, call, _switch_settings(module, name, values))
 
 
 def _memo_ab(spec: str, call) -> None:
