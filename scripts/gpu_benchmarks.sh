@@ -36,6 +36,9 @@
 # them over calls, run a group per call and merge the earlier calls' JSONs, carried back, with
 # PREFILL_MERGE="path ..."), CP_GROUPS (the cp-sweep part's "heads|rows|v_split:L ..." groups),
 # TIMEOUT (seconds per step, default 560), TLCACHE (compiled-kernel tars, space-separated),
+# PRECOMPILE_HEADS (head pairs, e.g. "2/4 4/8", whose kernels are built on the device first, one
+# process per core: 338 variants of a pair in ~100 s on the lent H200's 16 cores, against
+# 10-60 s per kernel when the tests compile them one by one),
 # GPU_TESTS (the tests part's pytest paths and options).
 set -uo pipefail
 out=${OUT:-/tmp/gpu_benchmarks}; mkdir -p "$out"
@@ -65,6 +68,11 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 T=${TIMEOUT:-560}
 step() { echo "== $1" >&2; shift; timeout "$@"; echo "rc=$?" >&2; }   # notes on stderr: not in the data files
+if [[ -n ${PRECOMPILE_HEADS:-} ]]; then
+  # shellcheck disable=SC2086
+  step "precompile $PRECOMPILE_HEADS on the device" $T python -m qla_serve.cli precompile --heads $PRECOMPILE_HEADS \
+    --arch sm_90a --jobs "$(nproc)" --no-progress | tail -2
+fi
 
 # stamp FILE...: the run's commit and date into each file (kept where the bench wrote its own).
 stamp() {

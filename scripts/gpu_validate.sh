@@ -27,6 +27,10 @@ for w in .gpucache/whl/*.whl; do [[ -f $w ]] && python -m zipfile -e "$w" /tmp/w
 export PYTHONPATH=$PYTHONPATH:/tmp/whlsite
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 step() { echo "== $1"; shift; timeout "$@"; echo "rc=$?"; }
+# PRECOMPILE_HEADS: head pairs built on the device first, one process per core (as in gpu_benchmarks.sh)
+# shellcheck disable=SC2086
+[[ -n ${PRECOMPILE_HEADS:-} ]] && step "precompile $PRECOMPILE_HEADS on the device" 400 python -m qla_serve.cli \
+  precompile --heads $PRECOMPILE_HEADS --arch sm_90a --jobs "$(nproc)" --no-progress | tail -2
 step "all gpu tests" ${GPU_TEST_TIMEOUT:-480} python -m pytest -m gpu -q -rs tests -p no:cacheprovider --continue-on-collection-errors 2>&1 | tee "$out/gpu_tests.log" | tail -40
 step "demo (GPU)" 60 python -m qla_serve.cli demo 2>&1 | tee "$out/demo.log"
 step "cold start with the precompiled TP8 cache" 90 env TILELANG_CACHE_DIR=/tmp/tl_tp8 \
