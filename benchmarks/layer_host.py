@@ -11,7 +11,7 @@ us") and of back-to-back calls, the GPU time per call (events), then a cProfile 
 back-to-back calls: the functions with the most own time. ``--first-layer``: every call as a
 step's first GDN layer (its metadata not yet checked this step: the ops' checks run, from their
 process-wide tables where those hold the metadata); default: a step's later layers (bench
-layer's qla_call: successive calls go through 36 layers' views, so that from the fourth call
+layer's qla_call: successive calls go through 36 layers' views, so that from the third call
 on they replay the step's recorded launches, backends/launch_replay.py). ``--step``: instead,
 the host time of whole steps of 36 layer calls, each on a fresh step plan (its first layer's
 checks, the two recording calls and the replays), per step and per layer call.

@@ -79,7 +79,7 @@ SPEC_AFTER_CONV_MAX_ROWS = 64
 # decode launched as its programmatic dependent as in decode-only steps (benchmarks/layer.md).
 MIXED_CONV = True
 # A step's later layers replay the launches its earlier layers recorded (backends/launch_replay.py):
-# the ops' host code runs on the step's first three layers only (2/8 heads, a later layer call down
+# the ops' host code runs on the step's first two layers only (2/8 heads, a later layer call down
 # to its launches on the CPU machine: 35 -> 19 us with one decode, 78 -> 32 with 32 decodes and
 # 4 x 512; benchmarks/layer.md). False (QLA_SERVE_LAUNCH_REPLAY=0 at start-up): every layer runs it.
 LAUNCH_REPLAY = os.environ.get("QLA_SERVE_LAUNCH_REPLAY", "1") != "0"
@@ -428,12 +428,17 @@ def gdn_layer_forward(step: StepPlan, mixed_qkv: torch.Tensor, a: torch.Tensor, 
                        dict(A_log=A_log, dt_bias=dt_bias))
         return _parts(step, layer, rows, checks)
 
-    if checks or key is None or not LAUNCH_REPLAY:
+    if key is None or not LAUNCH_REPLAY:
         launch_parts(build(), on_call)
-        if key is not None:
-            step._checked.add(key)
+    elif checks:
+        # The checks, and the step's slot ids and buffers made for its first layer, run outside
+        # the record: the launches that follow are the key's first recording.
+        parts = build()
+        step._replays.run(key, tensors, tensors + rows.flat(), lambda: parts, on_call)
     else:
         step._replays.run(key, tensors, tensors + rows.flat(), build, on_call)
+    if checks and key is not None:
+        step._checked.add(key)
     if rows.spec_out is not None:
         out.index_copy_(0, _int64(step, "spec_token_idx"), rows.spec_out)
     if rows.non_spec_out is not None:
@@ -521,6 +526,7 @@ def _prefill_ops(step: StepPlan, layer: _Layer, x, a, b, out, checks: bool, deco
     if step.prefill_checkpoint_chunks is not None:
         ck = (step.prefill_checkpoint_chunks, step.ids("prefill_checkpoint"))
         width = conv["conv_weight"].shape[1]
+        table = step.checkpoint_conv_table()
     if checks:
         if ck is not None:
             layer_ops.check_conv_checkpoints_args(x, conv_state, ck[1], ck[0], plan.cu_seqlens, width=width)
@@ -532,7 +538,7 @@ def _prefill_ops(step: StepPlan, layer: _Layer, x, a, b, out, checks: bool, deco
     def launch():
         if ck is not None:
             layer_ops.causal_conv_checkpoints(x, conv_state, ck[1], ck[0], plan.cu_seqlens, width=width,
-                                              num_v_heads=Hv, table=step.checkpoint_conv_table(), _trusted=True)
+                                              num_v_heads=Hv, table=table, _trusted=True)
         layer_ops.gdn_layer_prefill_inputs(x, a, b, conv_state, ids, plan, has_initial_state=has_init, num_k_heads=Hk,
                                            qk_dtype=q.dtype, _trusted=True, _outputs=buffers, _decodes=decodes,
                                            **conv, **gates)

@@ -8,8 +8,9 @@ dispatch, variant lookups, tile picks, alignment checks, argument lists: ~17-36 
 layer call's ~35-80 on the CPU machine, benchmarks/layer.md) gives the same answer every time.
 So, per step and layer key:
 
-1. the first later-layer call runs the ops and records what they launch
-   (qla_serve.launch_record);
+1. the key's first call runs the ops and records what they launch (qla_serve.launch_record);
+   on a step's first layer, gdn_layer runs the checks and makes the step's slot ids and
+   buffers before the record, so that it holds the launches alone, as a later layer's does;
 2. the next call records again, on other layer tensors (not the same objects: a caller that
    runs one layer over and over waits, and gives up after a few tries), under a torch-call
    watcher unless the watcher already found that launch sequence clean in this process. The

@@ -428,7 +428,7 @@ def qla_call(case: LayerCase, step) -> Callable[[], None]:
     """One layer call of qla_serve's adapter core on the case's tensors, for ``step``: successive
     calls go through STEP_LAYERS sets of views of those tensors, each set standing for one GDN
     layer's own tensors (the same memory: the GPU work is the same). An engine calls each layer
-    of a step on its own tensors, and from the step's fourth layer on the layer replays the
+    of a step on its own tensors, and from the step's third layer on the layer replays the
     launches that the step recorded (backends/launch_replay.py); one set of tensors called over
     and over would never replay (the recording waits for other layer tensors)."""
     import torch

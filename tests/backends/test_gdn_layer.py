@@ -394,8 +394,8 @@ def _run_later_layers(dev, io, monkeypatch):
     their ops' checks (gdn_layer._layer_key; counted here by the layer ops' _check_conv, which
     the decode conv and the prefill inputs run when they check) and take the prefill's inputs in
     the step's buffers; each layer still gives bit for bit what it gives as the first layer of a
-    fresh step. From the fourth layer on, on the TileLang path, the layers replay the launches
-    the second and third recorded (backends/launch_replay.py): the same bits again. A later call
+    fresh step. From the third layer on, on the TileLang path, the layers replay the launches
+    the first and second recorded (backends/launch_replay.py): the same bits again. A later call
     whose metadata differs (out in another dtype) is checked again and refused by name."""
     from qla_serve import layer_ops, ops
 
@@ -436,7 +436,7 @@ def _run_later_layers(dev, io, monkeypatch):
     assert len(step._checked) == 1
     assert [k[0] for k in step._scratch] == ["decode_conv_out"]   # one conv output buffer for the step
     assert per_layer == [2] + [0] * (LAYERS - 1), per_layer   # the decode conv's and the prefill inputs' checks, once
-    assert step._replays.replayed == (LAYERS - 3 if dev == "cuda" else 0), step._replays.refused
+    assert step._replays.replayed == (LAYERS - 2 if dev == "cuda" else 0), step._replays.refused
     for i in range(LAYERS):
         layer(make_step(), i, fresh[i], outs[LAYERS + i])
         assert torch.equal(outs[i], outs[LAYERS + i]), f"layer {i}: out"
@@ -502,7 +502,7 @@ def test_spec_batch_with_prefill_checkpoints_gpu(pool_dtype):
 def _run_spec_layers_share_the_step(dev, io):
     """GDN layers of one spec step with prefills interleaved (their own inputs, weights and
     caches): the step's scratch buffers (the spec conv's output, the spec and non-spec rows
-    gathered, their outputs and int64 token indices: StepPlan.scratch) serve them all, the layers from the fourth on
+    gathered, their outputs and int64 token indices: StepPlan.scratch) serve them all, the layers from the third on
     replay the step's recorded launches on the TileLang path, and each layer gives bit for bit
     what it gives as the only layer of a fresh step."""
     gen = torch.Generator().manual_seed(7)
@@ -543,7 +543,7 @@ def _run_spec_layers_share_the_step(dev, io):
         layer(step, i, shared[i], outs[i])
     assert {k[0] for k in step._scratch} == {"spec_conv_out", "spec_out", "non_spec_out", "spec_rows", "non_spec_rows",
                                              "int64"}
-    assert step._replays.replayed == (LAYERS - 3 if dev == "cuda" else 0), step._replays.refused
+    assert step._replays.replayed == (LAYERS - 2 if dev == "cuda" else 0), step._replays.refused
     for i in range(LAYERS):
         layer(make_step(), i, fresh[i], outs[LAYERS + i])
         assert torch.equal(outs[i], outs[LAYERS + i]), f"layer {i}: out"
@@ -612,8 +612,8 @@ def test_padded_spec_batch_in_a_cuda_graph():
 @needs_cuda
 def test_a_step_of_six_layers_in_a_cuda_graph(monkeypatch):
     """vLLM's FULL decode graph of a step of six GDN layers, each with its own weights, caches and
-    activations: captured with the launch replay on (layers 4-6 replay inside the capture what
-    layers 2-3 recorded), then replayed after the engine rewrites its persistent slot buffer in
+    activations: captured with the launch replay on (layers 3-6 replay inside the capture what
+    layers 1-2 recorded), then replayed after the engine rewrites its persistent slot buffer in
     place (other slots, the padding moved): every layer's output, SSM and conv states equal, bit
     for bit, those of eager calls on fresh steps without the replay, over copies of the caches."""
     gen = torch.Generator().manual_seed(13)
@@ -650,7 +650,7 @@ def test_a_step_of_six_layers_in_a_cuda_graph(monkeypatch):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         forward(captured, caches, outs)
-    assert captured._replays.replayed == LAYERS - 3, captured._replays.refused
+    assert captured._replays.replayed == LAYERS - 2, captured._replays.refused
     monkeypatch.setattr(GL, "LAUNCH_REPLAY", False)
     for trial, new in enumerate(([5, NULL, 9, 12, 1], [14, 3, 6, NULL, 8])):
         slots.copy_(torch.tensor(new, dtype=torch.int32))

@@ -128,7 +128,7 @@ def test_replay_launches_what_the_ops_launch(launches, monkeypatch, case, pool_d
     decodes, lens, hk, hv, checkpoints = STEPS[case]
     step, T, slots = _plain_step(decodes, lens, hk, hv, checkpoints)
     layers = _layers(LAYERS, T, slots, hk, hv, pool_dtype, bias=hk == 2)
-    assert _run_and_compare(launches, monkeypatch, step, layers) == LAYERS - 3, step._replays.refused
+    assert _run_and_compare(launches, monkeypatch, step, layers) == LAYERS - 2, step._replays.refused
 
 
 def _spec_step(with_prefill: bool, checkpoints: bool = False):
@@ -154,7 +154,7 @@ def test_replay_of_spec_steps(launches, monkeypatch, with_prefill, checkpoints):
     vLLM 0.33's GPU defaults: MTP beside a chunked prefill writing an align-mode checkpoint."""
     step, T = _spec_step(with_prefill, checkpoints)
     layers = _layers(LAYERS, T, 20, 2, 8, spec_cols=2)
-    assert _run_and_compare(launches, monkeypatch, step, layers) == LAYERS - 3, step._replays.refused
+    assert _run_and_compare(launches, monkeypatch, step, layers) == LAYERS - 2, step._replays.refused
     assert any(c.name.startswith("gdn_conv_prefill_state") for c in launches) == checkpoints
 
 
@@ -190,7 +190,7 @@ def test_replay_of_sglang_decode_and_extend_steps(launches, monkeypatch, pool_dt
         return decode_layer.forward_decode(backend, attns[i], None, *rows[i])
     decode(0)   # the pass's first layer makes its step (decode_layer._decode_step)
     step = backend.forward_metadata.qla_decode
-    assert _run_and_compare(launches, monkeypatch, step, list(range(1, LAYERS)), decode) == LAYERS - 3, \
+    assert _run_and_compare(launches, monkeypatch, step, list(range(1, LAYERS)), decode) == LAYERS - 2, \
         step._replays.refused
 
     monkeypatch.setattr(GL, "LAUNCH_REPLAY", True)
@@ -207,7 +207,7 @@ def test_replay_of_sglang_decode_and_extend_steps(launches, monkeypatch, pool_dt
         return extend_layer.forward_extend(backend, attns[i], fb, *rows[i], batch, pool.mamba2_layer_cache(i))
     extend(0)
     step = batch.step
-    assert _run_and_compare(launches, monkeypatch, step, list(range(1, LAYERS)), extend) == LAYERS - 3, \
+    assert _run_and_compare(launches, monkeypatch, step, list(range(1, LAYERS)), extend) == LAYERS - 2, \
         step._replays.refused
 
 
@@ -219,14 +219,14 @@ def test_a_layer_with_other_alignment_or_metadata_is_not_replayed(launches, monk
     layers = _layers(5, T, slots, 2, 8)
     for layer in layers:
         _forward(step, layer)
-    assert step._replays.replayed == 2
+    assert step._replays.replayed == 3
     bad = dict(_layers(1, T, slots, 2, 8)[0])
     bad["mixed_qkv"] = torch.randn(T * bad["mixed_qkv"].shape[1] + 1, dtype=BF16, device=DEV)[1:].view(T, -1)
     with pytest.raises(ValueError, match="mixed_qkv"):
         _forward(step, bad)
     other = dict(_layers(1, T, slots, 2, 8)[0], conv_bias=None)
     _forward(step, other)
-    assert step._replays.replayed == 2
+    assert step._replays.replayed == 3
 
 
 def test_a_layer_called_again_with_its_own_tensors_is_not_taken_for_the_step(launches):
