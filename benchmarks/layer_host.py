@@ -118,23 +118,25 @@ def _issue_us(call, n: int = 50) -> float:
     return statistics.median(out) * 1e6
 
 
-def _step_us(case, rounds: int = 20) -> list[float]:
+def _step_us(case, rounds: int = 20) -> tuple[list[float], object]:
     """Host us of whole steps: L.STEP_LAYERS layer calls, each step on a fresh step plan (made,
-    with its slot ids, before the clock starts), issued onto an idle GPU."""
+    with its slot ids, before the clock starts), issued onto an idle GPU; and the last step's
+    launch replays (backends/launch_replay.LaunchReplays: how many layers replayed, or why not)."""
     import torch
 
     from qla_serve.bench import layer as L
 
     out = []
     for _ in range(rounds):
-        call = L.qla_call(case, L.qla_step(case, 0))
+        step = L.qla_step(case, 0)
+        call = L.qla_call(case, step)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(L.STEP_LAYERS):
             call()
         out.append((time.perf_counter() - t0) * 1e6)
     torch.cuda.synchronize()
-    return out
+    return out, step._replays
 
 
 def _steps(spec: str, case, switch) -> None:
@@ -143,12 +145,16 @@ def _steps(spec: str, case, switch) -> None:
     _step_us(case, 2)    # first calls: kernel loads
     settings = [("", contextlib.nullcontext)] if switch is None else _switch_settings(*switch)
     times = {label: [] for label, _ in settings}
+    replays = {}
     for _ in range(3):
         for label, setting in settings:
             with setting():
-                times[label].append(statistics.median(_step_us(case)))
+                us, r = _step_us(case)
+                times[label].append(statistics.median(us))
+                replays[label] = f"{r.replayed} replayed" + (f", refused: {sorted(set(r.refused.values()))}" if r.refused else "")
     cols = ", ".join(f"{label + ' ' if label else ''}{min(t):.0f} us a step, {min(t) / L.STEP_LAYERS:.1f} per "
-                     f"layer call (rounds {', '.join(f'{x:.0f}' for x in t)})" for label, t in times.items())
+                     f"layer call (rounds {', '.join(f'{x:.0f}' for x in t)}; {replays[label]})"
+                     for label, t in times.items())
     print(f"== {spec}: host time of steps of {L.STEP_LAYERS} layer calls: {cols}", flush=True)
 
 
