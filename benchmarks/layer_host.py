@@ -10,7 +10,7 @@ CPU. For each row: the issue time of one call from an idle GPU (as `bench layer`
 us") and of back-to-back calls, the GPU time per call (events), then a cProfile of the
 back-to-back calls: the functions with the most own time. ``--first-layer``: every call as a
 step's first GDN layer (its metadata not yet checked this step: the ops' checks run, from their
-process-wide tables where those hold the metadata); default: a step's later layers (bench
+process-wide tables where those hold the metadata, and its launches are recorded); default: a step's later layers (bench
 layer's qla_call: successive calls go through 36 layers' views, so that from the third call
 on they replay the step's recorded launches, backends/launch_replay.py). ``--step``: instead,
 the host time of whole steps of 36 layer calls, each on a fresh step plan (its first layer's
@@ -68,8 +68,9 @@ def main() -> None:
         if args.first_layer:
             later = call
 
-            def call():
+            def call():   # a fresh step's first layer: its checks, and its launches recorded
                 step._checked.clear()
+                step._replays = type(step._replays)()
                 later()
         for _ in range(3):
             call()
