@@ -234,6 +234,10 @@ def make_step_plan(*, num_actual_tokens: int, num_v_heads: int, num_k_heads: int
         if spec_slots.dim() != 2:
             raise ValueError(f"spec_slots: expected [Ns, D] slot ids, got shape {list(spec_slots.shape)}")
         num_spec = int(spec_slots.shape[0])
+        if (spec_token_idx is None) != (non_spec_token_idx is None):
+            raise ValueError("spec_token_idx, non_spec_token_idx: expected both (spec decodes beside other "
+                             "tokens) or neither (spec decodes only), got "
+                             + ("spec_token_idx alone" if non_spec_token_idx is None else "non_spec_token_idx alone"))
     ck_chunks = ck_slots = None
     if plan is not None and prefill_checkpoint_chunks is not None and any(prefill_checkpoint_chunks):
         if len(prefill_checkpoint_chunks) != plan.num_seqs or prefill_checkpoint_slots is None \
@@ -348,48 +352,83 @@ class _Layer(NamedTuple):
 
 class _Rows(NamedTuple):
     """One layer call's rows per kind, (x, a, b, out) each (views, or gathers where spec and
-    other tokens interleave), None where the step has none; and the buffers whose rows go back
-    into ``out`` at the end (spec_out at ``spec_token_idx``, non_spec_out at
-    ``non_spec_token_idx``) or None."""
+    other tokens interleave), None where the step has none; and the buffer whose rows go back
+    into ``out`` at the end with the step's index for them (``scatter``: (rows, int64 index)), or
+    None."""
     spec: tuple | None
     decode: tuple | None
     prefill: tuple | None
-    spec_out: torch.Tensor | None
-    non_spec_out: torch.Tensor | None
+    scatter: tuple | None
 
     def flat(self) -> tuple:
         """Every row tensor in a fixed order (the launch replay's sources past the inputs)."""
         return (*(self.spec or (None,) * 4), *(self.decode or (None,) * 4), *(self.prefill or (None,) * 4),
-                self.spec_out, self.non_spec_out)
+                self.scatter[0] if self.scatter else None)
+
+
+# A gathered row block of a and b ([rows, Hv]) starts at a multiple of this many rows of its
+# buffer: 16-byte aligned for any Hv and dtype, as a buffer of its own is.
+_GATE_ROWS_ALIGN = 8
+
+
+def _interleaved_rows(step: StepPlan, x, a, b, out):
+    """The rows of a step whose spec tokens (``spec_token_idx``) and other tokens
+    (``non_spec_token_idx``) interleave: ((x, a, b, out) of the spec tokens, the same of the
+    others, the scatter). One gather per input over both indices into a step buffer whose two
+    row blocks are the two kinds' rows (views made once per step), and one scatter of both
+    kinds' outputs: 4 torch ops a layer call instead of 8. vLLM 0.33 makes the two indices from
+    one argsort of its spec-token mask (gdn_attn.py), so they are disjoint and together a
+    permutation of the step's tokens, and the one scatter writes each row once."""
+    spec_idx, other_idx = step.spec_token_idx, step.non_spec_token_idx
+    Ts, To = spec_idx.shape[0], other_idx.shape[0]
+    pad = -Ts % _GATE_ROWS_ALIGN
+
+    def make_index():
+        both = torch.cat([spec_idx, other_idx])
+        # a and b: the other rows' block starts at an aligned row; the rows between repeat a
+        # spec token (read, never used)
+        gates = torch.cat([spec_idx, spec_idx[-1:].expand(pad), other_idx]) if pad else both
+        return both, gates, both.long()
+    both, gates, scatter_idx = step.scratch(("interleaved", "index"), make_index)
+    blocks = []
+    for name, t, idx, skip in (("x", x, both, 0), ("a", a, gates, pad), ("b", b, gates, pad)):
+        buf = _gather(step, ("interleaved_rows", name), t, idx)
+        blocks.append(step.scratch(("interleaved_blocks", name, buf.shape, buf.dtype),
+                                   lambda: buf.split_with_sizes([Ts, skip, To])[::2]))
+    out_rows = _out_rows(step, "interleaved_out", Ts + To, out)
+    out_spec, out_other = step.scratch(("interleaved_blocks", "out", out_rows.shape, out_rows.dtype),
+                                       lambda: out_rows.split_with_sizes([Ts, To]))
+    (xs, xo), (as_, ao), (bs, bo) = blocks
+    return (xs, as_, bs, out_spec), (xo, ao, bo, out_other), (out_rows, scatter_idx)
 
 
 def _call_rows(step: StepPlan, mixed_qkv, a, b, out) -> _Rows:
     """The call's rows: [decodes | prefills], or with spec decodes the spec tokens and the
     others gathered by ``spec_token_idx`` / ``non_spec_token_idx`` (StepPlan's doc)."""
     T, Td, Tp = step.num_actual_tokens, step.num_decodes, step.num_prefill_tokens
-    spec = spec_out = non_spec_out = None
+    spec = scatter = None
     xn, an, bn, out_n = mixed_qkv, a, b, out
     if step.num_spec_decodes:
         x, a, b = _rows(mixed_qkv, 0, T), _rows(a, 0, T), _rows(b, 0, T)
         idx = step.spec_token_idx
+        others = step.non_spec_token_idx is not None and Td + Tp > 0
         if idx is None:
             spec = (x, a, b, _rows(out, 0, T))
+        elif others:
+            spec, (xn, an, bn, out_n), scatter = _interleaved_rows(step, x, a, b, out)
         else:
             spec_out = _out_rows(step, "spec_out", idx.shape[0], out)
             spec = (*(_gather(step, ("spec_rows", name), t, idx) for name, t in zip("xab", (x, a, b))), spec_out)
-        if step.non_spec_token_idx is None or Td + Tp == 0:
+            scatter = (spec_out, _int64(step, "spec_token_idx"))
+        if not others:
             Td = Tp = 0
-        else:
-            idx = step.non_spec_token_idx
-            xn, an, bn = (_gather(step, ("non_spec_rows", name), t, idx) for name, t in zip("xab", (x, a, b)))
-            out_n = non_spec_out = _out_rows(step, "non_spec_out", Td + Tp, out)
     if Td and Tp:
         (xd, xp), (ad, ap), (bd, bp), (od, op) = (_decode_prefill_rows(t, Td, Tp) for t in (xn, an, bn, out_n))
         decode, prefill = (xd, ad, bd, od), (xp, ap, bp, op)
     else:
         decode = tuple(_rows(t, 0, Td) for t in (xn, an, bn, out_n)) if Td else None
         prefill = tuple(_rows(t, 0, Tp) for t in (xn, an, bn, out_n)) if Tp else None
-    return _Rows(spec, decode, prefill, spec_out, non_spec_out)
+    return _Rows(spec, decode, prefill, scatter)
 
 
 def gdn_layer_forward(step: StepPlan, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
@@ -439,10 +478,8 @@ def gdn_layer_forward(step: StepPlan, mixed_qkv: torch.Tensor, a: torch.Tensor, 
         step._replays.run(key, tensors, tensors + rows.flat(), build, on_call)
     if checks and key is not None:
         step._checked.add(key)
-    if rows.spec_out is not None:
-        out.index_copy_(0, _int64(step, "spec_token_idx"), rows.spec_out)
-    if rows.non_spec_out is not None:
-        out.index_copy_(0, _int64(step, "non_spec_token_idx"), rows.non_spec_out)
+    if rows.scatter is not None:
+        out.index_copy_(0, rows.scatter[1], rows.scatter[0])
 
 
 def _int64(step: StepPlan, name: str) -> torch.Tensor:

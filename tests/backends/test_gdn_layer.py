@@ -171,7 +171,9 @@ def _run_spec(device, io_dtype, pool_dtype, with_prefill, seed=1, padded=False, 
     conv0, ssm0 = conv.clone(), ssm.clone()
     w, bias, A_log, dt_bias = _weights(gen, device)
     spec_slots = [[4, 5, 6], [10, 11, 12], [NULL, NULL, NULL], [15, 16, 17]]
-    spec_lens, accepted = [3, 2, 0, 3], [2, 1, 1, 3]
+    # 7 spec tokens: the gathered a and b rows of the other tokens start past a padding row
+    # (gdn_layer._interleaved_rows)
+    spec_lens, accepted = [3, 2, 0, 2], [2, 1, 1, 3]
     extra = 0
     if padded:
         spec_slots.append([NULL, NULL, NULL])
@@ -315,6 +317,18 @@ def test_prefill_lens_must_match_slots():
         GL.make_step_plan(num_actual_tokens=3, num_v_heads=HV, num_k_heads=HK, conv_width=W,
                           device="cpu", prefill_lens=[3],
                           prefill_slots=torch.tensor([1, 2], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("given", ["spec_token_idx", "non_spec_token_idx"])
+def test_spec_token_indices_come_in_pairs(given):
+    """vLLM hands both token indices (spec decodes beside other tokens) or neither (spec decodes
+    only); one alone would leave the other kind's rows unplaced, so the step plan refuses it."""
+    with pytest.raises(ValueError, match=f"{given} alone"):
+        GL.make_step_plan(num_actual_tokens=3, num_v_heads=HV, num_k_heads=HK, conv_width=W, device="cpu",
+                          spec_slots=torch.tensor([[1, 2]], dtype=torch.int32),
+                          spec_cu_seqlens=torch.tensor([0, 2], dtype=torch.int32),
+                          num_accepted=torch.tensor([1], dtype=torch.int32), num_spec_tokens=2,
+                          **{given: torch.tensor([0, 1], dtype=torch.int32)})
 
 
 # A step's batch (spec rows of D = 2 tokens) and one argument that only a later op of the layer
@@ -502,12 +516,12 @@ def test_spec_batch_with_prefill_checkpoints_gpu(pool_dtype):
 def _run_spec_layers_share_the_step(dev, io):
     """GDN layers of one spec step with prefills interleaved (their own inputs, weights and
     caches): the step's scratch buffers (the spec conv's output, the spec and non-spec rows
-    gathered, their outputs and int64 token indices: StepPlan.scratch) serve them all, the layers from the third on
+    gathered in one buffer per input, their outputs and the token permutation: StepPlan.scratch) serve them all, the layers from the third on
     replay the step's recorded launches on the TileLang path, and each layer gives bit for bit
     what it gives as the only layer of a fresh step."""
     gen = torch.Generator().manual_seed(7)
     S, D = 20, 3
-    spec_slots, spec_lens, accepted = [[4, 5, 6], [10, 11, 12], [15, 16, 17]], [3, 2, 3], [2, 1, 3]
+    spec_slots, spec_lens, accepted = [[4, 5, 6], [10, 11, 12], [15, 16, 17]], [3, 2, 2], [2, 1, 3]
     pre_lens, pre_slots, pre_init = [9, 1], [2, 8], [True, False]
     Ts = sum(spec_lens)
     T = Ts + sum(pre_lens)
@@ -520,7 +534,7 @@ def _run_spec_layers_share_the_step(dev, io):
             prefill_slots=torch.tensor(pre_slots, dtype=torch.int32, device=dev),
             prefill_has_initial_state=torch.tensor(pre_init, device=dev),
             spec_slots=torch.tensor(spec_slots, dtype=torch.int32, device=dev),
-            spec_cu_seqlens=torch.tensor([0, 3, 5, 8], dtype=torch.int32, device=dev),
+            spec_cu_seqlens=torch.tensor([0, 3, 5, 7], dtype=torch.int32, device=dev),
             num_accepted=torch.tensor(accepted, dtype=torch.int32, device=dev), num_spec_tokens=Ts,
             spec_token_idx=spec_idx.to(dev), non_spec_token_idx=non_idx.to(dev))
 
@@ -541,8 +555,8 @@ def _run_spec_layers_share_the_step(dev, io):
     step = make_step()
     for i in range(LAYERS):
         layer(step, i, shared[i], outs[i])
-    assert {k[0] for k in step._scratch} == {"spec_conv_out", "spec_out", "non_spec_out", "spec_rows", "non_spec_rows",
-                                             "int64"}
+    assert {k[0] for k in step._scratch} == {"spec_conv_out", "interleaved", "interleaved_rows", "interleaved_blocks",
+                                             "interleaved_out"}
     assert step._replays.replayed == (LAYERS - 2 if dev == "cuda" else 0), step._replays.refused
     for i in range(LAYERS):
         layer(make_step(), i, fresh[i], outs[LAYERS + i])
