@@ -245,10 +245,16 @@ def make_step_plan(*, num_actual_tokens: int, num_v_heads: int, num_k_heads: int
             raise ValueError(f"prefill_checkpoint_chunks/slots: expected one per prefill row ({plan.num_seqs})")
         ck_chunks = torch.tensor(list(prefill_checkpoint_chunks), dtype=torch.int32).to(device, non_blocking=True)
         ck_slots = prefill_checkpoint_slots
+    num_decodes = 0 if decode_slots is None else int(decode_slots.shape[0])
+    if num_spec and non_spec_token_idx is not None:
+        others = num_decodes + (0 if plan is None else plan.total_tokens)
+        if non_spec_token_idx.shape[0] != others:
+            raise ValueError(f"non_spec_token_idx: expected one index per decode and prefill token ({others}), "
+                             f"got {non_spec_token_idx.shape[0]}")
     return StepPlan(
         prefill_checkpoint_chunks=ck_chunks, prefill_checkpoint_slots=ck_slots,
         num_actual_tokens=num_actual_tokens,
-        num_decodes=0 if decode_slots is None else int(decode_slots.shape[0]), decode_slots=decode_slots,
+        num_decodes=num_decodes, decode_slots=decode_slots,
         prefill_plan=plan, prefill_slots=prefill_slots if plan is not None else None,
         prefill_has_initial_state=prefill_has_initial_state if plan is not None else None,
         num_spec_decodes=num_spec, num_spec_tokens=num_spec_tokens,

@@ -331,6 +331,21 @@ def test_spec_token_indices_come_in_pairs(given):
                           **{given: torch.tensor([0, 1], dtype=torch.int32)})
 
 
+def test_non_spec_token_idx_covers_the_decode_and_prefill_tokens():
+    """The non-spec rows are gathered by non_spec_token_idx and split into decodes and prefills:
+    an index of another length is refused when the step is planned, by name."""
+    with pytest.raises(ValueError, match=r"non_spec_token_idx: expected one index per decode and prefill token \(4\)"):
+        GL.make_step_plan(num_actual_tokens=6, num_v_heads=HV, num_k_heads=HK, conv_width=W, device="cpu",
+                          decode_slots=torch.tensor([3], dtype=torch.int32), prefill_lens=[3],
+                          prefill_slots=torch.tensor([4], dtype=torch.int32),
+                          prefill_has_initial_state=torch.tensor([False]),
+                          spec_slots=torch.tensor([[1, 2]], dtype=torch.int32),
+                          spec_cu_seqlens=torch.tensor([0, 2], dtype=torch.int32),
+                          num_accepted=torch.tensor([1], dtype=torch.int32), num_spec_tokens=2,
+                          spec_token_idx=torch.tensor([0, 1], dtype=torch.int32),
+                          non_spec_token_idx=torch.tensor([2, 3, 4], dtype=torch.int32))
+
+
 # A step's batch (spec rows of D = 2 tokens) and one argument that only a later op of the layer
 # call checks: the core's (scale, out) or the prefill's (has_initial_state) after a conv or a
 # decode that an earlier op launches.
