@@ -3,8 +3,9 @@ state caches, in place. No engine import here: adapters (vLLM, SGLang) turn thei
 :class:`StepPlan` once per step and call :func:`gdn_layer_forward` per layer.
 
 What one call does (the work behind vLLM's ``qwen_gdn_attention_core``), for a batch laid out as
-``[decode tokens | prefill tokens]`` or, with speculative decoding, with spec tokens at
-``spec_token_idx`` and the rest at ``non_spec_token_idx``; launches on the TileLang path:
+``[decode tokens | prefill tokens]`` or, with speculative decoding, ``[spec tokens | decode
+tokens | prefill tokens]`` (row views, no copies) or with spec tokens at ``spec_token_idx`` and
+the rest at ``non_spec_token_idx`` (gathered); launches on the TileLang path:
 
 * decodes (2): :func:`qla_serve.layer_ops.causal_conv_decode` (conv, window shift), then
   :func:`qla_serve.gdn_decode` on its q | k | v with the raw gates and the in-kernel L2 norm (in a
@@ -91,9 +92,13 @@ class StepPlan:
 
     Token layout of the step's batch (``num_actual_tokens`` rows of the layer inputs):
       without spec decodes: [num_decode_tokens decode tokens | num_prefill_tokens prefill tokens];
-      with spec decodes: spec tokens at ``spec_token_idx`` ([Ts] device int), the others at
-      ``non_spec_token_idx`` ([Td + Tp], decodes then prefills); both None when the batch is
-      spec tokens only (then rows past ``spec_cu_seqlens[-1]`` are padding).
+      with spec decodes, both indices None: [Ts = num_spec_tokens spec tokens | Td | Tp], the
+      spec tokens leading as vLLM orders a step whose spec requests come first (its batch
+      reorder puts decodes first; the vLLM adapter checks its host mask); with only spec tokens
+      rows past ``spec_cu_seqlens[-1]`` are padding;
+      with spec decodes interleaved with the others: spec tokens at ``spec_token_idx`` ([Ts]
+      device int), the others at ``non_spec_token_idx`` ([Td + Tp], decodes then prefills),
+      gathered into step buffers and the outputs scattered back (4 torch ops a layer call).
 
     Device tensors as the engine holds them (engine slot ids, ``null_slot`` = padding):
       decode_slots [num_decodes]; prefill_slots [Np]; prefill_has_initial_state [Np] bool;
@@ -235,8 +240,8 @@ def make_step_plan(*, num_actual_tokens: int, num_v_heads: int, num_k_heads: int
             raise ValueError(f"spec_slots: expected [Ns, D] slot ids, got shape {list(spec_slots.shape)}")
         num_spec = int(spec_slots.shape[0])
         if (spec_token_idx is None) != (non_spec_token_idx is None):
-            raise ValueError("spec_token_idx, non_spec_token_idx: expected both (spec decodes beside other "
-                             "tokens) or neither (spec decodes only), got "
+            raise ValueError("spec_token_idx, non_spec_token_idx: expected both (spec decodes interleaved with "
+                             "other tokens) or neither (spec tokens first, or spec tokens only), got "
                              + ("spec_token_idx alone" if non_spec_token_idx is None else "non_spec_token_idx alone"))
     ck_chunks = ck_slots = None
     if plan is not None and prefill_checkpoint_chunks is not None and any(prefill_checkpoint_chunks):
@@ -246,11 +251,15 @@ def make_step_plan(*, num_actual_tokens: int, num_v_heads: int, num_k_heads: int
         ck_chunks = torch.tensor(list(prefill_checkpoint_chunks), dtype=torch.int32).to(device, non_blocking=True)
         ck_slots = prefill_checkpoint_slots
     num_decodes = 0 if decode_slots is None else int(decode_slots.shape[0])
-    if num_spec and non_spec_token_idx is not None:
-        others = num_decodes + (0 if plan is None else plan.total_tokens)
-        if non_spec_token_idx.shape[0] != others:
-            raise ValueError(f"non_spec_token_idx: expected one index per decode and prefill token ({others}), "
-                             f"got {non_spec_token_idx.shape[0]}")
+    others = num_decodes + (0 if plan is None else plan.total_tokens)
+    if num_spec and non_spec_token_idx is not None and non_spec_token_idx.shape[0] != others:
+        raise ValueError(f"non_spec_token_idx: expected one index per decode and prefill token ({others}), "
+                         f"got {non_spec_token_idx.shape[0]}")
+    if num_spec and others and non_spec_token_idx is None \
+            and not 0 < num_spec_tokens <= num_actual_tokens - others:
+        raise ValueError(f"num_spec_tokens: the spec tokens lead the step's {num_actual_tokens} tokens (no "
+                         f"spec_token_idx) before its {others} decode and prefill tokens: expected 1.."
+                         f"{num_actual_tokens - others}, got {num_spec_tokens}")
     return StepPlan(
         prefill_checkpoint_chunks=ck_chunks, prefill_checkpoint_slots=ck_slots,
         num_actual_tokens=num_actual_tokens,
@@ -408,16 +417,34 @@ def _interleaved_rows(step: StepPlan, x, a, b, out):
     return (xs, as_, bs, out_spec), (xo, ao, bo, out_other), (out_rows, scatter_idx)
 
 
+def _leading_spec_rows(step: StepPlan, x, a, b, out):
+    """The rows of a step whose spec tokens lead ([Ts | Td | Tp], StepPlan's doc): ((x, a, b,
+    out) of the spec tokens, the same of the decode, of the prefill tokens (None where none)),
+    row views made by one split per tensor: no gather, no scatter."""
+    Td, Tp = step.num_decodes, step.num_prefill_tokens
+    sizes = [n for n in (step.num_spec_tokens, Td, Tp) if n]
+
+    def parts(t):
+        rest = t.shape[0] - sum(sizes)
+        return t.split_with_sizes(sizes + [rest] if rest else sizes)[:len(sizes)]
+    blocks = iter(zip(*(parts(t) for t in (x, a, b, out))))
+    return next(blocks), (next(blocks) if Td else None), (next(blocks) if Tp else None)
+
+
 def _call_rows(step: StepPlan, mixed_qkv, a, b, out) -> _Rows:
-    """The call's rows: [decodes | prefills], or with spec decodes the spec tokens and the
-    others gathered by ``spec_token_idx`` / ``non_spec_token_idx`` (StepPlan's doc)."""
+    """The call's rows: [decodes | prefills], or with spec decodes [spec | decodes | prefills]
+    views, or the spec tokens and the others gathered by ``spec_token_idx`` /
+    ``non_spec_token_idx`` (StepPlan's doc)."""
     T, Td, Tp = step.num_actual_tokens, step.num_decodes, step.num_prefill_tokens
     spec = scatter = None
     xn, an, bn, out_n = mixed_qkv, a, b, out
     if step.num_spec_decodes:
         x, a, b = _rows(mixed_qkv, 0, T), _rows(a, 0, T), _rows(b, 0, T)
         idx = step.spec_token_idx
-        others = step.non_spec_token_idx is not None and Td + Tp > 0
+        others = Td + Tp > 0
+        if idx is None and others:
+            spec, decode, prefill = _leading_spec_rows(step, x, a, b, out)
+            return _Rows(spec, decode, prefill, None)
         if idx is None:
             spec = (x, a, b, _rows(out, 0, T))
         elif others:

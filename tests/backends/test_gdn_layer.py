@@ -158,9 +158,11 @@ def _run_nonspec(device, io_dtype, pool_dtype, seed=0, checkpoints=False):
             assert torch.equal(conv[s], conv0[s]), f"conv slot {s} changed"
 
 
-def _run_spec(device, io_dtype, pool_dtype, with_prefill, seed=1, padded=False, checkpoints=False):
+def _run_spec(device, io_dtype, pool_dtype, with_prefill, seed=1, padded=False, checkpoints=False,
+              leading=False):
     """Spec decodes (D = 3: 2 drafts) with ragged lengths, a padding row, and optionally prefills
-    interleaved through token index permutations. ``padded``: vLLM's padded spec batch under a
+    interleaved through token index permutations, or (``leading``) after the spec tokens with no
+    token indices, as the vLLM adapter hands a step whose spec requests come first. ``padded``: vLLM's padded spec batch under a
     captured graph (gpu_model_runner.py ~4047, gdn_attn.py ~649 in vLLM 0.33): a 0-length row at
     the end too, and num_actual_tokens 4 past the spec cu_seqlens' end. ``checkpoints`` (with
     prefills): vLLM 0.33's defaults together, MTP beside a prefill chunk that writes an
@@ -187,8 +189,9 @@ def _run_spec(device, io_dtype, pool_dtype, with_prefill, seed=1, padded=False, 
     Ts, Tp = sum(spec_lens), sum(pre_lens)
     T = Ts + Tp + extra
     # Token order of the batch: prefill tokens and spec tokens interleaved (vLLM orders requests,
-    # and maps each group through its own token index).
-    perm = torch.randperm(T, generator=gen) if with_prefill else torch.arange(T)
+    # and maps each group through its own token index), or the spec tokens first.
+    perm = torch.randperm(T, generator=gen) if with_prefill and not leading else torch.arange(T)
+    indexed = with_prefill and not leading
     # int32 like vLLM's staged index buffers
     spec_idx, non_idx = perm[:Ts].sort().values.int(), perm[Ts:].sort().values.int()
     x = torch.randn(T, DIM, generator=gen).to(device, io_dtype)
@@ -205,8 +208,8 @@ def _run_spec(device, io_dtype, pool_dtype, with_prefill, seed=1, padded=False, 
         spec_slots=torch.tensor(spec_slots, dtype=torch.int32, device=device),
         spec_cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=device),
         num_accepted=torch.tensor(accepted, dtype=torch.int32, device=device), num_spec_tokens=Ts,
-        spec_token_idx=spec_idx.to(device) if with_prefill else None,
-        non_spec_token_idx=non_idx.to(device) if with_prefill else None,
+        spec_token_idx=spec_idx.to(device) if indexed else None,
+        non_spec_token_idx=non_idx.to(device) if indexed else None,
         prefill_checkpoint_chunks=ck_chunks if checkpoints else None,
         prefill_checkpoint_slots=torch.tensor(ck_slots, dtype=torch.int32, device=device) if checkpoints else None)
     out = torch.zeros(T, HV, D_HEAD, dtype=io_dtype, device=device)
@@ -283,10 +286,14 @@ def test_prefill_checkpoints_cpu(pool_dtype):
     _run_nonspec("cpu", torch.float32, pool_dtype, checkpoints=True)
 
 
-@pytest.mark.parametrize("with_prefill", [False, True])
+# prefills: none, interleaved with the spec tokens (gathered by the token indices), after them
+_SPEC_PREFILLS = [(False, False), (True, False), (True, True)]
+
+
+@pytest.mark.parametrize("with_prefill,leading", _SPEC_PREFILLS)
 @pytest.mark.parametrize("io_dtype", [torch.float32, torch.bfloat16])
-def test_spec_batch_cpu(with_prefill, io_dtype):
-    _run_spec("cpu", io_dtype, torch.float32, with_prefill)
+def test_spec_batch_cpu(with_prefill, leading, io_dtype):
+    _run_spec("cpu", io_dtype, torch.float32, with_prefill, leading=leading)
 
 
 def test_padded_spec_batch_cpu():
@@ -294,8 +301,9 @@ def test_padded_spec_batch_cpu():
 
 
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
-def test_spec_batch_with_prefill_checkpoints_cpu(pool_dtype):
-    _run_spec("cpu", torch.float32, pool_dtype, True, checkpoints=True)
+@pytest.mark.parametrize("leading", [False, True])
+def test_spec_batch_with_prefill_checkpoints_cpu(pool_dtype, leading):
+    _run_spec("cpu", torch.float32, pool_dtype, True, checkpoints=True, leading=leading)
 
 
 def test_step_plan_reuses_host_parts():
@@ -344,6 +352,22 @@ def test_non_spec_token_idx_covers_the_decode_and_prefill_tokens():
                           num_accepted=torch.tensor([1], dtype=torch.int32), num_spec_tokens=2,
                           spec_token_idx=torch.tensor([0, 1], dtype=torch.int32),
                           non_spec_token_idx=torch.tensor([2, 3, 4], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("num_spec_tokens", [0, 4])
+def test_leading_spec_tokens_fit_before_the_others(num_spec_tokens):
+    """Without token indices the spec tokens are the step's first num_spec_tokens rows and the
+    decode and prefill tokens follow them: a count that leaves them no room (or no spec rows at
+    all) is refused when the step is planned, by name, instead of splitting the rows wrongly."""
+    with pytest.raises(ValueError, match=r"num_spec_tokens: the spec tokens lead .* expected 1\.\.2, got "
+                       + str(num_spec_tokens)):
+        GL.make_step_plan(num_actual_tokens=6, num_v_heads=HV, num_k_heads=HK, conv_width=W, device="cpu",
+                          decode_slots=torch.tensor([3], dtype=torch.int32), prefill_lens=[3],
+                          prefill_slots=torch.tensor([4], dtype=torch.int32),
+                          prefill_has_initial_state=torch.tensor([False]),
+                          spec_slots=torch.tensor([[1, 2]], dtype=torch.int32),
+                          spec_cu_seqlens=torch.tensor([0, 2], dtype=torch.int32),
+                          num_accepted=torch.tensor([1], dtype=torch.int32), num_spec_tokens=num_spec_tokens)
 
 
 # A step's batch (spec rows of D = 2 tokens) and one argument that only a later op of the layer
@@ -510,9 +534,9 @@ def test_prefill_checkpoints_gpu(pool_dtype):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("with_prefill", [False, True])
-def test_spec_batch_gpu(with_prefill):
-    _run_spec("cuda", torch.bfloat16, torch.float32, with_prefill)
+@pytest.mark.parametrize("with_prefill,leading", _SPEC_PREFILLS)
+def test_spec_batch_gpu(with_prefill, leading):
+    _run_spec("cuda", torch.bfloat16, torch.float32, with_prefill, leading=leading)
 
 
 @pytest.mark.gpu
@@ -524,16 +548,18 @@ def test_padded_spec_batch_gpu():
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
-def test_spec_batch_with_prefill_checkpoints_gpu(pool_dtype):
-    _run_spec("cuda", torch.bfloat16, pool_dtype, True, checkpoints=True)
+@pytest.mark.parametrize("leading", [False, True])
+def test_spec_batch_with_prefill_checkpoints_gpu(pool_dtype, leading):
+    _run_spec("cuda", torch.bfloat16, pool_dtype, True, checkpoints=True, leading=leading)
 
 
-def _run_spec_layers_share_the_step(dev, io):
+def _run_spec_layers_share_the_step(dev, io, leading=False):
     """GDN layers of one spec step with prefills interleaved (their own inputs, weights and
     caches): the step's scratch buffers (the spec conv's output, the spec and non-spec rows
     gathered in one buffer per input, their outputs and the token permutation: StepPlan.scratch) serve them all, the layers from the third on
     replay the step's recorded launches on the TileLang path, and each layer gives bit for bit
-    what it gives as the only layer of a fresh step."""
+    what it gives as the only layer of a fresh step. ``leading``: the prefills after the spec
+    tokens, no token indices (row views: no gather buffers in the step's scratch)."""
     gen = torch.Generator().manual_seed(7)
     S, D = 20, 3
     spec_slots, spec_lens, accepted = [[4, 5, 6], [10, 11, 12], [15, 16, 17]], [3, 2, 2], [2, 1, 3]
@@ -542,6 +568,7 @@ def _run_spec_layers_share_the_step(dev, io):
     T = Ts + sum(pre_lens)
     perm = torch.randperm(T, generator=gen)
     spec_idx, non_idx = perm[:Ts].sort().values.int(), perm[Ts:].sort().values.int()
+    indices = {} if leading else dict(spec_token_idx=spec_idx.to(dev), non_spec_token_idx=non_idx.to(dev))
 
     def make_step():
         return GL.make_step_plan(
@@ -550,8 +577,7 @@ def _run_spec_layers_share_the_step(dev, io):
             prefill_has_initial_state=torch.tensor(pre_init, device=dev),
             spec_slots=torch.tensor(spec_slots, dtype=torch.int32, device=dev),
             spec_cu_seqlens=torch.tensor([0, 3, 5, 7], dtype=torch.int32, device=dev),
-            num_accepted=torch.tensor(accepted, dtype=torch.int32, device=dev), num_spec_tokens=Ts,
-            spec_token_idx=spec_idx.to(dev), non_spec_token_idx=non_idx.to(dev))
+            num_accepted=torch.tensor(accepted, dtype=torch.int32, device=dev), num_spec_tokens=Ts, **indices)
 
     inputs = [tuple(torch.randn(T, n, generator=gen).to(dev, io) for n in (DIM, HV, HV)) + (_weights(gen, dev),)
               for _ in range(LAYERS)]
@@ -570,8 +596,8 @@ def _run_spec_layers_share_the_step(dev, io):
     step = make_step()
     for i in range(LAYERS):
         layer(step, i, shared[i], outs[i])
-    assert {k[0] for k in step._scratch} == {"spec_conv_out", "interleaved", "interleaved_rows", "interleaved_blocks",
-                                             "interleaved_out"}
+    gathers = set() if leading else {"interleaved", "interleaved_rows", "interleaved_blocks", "interleaved_out"}
+    assert {k[0] for k in step._scratch} == {"spec_conv_out"} | gathers
     assert step._replays.replayed == (LAYERS - 2 if dev == "cuda" else 0), step._replays.refused
     for i in range(LAYERS):
         layer(make_step(), i, fresh[i], outs[LAYERS + i])
@@ -580,14 +606,16 @@ def _run_spec_layers_share_the_step(dev, io):
         assert torch.equal(shared[i][0], fresh[i][0]), f"layer {i}: conv state"
 
 
-def test_spec_layers_share_the_step_cpu():
-    _run_spec_layers_share_the_step("cpu", torch.float32)
+@pytest.mark.parametrize("leading", [False, True])
+def test_spec_layers_share_the_step_cpu(leading):
+    _run_spec_layers_share_the_step("cpu", torch.float32, leading)
 
 
 @pytest.mark.gpu
 @needs_cuda
-def test_spec_layers_share_the_step_gpu():
-    _run_spec_layers_share_the_step("cuda", torch.bfloat16)
+@pytest.mark.parametrize("leading", [False, True])
+def test_spec_layers_share_the_step_gpu(leading):
+    _run_spec_layers_share_the_step("cuda", torch.bfloat16, leading)
 
 
 @pytest.mark.gpu

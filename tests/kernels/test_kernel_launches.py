@@ -277,22 +277,24 @@ def test_layer_decode_step(launches, arch, decodes):
     _assert_precompiled(launches, arch)
 
 
-def test_layer_spec_step_with_prefill(launches, arch):
-    """vLLM's spec step beside a prefill: conv_spec then verify_slots, and the prefill's chain."""
+@pytest.mark.parametrize("leading", [False, True])
+def test_layer_spec_step_with_prefill(launches, arch, leading):
+    """vLLM's spec step beside a prefill: conv_spec then verify_slots, and the prefill's chain;
+    the rows gathered by vLLM's token indices, or (``leading``) views of the spec tokens first."""
     Dd = 3
     conv, ssm = _cache(20, spec_cols=Dd - 1)
     spec_lens, pre_lens = [3, 2], [9]
     Ts, T = sum(spec_lens), sum(spec_lens) + sum(pre_lens)
     perm = torch.randperm(T, generator=torch.Generator().manual_seed(0))
+    indices = {} if leading else dict(spec_token_idx=perm[:Ts].sort().values.int().to(DEV),
+                                      non_spec_token_idx=perm[Ts:].sort().values.int().to(DEV))
     step = GL.make_step_plan(
         num_actual_tokens=T, num_v_heads=HV, num_k_heads=HK, conv_width=4, device=DEV,
         prefill_lens=pre_lens, prefill_slots=tensor([2], dtype=torch.int32),
         prefill_has_initial_state=tensor([True]),
         spec_slots=tensor([[4, 5, 6], [10, 11, 12]], dtype=torch.int32),
         spec_cu_seqlens=tensor([0, 3, 5], dtype=torch.int32),
-        num_accepted=tensor([2, 1], dtype=torch.int32), num_spec_tokens=Ts,
-        spec_token_idx=perm[:Ts].sort().values.int().to(DEV),
-        non_spec_token_idx=perm[Ts:].sort().values.int().to(DEV))
+        num_accepted=tensor([2, 1], dtype=torch.int32), num_spec_tokens=Ts, **indices)
     _layer(step, T, conv, ssm)
     kinds = [n.split("_hv")[0] for n in _names(launches)]
     assert "gdn_conv_spec" in kinds and "gdn_verify_slots" in kinds and "gdn_conv_prefill" in kinds, kinds

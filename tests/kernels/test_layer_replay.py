@@ -131,28 +131,32 @@ def test_replay_launches_what_the_ops_launch(launches, monkeypatch, case, pool_d
     assert _run_and_compare(launches, monkeypatch, step, layers) == LAYERS - 2, step._replays.refused
 
 
-def _spec_step(with_prefill: bool, checkpoints: bool = False):
+def _spec_step(with_prefill: bool, checkpoints: bool = False, leading: bool = False):
     spec_lens, pre_lens = [3, 2], [150] if with_prefill else []
     Ts, T = sum(spec_lens), sum(spec_lens) + sum(pre_lens)
     kw = dict(spec_slots=_t([[4, 5, 6], [10, 11, 12]]), spec_cu_seqlens=_t([0, 3, 5]), num_accepted=_t([2, 1]),
               num_spec_tokens=Ts)
     if with_prefill:
+        kw.update(prefill_lens=pre_lens, prefill_slots=_t([2]), prefill_has_initial_state=_t([True], torch.bool))
+    if with_prefill and not leading:
         perm = torch.randperm(T, generator=torch.Generator().manual_seed(0))
-        kw.update(prefill_lens=pre_lens, prefill_slots=_t([2]), prefill_has_initial_state=_t([True], torch.bool),
-                  spec_token_idx=perm[:Ts].sort().values.int().to(DEV),
+        kw.update(spec_token_idx=perm[:Ts].sort().values.int().to(DEV),
                   non_spec_token_idx=perm[Ts:].sort().values.int().to(DEV))
     if checkpoints:
         kw.update(prefill_checkpoint_chunks=[2], prefill_checkpoint_slots=_t([14]))
     return GL.make_step_plan(num_actual_tokens=T, num_v_heads=8, num_k_heads=2, conv_width=4, device=DEV, **kw), T
 
 
-@pytest.mark.parametrize("with_prefill,checkpoints", [(False, False), (True, False), (True, True)],
-                         ids=["spec only", "spec and prefill", "spec and prefill, checkpoints"])
-def test_replay_of_spec_steps(launches, monkeypatch, with_prefill, checkpoints):
+@pytest.mark.parametrize("with_prefill,checkpoints,leading",
+                         [(False, False, False), (True, False, False), (True, True, False), (True, True, True)],
+                         ids=["spec only", "spec and prefill", "spec and prefill, checkpoints",
+                              "spec tokens leading, checkpoints"])
+def test_replay_of_spec_steps(launches, monkeypatch, with_prefill, checkpoints, leading):
     """vLLM's spec steps (the spec rows gathered by index where prefills interleave: the gathers
-    and the scatters back into ``out`` run on every call, outside the replay), and the step of
-    vLLM 0.33's GPU defaults: MTP beside a chunked prefill writing an align-mode checkpoint."""
-    step, T = _spec_step(with_prefill, checkpoints)
+    and the scatters back into ``out`` run on every call, outside the replay; row views where the
+    spec tokens lead), and the step of vLLM 0.33's GPU defaults: MTP beside a chunked prefill
+    writing an align-mode checkpoint."""
+    step, T = _spec_step(with_prefill, checkpoints, leading)
     layers = _layers(LAYERS, T, 20, 2, 8, spec_cols=2)
     assert _run_and_compare(launches, monkeypatch, step, layers) == LAYERS - 2, step._replays.refused
     assert any(c.name.startswith("gdn_conv_prefill_state") for c in launches) == checkpoints

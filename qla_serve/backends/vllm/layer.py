@@ -163,6 +163,12 @@ class QlaGDNMetadataBuilder(GDNAttentionMetadataBuilder):
         ck_chunks, ck_slots = _prefill_checkpoints(md, Td, len(prefill_lens))
         Ns = md.num_spec_decodes
         mixed_spec = Ns > 0 and (md.num_prefills > 0 or md.num_decodes > 0)
+        # vLLM's batch reorder puts decode requests (the spec decodes) before the prefills
+        # (v1/attention/backends/utils.py, reorder_batch_to_split_decodes_and_prefills): then its
+        # token indices are [0, Ts) and [Ts, T), and the layer takes the rows as views instead of
+        # gathering them (gdn_layer._leading_spec_rows). A short prefill chunk that the reorder
+        # counts among the decodes interleaves them: the indices are passed then.
+        indexed = mixed_spec and not _spec_rows_lead(spec_rows, Ns)
         # GDN layers may sit in several KV-cache groups (one builder each) that all build in the
         # same step with the same lengths: they share one PrefillPlan through _LAST_STEP.
         key = (prefill_lens, self.qla_num_v_heads, self.qla_num_k_heads, self.qla_conv_width, str(self.device))
@@ -178,8 +184,8 @@ class QlaGDNMetadataBuilder(GDNAttentionMetadataBuilder):
             spec_cu_seqlens=md.spec_query_start_loc[: Ns + 1] if Ns else None,
             num_accepted=md.num_accepted_tokens[:Ns] if Ns else None,
             num_spec_tokens=md.num_spec_decode_tokens,
-            spec_token_idx=md.spec_token_indx if mixed_spec else None,
-            non_spec_token_idx=md.non_spec_token_indx if mixed_spec else None,
+            spec_token_idx=md.spec_token_indx if indexed else None,
+            non_spec_token_idx=md.non_spec_token_indx if indexed else None,
             null_slot=NULL_BLOCK_ID,
             cp=self.qla_cp, reuse=last, prefill_checkpoint_chunks=ck_chunks, prefill_checkpoint_slots=ck_slots)
         step.info["resumed_prefills"] = resumed
@@ -188,6 +194,13 @@ class QlaGDNMetadataBuilder(GDNAttentionMetadataBuilder):
                 _stats.hit("qla:prefill_plans")
             _LAST_STEP.update(key=key, step=step)
         return step
+
+
+def _spec_rows_lead(spec_rows: list, num_spec: int) -> bool:
+    """Whether the step's ``num_spec`` spec requests are its first requests (``spec_rows``: vLLM's
+    host mask ``spec_sequence_masks_cpu`` over the step's requests, as bools), so that its spec
+    tokens lead the batch."""
+    return len(spec_rows) >= num_spec and all(spec_rows[:num_spec]) and not any(spec_rows[num_spec:])
 
 
 def _prefill_checkpoints(md, num_decodes: int, num_prefill_rows: int):

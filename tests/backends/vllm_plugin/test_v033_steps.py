@@ -180,21 +180,31 @@ def test_prefill_checkpoint_rows():
         QlaGDNMetadataBuilder._qla_step(_builder(), md, m)
 
 
-def test_mtp_beside_a_prefill_chunk_with_a_checkpoint():
+@pytest.mark.parametrize("spec_first", [True, False])
+def test_mtp_beside_a_prefill_chunk_with_a_checkpoint(spec_first):
     """vLLM 0.33's GPU defaults together (MTP, align-mode prefix caching, chunked prefill): two
     spec decodes, a non-spec 1-token decode and a 150-token chunk that writes a checkpoint after
     128 tokens, in one step. Transcribed from gdn_attn.py (0.33): with spec decodes the non-spec
     decode is counted as a prefill (~420-426: num_decodes 0), every non-spec row is a prefill row
     (prefill_state_indices = non_spec_state_indices_tensor, ~528-530), the token indices are a
     stable argsort of the spec-token mask (int64, ~454-460), num_accepted_tokens[spec rows], and
-    the checkpoint rows are the non-spec requests (~578-583)."""
+    the checkpoint rows are the non-spec requests (~578-583). ``spec_first``: the spec requests
+    lead, as vLLM's batch reorder places decodes (then the adapter passes no token indices and
+    the layer takes row views); else the 1-token request sits between them (a short chunk the
+    reorder counts as a decode), and the adapter passes vLLM's indices. Either way the step
+    gives what one built by hand with vLLM's token indices gives."""
     gen = torch.Generator().manual_seed(11)
     S, D = 16, 3
     conv, ssm = _caches(S, W - 2 + D, gen)
     w, bias, A_log, dt_bias = _weights(gen)
-    qlens = [3, 2, 1, 150]
-    spec_mask = torch.tensor([True, True, False, False])
-    block_table = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 0, 0], [9, 0, 0]], dtype=torch.int32)
+    if spec_first:
+        qlens = [3, 2, 1, 150]
+        spec_mask = torch.tensor([True, True, False, False])
+        block_table = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 0, 0], [9, 0, 0]], dtype=torch.int32)
+    else:
+        qlens = [3, 1, 2, 150]
+        spec_mask = torch.tensor([True, False, True, False])
+        block_table = torch.tensor([[1, 2, 3], [7, 0, 0], [4, 5, 6], [9, 0, 0]], dtype=torch.int32)
     cu = [0]
     for n in qlens:
         cu.append(cu[-1] + n)
@@ -216,6 +226,7 @@ def test_mtp_beside_a_prefill_chunk_with_a_checkpoint():
                               seq_lens_cpu_upper_bound=torch.tensor([40, 30, 20, 150]))
     step = QlaGDNMetadataBuilder._qla_step(_builder(), md, m)
     assert step.prefill_plan.seq_lens == (1, 150) and step.num_spec_decodes == 2
+    assert (step.spec_token_idx is None, step.non_spec_token_idx is None) == (spec_first, spec_first)
     assert step.prefill_checkpoint_chunks.tolist() == [0, 2]
     assert step.ids("prefill_checkpoint").tolist() == [-1, 11]
     x = torch.randn(T, DIM, generator=gen)
@@ -228,8 +239,7 @@ def test_mtp_beside_a_prefill_chunk_with_a_checkpoint():
         prefill_has_initial_state=torch.tensor([True, False]),
         spec_slots=torch.tensor([[1, 2, 3], [4, 5, 6]], dtype=torch.int32),
         spec_cu_seqlens=torch.tensor([0, 3, 5], dtype=torch.int32), num_accepted=torch.tensor([2, 1], dtype=torch.int32),
-        num_spec_tokens=5, spec_token_idx=torch.arange(0, 5, dtype=torch.int32),
-        non_spec_token_idx=torch.arange(5, T, dtype=torch.int32),
+        num_spec_tokens=5, spec_token_idx=spec_idx.int(), non_spec_token_idx=non_spec_idx.int(),
         prefill_checkpoint_chunks=[0, 2], prefill_checkpoint_slots=torch.tensor([NULL, 11], dtype=torch.int32))
     conv_h, ssm_h = conv0.clone(), ssm0.clone()
     out_h = _run(by_hand, x, a, b, conv_h, ssm_h, w, bias, A_log, dt_bias, T)
