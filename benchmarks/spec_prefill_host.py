@@ -15,8 +15,9 @@ its token indices from one stable argsort of the spec-token mask, gdn_attn.py):
 * ``indexed``: the same batch with vLLM's token indices ([0, Ts) and [Ts, T)): the rows gathered
   into step buffers and the outputs scattered back (gdn_layer._interleaved_rows; what the
   adapter handed every such step before);
-* ``interleaved``: the spec requests among the prefills (a short chunk the reorder counts as a
-  decode), the indices a true permutation: gathered as ``indexed``.
+* ``interleaved``: the first prefill ahead of the spec requests (in vLLM: a non-spec request
+  among the decodes, or a batch its reorder leaves alone), the indices a true permutation:
+  gathered as ``indexed``.
 
 Host us per step: the layer calls of a step on a fresh ``make_step_plan`` (made before the
 clock starts), issued onto an idle GPU, median of ``--steps`` steps. GPU us per layer call: one

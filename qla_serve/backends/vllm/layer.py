@@ -163,11 +163,13 @@ class QlaGDNMetadataBuilder(GDNAttentionMetadataBuilder):
         ck_chunks, ck_slots = _prefill_checkpoints(md, Td, len(prefill_lens))
         Ns = md.num_spec_decodes
         mixed_spec = Ns > 0 and (md.num_prefills > 0 or md.num_decodes > 0)
-        # vLLM's batch reorder puts decode requests (the spec decodes) before the prefills
-        # (v1/attention/backends/utils.py, reorder_batch_to_split_decodes_and_prefills): then its
-        # token indices are [0, Ts) and [Ts, T), and the layer takes the rows as views instead of
-        # gathering them (gdn_layer._leading_spec_rows). A short prefill chunk that the reorder
-        # counts among the decodes interleaves them: the indices are passed then.
+        # vLLM's batch reorder puts decode requests (the spec decodes) before every extend and
+        # prefill (v1/attention/backends/utils.py, reorder_batch_to_split_decodes_and_prefills):
+        # then its token indices are [0, Ts) and [Ts, T), and the layer takes the rows as views
+        # instead of gathering them (gdn_layer._leading_spec_rows). A decode scheduled with other
+        # than its drafts + 1 tokens (gpu_model_runner: not a spec row then) among them, or a
+        # batch the reorder leaves alone (decode context parallelism), interleaves the two kinds:
+        # the indices are passed then.
         indexed = mixed_spec and not _spec_rows_lead(spec_rows, Ns)
         # GDN layers may sit in several KV-cache groups (one builder each) that all build in the
         # same step with the same lengths: they share one PrefillPlan through _LAST_STEP.

@@ -190,8 +190,8 @@ def test_mtp_beside_a_prefill_chunk_with_a_checkpoint(spec_first):
     stable argsort of the spec-token mask (int64, ~454-460), num_accepted_tokens[spec rows], and
     the checkpoint rows are the non-spec requests (~578-583). ``spec_first``: the spec requests
     lead, as vLLM's batch reorder places decodes (then the adapter passes no token indices and
-    the layer takes row views); else the 1-token request sits between them (a short chunk the
-    reorder counts as a decode), and the adapter passes vLLM's indices. Either way the step
+    the layer takes row views); else the 1-token non-spec request sits between them (as where
+    the reorder is off: decode context parallelism), and the adapter passes vLLM's indices. Either way the step
     gives what one built by hand with vLLM's token indices gives."""
     gen = torch.Generator().manual_seed(11)
     S, D = 16, 3
