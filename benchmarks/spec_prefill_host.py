@@ -21,7 +21,9 @@ its token indices from one stable argsort of the spec-token mask, gdn_attn.py):
 
 Host us per step: the layer calls of a step on a fresh ``make_step_plan`` (made before the
 clock starts), issued onto an idle GPU, median of ``--steps`` steps. GPU us per layer call: one
-step captured in a CUDA graph, median of ``--steps`` replays (the host out of the figure). The
+step captured in a CUDA graph after two warm-up steps (its slot ids derived before the capture),
+median of ``--steps`` replays (the host out of the figure; data/spec_layouts_h100.txt's
+figures derived them inside the graph, a few tiny launches per step). The
 layouts alternate within each round, all in one process. Also the step's replayed layers
 (backends/launch_replay.py), or why none were. ``--device cpu``: a smoke run of the script
 itself on the reference path (tiny sizes; its times mean nothing). A benchmark, not a test.
@@ -34,6 +36,7 @@ import time
 import torch
 
 from qla_serve.backends import gdn_layer as GL
+from qla_serve.bench import decode as bdec
 
 HEAD, W = 128, 4
 LAYOUTS = ("leading", "indexed", "interleaved")
@@ -109,20 +112,9 @@ class Point:
             host.append((time.perf_counter() - t0) * 1e6)
             sync()
         gpu = None
-        if cuda:
-            graph, graph_step = torch.cuda.CUDAGraph(), GL.make_step_plan(**kw)
-            with torch.cuda.graph(graph):
-                self.run_step(graph_step)
-            graph.replay()
-            times = []
-            for _ in range(steps):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                graph.replay()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) * 1e3 / len(self.kit))
-            gpu = statistics.median(times)
+        if cuda:   # bench decode's graph timing: warm-up calls, then one captured step replayed
+            graph_step = GL.make_step_plan(**kw)
+            gpu = bdec._graph_time_us(torch, [lambda: self.run_step(graph_step)], steps) / len(self.kit)
         replays = step._replays
         why = f", refused: {sorted(set(replays.refused.values()))}" if replays.refused else ""
         host_us = statistics.median(host)

@@ -339,19 +339,23 @@ def test_spec_token_indices_come_in_pairs(given):
                           **{given: torch.tensor([0, 1], dtype=torch.int32)})
 
 
+def _spec_decode_prefill_step(**kw):
+    """make_step_plan for 6 tokens: a spec decode of 2 tokens, a decode and a 3-token prefill."""
+    return GL.make_step_plan(num_actual_tokens=6, num_v_heads=HV, num_k_heads=HK, conv_width=W, device="cpu",
+                             decode_slots=torch.tensor([3], dtype=torch.int32), prefill_lens=[3],
+                             prefill_slots=torch.tensor([4], dtype=torch.int32),
+                             prefill_has_initial_state=torch.tensor([False]),
+                             spec_slots=torch.tensor([[1, 2]], dtype=torch.int32),
+                             spec_cu_seqlens=torch.tensor([0, 2], dtype=torch.int32),
+                             num_accepted=torch.tensor([1], dtype=torch.int32), **kw)
+
+
 def test_non_spec_token_idx_covers_the_decode_and_prefill_tokens():
     """The non-spec rows are gathered by non_spec_token_idx and split into decodes and prefills:
     an index of another length is refused when the step is planned, by name."""
     with pytest.raises(ValueError, match=r"non_spec_token_idx: expected one index per decode and prefill token \(4\)"):
-        GL.make_step_plan(num_actual_tokens=6, num_v_heads=HV, num_k_heads=HK, conv_width=W, device="cpu",
-                          decode_slots=torch.tensor([3], dtype=torch.int32), prefill_lens=[3],
-                          prefill_slots=torch.tensor([4], dtype=torch.int32),
-                          prefill_has_initial_state=torch.tensor([False]),
-                          spec_slots=torch.tensor([[1, 2]], dtype=torch.int32),
-                          spec_cu_seqlens=torch.tensor([0, 2], dtype=torch.int32),
-                          num_accepted=torch.tensor([1], dtype=torch.int32), num_spec_tokens=2,
-                          spec_token_idx=torch.tensor([0, 1], dtype=torch.int32),
-                          non_spec_token_idx=torch.tensor([2, 3, 4], dtype=torch.int32))
+        _spec_decode_prefill_step(num_spec_tokens=2, spec_token_idx=torch.tensor([0, 1], dtype=torch.int32),
+                                  non_spec_token_idx=torch.tensor([2, 3, 4], dtype=torch.int32))
 
 
 @pytest.mark.parametrize("num_spec_tokens", [0, 4])
@@ -361,13 +365,7 @@ def test_leading_spec_tokens_fit_before_the_others(num_spec_tokens):
     all) is refused when the step is planned, by name, instead of splitting the rows wrongly."""
     with pytest.raises(ValueError, match=r"num_spec_tokens: the spec tokens lead .* expected 1\.\.2, got "
                        + str(num_spec_tokens)):
-        GL.make_step_plan(num_actual_tokens=6, num_v_heads=HV, num_k_heads=HK, conv_width=W, device="cpu",
-                          decode_slots=torch.tensor([3], dtype=torch.int32), prefill_lens=[3],
-                          prefill_slots=torch.tensor([4], dtype=torch.int32),
-                          prefill_has_initial_state=torch.tensor([False]),
-                          spec_slots=torch.tensor([[1, 2]], dtype=torch.int32),
-                          spec_cu_seqlens=torch.tensor([0, 2], dtype=torch.int32),
-                          num_accepted=torch.tensor([1], dtype=torch.int32), num_spec_tokens=num_spec_tokens)
+        _spec_decode_prefill_step(num_spec_tokens=num_spec_tokens)
 
 
 # A step's batch (spec rows of D = 2 tokens) and one argument that only a later op of the layer
