@@ -163,13 +163,14 @@ class QlaGDNMetadataBuilder(GDNAttentionMetadataBuilder):
         ck_chunks, ck_slots = _prefill_checkpoints(md, Td, len(prefill_lens))
         Ns = md.num_spec_decodes
         mixed_spec = Ns > 0 and (md.num_prefills > 0 or md.num_decodes > 0)
-        # vLLM's batch reorder puts decode requests (the spec decodes) before every extend and
-        # prefill (v1/attention/backends/utils.py, reorder_batch_to_split_decodes_and_prefills):
-        # then its token indices are [0, Ts) and [Ts, T), and the layer takes the rows as views
-        # instead of gathering them (gdn_layer._leading_spec_rows). A decode scheduled with other
-        # than its drafts + 1 tokens (gpu_model_runner: not a spec row then) among them, or a
-        # batch the reorder leaves alone (decode context parallelism), interleaves the two kinds:
-        # the indices are passed then.
+        # vLLM 0.33 orders a step's requests decodes first (model runner V1:
+        # v1/attention/backends/utils.py reorder_batch_to_split_decodes_and_prefills; V2:
+        # v1/worker/gpu/model_runner.py sort_batch_req_ids, drafted requests first): then its
+        # token indices are [0, Ts) and [Ts, T), and the layer takes the rows as views instead of
+        # gathering them (gdn_layer._leading_spec_rows). A non-spec request among the spec ones
+        # (V1: a decode scheduled with other than its drafts + 1 tokens; V2: a decode without
+        # drafts behind a chunk of drafts + 1 tokens; either, with the reorder off under decode
+        # context parallelism) interleaves the two kinds: the indices are passed then.
         indexed = mixed_spec and not _spec_rows_lead(spec_rows, Ns)
         # GDN layers may sit in several KV-cache groups (one builder each) that all build in the
         # same step with the same lengths: they share one PrefillPlan through _LAST_STEP.
