@@ -27,6 +27,8 @@
 #   flashinfer prefill_flashinfer_h200.json, decode_flashinfer_h200.json (bench prefill and bench
 #              decode beside FlashInfer 0.7.2, --check; needs .fibundle as the layer part does)
 #   layer      layer_h200.json, layer_h200.png (bench layer --check, every default row)
+#   spec       spec_layouts_h200.txt (benchmarks/spec_prefill_host.py: vLLM's MTP steps beside a
+#              chunked prefill, the spec rows as views, gathered, and interleaved; 2/8 and 2/4)
 #   inputs     prefill_inputs_h200.txt (benchmarks/prefill_inputs.py)
 #   sustained  sustained_h200.txt (benchmarks/sustained.py, the 16/64 and 2/8 rows of prefill.md)
 #   sweep      costmodel_sweep_vs{1,2,4}_h200.json (fit_costmodel.py: every row at forced v_split)
@@ -43,7 +45,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/gpu_benchmarks}; mkdir -p "$out"
 part=${PART:-all}
-parts="tests coldstart prefill check decode flashinfer layer inputs sustained sweep cp-sweep maps"
+parts="tests coldstart prefill check decode flashinfer layer spec inputs sustained sweep cp-sweep maps"
 if [[ $part != all && " $parts " != *" $part "* ]]; then echo "PART=$part: expected one of: $parts (or all)"; exit 2; fi
 want() { [[ $part == all || $part == "$1" ]]; }
 
@@ -199,6 +201,12 @@ if want layer; then
   step "bench layer" $T python -m qla_serve.cli bench layer --check --json "$out/layer_h200.json" \
     --plot "$out/layer_h200.png" | grep -v '^{'
   stamp "$out/layer_h200.json"
+fi
+
+if want spec; then
+  step "spec + prefill steps by token layout" $T bash -c "python benchmarks/spec_prefill_host.py --heads 2/8,2/4 \
+    --specs 8,32 --rounds 2 --steps 10 > $out/spec_layouts_h200.txt"
+  cat "$out/spec_layouts_h200.txt"; stamp "$out/spec_layouts_h200.txt"
 fi
 
 if want inputs; then
