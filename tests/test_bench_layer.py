@@ -58,6 +58,28 @@ def test_parse_row(text, decodes, lens):
     assert row.decode_only == (not lens)
 
 
+@pytest.mark.parametrize("text,spec,spec_len,lens", [
+    ("s8x3", 8, 3, ()),
+    ("s8x3+4x512", 8, 3, (512,) * 4),
+    ("70+s2x4", 2, 4, (70,)),
+])
+def test_parse_spec_rows(text, spec, spec_len, lens):
+    """sNxD: N spec decodes of D tokens, each with D slots (one per draft position)."""
+    row = L.parse_row(text)
+    assert (row.spec, row.spec_len, row.decodes, row.prefill_lens) == (spec, spec_len, 0, lens)
+    assert row.tokens == spec * spec_len + sum(lens) and row.seqs == spec + len(lens)
+    assert row.slots_per_set == spec * spec_len + len(lens) and row.decode_only == (not lens)
+    assert L.seq_bounds(row)[:spec] == [(i * spec_len, (i + 1) * spec_len) for i in range(spec)]
+
+
+@pytest.mark.parametrize("text", ["s2x1", "s0x3", "s2x3+s1x2", "s2x3+d1", "s2"])
+def test_parse_spec_rows_rejects(text):
+    """A spec decode has 1 + drafts >= 2 tokens; one spec item; no plain decodes beside spec ones
+    (vLLM counts them as prefills there)."""
+    with pytest.raises(ValueError, match="row"):
+        L.parse_row(text)
+
+
 @pytest.mark.parametrize("text", ["", "d0", "0x5", "x5", "3x", "d3+d4", "abc", "1x-2", "4+"])
 def test_parse_row_rejects(text):
     with pytest.raises(ValueError, match="row"):
@@ -115,10 +137,11 @@ def test_schedule():
     pts = L.schedule(None, None, ["fp32", "bf16"], ["fp32"])
     pre = [(hk, hv, r.name) for hk, hv, r, st in pts if not r.decode_only]
     dec = [(hk, hv, r.name, st) for hk, hv, r, st in pts if r.decode_only]
-    assert len(pre) == 3 * 5 and {(hk, hv) for hk, hv, _ in pre} == {(2, 8), (4, 16), (16, 64)}
+    assert len(pre) == 3 * 5 + 1 and {(hk, hv) for hk, hv, _ in pre} == {(2, 8), (4, 16), (16, 64)}
+    assert (2, 8, "s8x3+4x512") in pre
     assert [(hk, hv, n) for hk, hv, n, st in dec if st == "fp32"] == [
-        (2, 8, "d1"), (2, 8, "d32"), (2, 8, "d256"), (16, 32, "d64"), (16, 32, "d256")]
-    assert len(dec) == 10
+        (2, 8, "d1"), (2, 8, "d32"), (2, 8, "d256"), (2, 8, "s32x3"), (16, 32, "d64"), (16, 32, "d256")]
+    assert len(dec) == 12
     only = L.schedule([(16, 32)], None, ["bf16"], ["fp32"])
     assert [(r.name, st) for _, _, r, st in only] == [("d64", "bf16"), ("d256", "bf16")]
     other = L.schedule([(8, 24)], None, ["fp32"], ["fp32"])
@@ -318,29 +341,52 @@ def sglang_causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, seq_l
 
 
 def _varlen_conv(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, activation):
+    """The state's first W-1 columns (vLLM's causal_conv1d_fn: state_len = width - 1, also where the
+    state holds more columns for speculative decoding)."""
     W = weight.shape[1]
     out = torch.empty_like(x)
     for i, (bos, eos) in enumerate(_bounds(query_start_loc)):
         slot = int(cache_indices[i])
-        hist = conv_states[slot].double() if has_initial_state[i] else torch.zeros(x.shape[0], W - 1,
-                                                                                    dtype=torch.float64)
+        hist = conv_states[slot][:, :W - 1].double() if has_initial_state[i] else torch.zeros(
+            x.shape[0], W - 1, dtype=torch.float64)
         full = torch.cat([hist, x[:, bos:eos].double()], 1)
         for t in range(eos - bos):
             out[:, bos + t] = _conv_row(full[:, t:t + W], weight, bias, activation).to(x.dtype)
-        conv_states[slot] = full[:, -(W - 1):].to(conv_states.dtype)
+        conv_states[slot][:, :W - 1] = full[:, -(W - 1):].to(conv_states.dtype)
     return out
 
 
 def vllm_causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, conv_state_indices=None,
+                              num_accepted_tokens=None, query_start_loc=None, max_query_len=-1,
                               validate_data=False):
     """x [B, D], one token per row; the slot's window shifts by one in place; the output is written
-    over x (vLLM's with out=None) and returned."""
+    over x (vLLM's with out=None) and returned. With num_accepted_tokens (speculative decoding,
+    varlen by query_start_loc): sequence i's history is its state's columns [n - 1, n + W - 2)
+    (n = num_accepted_tokens[i]), and afterwards columns [0, W - 2 + L) hold the last W - 2
+    history inputs and its L tokens (the sliding window: the next step resumes at its accepted
+    token)."""
+    if num_accepted_tokens is not None:
+        return _spec_conv_update(x, conv_state, weight, bias, activation, conv_state_indices, num_accepted_tokens,
+                                 query_start_loc, max_query_len)
     y = x
     for i in range(x.shape[0]):
         slot = int(conv_state_indices[i])
         full = torch.cat([conv_state[slot].double(), x[i].double()[:, None]], 1)
         y[i] = _conv_row(full, weight, bias, activation).to(x.dtype)      # (x[i] is in full already)
         conv_state[slot] = full[:, 1:].to(conv_state.dtype)
+    return y
+
+
+def _spec_conv_update(x, conv_state, weight, bias, activation, ids, accepted, query_start_loc, max_query_len):
+    W = weight.shape[1]
+    assert conv_state.shape[-1] >= W - 1 + max_query_len - 1
+    y = x
+    for i, (bos, eos) in enumerate(_bounds(query_start_loc)):
+        slot, n = int(ids[i]), int(accepted[i])
+        full = torch.cat([conv_state[slot][:, n - 1:n - 1 + W - 1].double(), x[bos:eos].double().T], 1)
+        for t in range(eos - bos):
+            y[bos + t] = _conv_row(full[:, t:t + W], weight, bias, activation).to(x.dtype)
+        conv_state[slot][:, :W - 2 + eos - bos] = full[:, 1:].to(conv_state.dtype)
     return y
 
 
@@ -384,18 +430,31 @@ def vllm_sigmoid_gating_update(A_log, a, b, dt_bias, q, k, v, beta=1.0, threshol
                                ssm_state_indices=None, num_accepted_tokens=None, use_qk_l2norm_in_kernel=False,
                                is_kda=False):
     """q, k [1, T, H, K], v [1, T, HV, V] packed by cu_seqlens; sequence i's state at
-    ssm_state_indices[i], updated in place; raw a, b gated in the kernel."""
-    assert inplace_final_state and use_qk_l2norm_in_kernel and num_accepted_tokens is None and q.shape[0] == 1
+    ssm_state_indices[i], updated in place; raw a, b gated in the kernel. Speculative decoding
+    (num_accepted_tokens, ssm_state_indices [N, 1 + drafts]): sequence i starts from the state at
+    ssm_state_indices[i, n - 1] (n = num_accepted_tokens[i]) and the state after its token t goes
+    to ssm_state_indices[i, t]."""
+    assert inplace_final_state and use_qk_l2norm_in_kernel and q.shape[0] == 1
     assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+    assert (num_accepted_tokens is None) == (ssm_state_indices.dim() == 1)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     gl = -torch.exp(A_log.double()) * F.softplus(a.double() + dt_bias.double())
     o = torch.empty_like(v)
     for i, (bos, eos) in enumerate(_bounds(cu_seqlens)):
-        s, slot = slice(bos, eos), int(ssm_state_indices[i])
-        oi, S = _recurrence(_l2(q[0, s].double()), _l2(k[0, s].double()), v[0, s], gl[s],
-                            torch.sigmoid(b[s].double()), initial_state[slot], scale)
-        o[0, s] = oi.to(o.dtype)
-        initial_state[slot] = S.to(initial_state.dtype)
+        if num_accepted_tokens is None:
+            s, slot = slice(bos, eos), int(ssm_state_indices[i])
+            oi, S = _recurrence(_l2(q[0, s].double()), _l2(k[0, s].double()), v[0, s], gl[s],
+                                torch.sigmoid(b[s].double()), initial_state[slot], scale)
+            o[0, s] = oi.to(o.dtype)
+            initial_state[slot] = S.to(initial_state.dtype)
+            continue
+        S = initial_state[int(ssm_state_indices[i, int(num_accepted_tokens[i]) - 1])]
+        for t in range(bos, eos):
+            s = slice(t, t + 1)
+            oi, S = _recurrence(_l2(q[0, s].double()), _l2(k[0, s].double()), v[0, s], gl[s],
+                                torch.sigmoid(b[s].double()), S, scale)
+            o[0, s] = oi.to(o.dtype)
+            initial_state[int(ssm_state_indices[i, t - bos])] = S.to(initial_state.dtype)
     return o, initial_state
 
 
@@ -663,6 +722,40 @@ def test_composed_layers_update_only_their_slots():
             same = torch.equal(case.ssm_state[s], ssm0[s]) and torch.equal(case.conv_state[s], conv0[s])
             assert same == (s not in live), (impl, s)
         assert torch.isfinite(case.out).all()
+
+
+@pytest.mark.parametrize("row", ["s3x3", "s2x4+70+9"])
+@pytest.mark.parametrize("layout", ["paged", "compact"])
+def test_vllm_spec_steps_match_qla(row, layout):
+    """vLLM's MTP steps (spec decodes alone, and beside a resumed 70-token and a new 9-token
+    prefill): its Triton spec path composed on the stand-ins (the sliding-window conv from
+    num_accepted - 1, each draft token's state into its own slot, the gathers and the scatter by
+    the token indices) against qla_serve's CPU path through gdn_layer_forward on the step the vLLM
+    adapter hands it (no token indices): outputs, every slot's SSM state and conv state agree to
+    fp32 rounding, and only the step's slots change."""
+    case = _case(row=row, layout=layout)
+    assert case.conv_state.shape[-1] == L.CONV_WIDTH - 1 + case.row.spec_len - 1
+    ssm0, conv0 = case.ssm_state.clone(), case.conv_state.clone()
+    rec = L.run_check(case, _calls(case, ("qla", "vllm")))
+    assert set(rec["vllm"]) == {"o_rel", "ssm_rel", "conv_rel"}, rec["vllm"]
+    assert rec["vllm"]["o_rel"] < 2e-5 and rec["vllm"]["ssm_rel"] < 2e-5, rec["vllm"]
+    assert rec["vllm"]["conv_rel"] < 1e-6, rec["vllm"]
+    _calls(case, ("vllm",))["vllm"]()
+    live = set(case.slot_sets[0])
+    for s in range(case.ssm_state.shape[0]):
+        if s not in live:
+            assert torch.equal(case.ssm_state[s], ssm0[s]) and torch.equal(case.conv_state[s], conv0[s]), s
+    spec_slots = case.slot_sets[0][:case.row.spec_tokens]
+    assert all(not torch.equal(case.ssm_state[s], ssm0[s]) for s in spec_slots), "every draft position written"
+
+
+def test_spec_rows_are_refused_by_the_other_compositions():
+    """FLA's, FlashInfer's and SGLang's compositions have no speculative step: a clear error when
+    called (recorded per impl by the bench), the step still built."""
+    case = _case(row="s2x3+40")
+    for impl in ("fla", "flashinfer"):
+        with pytest.raises(NotImplementedError, match=f"^{impl}: composes no speculative"):
+            _calls(case, (impl,))[impl]()
 
 
 def test_check_sees_a_wrong_composition():

@@ -3,7 +3,8 @@
 One call is an engine GDN layer's core for one step (the work behind vLLM's
 ``qwen_gdn_attention_core``): causal conv1d (width 4, SiLU, bias) of ``mixed_qkv`` with the per-slot
 conv cache, gating from the raw ``a``/``b``, q/k L2 norm, the GDN recurrence on the paged SSM cache,
-outputs into ``out``; decodes first, then prefills in the token layout. Caches are vLLM-shaped
+outputs into ``out``; spec decodes (vLLM's MTP: ``sNxD`` rows, each draft position's state into
+its own slot) first, then decodes, then prefills in the token layout. Caches are vLLM-shaped
 (``--pool paged``, the default): one page per slot holding the conv state ([S, dim, W-1], a
 transposed strided view, bf16) and the SSM state ([S, Hv, 128, 128], fp32 or bf16, page stride >
 one slot); slot 0 is vLLM's null block and never used; the pool holds more slots than the batch and
@@ -25,7 +26,8 @@ Implementations, same inputs and caches:
   has_initial_state tensors already on the device, as its metadata builder hands them) is the
   "plan host us" column; the derivation's GPU time is the JSON's ``step_ids_gpu_us``.
 * ``fla``, ``flashinfer``, ``vllm``: the same layer composed from other libraries' ops
-  (bench/layer_composed.py says exactly which and how each is called).
+  (bench/layer_composed.py says exactly which and how each is called). Rows with spec decodes:
+  ``vllm`` only (its Triton spec path); the others report that they compose no spec step.
 * ``sglang``, ``sglang_qla`` (decode-only or prefill-only rows, ``--pool sglang``): SGLang 0.5.23's
   decode or extend step, with its own core (packed decode; FlashInfer's prefill) or with qla_serve's
   SGLang kernel after SGLang's conv; ``sglang_fused``, ``sglang_fused_qla``, ``qla_split``: the
@@ -82,6 +84,8 @@ STATE_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 PREFILL_HEADS = [(2, 8), (4, 16), (16, 64)]
 PREFILL_ROWS = ["1x32768", "1x8192", "16x512", "4x8192", "mixed"]
 DECODE_ROWS = {(2, 8): ["d1", "d32", "d256"], (16, 32): ["d64", "d256"]}
+# vLLM's MTP steps (2 drafts): spec decodes alone (its FULL decode graphs) and beside a chunked prefill
+SPEC_ROWS = {(2, 8): ["s32x3", "s8x3+4x512"]}
 NAMED_ROWS = {"mixed": (2048, 1024, 4096, 512, 512)}   # a chunked-prefill step of mixed lengths
 DECAYS = ("weak", "init")        # LayerCase's A_log draws (--decay)
 MAX_SLOT_SETS = 256             # decode graphs: at most this many calls (disjoint slot sets)
@@ -93,19 +97,34 @@ MAX_SLOT_SETS = 256             # decode graphs: at most this many calls (disjoi
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    """One engine step: ``decodes`` one-token sequences first, then prefills of ``prefill_lens``."""
+    """One engine step: ``spec`` speculative (MTP) decodes of ``spec_len`` tokens each (1 +
+    drafts) first, as vLLM orders a step's requests, then ``decodes`` one-token sequences, then
+    prefills of ``prefill_lens``. A spec decode's states go to ``spec_len`` slots (one per draft
+    position, vLLM's layout); vLLM counts a step's non-spec decodes as prefills beside spec
+    decodes (gdn_attn.py), so a row has spec decodes or plain decodes, not both."""
 
     name: str
     decodes: int
     prefill_lens: tuple[int, ...]
+    spec: int = 0
+    spec_len: int = 0
+
+    @property
+    def spec_tokens(self) -> int:
+        return self.spec * self.spec_len
 
     @property
     def tokens(self) -> int:
-        return self.decodes + sum(self.prefill_lens)
+        return self.spec_tokens + self.decodes + sum(self.prefill_lens)
 
     @property
     def seqs(self) -> int:
-        return self.decodes + len(self.prefill_lens)
+        return self.spec + self.decodes + len(self.prefill_lens)
+
+    @property
+    def slots_per_set(self) -> int:
+        """SSM slots one step's batch holds: one per sequence, a spec decode's per token."""
+        return self.spec_tokens + self.decodes + len(self.prefill_lens)
 
     @property
     def decode_only(self) -> bool:
@@ -114,27 +133,38 @@ class Row:
 
 def parse_row(text: str) -> Row:
     """A row from its text: items joined by '+', each ``dB`` (B decodes, at most one such item),
-    ``NxL`` (N prefills of L tokens) or ``L`` (one prefill); or a name in NAMED_ROWS.
-    E.g. ``1x32768``, ``mixed``, ``2048+1024+512``, ``d32``, ``d32+4x512``."""
+    ``sNxD`` (N spec decodes of D = 1 + drafts tokens, D >= 2; not beside ``dB``), ``NxL`` (N
+    prefills of L tokens) or ``L`` (one prefill); or a name in NAMED_ROWS.
+    E.g. ``1x32768``, ``mixed``, ``2048+1024+512``, ``d32``, ``d32+4x512``, ``s8x3+4x512``."""
     text = text.strip()
     if text in NAMED_ROWS:
         return Row(text, 0, NAMED_ROWS[text])
-    decodes, lens = None, []
+    decodes, spec, lens = None, None, []
     for item in text.split("+"):
         try:
             if item.startswith("d"):
                 if decodes is not None:
                     raise ValueError("more than one decode item")
                 decodes = _positive(item[1:])
+            elif item.startswith("s"):
+                if spec is not None:
+                    raise ValueError("more than one spec item")
+                n, length = item[1:].split("x")
+                spec = (_positive(n), _positive(length))
+                if spec[1] < 2:
+                    raise ValueError("a spec decode has 1 + drafts >= 2 tokens")
             elif "x" in item:
                 n, length = item.split("x")
                 lens += [_positive(length)] * _positive(n)
             else:
                 lens.append(_positive(item))
         except ValueError as exc:
-            raise ValueError(f"row {text!r}: bad item {item!r} ({exc}); expected dB, NxL or L "
+            raise ValueError(f"row {text!r}: bad item {item!r} ({exc}); expected dB, sNxD, NxL or L "
                              f"joined by '+', or one of {sorted(NAMED_ROWS)}") from None
-    return Row(text, decodes or 0, tuple(lens))
+    if spec and decodes:
+        raise ValueError(f"row {text!r}: spec decodes beside plain decodes (vLLM counts a step's non-spec "
+                         "decodes as prefills beside spec decodes: write them as prefills of 1 token)")
+    return Row(text, decodes or 0, tuple(lens), *(spec or (0, 0)))
 
 
 def _positive(s: str) -> int:
@@ -192,14 +222,15 @@ def _rows_arg(text: str) -> list[Row]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The bench's options; every value is validated by its argparse type (usage error, exit 2)."""
-    dflt = ", ".join(f"{hk}/{hv}: {' '.join(r)}" for (hk, hv), r in DECODE_ROWS.items())
+    dflt = ", ".join(f"{hk}/{hv}: {' '.join(r + SPEC_ROWS.get((hk, hv), []))}" for (hk, hv), r in DECODE_ROWS.items())
     p.add_argument("--heads", type=_argtype(parse_heads), default=None,
                    help="Hk/Hv pairs, e.g. 2/8,16/64 (default: prefill rows at "
                         f"{','.join(f'{a}/{b}' for a, b in PREFILL_HEADS)}, decode rows at "
                         f"{','.join(f'{a}/{b}' for a, b in DECODE_ROWS)})")
     p.add_argument("--rows", type=_argtype(_rows_arg), default=None,
-                   help="rows, comma-separated: NxL, L+L+..., dB (B decodes), combined with '+' "
-                        f"(d32+4x512), or 'mixed' = {'+'.join(map(str, NAMED_ROWS['mixed']))}. Default: "
+                   help="rows, comma-separated: NxL, L+L+..., dB (B decodes), sNxD (N spec decodes of "
+                        "D = 1 + drafts tokens: vLLM's MTP steps, qla and vllm only), combined with '+' "
+                        f"(d32+4x512, s8x3+4x512), or 'mixed' = {'+'.join(map(str, NAMED_ROWS['mixed']))}. Default: "
                         f"{','.join(PREFILL_ROWS)} at the prefill heads; decode {dflt}")
     p.add_argument("--impls", type=_list_of(IMPLS, "impls"), default=list(DEFAULT_IMPLS),
                    help=f"subset of {','.join(IMPLS)} (default: {','.join(DEFAULT_IMPLS)}; an impl whose "
@@ -239,7 +270,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def schedule(heads, rows, states, prefill_states) -> list[tuple[int, int, Row, str]]:
     """(Hk, Hv, row, state dtype) points to time. ``heads``/``rows`` None: the defaults (prefill
-    rows at PREFILL_HEADS, DECODE_ROWS at their heads; given heads alone take their default rows,
+    rows at PREFILL_HEADS, DECODE_ROWS and SPEC_ROWS at their heads; given heads alone take their default rows,
     given rows alone run at every default head pair). Decode-only rows run once per ``states``,
     rows with prefills once per ``prefill_states``."""
     if heads is None:
@@ -249,7 +280,8 @@ def schedule(heads, rows, states, prefill_states) -> list[tuple[int, int, Row, s
         if rows is not None:
             hrows = rows
         else:
-            names = (PREFILL_ROWS if (hk, hv) in PREFILL_HEADS else []) + DECODE_ROWS.get((hk, hv), [])
+            names = ((PREFILL_ROWS if (hk, hv) in PREFILL_HEADS else []) + DECODE_ROWS.get((hk, hv), [])
+                     + SPEC_ROWS.get((hk, hv), []))
             hrows = [parse_row(n) for n in (names or PREFILL_ROWS + ["d1", "d32", "d256"])]
         for row in hrows:
             for st in (states if row.decode_only else prefill_states):
@@ -267,12 +299,14 @@ def slot_sets_for(row: Row, hv: int, state_dtype, l2_bytes: int) -> int:
     MAX_SLOT_SETS); rows with prefills one (their activations dwarf the states)."""
     if not row.decode_only:
         return 1
-    set_bytes = row.seqs * hv * HD * HD * state_dtype.itemsize
+    set_bytes = row.slots_per_set * hv * HD * HD * state_dtype.itemsize
     return max(2, min(MAX_SLOT_SETS, math.ceil(l2_bytes / set_bytes)))
 
 
-def make_caches(num_slots, dim, hv, state_dtype, conv_dtype, device, layout="paged"):
-    """(conv_state [S, dim, W-1], ssm_state [S, Hv, 128, 128], backing buffers). ``paged``: vLLM's
+def make_caches(num_slots, dim, hv, state_dtype, conv_dtype, device, layout="paged", extra_cols=0):
+    """(conv_state [S, dim, W-1 + extra_cols], ssm_state [S, Hv, 128, 128], backing buffers).
+    ``extra_cols``: vLLM's conv state under speculative decoding, W - 1 + drafts columns (its
+    sliding window, gdn_layer's module doc). ``paged``: vLLM's
     layout, one uint8 page per slot holding the conv state (stored [W-1, dim], seen transposed) and,
     256-byte aligned after it, the SSM state; the page stride exceeds both. ``compact``: a
     transposed contiguous conv tensor and a contiguous SSM tensor. ``sglang``: SGLang 0.5.23's
@@ -280,7 +314,7 @@ def make_caches(num_slots, dim, hv, state_dtype, conv_dtype, device, layout="pag
     innermost, and a contiguous SSM tensor."""
     import torch
 
-    h = CONV_WIDTH - 1
+    h = CONV_WIDTH - 1 + extra_cols
     if layout == "sglang":
         conv = torch.zeros(num_slots, dim, h, dtype=conv_dtype, device=device)
         ssm = torch.zeros(num_slots, hv, HD, HD, dtype=state_dtype, device=device)
@@ -302,9 +336,11 @@ class LayerCase:
     """One row's inputs, weights and caches on ``device``, with ``nsets`` disjoint random slot sets.
 
     Attributes: hk, hv, row, dim, mixed_qkv [T, dim], a, b [T, Hv] (io_dtype), conv_weight [dim, W],
-    conv_bias [dim] (io_dtype), A_log, dt_bias [Hv] fp32, conv_state, ssm_state (see make_caches),
-    out [T, Hv, 128], has_initial_state (host list, one per prefill), slot_sets (host lists of slot
-    ids: decodes first, then prefills).
+    conv_bias [dim] (io_dtype), A_log, dt_bias [Hv] fp32, conv_state, ssm_state (see make_caches;
+    a spec row's conv state has spec_len - 1 more columns), out [T, Hv, 128], has_initial_state
+    (host list, one per prefill), num_accepted (host list, one per spec decode: 1..spec_len, the
+    previous step's accepted tokens), slot_sets (host lists of slot ids: each spec decode's
+    spec_len slots, then the decodes', then the prefills').
     """
 
     def __init__(self, hk, hv, row: Row, state_dtype, device, *, nsets=1, seed=0, io_dtype=None,
@@ -331,15 +367,18 @@ class LayerCase:
         self.A_log = uni(hv, -1.0, 0.5) if decay == "weak" else torch.log(uni(hv, 1.0, 16.0))
         self.A_log[: max(1, hv // 4)] = -12.0                     # g ~ 0: heads that barely decay
         self.dt_bias = torch.log(torch.expm1(uni(hv, 0.001, 0.1)))
-        num_slots = 1 + nsets * N + max(2, N // 4)                # null slot 0, spare slots
+        per_set = row.slots_per_set
+        num_slots = 1 + nsets * per_set + max(2, N // 4)          # null slot 0, spare slots
         self.conv_state, self.ssm_state, self.buffers = make_caches(
-            num_slots, self.dim, hv, state_dtype, io, self.device, layout)
+            num_slots, self.dim, hv, state_dtype, io, self.device, layout, extra_cols=max(0, row.spec_len - 1))
         self.conv_state.copy_(rnd(*self.conv_state.shape).to(io))
         self.ssm_state.copy_(rnd(*self.ssm_state.shape, scale=0.1).to(state_dtype))
         self.out = torch.zeros(T, hv, HD, dtype=io, device=self.device)
         perm = (torch.randperm(num_slots - 1, generator=gen, device=self.device) + 1).tolist()
-        self.slot_sets = [perm[i * N:(i + 1) * N] for i in range(nsets)]
+        self.slot_sets = [perm[i * per_set:(i + 1) * per_set] for i in range(nsets)]
         self.has_initial_state = [i % 2 == 0 for i in range(len(row.prefill_lens))]
+        self.num_accepted = torch.randint(1, row.spec_len + 1, (row.spec,), generator=gen,
+                                          device=self.device).tolist() if row.spec else []
         self._device_sets = {}
 
     def slots(self, i: int):
@@ -350,9 +389,27 @@ class LayerCase:
 
         hit = self._device_sets.get(i)
         if hit is None:
-            ids, D = self.slot_sets[i], self.row.decodes
+            ids, D = self.slot_sets[i][self.row.spec_tokens:], self.row.decodes
             up = lambda xs, dt=torch.int32: torch.tensor(xs, dtype=dt).to(self.device) if xs else None  # noqa: E731
             hit = self._device_sets[i] = (up(ids[:D]), up(ids[D:]), up(self.has_initial_state, torch.bool))
+        return hit
+
+    def spec_slots(self, i: int):
+        """(spec slots [N, spec_len], spec cu_seqlens [N + 1], num_accepted [N]) of set i as int32
+        device tensors, as vLLM's metadata holds them (None where the row has no spec decodes)."""
+        import torch
+
+        row = self.row
+        if not row.spec:
+            return None
+        key = ("spec", i)
+        hit = self._device_sets.get(key)
+        if hit is None:
+            up = lambda xs: torch.tensor(xs, dtype=torch.int32).to(self.device)  # noqa: E731
+            ids = self.slot_sets[i][:row.spec_tokens]
+            hit = self._device_sets[key] = (up(ids).view(row.spec, row.spec_len),
+                                            up(list(range(0, row.spec_tokens + 1, row.spec_len))),
+                                            up(self.num_accepted))
         return hit
 
     def snapshot(self):
@@ -387,8 +444,10 @@ def qla_step(case: LayerCase, i: int, cp: str = "auto"):
 
 
 def step_id_kinds(step) -> list[str]:
-    """The slot-id kinds a bench step's layers ask for (its rows hold decodes and prefills)."""
-    return ["decode"] * bool(step.num_decodes) + ["prefill"] * (step.prefill_plan is not None)
+    """The slot-id kinds a bench step's layers ask for (its rows hold spec decodes, decodes and
+    prefills)."""
+    spec = ["spec", "spec_conv", "num_accepted", "spec_cu_seqlens"] if step.num_spec_decodes else []
+    return spec + ["decode"] * bool(step.num_decodes) + ["prefill"] * (step.prefill_plan is not None)
 
 
 STEP_IDS_PER_GRAPH = 32
@@ -413,11 +472,15 @@ def _qla_plan(case: LayerCase, i: int, cp: str):
     from qla_serve.backends import gdn_layer
 
     ds, ps, has = case.slots(i)
+    spec = {}
+    if case.row.spec:     # the spec tokens lead, no token indices: what the vLLM adapter hands it
+        slots, cu, acc = case.spec_slots(i)
+        spec = dict(spec_slots=slots, spec_cu_seqlens=cu, num_accepted=acc, num_spec_tokens=case.row.spec_tokens)
     return gdn_layer.make_step_plan(
         num_actual_tokens=case.row.tokens, num_v_heads=case.hv, num_k_heads=case.hk,
         conv_width=CONV_WIDTH, device=case.device, decode_slots=ds,
         prefill_lens=list(case.row.prefill_lens), prefill_slots=ps,
-        prefill_has_initial_state=has, null_slot=NULL_SLOT, cp=cp)
+        prefill_has_initial_state=has, null_slot=NULL_SLOT, cp=cp, **spec)
 
 
 # The GDN layers of a step a bench call cycles through (Qwen3-Next's 36 of 48 layers).
@@ -453,16 +516,17 @@ def qla_call(case: LayerCase, step) -> Callable[[], None]:
 # ---------------------------------------------------------------------------------------------
 
 def seq_bounds(row: Row) -> list[tuple[int, int]]:
-    """(first, end) token of each sequence of the row's step: decodes, then prefills."""
-    lens = [1] * row.decodes + list(row.prefill_lens)
+    """(first, end) token of each sequence of the row's step: spec decodes, decodes, then prefills."""
+    lens = [row.spec_len] * row.spec + [1] * row.decodes + list(row.prefill_lens)
     return [(e - n, e) for n, e in zip(lens, itertools.accumulate(lens))]
 
 
 def run_check(case: LayerCase, calls: dict) -> dict:
     """Every call once from the same caches (slot set 0); for each impl other than "qla", the max
-    over the batch's sequences of the relative L2 difference (float64) from qla's output, final
-    SSM state and conv state: ``{impl: {"o_rel", "ssm_rel", "conv_rel"}}`` (or ``{"error"}``).
-    The caches are restored afterwards."""
+    over the batch's sequences of the relative L2 difference (float64) from qla's output, and over
+    its slots (a spec decode's one per token) of the final SSM state and conv state:
+    ``{impl: {"o_rel", "ssm_rel", "conv_rel"}}`` (or ``{"error"}``). The caches are restored
+    afterwards."""
     import torch
 
     snap = case.snapshot()
@@ -487,14 +551,15 @@ def run_check(case: LayerCase, calls: dict) -> dict:
 
 
 def _differences(got, want, bounds) -> dict:
-    """Max over sequences of rel_l2 of (out rows, SSM state, conv state) from ``want``'s."""
+    """Max over sequences of rel_l2 of the out rows, over slots of the SSM and conv states, from
+    ``want``'s."""
     from qla_serve.kernels.reference import rel_l2
 
     (o, s, c), (o0, s0, c0) = got, want
-    seqs = range(len(bounds))
+    slots = range(s.shape[0])
     return {"o_rel": max(rel_l2(o[lo:hi], o0[lo:hi]) for lo, hi in bounds),
-            "ssm_rel": max(rel_l2(s[j], s0[j]) for j in seqs),
-            "conv_rel": max(rel_l2(c[j], c0[j]) for j in seqs)}
+            "ssm_rel": max(rel_l2(s[j], s0[j]) for j in slots),
+            "conv_rel": max(rel_l2(c[j], c0[j]) for j in slots)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -615,7 +680,7 @@ def run_point(hk, hv, row, state, args, ops, missing, device="cuda") -> dict:
     nsets = slot_sets_for(row, hv, sdt, bdec.L2_FLUSH_BYTES)
     case = LayerCase(hk, hv, row, sdt, device, nsets=nsets, seed=args.seed, layout=args.pool, decay=args.decay)
     rec = {"heads": f"{hk}/{hv}", "row": row.name, "state": state, "tokens": row.tokens,
-           "decodes": row.decodes, "prefills": len(row.prefill_lens), "impls": {}}
+           "decodes": row.decodes, "prefills": len(row.prefill_lens), "spec_decodes": row.spec, "impls": {}}
     if args.check:
         rec["check"] = run_check(case, _first_calls(case, args, ops))
     for impl in args.impls:

@@ -22,15 +22,20 @@ Each composition is one engine GDN layer's core for one step on the bench's vLLM
   initial_state=pool, initial_state_indices=ids)``.
 * ``vllm`` (only where vLLM 0.33.0's ops import: on the lent H200, from the bundle
   benchmarks/make_vllm_ops_bundle.sh extracts from vLLM's wheel): what vLLM 0.33.0's stock Qwen GDN
-  layer runs on Hopper for a step without speculative tokens, called as it calls them (its
+  layer runs on Hopper, called as it calls them (its
   vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py, cited per line below): vLLM's
   Triton ``causal_conv1d_fn`` over every row in place on the conv cache (decodes are 1-token
   sequences), ``fused_post_conv_prep`` (split, l2norm, gating), the decodes of a mixed step through
   ``fused_sigmoid_gating_delta_rule_update``, the prefills through FlashInfer's
   ``chunk_gated_delta_rule`` as vLLM's wrapper calls it (initial states gathered from the pool and
   zeroed where new, final states scattered back); a decode-only step through
-  ``causal_conv1d_update`` and ``fused_recurrent_gated_delta_rule_packed_decode``. Without the
-  prefix caching checkpoints vLLM's default adds (the qla rows write none either).
+  ``causal_conv1d_update`` and ``fused_recurrent_gated_delta_rule_packed_decode``; a step with spec
+  decodes (MTP) through its Triton spec path: ``causal_conv1d_update`` with ``num_accepted_tokens``
+  (the sliding window) and ``fused_sigmoid_gating_delta_rule_update`` into each draft position's
+  slot, beside prefills every input gathered by its token indices and both outputs scattered back
+  (what Qwen3-Next runs; bf16 Qwen3.5 with its CUDA MTP kernel runs ``_C`` code the H200 cannot
+  load without vLLM's GPU build). Without the prefix caching checkpoints vLLM's default adds (the
+  qla rows write none either).
 * ``sglang`` and ``sglang_qla`` (on SGLang's cache layout ``--pool sglang``; only where SGLang
   0.5.23's Triton ops import: on the lent H200 from benchmarks/make_sglang_ops_bundle.sh).
   Decode-only rows: SGLang's GDN decode step on CUDA from the split's ``mixed_qkv`` (Qwen3-Next's
@@ -213,6 +218,12 @@ class ComposedStep:
     conv_meta: object = None
     prefill_qsl32: object = None
     prefill_has_init: object = None
+    num_spec_tokens: int = 0    # vllm's spec rows (vLLM's metadata for them):
+    spec_ids32: object = None   # [N, 1 + drafts] int32 slots, one per draft position
+    spec_qsl32: object = None   # [N + 1] int32 spec query_start_loc
+    num_accepted32: object = None   # [N] int32
+    spec_token_indx: object = None      # [Ts] / [T - Ts] long token indices (steps with prefills)
+    non_spec_token_indx: object = None
     qla: object = None          # qla_split: the gdn_layer StepPlan of the decodes (ids derived)
     kernel: object = None       # sglang_qla, sglang_fused_qla: flashqla's SGLang kernel, its ids bound
     seq_lens_cpu: object = None  # sglang_qla extend: the host lengths SGLang's conv takes
@@ -227,7 +238,11 @@ def composed_step(case, i: int, impl: str = "fla") -> ComposedStep:
     lens, has = case.row.prefill_lens, case.has_initial_state
     ids = case.slot_sets[i]
     up = lambda xs, dt=torch.long: torch.tensor(xs, dtype=dt).to(dev, non_blocking=True)  # noqa: E731
-    step = ComposedStep(num_decodes=D, num_prefill_tokens=sum(lens))
+    step = ComposedStep(num_decodes=D, num_prefill_tokens=sum(lens), num_spec_tokens=case.row.spec_tokens)
+    if case.row.spec:           # vllm composes spec rows; the others refuse them when called
+        if impl == "vllm":
+            _vllm_spec_step(step, case, ids, up)
+        return step
     if impl == "qla_split":
         from qla_serve.backends import gdn_layer
 
@@ -289,6 +304,23 @@ def _sglang_extend_step(step: ComposedStep, ids, lens, has, up) -> None:
     step.seq_lens_cpu = list(lens)
     fresh = [s for s, h in zip(ids, has) if not h]
     step.fresh_ids = up(fresh) if fresh else None
+
+
+def _vllm_spec_step(step: ComposedStep, case, ids, up) -> None:
+    """The fields of a spec step that vLLM's metadata builder makes (gdn_attn.py ~395-470): the
+    spec rows' slots [N, 1 + drafts], their query_start_loc and num_accepted_tokens; beside
+    prefills, the token indices of both kinds (a stable argsort of the spec-token mask: the spec
+    tokens lead the row, so [0, Ts) and [Ts, T)) and the prefills' fields (:func:`_vllm_step`)."""
+    import torch
+
+    row = case.row
+    step.spec_ids32 = up(ids[:row.spec_tokens], torch.int32).view(row.spec, row.spec_len)
+    step.spec_qsl32 = up(list(range(0, row.spec_tokens + 1, row.spec_len)), torch.int32)
+    step.num_accepted32 = up(case.num_accepted, torch.int32)
+    if row.prefill_lens:
+        step.spec_token_indx = up(list(range(row.spec_tokens)))
+        step.non_spec_token_indx = up(list(range(row.spec_tokens, row.tokens)))
+        _vllm_step(step, case, ids[row.spec_tokens:], up)
 
 
 def _vllm_step(step: ComposedStep, case, ids, up) -> None:
@@ -469,19 +501,34 @@ def flashinfer_layer_forward(step: ComposedStep, mixed_qkv, a, b, *, ops: Compos
 
 def vllm_layer_forward(step: ComposedStep, mixed_qkv, a, b, *, ops: ComposedOps, conv_weight, conv_bias,
                        conv_state, ssm_state, A_log, dt_bias, num_k_heads, out, scale=None) -> None:
-    """vLLM 0.33.0's stock GDN core on Hopper for a step without speculative tokens, as its
-    qwen_gdn_linear_attn.py runs it (line numbers of that file): a decode-only step in
-    _forward_core_decode_non_spec (~1981-2031), any step with prefills in _forward_core
-    (~1556-1914). ``scale``: None (vLLM's head_k_dim ** -0.5 where it passes one)."""
-    import torch
-
-    D, Tp = step.num_decodes, step.num_prefill_tokens
-    T, hk, hv = D + Tp, num_k_heads, ssm_state.shape[1]
-    x, a, b = mixed_qkv[:T], a[:T], b[:T]
-    if not Tp:
+    """vLLM 0.33.0's stock GDN core on Hopper's Triton path, as its qwen_gdn_linear_attn.py runs
+    it (line numbers of that file): a decode-only step in _forward_core_decode_non_spec
+    (~1981-2031), any step with prefills or spec decodes in _forward_core (~1556-1914). Spec
+    decodes take its Triton spec path, the one Qwen3-Next (interleaved projections) and any model
+    without its CUDA MTP kernel run (``_C.fused_gdn_decode_post_conv_mtp``, bf16 Qwen3.5 with
+    VLLM_GDN_DECODE_KERNEL=cuda, ~1150-1166: not loadable without vLLM's GPU build). ``scale``:
+    None (vLLM's head_k_dim ** -0.5 where it passes one)."""
+    Ts, D, Tp = step.num_spec_tokens, step.num_decodes, step.num_prefill_tokens
+    T = Ts + D + Tp
+    x, a, b = mixed_qkv[:T], a[:T], b[:T]                                                    # ~1614-1616
+    layer = dict(conv_weight=conv_weight, conv_bias=conv_bias, conv_state=conv_state, ssm_state=ssm_state,
+                 A_log=A_log, dt_bias=dt_bias, hk=num_k_heads)
+    if Ts:
+        _vllm_spec(ops, step, x, a, b, out, **layer)
+    elif not Tp:
         _packed_decode_step(ops, step, x, a, b, conv_state, conv_weight, conv_bias, ssm_state, A_log, dt_bias,
                             out[:T], scale)
-        return
+    else:
+        out[:T] = _vllm_non_spec(ops, step, x, a, b, **layer).squeeze(0)                     # ~1911-1912
+
+
+def _vllm_non_spec(ops, step, x, a, b, *, conv_weight, conv_bias, conv_state, ssm_state, A_log, dt_bias, hk):
+    """vLLM's non-spec rows of a step with prefills (decodes first): the varlen conv over every
+    row, fused_post_conv_prep of the prefills, the decodes' recurrence, FlashInfer's prefill on
+    gathered initial states; the output [1, rows, Hv, 128]."""
+    import torch
+
+    D = step.num_decodes
     y = ops.causal_conv1d(x.transpose(0, 1), conv_weight, conv_bias, activation="silu", conv_states=conv_state,
                           has_initial_state=step.rows_has_init, cache_indices=step.rows_ids32,
                           query_start_loc=step.rows_qsl, metadata=step.conv_meta).transpose(0, 1)  # ~1657-1670
@@ -500,8 +547,40 @@ def vllm_layer_forward(step: ComposedStep, mixed_qkv, a, b, *, ops: ComposedOps,
     initial_state[~step.prefill_has_init, ...] = 0
     o_prefill, final = _vllm_flashinfer_prefill(ops, q, k, v, g, beta, initial_state, step.prefill_qsl32)
     ssm_state[ids] = final.to(ssm_state.dtype)
-    o = o_prefill if o_decode is None else torch.cat([o_decode, o_prefill], dim=1)
-    out[:T] = o.squeeze(0)
+    return o_prefill if o_decode is None else torch.cat([o_decode, o_prefill], dim=1)
+
+
+def _vllm_spec(ops, step, x, a, b, out, *, conv_weight, conv_bias, conv_state, ssm_state, A_log, dt_bias, hk):
+    """vLLM's step with spec decodes: beside prefills, every input gathered by the token indices
+    (~1633-1637, a and b of the prefills at ~1692-1694) and both outputs scattered back
+    (~1903-1908); the spec rows' sliding-window conv (causal_conv1d_update with
+    num_accepted_tokens, ~1643-1660) and their recurrence from slot num_accepted - 1, each draft
+    token's state into its own slot (fused_sigmoid_gating_delta_rule_update, ~1748-1768)."""
+    prefills = step.num_prefill_tokens > 0
+    if prefills:
+        xs, as_, bs = (t.index_select(0, step.spec_token_indx) for t in (x, a, b))
+        xn = x.index_select(0, step.non_spec_token_indx)
+    else:
+        xs, as_, bs = x, a, b
+    ys = ops.causal_conv1d_update(xs, conv_state, conv_weight, conv_bias, "silu",
+                                  conv_state_indices=step.spec_ids32[:, 0], num_accepted_tokens=step.num_accepted32,
+                                  query_start_loc=step.spec_qsl32, max_query_len=step.spec_ids32.shape[1],
+                                  validate_data=False)
+    o_non = None
+    if prefills:
+        an, bn = (t.index_select(0, step.non_spec_token_indx) for t in (a, b))
+        o_non = _vllm_non_spec(ops, step, xn, an, bn, conv_weight=conv_weight, conv_bias=conv_bias,
+                               conv_state=conv_state, ssm_state=ssm_state, A_log=A_log, dt_bias=dt_bias, hk=hk)
+    qs, ks, vs = _vllm_rearrange(ys, hk)
+    o_spec, _ = ops.sigmoid_gating_update(A_log=A_log, a=as_, b=bs, dt_bias=dt_bias, q=qs, k=ks, v=vs,
+                                          initial_state=ssm_state, inplace_final_state=True,
+                                          cu_seqlens=step.spec_qsl32, ssm_state_indices=step.spec_ids32,
+                                          num_accepted_tokens=step.num_accepted32, use_qk_l2norm_in_kernel=True)
+    if o_non is None:
+        out[:x.shape[0]] = o_spec.squeeze(0)                                                   # ~1909-1910
+    else:
+        out.index_copy_(0, step.spec_token_indx, o_spec.squeeze(0))
+        out.index_copy_(0, step.non_spec_token_indx, o_non.squeeze(0))
 
 
 def _packed_decode_step(ops, step, x, a, b, conv_state, conv_weight, conv_bias, ssm_state, A_log, dt_bias, out,
@@ -719,6 +798,11 @@ def composed_call(impl: str, case, step: ComposedStep, ops: ComposedOps) -> Call
     fwd, kw = COMPOSED[impl], case.layer_kwargs()
     if impl in SGLANG_LAYOUT_IMPLS and case.layout != "sglang":
         raise ValueError(f"{impl}: runs on SGLang's cache layout (--pool sglang), got --pool {case.layout}")
+    if case.row.spec and impl != "vllm":
+        def refused():
+            raise NotImplementedError(f"{impl}: composes no speculative (MTP) step; rows with spec decodes "
+                                      "run qla and vllm")
+        return refused
     # vLLM's causal_conv1d_update writes its output over its input (the layer's projection, which
     # vLLM then drops): its composition gets its own copy, so the case's inputs stay the other
     # impls' (later calls of the same composition convolve the copy again: same work, other values)

@@ -142,7 +142,7 @@ class QlaGDNMetadataBuilder(GDNAttentionMetadataBuilder):
 
     def _qla_step(self, md: GDNAttentionMetadata, m) -> gdn_layer.StepPlan:
         qlens = m.query_start_loc_cpu[: m.num_reqs + 1].diff().tolist()
-        mask = md.spec_sequence_masks_cpu
+        mask, spec_rows = md.spec_sequence_masks_cpu, []
         if mask is not None:
             spec_rows = mask[: len(qlens)].tolist()
             ns_lens = [n for n, s in zip(qlens, spec_rows) if not s]
