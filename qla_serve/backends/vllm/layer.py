@@ -341,7 +341,9 @@ class QlaQwenGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
                 _stats.hit("qla:prefill_layer_calls")
                 _stats.hit("qla:resumed_prefill", step.info.get("resumed_prefills", 0))
             if step.num_spec_decodes and step.num_prefills:
-                _stats.hit("qla:spec_with_prefill_calls")   # spec and prefill tokens interleaved
+                _stats.hit("qla:spec_with_prefill_calls")   # spec and prefill tokens in one step
+                if step.spec_token_idx is None:             # the spec requests first: row views
+                    _stats.hit("qla:spec_rows_as_views")
             if step.num_spec_decodes and step.num_accepted.device.type == "cpu":
                 # Tokens accepted in the previous step (> rows when drafts were accepted).
                 _stats.hit("qla:spec_accepted", int(step.num_accepted[: step.num_spec_decodes].sum()))
