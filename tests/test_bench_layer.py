@@ -846,6 +846,29 @@ def _args(*extra):
     return _parser().parse_args(["--host-reps", "2", "--plan-reps", "2", "--reps", "2", *extra])
 
 
+@pytest.mark.parametrize("row", ["s2x3", "s2x3+40"])
+def test_run_point_spec(stub_gpu, row):
+    """A spec row through the bench (timing stubbed): qla and vllm timed and checked against each
+    other, fla refusing it by name; a spec-only row takes the decode rows' graph timing."""
+    ops = {i: standin_ops(i) for i in ("fla", "vllm")}
+    rec = L.run_point(2, 4, L.parse_row(row), "fp32", _args("--check", "--impls", "qla,fla,vllm"), ops, {},
+                      device="cpu")
+    assert (rec["spec_decodes"], rec["tokens"]) == (2, 6 + ("+40" in row) * 40)
+    assert rec["impls"]["qla"]["timing"] == "graph" and rec["impls"]["vllm"]["gpu_us"] > 0
+    assert rec["impls"]["fla"]["error"].startswith("NotImplementedError: fla: composes no speculative")
+    assert set(rec["check"]) == {"fla", "vllm"} and "composes no speculative" in rec["check"]["fla"]["error"]
+    c = rec["check"]["vllm"]      # bf16 activations (the bench's): bf16 rounding, as the other rows' checks
+    assert c["o_rel"] < 2e-2 and c["ssm_rel"] < 2e-2 and c["conv_rel"] < 1e-6, c
+
+
+def test_spec_rows_refused_on_sglangs_pool(monkeypatch, capsys):
+    """Spec rows are vLLM's MTP steps: asked for on SGLang's pool they are refused (exit 2) before
+    anything runs; the default rows there leave them out."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert L.run(_parser().parse_args(["--pool", "sglang", "--rows", "d2,s2x3"])) == 2
+    assert "rows with spec decodes (sNxD) are vLLM's MTP steps" in capsys.readouterr().out
+
+
 def test_run_point_decode(stub_gpu):
     ops = {i: standin_ops(i) for i in ("fla", "flashinfer")}
     rec = L.run_point(2, 4, L.parse_row("d3"), "fp32", _args("--check"), ops, {}, device="cpu")

@@ -811,6 +811,12 @@ def run(args) -> int:
     import qla_serve
 
     points = schedule(args.heads, args.rows, args.states, args.prefill_states)
+    if args.pool == "sglang":   # spec rows are vLLM's MTP steps (its conv window and per-token slots)
+        if any(row.spec for row in args.rows or ()):
+            print("bench layer: rows with spec decodes (sNxD) are vLLM's MTP steps: run them on --pool paged "
+                  "or compact (SGLang's verify step: benchmarks/sglang_verify.py)")
+            return 2
+        points = [p for p in points if not p[2].spec]
     ops, missing = load_ops(args.impls)
     for impl, why in missing.items():
         print(f"bench layer: {impl}: {why}")
