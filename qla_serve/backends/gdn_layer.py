@@ -436,15 +436,14 @@ def _call_rows(step: StepPlan, mixed_qkv, a, b, out) -> _Rows:
     views, or the spec tokens and the others gathered by ``spec_token_idx`` /
     ``non_spec_token_idx`` (StepPlan's doc)."""
     T, Td, Tp = step.num_actual_tokens, step.num_decodes, step.num_prefill_tokens
+    others = Td + Tp > 0
+    if step.num_spec_decodes and others and step.spec_token_idx is None:
+        return _Rows(*_leading_spec_rows(step, mixed_qkv, a, b, out), None)
     spec = scatter = None
     xn, an, bn, out_n = mixed_qkv, a, b, out
     if step.num_spec_decodes:
         x, a, b = _rows(mixed_qkv, 0, T), _rows(a, 0, T), _rows(b, 0, T)
         idx = step.spec_token_idx
-        others = Td + Tp > 0
-        if idx is None and others:
-            spec, decode, prefill = _leading_spec_rows(step, x, a, b, out)
-            return _Rows(spec, decode, prefill, None)
         if idx is None:
             spec = (x, a, b, _rows(out, 0, T))
         elif others:
