@@ -231,7 +231,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="rows, comma-separated: NxL, L+L+..., dB (B decodes), sNxD (N spec decodes of "
                         "D = 1 + drafts tokens: vLLM's MTP steps, qla and vllm only), combined with '+' "
                         f"(d32+4x512, s8x3+4x512), or 'mixed' = {'+'.join(map(str, NAMED_ROWS['mixed']))}. Default: "
-                        f"{','.join(PREFILL_ROWS)} at the prefill heads; decode {dflt}")
+                        f"{','.join(PREFILL_ROWS)} at the prefill heads; decode and spec {dflt}")
     p.add_argument("--impls", type=_list_of(IMPLS, "impls"), default=list(DEFAULT_IMPLS),
                    help=f"subset of {','.join(IMPLS)} (default: {','.join(DEFAULT_IMPLS)}; an impl whose "
                         "library is missing reports 'not installed'; the sglang ones and qla_split "
