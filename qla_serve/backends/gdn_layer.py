@@ -328,12 +328,11 @@ def _gather(step: StepPlan, what: tuple, x: torch.Tensor, idx: torch.Tensor) -> 
     return torch.index_select(x, 0, idx, out=buf)
 
 
-def _decode_prefill_rows(x: torch.Tensor, num_decodes: int, num_prefill: int):
-    """(x[:num_decodes], x[num_decodes:num_decodes + num_prefill]) as one torch op
-    (split_with_sizes: two slices cost ~1.5x its host time)."""
-    rest = x.shape[0] - num_decodes - num_prefill
-    parts = x.split_with_sizes([num_decodes, num_prefill, rest] if rest else [num_decodes, num_prefill])
-    return parts[0], parts[1]
+def _row_blocks(x: torch.Tensor, sizes: list) -> tuple:
+    """x's consecutive row blocks of ``sizes`` rows from row 0 (rows past them dropped), as one
+    torch op (split_with_sizes: a slice per block costs ~1.5x its host time)."""
+    rest = x.shape[0] - sum(sizes)
+    return x.split_with_sizes(sizes + [rest] if rest else sizes)[:len(sizes)]
 
 
 def _rows(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
@@ -423,11 +422,7 @@ def _leading_spec_rows(step: StepPlan, x, a, b, out):
     row views made by one split per tensor: no gather, no scatter."""
     Td, Tp = step.num_decodes, step.num_prefill_tokens
     sizes = [n for n in (step.num_spec_tokens, Td, Tp) if n]
-
-    def parts(t):
-        rest = t.shape[0] - sum(sizes)
-        return t.split_with_sizes(sizes + [rest] if rest else sizes)[:len(sizes)]
-    blocks = iter(zip(*(parts(t) for t in (x, a, b, out))))
+    blocks = iter(zip(*(_row_blocks(t, sizes) for t in (x, a, b, out))))
     return next(blocks), (next(blocks) if Td else None), (next(blocks) if Tp else None)
 
 
@@ -455,7 +450,7 @@ def _call_rows(step: StepPlan, mixed_qkv, a, b, out) -> _Rows:
         if not others:
             Td = Tp = 0
     if Td and Tp:
-        (xd, xp), (ad, ap), (bd, bp), (od, op) = (_decode_prefill_rows(t, Td, Tp) for t in (xn, an, bn, out_n))
+        (xd, xp), (ad, ap), (bd, bp), (od, op) = (_row_blocks(t, [Td, Tp]) for t in (xn, an, bn, out_n))
         decode, prefill = (xd, ad, bd, od), (xp, ap, bp, op)
     else:
         decode = tuple(_rows(t, 0, Td) for t in (xn, an, bn, out_n)) if Td else None
