@@ -22,13 +22,9 @@ Warp roles (BV / 64 consumer warpgroups + one producer warpgroup):
              for its rows. Nothing passes between consumer warpgroups on the chain (no fp16
              copy of S or V' in shared memory, no named barrier): they share the TMA stages and
              the O tiles.
-  producer   one warp issuing the TMA loads of the next chunk (two stages), one "storer"
+  producer   one warp issuing the TMA loads of the next chunk (two stages), and one "storer"
              warp issuing the TMA store of each whole chunk's O tile (two tiles: the consumers
-             write tile j % 2 once chunk j - 2's store has read it; mbarriers o_full / o_free),
-             and two "unpack" warps that turn stage 1's packed tile (P^T above M, prefill_prep
-             form "m") into the zero-filled M and P^T tiles the GEMMs take, in shared memory,
-             once a stage's TMA bytes land (mbarrier loaded) and before the consumers may read
-             it (mbarrier ready): stage 1's P and M cross HBM as one 8 KB tile per chunk and head.
+             write tile j % 2 once chunk j - 2's store has read it; mbarriers o_full / o_free).
              A sequence's last, partial chunk is stored by the consumers themselves, row by row
              (TMA clips at T, not at the sequence's end).
 Only v_split 1 (two consumer warpgroups, 384 threads) and 2 (one, 256 threads): a wgmma tile
@@ -96,7 +92,6 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
     mm = "float16"
     acc = "float32"
     load_chunk = _chunk_loader(maps_mode, BV)
-    unpack = _unpacker(maps_mode, consumers + 64)
     chain_step = _chain_step(maps_mode, BV)
     emit_o, store_o = _output_movers(BV, io_dtype)
     walk_item, pool_load = item_walker(maps_mode, v_split)
@@ -107,8 +102,8 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
         k: T.StridedTensor((ntok, Hk, DK), (sk0, sk1, 1), mm),
         values: T.StridedTensor((ntok, Hv, DV), (sv0, sv1, 1), io_dtype),  # v (loop variables take `v`)
         fbuf: T.Tensor((nchunk, Hv, 2, C), "float32"),
-        dbuf: T.Tensor((nchunk, Hv, C), mm),  # M's diagonal (prefill_prep form "m")
-        mbuf: T.Tensor((nchunk, Hv, C, C), mm),  # P^T on and above the diagonal, M below it
+        pbuf: T.Tensor((nchunk, Hv, C, C), mm),
+        mbuf: T.Tensor((nchunk, Hv, C, C), mm),
         pool: T.StridedTensor((nslot, Hv, DV, DK), (sp0, DV * DK, DK, 1), pool_dtype),
         slot_ids: T.Tensor((nseq,), "int32"),
         has_init: T.Tensor((nhis,), "uint8"),
@@ -141,8 +136,6 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
             p_s = T.alloc_shared((2, C, C), mm)
             v_s = T.alloc_shared((2, C, BV), io_dtype)
             m_s = T.alloc_shared((2, C, C), mm)
-            pm_s = T.alloc_shared((2, C, C), mm)  # stage 1's packed tile, as loaded
-            d_s = T.alloc_shared((2, C), mm)  # M's diagonal
             f_s = T.alloc_shared((2, 2, C), acc)  # exp(gc), dec
             o_s = T.alloc_shared((2, C, BV), io_dtype)  # O of whole chunks on their way out (TMA)
             # Swizzled: each thread reads V^T (R's first term) down a column of the tile, 4 rows
@@ -156,8 +149,7 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
             vph_f = T.alloc_fragment((BV, C), mm)
             vpd_f = T.alloc_fragment((BV, C), mm)  # (V' diag(dec))^T
             o_f = T.alloc_fragment((BV, C), acc)  # O^T
-            loaded = T.alloc_barrier([32, 32])  # stage's TMA tiles: the producer warp + their bytes
-            ready = T.alloc_barrier([64, 64])  # stage's M and P^T unpacked: the two unpack warps
+            ready = T.alloc_barrier([32, 32])  # stage filled: the producer warp + TMA bytes
             free = T.alloc_barrier([consumers, consumers])  # stage consumed by every consumer
             o_full = T.alloc_barrier([consumers, consumers])  # O tile written by every consumer
             o_free = T.alloc_barrier([32, 32])  # O tile read by its TMA store (the storer warp)
@@ -203,7 +195,7 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
                     n = T.min(eos - t0, C)
                     emit = c >= warm_chunks  # warmup chunks: the state only
                     chain_step(st, (c // 2) % 2, emit, is_phi, scale, x_f, xh_f, vp_f, rh_f, vph_f, vpd_f, o_f, q_s,
-                               k_s, v_s, m_s, p_s, f_s, loaded, ready)
+                               k_s, v_s, m_s, p_s, f_s, ready)
                     if not maps_mode:
                         if c == ck:  # the state after the checkpoint's chunk: into its slot
                             for v, d in T.Parallel(BV, DK):
@@ -231,11 +223,8 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
                                 store_o(c - warm_chunks, t0, h, v0, o_s, out, o_full, o_free)
                 if tx < consumers + 32:
                     for c in T.serial(nchunks):
-                        load_chunk(c, bos + c * C, coff + c, hk, h, v0, q, k, values, dbuf, fbuf, mbuf,
-                                   q_s, k_s, f_s, v_s, pm_s, d_s, loaded, free)
-                if tx >= consumers + 64:
-                    for c in T.serial(nchunks):
-                        unpack(c, pm_s, d_s, m_s, p_s, loaded, ready)
+                        load_chunk(c, bos + c * C, coff + c, hk, h, v0, q, k, values, pbuf, fbuf, mbuf,
+                                   q_s, k_s, p_s, f_s, v_s, m_s, ready, free)
 
     return gdn_prefill_main_vfirst, threads
 
@@ -250,9 +239,8 @@ def _chain_step(maps_mode: bool, BV: int):
 
     @T.macro
     def chain_step(st, phase, emit, is_phi, scale, x_f, xh_f, vp_f, rh_f, vph_f, vpd_f, o_f, q_s, k_s, v_s,
-                   m_s, p_s, f_s, loaded, ready):
-        T.barrier_wait(loaded[st], phase)  # the stage's TMA tiles
-        T.barrier_wait(ready[st], phase)  # M and P^T unpacked from them (_unpacker)
+                   m_s, p_s, f_s, ready):
+        T.barrier_wait(ready[st], phase)
         for v, d in T.Parallel(BV, DK):
             xh_f[v, d] = T.cast(x_f[v, d], mm)
         # (K S)^T = Xh K^T and O^T = Xh Q^T; R^T = V^T - (K S)^T diag(exp gc) (V = 0
@@ -285,7 +273,7 @@ def _chain_step(maps_mode: bool, BV: int):
                 for v, i in T.Parallel(BV, C):
                     vph_f[v, i] = T.cast(vp_f[v, i], mm)
                     o_f[v, i] = o_f[v, i] * (f_s[st, 0, i] * scale)
-                T.wgmma_gemm(vph_f, p_s[st, :, :], o_f, policy=rows)  # p_s holds P^T
+                T.wgmma_gemm(vph_f, p_s[st, :, :], o_f, transpose_B=True, policy=rows)
         T.wait_wgmma(0)
 
     return chain_step
@@ -324,62 +312,21 @@ def _output_movers(BV: int, io_dtype: str):
     return emit_o, store_o
 
 def _chunk_loader(maps_mode: bool, BV: int):
-    """The producer's TMA loads of one chunk into stage c % 2 (q only for outputs), after every
-    consumer released that stage: q, k, the gate factors, v, stage 1's packed P^T / M tile and
-    M's diagonal. v rows past T arrive as zeros (TMA bounds)."""
-    load_qk_tiles = qk_tile_loader(maps_mode, with_p=False)
+    """The producer's TMA loads of one chunk into stage c % 2 (q and P only for outputs), after
+    every consumer released that stage. v rows past T arrive as zeros (TMA bounds)."""
+    load_qk_tiles = qk_tile_loader(maps_mode)
 
     @T.macro
-    def load_chunk(c, t0, cidx, hk, h, v0, q, k, values, dbuf, fbuf, mbuf, q_s, k_s, f_s, v_s, pm_s, d_s, loaded,
+    def load_chunk(c, t0, cidx, hk, h, v0, q, k, values, pbuf, fbuf, mbuf, q_s, k_s, p_s, f_s, v_s, m_s, ready,
                    free):
         st = c % 2
         T.barrier_wait(free[st], (c // 2 + 1) % 2)
-        load_qk_tiles(st, t0, cidx, hk, h, q, k, None, fbuf, q_s, k_s, None, f_s, loaded)
-        T.tma_copy(values[t0:t0 + C, h, v0:v0 + BV], v_s[st, :, :], barrier=loaded[st])
-        T.tma_copy(mbuf[cidx, h, 0:C, 0:C], pm_s[st, :, :], barrier=loaded[st])
-        T.tma_copy(dbuf[cidx, h, 0:C], d_s[st, :], barrier=loaded[st])
-        T.barrier_arrive(loaded[st])
-
-    return load_chunk
-
-
-def _unpacker(maps_mode: bool, first_thread: int):
-    """Two producer warps' work on each chunk of stage c % 2, between its TMA loads and the
-    consumers: stage 1's packed tile (form "m": P^T on and above the diagonal, M's strict lower
-    triangle below it; M's diagonal apart) into the two zero-filled tiles the chain's GEMMs
-    take as B operands, M and P^T (outputs only), in 16-byte pieces (thread first_thread + t
-    takes pieces t, t + 64, ...). Off the chain: the unpack of chunk c + 1 runs while the
-    consumers work on chunk c."""
-    mm = "float16"
-    zero = T.cast(0.0, mm)
-
-    @T.macro
-    def unpack(c, pm_s, d_s, m_s, p_s, loaded, ready):
-        st = c % 2
-        t = T.get_thread_binding() - first_thread
-        T.barrier_wait(loaded[st], (c // 2) % 2)
-        piece = T.alloc_local((8,), mm)
-        part = T.alloc_local((8,), mm)
-        diag = T.alloc_var(mm)
-        for r in T.serial(C * C // 8 // 64):
-            i = (r * 64 + t) // 8
-            j0 = (r * 64 + t) % 8 * 8
-            for e in T.vectorized(8):
-                piece[e] = pm_s[st, i, j0 + e]
-            diag = d_s[st, i]
-            for e in T.unroll(8):
-                part[e] = T.if_then_else(i > j0 + e, piece[e], T.if_then_else(i == j0 + e, diag, zero))
-            for e in T.vectorized(8):
-                m_s[st, i, j0 + e] = part[e]
-            if not maps_mode:
-                for e in T.unroll(8):
-                    part[e] = T.if_then_else(j0 + e >= i, piece[e], zero)
-                for e in T.vectorized(8):
-                    p_s[st, i, j0 + e] = part[e]
-        T.fence_proxy_async()  # generic-proxy writes, read by wgmma
+        load_qk_tiles(st, t0, cidx, hk, h, q, k, pbuf, fbuf, q_s, k_s, p_s, f_s, ready)
+        T.tma_copy(values[t0:t0 + C, h, v0:v0 + BV], v_s[st, :, :], barrier=ready[st])
+        T.tma_copy(mbuf[cidx, h, 0:C, 0:C], m_s[st, :, :], barrier=ready[st])
         T.barrier_arrive(ready[st])
 
-    return unpack
+    return load_chunk
 
 
 def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str, v_split: int):
@@ -415,7 +362,6 @@ def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtyp
     mm = "float16"
     acc = "float32"
     load_chunk = _chunk_loader(False, BV)
-    unpack = _unpacker(False, consumers + 64)
     chain_step = _chain_step(False, BV)
     emit_o, store_o = _output_movers(BV, io_dtype)
     nunits = nitem * Hv * v_split
@@ -426,8 +372,8 @@ def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtyp
         k: T.StridedTensor((ntok, Hk, DK), (sk0, sk1, 1), mm),
         values: T.StridedTensor((ntok, Hv, DV), (sv0, sv1, 1), io_dtype),
         fbuf: T.Tensor((nchunk, Hv, 2, C), "float32"),
-        dbuf: T.Tensor((nchunk, Hv, C), mm),  # M's diagonal (prefill_prep form "m")
-        mbuf: T.Tensor((nchunk, Hv, C, C), mm),  # P^T on and above the diagonal, M below it
+        pbuf: T.Tensor((nchunk, Hv, C, C), mm),
+        mbuf: T.Tensor((nchunk, Hv, C, C), mm),
         pool: T.StridedTensor((nslot, Hv, DV, DK), (sp0, DV * DK, DK, 1), pool_dtype),
         slot_ids: T.Tensor((nseq,), "int32"),
         has_init: T.Tensor((nhis,), "uint8"),
@@ -449,8 +395,6 @@ def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtyp
             p_s = T.alloc_shared((2, C, C), mm)
             v_s = T.alloc_shared((2, C, BV), io_dtype)
             m_s = T.alloc_shared((2, C, C), mm)
-            pm_s = T.alloc_shared((2, C, C), mm)
-            d_s = T.alloc_shared((2, C), mm)
             f_s = T.alloc_shared((2, 2, C), acc)
             o_s = T.alloc_shared((2, C, BV), io_dtype)
             T.annotate_layout({v_s: tilelang.layout.make_swizzled_layout(v_s),
@@ -462,8 +406,7 @@ def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtyp
             vph_f = T.alloc_fragment((BV, C), mm)
             vpd_f = T.alloc_fragment((BV, C), mm)
             o_f = T.alloc_fragment((BV, C), acc)
-            loaded = T.alloc_barrier([32, 32])
-            ready = T.alloc_barrier([64, 64])
+            ready = T.alloc_barrier([32, 32])
             free = T.alloc_barrier([consumers, consumers])
             o_full = T.alloc_barrier([consumers, consumers])
             o_free = T.alloc_barrier([32, 32])
@@ -506,7 +449,7 @@ def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtyp
                         t0 = bos + c * C
                         n = T.min(eos - t0, C)
                         chain_step(st, (g // 2) % 2, True, False, scale, x_f, xh_f, vp_f, rh_f, vph_f, vpd_f, o_f,
-                                   q_s, k_s, v_s, m_s, p_s, f_s, loaded, ready)
+                                   q_s, k_s, v_s, m_s, p_s, f_s, ready)
                         if c == ck:
                             for v, d in T.Parallel(BV, DK):
                                 pool[ck_slot, h, v0 + v, d] = T.cast(x_f[v, d], pool_dtype)
@@ -537,10 +480,7 @@ def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtyp
                     if tx < consumers + 32:
                         for c in T.serial(nchunks):
                             load_chunk(gdone + c, bos + c * C, chunk_offsets[s] + c, h // group, h, v0, q, k, values,
-                                       dbuf, fbuf, mbuf, q_s, k_s, f_s, v_s, pm_s, d_s, loaded, free)
-                    if tx >= consumers + 64:
-                        for c in T.serial(nchunks):
-                            unpack(gdone + c, pm_s, d_s, m_s, p_s, loaded, ready)
+                                       pbuf, fbuf, mbuf, q_s, k_s, p_s, f_s, v_s, m_s, ready, free)
                     gdone = gdone + nchunks
                     jdone = jdone + (eos - bos) // C
 
