@@ -29,7 +29,8 @@ def test_conv_variant_compiles(variant, target):
         assert "Cu[((int64_t)mid)]" in src            # sequences found from cu_seqlens, no index tensors
         assert "int ntok" in src and "int walk" in src    # a half-warp walks several token groups
         # rows through a per-thread cp.async ring, waited for STAGES - 1 steps later: no barrier
-        assert "cp_async_gs_conditional<16>" in src and f"cp_async_wait<{C.STAGES - 1}>" in src
+        # (16-byte pieces of 8 channels a lane; GROUP rows of 256 bytes a step)
+        assert "qla_cp_async_rows<16, 4, 256>" in src and f"cp_async_wait<{C.STAGES - 1}>" in src
         assert "__syncthreads" not in src
     if variant["op"] in ("conv_spec", "conv_verify"):
         assert f"float win[{3 + variant['draft']}];" in src   # history + D draft inputs in registers
@@ -75,11 +76,30 @@ def test_conv_prefill_compiles(target, silu_form):
     assert ("* 0x1p-1f" in src) == (silu_form == "tanh")   # the halved weights and bias
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("target", ["sm_90a", "sm_100a"])
+def test_conv_prefill_four_channel_lanes_compile(target):
+    """conv_prefill with 4 channels per lane (conv.PREFILL_LANE_CHANNELS = 4; run on a GPU by
+    test_layer_ops_gpu.py): 8-byte cp.async pieces, a warp per row (the L2 norm over 32 lanes: 5
+    xor-shuffles), 8 CTAs per SM kept by the launch bound (64 registers)."""
+    v = C.variant("conv_prefill", HV, HK, 4, "bfloat16", "bfloat16", qk_out="float16", ab="bfloat16",
+                  param="float32", gbias="float32", lane_channels=4)
+    assert v["name"].endswith("_lc4") and v["lane_channels"] == 4
+    src = C.build(v, target).get_kernel_source()
+    assert "qla_cp_async_rows<8, 4, 256>" in src and "__launch_bounds__(128, 8)" in src
+    assert "for (int m = 0; m < 5; ++m)" in src    # the L2 norm over 32 lanes: 5 xor-shuffles
+    with pytest.raises(ValueError, match="lane_channels"):
+        C.variant("conv_prefill", HV, HK, 4, "bfloat16", "bfloat16", ab="bfloat16", param="float32",
+                  gbias="float32", lane_channels=2)
+
+
 def test_steps_per_walk():
     """Walks of up to SHORT_WALK_STEPS that leave ~CTAS_PER_SM CTAs per SM while the batch is
     small; QUICK_WALK_STEPS once it gives MANY_CTAS_PER_SM CTAs per SM of them (steps of GROUP
-    tokens per half-warp, WALKERS half-warps per CTA); powers of two."""
-    per_step = C.GROUP * C.WALKERS
+    tokens per walker, walkers_per_cta walkers per CTA); powers of two."""
+    per_step = C.GROUP * C.walkers_per_cta(8)
+    # 4 channels per lane: 4 walkers per CTA, so the same batch gives twice the CTA steps
+    assert C.steps_per_walk(4096, 12, 132, 4) == C.steps_per_walk(8192, 12, 132)
     assert C.steps_per_walk(1, 12, 132) == 1
     assert C.steps_per_walk(4 * 512, 12, 132) == 4 * 512 // per_step * 12 // (132 * C.CTAS_PER_SM)
     assert C.steps_per_walk(32768, 12, 132) == C.SHORT_WALK_STEPS     # 2/8 heads: short walks

@@ -55,20 +55,37 @@ def test_conv_prefill_matches_reference(hk, hv, layout, bias, dt_bias_dtype, wal
                         seed=hk * 100 + hv + bias)
 
 
-# steps per half-warp walk: ranges of 4, 8, 12 and 20 tokens, so that many sequences' first W - 1
-# tokens (the ones that read the old window) straddle a range boundary
+# conv.PREFILL_LANE_CHANNELS 4: a warp per 128-channel row (8-byte pieces, 4 walkers per CTA); the
+# walk lengths, the checked steps alone, and the widths below run it too
+@pytest.mark.parametrize("hk,hv", [(2, 8), (4, 16)])
+@pytest.mark.parametrize("walk", [None, 3])
+@pytest.mark.parametrize("fast", [True, False])
+def test_conv_prefill_four_channel_lanes(hk, hv, walk, fast, monkeypatch):
+    monkeypatch.setattr(conv_kernels, "PREFILL_LANE_CHANNELS", 4)
+    if walk is not None:
+        monkeypatch.setattr(conv_kernels, "steps_per_walk", lambda *_: walk)
+    monkeypatch.setattr(conv_kernels, "FAST_STEPS", fast)
+    _check_conv_prefill(hk, hv, [70, 0, 1, 2, 3, 333, 1, 64, 97], [3, -1, 5, 7, 9, 11, 13, 15, 17],
+                        [True, False, False, True, True, False, True, True, True], "seq_first", True,
+                        torch.float32, seed=hk * 100 + hv + 7)
+
+
+# steps per walk: ranges of 4, 8, 12 and 20 tokens (8-channel lanes; twice that for 4), so that
+# many sequences' first W - 1 tokens (the ones that read the old window) straddle a range boundary
 @pytest.mark.parametrize("walk", [1, 2, 3, 5])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 # conv.WINDOW_CTAS: the sequences' first W - 1 tokens and their windows in the conv grid's window
 # CTAs, or the walkers' history taps and the after_conv write-back kernel (the form before it)
 @pytest.mark.parametrize("windows", [True, False])
-def test_conv_prefill_on_random_batches(walk, seed, windows, monkeypatch):
+@pytest.mark.parametrize("lanes", [8, 4])
+def test_conv_prefill_on_random_batches(walk, seed, windows, lanes, monkeypatch):
     """Random batches of mostly short sequences (0-7 tokens, a few long ones; empty sequences with
     and without a history, padding slots) through conv_prefill and its conv-state write-back,
     against the reference: outputs, every live slot's new window bit-exact, every other slot
     bit-identical."""
     monkeypatch.setattr(conv_kernels, "steps_per_walk", lambda *_: walk)
     monkeypatch.setattr(conv_kernels, "WINDOW_CTAS", windows)
+    monkeypatch.setattr(conv_kernels, "PREFILL_LANE_CHANNELS", lanes)
     gen = torch.Generator().manual_seed(1000 + seed)
     N = 48
     lens = torch.randint(0, 8, (N,), generator=gen)
@@ -85,7 +102,9 @@ def test_conv_prefill_on_random_batches(walk, seed, windows, monkeypatch):
 # columns (W = 6: 5) than a walk step's 4 tokens (the window CTAs then take two steps)
 @pytest.mark.parametrize("width", [2, 6])
 @pytest.mark.parametrize("layout", ["dim_first", "seq_first"])
-def test_conv_prefill_widths(width, layout):
+@pytest.mark.parametrize("lanes", [8, 4])
+def test_conv_prefill_widths(width, layout, lanes, monkeypatch):
+    monkeypatch.setattr(conv_kernels, "PREFILL_LANE_CHANNELS", lanes)
     gen = torch.Generator().manual_seed(50 + width)
     N = 24
     lens = torch.randint(0, 9, (N,), generator=gen)

@@ -64,7 +64,7 @@ heads, W, dtypes, activation and bias are static and name a variant.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
-from .conv_prefill import GROUP, HEAD_DIM, SEARCH_STEPS, WALKERS
+from .conv_prefill import GROUP, HEAD_DIM, LANE_CHANNELS, SEARCH_STEPS, walkers_per_cta
 from .conv_prefill import program as _prefill_program
 from .common import (_GATE_DTYPES, _IO_DTYPES, _check_heads, _dtype_name,
                      compile_for, gate_dtype_names, launch_function, sm_count)
@@ -125,6 +125,10 @@ DECODE_SEQS_MIN_BLOCKS = 2048
 # launch of its own (conv_prefill.py's window_block). False: the walkers take the history taps
 # and conv_prefill_state writes the windows back in a second launch (the form before it).
 WINDOW_CTAS = True
+# conv_prefill's channels per lane (variant key "lane_channels", conv_prefill.LANE_CHANNELS): 8
+# (16-byte pieces, 128 registers, 4 CTAs per SM) or 4 (8-byte pieces, a warp per row, 64
+# registers, 8 CTAs per SM).
+PREFILL_LANE_CHANNELS = 8
 # Without the window CTAs: the prefill's conv-state write-back launched as the conv_prefill
 # grid's programmatic dependent (conv_prefill_state's after_conv form): its loads (ids, lengths,
 # the new window) overlap the conv's last wave, its stores wait for the conv's end. False: a
@@ -139,7 +143,7 @@ def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weigh
             ab: str | None = None, param: str | None = None, gbias: str | None = None,
             draft: int = 0, stages: int = STAGES, fast_steps: bool = FAST_STEPS,
             silu_form: str = SILU_FORM, window_ctas: bool = WINDOW_CTAS, decodes: bool = False,
-            after_conv: bool = False, seqs: int = 1) -> dict:
+            after_conv: bool = False, seqs: int = 1, lane_channels: int = 8) -> dict:
     """A JSON-serialisable variant description; ``name`` identifies it.
 
     io: x's dtype (and the outputs' but q/k's); state: the conv state's; weight: the conv
@@ -150,7 +154,8 @@ def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weigh
     window CTAs, which also write the conv state back (WINDOW_CTAS); decodes: conv_prefill's form
     that also convolves a mixed step's decode rows (backends/gdn_layer.MIXED_CONV; with
     window_ctas); after_conv: conv_prefill_state's form launched as conv_prefill's programmatic
-    dependent; seqs: conv_decode's sequences per thread (DECODE_SEQS)."""
+    dependent; seqs: conv_decode's sequences per thread (DECODE_SEQS); lane_channels:
+    conv_prefill's channels per lane (PREFILL_LANE_CHANNELS)."""
     weight = weight or io
     if op not in OPS:
         raise ValueError(f"variant op: expected one of {OPS}, got {op!r}")
@@ -185,6 +190,11 @@ def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weigh
         if window_ctas:
             v["window_ctas"] = True
             name += "_wc"
+        if lane_channels not in LANE_CHANNELS:
+            raise ValueError(f"conv_prefill lane_channels: expected one of {LANE_CHANNELS}, got {lane_channels}")
+        if lane_channels != 8:
+            v["lane_channels"] = lane_channels
+            name += f"_lc{lane_channels}"
         if decodes:
             if not window_ctas:
                 raise ValueError("decodes: conv_prefill convolves decode rows only in its window-CTA form")
@@ -231,7 +241,8 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
                 for decodes in (False, True) if WINDOW_CTAS else (False,):   # (mixed steps: with decode CTAs)
                     out.append(variant("conv_prefill", num_v_heads, num_k_heads, 4, io, io, qk_out="float16",
                                        ab=io, param=param, gbias=gbias, stages=STAGES, fast_steps=FAST_STEPS,
-                                       silu_form=SILU_FORM, window_ctas=WINDOW_CTAS, decodes=decodes, **common))
+                                       silu_form=SILU_FORM, window_ctas=WINDOW_CTAS, decodes=decodes,
+                                       lane_channels=PREFILL_LANE_CHANNELS, **common))
             for after in (False,) if WINDOW_CTAS else (False, True):
                 out.append(variant("conv_prefill_state", num_v_heads, num_k_heads, 4, io, io,
                                    after_conv=after, **common))
@@ -533,12 +544,12 @@ def _names(x, conv_state, weight):
             _dtype_name(weight.dtype, "conv_weight", CONV_STATE_DTYPES))
 
 
-def steps_per_walk(num_tokens: int, channel_blocks: int, sm_count: int) -> int:
+def steps_per_walk(num_tokens: int, channel_blocks: int, sm_count: int, lane_channels: int = 8) -> int:
     """conv_prefill's GROUP-token steps per half-warp walk. Longer walks cost fewer walk starts
     (a binary search, the W - 1 rows before the walk, a pipeline fill) but give fewer CTAs: up to
     SHORT_WALK_STEPS while that leaves CTAS_PER_SM CTAs per SM, QUICK_WALK_STEPS where the batch
     gives MANY_CTAS_PER_SM CTAs per SM of those (many heads, long batches)."""
-    steps = -(-num_tokens // (GROUP * WALKERS)) * channel_blocks
+    steps = -(-num_tokens // (GROUP * walkers_per_cta(lane_channels))) * channel_blocks
     if steps // (sm_count * QUICK_WALK_STEPS) >= MANY_CTAS_PER_SM:
         return QUICK_WALK_STEPS
     short = min(SHORT_WALK_STEPS, steps // (sm_count * CTAS_PER_SM))
@@ -564,11 +575,12 @@ def conv_prefill(x, conv_state, weight, bias, slot_ids, has_initial_state, cu_se
     # the decode rows in this launch (its decode CTAs), where it runs with window CTAs
     dec = bool(T_) and windows and decodes is not None and decodes[0].shape[0] > 0
     if T_:
-        walk = WALK_STEPS or steps_per_walk(T_, 2 * hk + hv, sm_count(x.device))
+        lanes = PREFILL_LANE_CHANNELS
+        walk = WALK_STEPS or steps_per_walk(T_, 2 * hk + hv, sm_count(x.device), lanes)
         stages, fast, silu_form = STAGES, FAST_STEPS, SILU_FORM
         key = ("conv_prefill", x.device, x.dtype, conv_state.dtype, weight.dtype, q_out.dtype, a.dtype,
                A_log.dtype, dt_bias.dtype, hv, hk, width, activation, bias is not None, stages, fast,
-               silu_form, windows, dec)
+               silu_form, windows, dec, lanes)
 
         def make():
             io, sdt, wdt = _names(x, conv_state, weight)
@@ -576,7 +588,7 @@ def conv_prefill(x, conv_state, weight, bias, slot_ids, has_initial_state, cu_se
             return variant("conv_prefill", hv, hk, width, io, sdt, weight=wdt, activation=activation,
                            bias=bias is not None, qk_out=_dtype_name(q_out.dtype, "q_out", _IO_DTYPES),
                            ab=ab, param=prm, gbias=gb, stages=stages, fast_steps=fast,
-                           silu_form=silu_form, window_ctas=windows, decodes=dec)
+                           silu_form=silu_form, window_ctas=windows, decodes=dec, lane_channels=lanes)
         _launch_fn(key, make, x.device)(x, conv_state, weight, _bias_arg(bias, weight), slot_ids,
                                         has_initial_state, cu_seqlens, a, b, A_log, dt_bias,
                                         q_out, k_out, v_out, g_out, beta_out, walk, *(decodes if dec else ()))

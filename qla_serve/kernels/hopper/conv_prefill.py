@@ -23,7 +23,22 @@ HEAD_DIM = 128
 # tokens a half-warp loads, then computes, per step (4: 123 registers, no spills; 8 needed 149
 # registers and ran 1.5x slower on the H200, benchmarks/layer.md)
 GROUP = 4
-WALKERS = 8                   # half-warps per CTA (128 threads)
+WALKERS = 8                   # half-warps per CTA (128 threads) of the 8-channel lanes
+# channels per lane (variant key "lane_channels"): 8 (16-byte pieces, 16 lanes per 128-channel
+# row, WALKERS walkers per CTA) or 4 (8-byte pieces, a whole warp per row, 4 walkers per CTA, about
+# half the registers per thread: twice the CTAs per SM where a batch fills less than a wave)
+LANE_CHANNELS = (8, 4)
+
+
+def walkers_per_cta(lane_channels: int) -> int:
+    """The walkers (one 128-channel row each) of a 128-thread CTA at ``lane_channels``."""
+    return 128 // (HEAD_DIM // lane_channels)
+
+
+def min_blocks_per_sm(lane_channels: int) -> int:
+    """The CTAs per SM the straight-line steps' register bound keeps (8 channels: 128 registers;
+    4 channels: 64)."""
+    return 4 if lane_channels == 8 else 8
 SEARCH_STEPS = 20             # binary-search halvings over cu_seqlens: up to 2**20 sequences
 # a gate CTA's (token, v-head) items per thread and round, their loads issued together
 GATE_ITEMS = 8
@@ -39,6 +54,25 @@ __device__ __forceinline__ float qla_tanh_approx(float x) {
   float y;
   asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+}
+// U rows of N bytes from base + offset + u * stride (bytes) into smem + u * SROW, zero-filled
+// from row `valid` on (src-size 0: nothing is read there, whatever the address)
+template <int N, int U, int SROW>
+__device__ __forceinline__ void qla_cp_async_rows(void* smem, const void* base, long long offset,
+                                                  long long stride, int valid) {
+  unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  const char* p = (const char*)base + offset;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    int bytes = u < valid ? N : 0;
+    if constexpr (N == 16) {
+      asm volatile("cp.async.cg.shared.global [%0], [%1], %2, %3;"
+                   :: "r"(s + u * SROW), "l"(p + u * stride), "n"(N), "r"(bytes));
+    } else {
+      asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;"
+                   :: "r"(s + u * SROW), "l"(p + u * stride), "n"(N), "r"(bytes));
+    }
+  }
 }
 """
 
@@ -79,7 +113,10 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t, decod
     # launch fewer per mixed layer call), one column of CTAs per row (conv.py's decode_rows)
     DECODES = v.get("decodes", False)
     state_dt = v["conv_state_dtype"]
-    VEC, LANES = 8, HEAD_DIM // 8        # 16-byte vectors; a half-warp covers 128 channels
+    # VEC channels per lane in one 2 VEC-byte piece; LANES lanes (a half-warp at 8, a warp at 4)
+    # cover a row's 128 channels; NW such walkers per 128-thread CTA
+    VEC = v.get("lane_channels", 8)
+    LANES, NW = HEAD_DIM // VEC, walkers_per_cta(VEC)
     silu = v["activation"] == "silu"
     tanh_silu = silu and v.get("silu_form") == "tanh"
     # the tanh form takes h = y / 2: the weights and bias are halved as they load (exact in fp32)
@@ -133,13 +170,14 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t, decod
 
     @T.macro
     def issue_rows(X, ring, t0, tend, wk, g, c0, slot):
-        # one cp.async group: rows t0..t0+U-1 of this lane's 8 channels into ring[slot] (rows at
-        # or past tend: zero-filled, not read; the group is committed either way so that every
-        # step's wait counts the same groups)
-        for u in T.unroll(U):
-            T.call_extern("handle", "tl::cp_async_gs_conditional<16>",
-                          T.address_of(ring[slot, wk, u, g * VEC]),
-                          T.address_of(X[T.min(t0 + u, ntok - 1), c0 + g * VEC]), t0 + u < tend)
+        # one cp.async group: rows t0..t0+U-1 of this lane's VEC channels into ring[slot] (rows at
+        # or past tend: zero-filled, never read, their addresses never dereferenced; the group is
+        # committed either way so that every step's wait counts the same groups). The rows'
+        # addresses come from one 64-bit offset and the row stride (qla_cp_async_rows): indexing
+        # X by clamped rows cost ~8-10 instructions a row, a fifth of a v step's.
+        T.call_extern("handle", f"qla_cp_async_rows<{2 * VEC}, {U}, {2 * HEAD_DIM}>",
+                      T.address_of(ring[slot, wk, 0, g * VEC]), T.address_of(X[0, c0 + g * VEC]),
+                      T.cast(t0, "int64") * T.cast(sx0 * 2, "int64"), T.cast(sx0 * 2, "int64"), tend - t0)
         T.ptx_commit_group()
 
     @T.macro
@@ -175,7 +213,7 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t, decod
             ss = 0.0
             for e in T.unroll(VEC):
                 ss += acc[e] * acc[e]
-            for m in T.unroll(4):                # the 16 lanes of a row: xor 1, 2, 4, 8
+            for m in T.unroll(LANES.bit_length() - 1):   # the row's lanes: xor 1, 2, .., LANES / 2
                 ss += T.shfl_xor(ss, 1 << m)
             rn = T.rsqrt(ss + 1e-6)
             if not checked or (t < tend and (history or rel >= H)):
@@ -258,7 +296,7 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t, decod
         c0 = hb * HEAD_DIM
         g = tx % LANES
         T.assume(sx0 % VEC == 0)
-        s = jb * WALKERS + tx // LANES
+        s = jb * NW + tx // LANES
         # both half-warps of a warp run the q/k shuffles: one past the batch's N sequences
         # computes sequence N - 1's tokens and stores nothing
         sr = T.min(s, N - 1)
@@ -311,7 +349,7 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t, decod
         c0 = hb * HEAD_DIM
         g = tx % LANES
         T.assume(sx0 % VEC == 0)
-        tb = (bx * WALKERS + tx // LANES) * (U * walk)    # this half-warp's first token
+        tb = (bx * NW + tx // LANES) * (U * walk)    # this half-warp's first token
         tend = T.min(tb + U * walk, ntok)
         w = T.alloc_local((W, VEC), f32)
         bias8 = T.alloc_local((VEC,), f32)
@@ -371,7 +409,7 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t, decod
     def gates_or_walk(A, Bt, A_log, dt_bias, Go, Bo, X, CS, Wt, Bias, Slots, HasInit, Cu, Qo, Ko, Vo, walk, bx, by,
                       tx, ring):
         if by == 0:     # the gate CTAs: the grid's first column, dispatched first
-            gate_block(A, Bt, A_log, dt_bias, Go, Bo, bx * (WALKERS * U * walk), tx, WALKERS * U * walk)
+            gate_block(A, Bt, A_log, dt_bias, Go, Bo, bx * (NW * U * walk), tx, NW * U * walk)
         else:
             walk_block(X, CS, Wt, Bias, Slots, HasInit, Cu, Qo, Ko, Vo, walk, bx, by - 1, tx, ring)
 
@@ -380,8 +418,8 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t, decod
                   Yd, nd):
         # columns past the walks' token ranges: the window CTAs (WINDOWS), WALKERS sequences each,
         # then (DECODES) one column per decode row of a mixed step
-        nwalk = T.ceildiv(ntok, WALKERS * U * walk)
-        nwin = T.ceildiv(N, WALKERS) if WINDOWS else 0
+        nwalk = T.ceildiv(ntok, NW * U * walk)
+        nwin = T.ceildiv(N, NW) if WINDOWS else 0
         with T.Kernel(nwalk + nwin + (nd if DECODES else 0), 1 + NH, threads=128) as (bx, by):
             T.import_source(FAST_MATH_SOURCE)
             if not WINDOWS:
@@ -390,9 +428,9 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t, decod
                 # finished
                 T.pdl_trigger()
             if FS:   # the straight-line steps need 162 registers unbounded: keep 4 CTAs per SM (128)
-                T.annotate_min_blocks_per_sm(4)
+                T.annotate_min_blocks_per_sm(min_blocks_per_sm(VEC))
             tx = T.get_thread_binding()
-            ring = T.alloc_shared((NS, WALKERS, U, HEAD_DIM), io)   # per-thread pieces, see issue_rows
+            ring = T.alloc_shared((NS, NW, U, HEAD_DIM), io)   # per-thread pieces, see issue_rows
             if WINDOWS:
                 if bx < nwalk:
                     gates_or_walk(A, Bt, A_log, dt_bias, Go, Bo, X, CS, Wt, Bias, Slots, HasInit, Cu, Qo, Ko, Vo,
