@@ -51,14 +51,16 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--graph-calls", type=int, default=4)
     ap.add_argument("--silu-forms", default=conv.SILU_FORM, help="conv.SILU_FORM values, each a pass")
-    ap.add_argument("--lane-channels", default=str(conv.PREFILL_LANE_CHANNELS),
-                    help="conv.PREFILL_LANE_CHANNELS values (8, 4), each a pass")
+    ap.add_argument("--conv-forms", default="8",
+                    help="conv_prefill forms, each a pass: conv.PREFILL_LANE_CHANNELS (8 or 4), 'ro' "
+                         "appended for conv.PREFILL_ROW_OFFSETS (e.g. 8,4,8ro,4ro)")
     args = ap.parse_args()
-    points = [(f, int(lc), hk, hv, t) for f in args.silu_forms.split(",")
-              for lc in args.lane_channels.split(",") for hk, hv in L.parse_heads(args.heads)
+    points = [(f, c, hk, hv, t) for f in args.silu_forms.split(",")
+              for c in args.conv_forms.split(",") for hk, hv in L.parse_heads(args.heads)
               for t in args.rows.split(",")]
-    for form, lanes, hk, hv, text in points:
-        conv.SILU_FORM, conv.PREFILL_LANE_CHANNELS = form, lanes
+    for form, cform, hk, hv, text in points:
+        conv.SILU_FORM = form
+        conv.PREFILL_LANE_CHANNELS, conv.PREFILL_ROW_OFFSETS = int(cform.removesuffix("ro")), cform.endswith("ro")
         case = L.LayerCase(hk, hv, L.parse_row(text), torch.float32, "cuda")
         fn = L.qla_call(case, L.qla_step(case, 0))
         fn()
@@ -71,7 +73,7 @@ def main():
         layer, core = min(got["layer"]), min(got["core"])
         fl = floor_us(case)
         cells = "  ".join(f"{k} {v[0]:.1f}/{v[1]:.1f}" for k, v in got.items())
-        print(f"{form:>4} lc{lanes} {hk}/{hv} {text:>8}: {cells}  layer-core {layer - core:.1f} "
+        print(f"{form:>4} {cform:>3} {hk}/{hv} {text:>8}: {cells}  layer-core {layer - core:.1f} "
               f"(target 1.25 x floor {1.25 * fl:.1f}; floor {fl:.1f})", flush=True)
 
 

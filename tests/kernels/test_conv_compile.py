@@ -29,8 +29,7 @@ def test_conv_variant_compiles(variant, target):
         assert "Cu[((int64_t)mid)]" in src            # sequences found from cu_seqlens, no index tensors
         assert "int ntok" in src and "int walk" in src    # a half-warp walks several token groups
         # rows through a per-thread cp.async ring, waited for STAGES - 1 steps later: no barrier
-        # (16-byte pieces of 8 channels a lane; GROUP rows of 256 bytes a step)
-        assert "qla_cp_async_rows<16, 4, 256>" in src and f"cp_async_wait<{C.STAGES - 1}>" in src
+        assert "cp_async_gs_conditional<16>" in src and f"cp_async_wait<{C.STAGES - 1}>" in src
         assert "__syncthreads" not in src
     if variant["op"] in ("conv_spec", "conv_verify"):
         assert f"float win[{3 + variant['draft']}];" in src   # history + D draft inputs in registers
@@ -78,16 +77,25 @@ def test_conv_prefill_compiles(target, silu_form):
 
 @pytest.mark.compile
 @pytest.mark.parametrize("target", ["sm_90a", "sm_100a"])
-def test_conv_prefill_four_channel_lanes_compile(target):
-    """conv_prefill with 4 channels per lane (conv.PREFILL_LANE_CHANNELS = 4; run on a GPU by
-    test_layer_ops_gpu.py): 8-byte cp.async pieces, a warp per row (the L2 norm over 32 lanes: 5
-    xor-shuffles), 8 CTAs per SM kept by the launch bound (64 registers)."""
+@pytest.mark.parametrize("lanes,offsets", [(4, False), (8, True), (4, True)])
+def test_conv_prefill_opt_in_forms_compile(target, lanes, offsets):
+    """conv_prefill's opt-in forms (conv.PREFILL_LANE_CHANNELS = 4, conv.PREFILL_ROW_OFFSETS; run
+    on a GPU by test_layer_ops_gpu.py): with 4 channels per lane 8-byte cp.async pieces, a warp
+    per row (the L2 norm over 32 lanes: 5 xor-shuffles) and 8 CTAs per SM kept by the launch
+    bound (64 registers); with row offsets the rows' cp.async from one offset (the helper
+    imported only then: the default form's source is what ran on the GPU)."""
     v = C.variant("conv_prefill", HV, HK, 4, "bfloat16", "bfloat16", qk_out="float16", ab="bfloat16",
-                  param="float32", gbias="float32", lane_channels=4)
-    assert v["name"].endswith("_lc4") and v["lane_channels"] == 4
+                  param="float32", gbias="float32", lane_channels=lanes, row_offsets=offsets)
+    assert v["name"].endswith(("_lc4" if lanes == 4 else "_wc") + ("_ro" if offsets else ""))
     src = C.build(v, target).get_kernel_source()
-    assert "qla_cp_async_rows<8, 4, 256>" in src and "__launch_bounds__(128, 8)" in src
-    assert "for (int m = 0; m < 5; ++m)" in src    # the L2 norm over 32 lanes: 5 xor-shuffles
+    piece = 2 * lanes
+    assert (f"qla_cp_async_rows<{piece}, 4, 256>(" in src) == offsets
+    assert (f"cp_async_gs_conditional<{piece}>" in src) == (not offsets)
+    assert f"__launch_bounds__(128, {4 if lanes == 8 else 8})" in src and "__syncthreads" not in src
+    assert f"for (int m = 0; m < {4 if lanes == 8 else 5}; ++m)" in src   # the L2 norm's xor-shuffles
+    default = C.variant("conv_prefill", HV, HK, 4, "bfloat16", "bfloat16", qk_out="float16", ab="bfloat16",
+                        param="float32", gbias="float32")
+    assert "qla_cp_async_rows" not in C.build(default, target).get_kernel_source()
     with pytest.raises(ValueError, match="lane_channels"):
         C.variant("conv_prefill", HV, HK, 4, "bfloat16", "bfloat16", ab="bfloat16", param="float32",
                   gbias="float32", lane_channels=2)

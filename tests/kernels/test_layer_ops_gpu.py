@@ -55,13 +55,20 @@ def test_conv_prefill_matches_reference(hk, hv, layout, bias, dt_bias_dtype, wal
                         seed=hk * 100 + hv + bias)
 
 
-# conv.PREFILL_LANE_CHANNELS 4: a warp per 128-channel row (8-byte pieces, 4 walkers per CTA); the
-# walk lengths, the checked steps alone, and the widths below run it too
+# conv_prefill's opt-in forms (conv.py, PREFILL_LANE_CHANNELS and PREFILL_ROW_OFFSETS: not yet run
+# on a GPU when they were written): 4 channels per lane (a warp per 128-channel row, 8-byte pieces,
+# 4 walkers per CTA), the rows' cp.async addresses from one offset, and both; the walk lengths,
+# the checked steps alone, random batches and the widths below run them too
+OPT_IN_FORMS = [(4, False), (8, True), (4, True)]
+
+
 @pytest.mark.parametrize("hk,hv", [(2, 8), (4, 16)])
 @pytest.mark.parametrize("walk", [None, 3])
 @pytest.mark.parametrize("fast", [True, False])
-def test_conv_prefill_four_channel_lanes(hk, hv, walk, fast, monkeypatch):
-    monkeypatch.setattr(conv_kernels, "PREFILL_LANE_CHANNELS", 4)
+@pytest.mark.parametrize("lanes,offsets", OPT_IN_FORMS)
+def test_conv_prefill_opt_in_forms(hk, hv, walk, fast, lanes, offsets, monkeypatch):
+    monkeypatch.setattr(conv_kernels, "PREFILL_LANE_CHANNELS", lanes)
+    monkeypatch.setattr(conv_kernels, "PREFILL_ROW_OFFSETS", offsets)
     if walk is not None:
         monkeypatch.setattr(conv_kernels, "steps_per_walk", lambda *_: walk)
     monkeypatch.setattr(conv_kernels, "FAST_STEPS", fast)
@@ -77,8 +84,8 @@ def test_conv_prefill_four_channel_lanes(hk, hv, walk, fast, monkeypatch):
 # conv.WINDOW_CTAS: the sequences' first W - 1 tokens and their windows in the conv grid's window
 # CTAs, or the walkers' history taps and the after_conv write-back kernel (the form before it)
 @pytest.mark.parametrize("windows", [True, False])
-@pytest.mark.parametrize("lanes", [8, 4])
-def test_conv_prefill_on_random_batches(walk, seed, windows, lanes, monkeypatch):
+@pytest.mark.parametrize("lanes,offsets", [(8, False)] + OPT_IN_FORMS)
+def test_conv_prefill_on_random_batches(walk, seed, windows, lanes, offsets, monkeypatch):
     """Random batches of mostly short sequences (0-7 tokens, a few long ones; empty sequences with
     and without a history, padding slots) through conv_prefill and its conv-state write-back,
     against the reference: outputs, every live slot's new window bit-exact, every other slot
@@ -86,6 +93,7 @@ def test_conv_prefill_on_random_batches(walk, seed, windows, lanes, monkeypatch)
     monkeypatch.setattr(conv_kernels, "steps_per_walk", lambda *_: walk)
     monkeypatch.setattr(conv_kernels, "WINDOW_CTAS", windows)
     monkeypatch.setattr(conv_kernels, "PREFILL_LANE_CHANNELS", lanes)
+    monkeypatch.setattr(conv_kernels, "PREFILL_ROW_OFFSETS", offsets)
     gen = torch.Generator().manual_seed(1000 + seed)
     N = 48
     lens = torch.randint(0, 8, (N,), generator=gen)
@@ -102,9 +110,10 @@ def test_conv_prefill_on_random_batches(walk, seed, windows, lanes, monkeypatch)
 # columns (W = 6: 5) than a walk step's 4 tokens (the window CTAs then take two steps)
 @pytest.mark.parametrize("width", [2, 6])
 @pytest.mark.parametrize("layout", ["dim_first", "seq_first"])
-@pytest.mark.parametrize("lanes", [8, 4])
-def test_conv_prefill_widths(width, layout, lanes, monkeypatch):
+@pytest.mark.parametrize("lanes,offsets", [(8, False)] + OPT_IN_FORMS)
+def test_conv_prefill_widths(width, layout, lanes, offsets, monkeypatch):
     monkeypatch.setattr(conv_kernels, "PREFILL_LANE_CHANNELS", lanes)
+    monkeypatch.setattr(conv_kernels, "PREFILL_ROW_OFFSETS", offsets)
     gen = torch.Generator().manual_seed(50 + width)
     N = 24
     lens = torch.randint(0, 9, (N,), generator=gen)

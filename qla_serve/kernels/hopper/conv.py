@@ -19,18 +19,19 @@ formulas in torch; float64 truth in the layer tests):
   q | k | v split, q and k L2-normalised (fp32 math, stored in the variant's q/k dtype: fp16
   where the Hopper prefill takes it), and g, beta from the raw a, b (as prefill_inputs.py).
   Grid (token ranges, 1 + 2 Hk + Hv): the first column's CTAs compute g and beta of their
-  token range for every head, the others one channel block of 128 each; each half-warp of those walks
+  token range for every head, the others one channel block of 128 each; each walker of those
+  (a half-warp, or a warp with 4 channels per lane: PREFILL_LANE_CHANNELS) walks
   ``walk`` x GROUP consecutive tokens of one channel block (``walk`` chosen on the host:
   steps_per_walk), lane g holding channels 8g..8g+7: GROUP input rows at a time arrive in
   registers through a per-thread cp.async ring in shared memory, STAGES - 1 steps ahead, in
   16-byte pieces (x's row stride must be a multiple of 8 elements, its base 16-byte
   aligned), and each token's taps come from the registers holding the rows before it. A
   sequence's first W - 1 tokens (taps in the conv state) are left to window CTAs (columns
-  past the walks' token ranges, WALKERS sequences each), which convolve them and then write the
+  past the walks' token ranges, a sequence per walker), which convolve them and then write the
   sequence's new window into its slot: the write-back is part of this launch
   (WINDOW_CTAS). A token row's 128 channels sit in
   16 adjacent lanes, so the q/k L2 norm is 4 xor-shuffles, and every output is a 16-byte
-  store. A walk finds its sequence by a binary search in cu_seqlens, and again only where it
+  store (with 4 channels per lane: 32 lanes, 5 shuffles, 8-byte pieces and stores). A walk finds its sequence by a binary search in cu_seqlens, and again only where it
   crosses into the next one (no per-token index tensors). Its program: conv_prefill.py.
 * ``conv_prefill_state``: the conv-state write-back alone (conv_window): a prefill checkpoint's
   window, and the prefill's own where conv_prefill has no window CTAs (a second launch then: a
@@ -125,10 +126,17 @@ DECODE_SEQS_MIN_BLOCKS = 2048
 # launch of its own (conv_prefill.py's window_block). False: the walkers take the history taps
 # and conv_prefill_state writes the windows back in a second launch (the form before it).
 WINDOW_CTAS = True
-# conv_prefill's channels per lane (variant key "lane_channels", conv_prefill.LANE_CHANNELS): 8
-# (16-byte pieces, 128 registers, 4 CTAs per SM) or 4 (8-byte pieces, a warp per row, 64
-# registers, 8 CTAs per SM).
+# Two conv_prefill forms compiled and checked on this machine's nvcc (sm_90a SASS) but NOT YET
+# RUN ON A GPU (session 49 was lent none), so both stay off; benchmarks/h200_validation.md has the
+# run that decides them:
+# - channels per lane (variant key "lane_channels", conv_prefill.LANE_CHANNELS): 8 (16-byte
+#   pieces, 128 registers, 4 CTAs per SM) or 4 (8-byte pieces, a warp per row, 64 registers, 8
+#   CTAs per SM: twice the warps where a batch fills less than a wave, as at 8192 tokens; ~1.2x
+#   the instructions per element);
+# - row offsets (variant key "row_offsets"): the ring rows' cp.async addresses from one 64-bit
+#   offset instead of clamped row indices (72 instead of 119 instructions per step head).
 PREFILL_LANE_CHANNELS = 8
+PREFILL_ROW_OFFSETS = False
 # Without the window CTAs: the prefill's conv-state write-back launched as the conv_prefill
 # grid's programmatic dependent (conv_prefill_state's after_conv form): its loads (ids, lengths,
 # the new window) overlap the conv's last wave, its stores wait for the conv's end. False: a
@@ -143,7 +151,8 @@ def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weigh
             ab: str | None = None, param: str | None = None, gbias: str | None = None,
             draft: int = 0, stages: int = STAGES, fast_steps: bool = FAST_STEPS,
             silu_form: str = SILU_FORM, window_ctas: bool = WINDOW_CTAS, decodes: bool = False,
-            after_conv: bool = False, seqs: int = 1, lane_channels: int = 8) -> dict:
+            after_conv: bool = False, seqs: int = 1, lane_channels: int = 8,
+            row_offsets: bool = False) -> dict:
     """A JSON-serialisable variant description; ``name`` identifies it.
 
     io: x's dtype (and the outputs' but q/k's); state: the conv state's; weight: the conv
@@ -154,8 +163,8 @@ def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weigh
     window CTAs, which also write the conv state back (WINDOW_CTAS); decodes: conv_prefill's form
     that also convolves a mixed step's decode rows (backends/gdn_layer.MIXED_CONV; with
     window_ctas); after_conv: conv_prefill_state's form launched as conv_prefill's programmatic
-    dependent; seqs: conv_decode's sequences per thread (DECODE_SEQS); lane_channels:
-    conv_prefill's channels per lane (PREFILL_LANE_CHANNELS)."""
+    dependent; seqs: conv_decode's sequences per thread (DECODE_SEQS); lane_channels,
+    row_offsets: conv_prefill's forms PREFILL_LANE_CHANNELS, PREFILL_ROW_OFFSETS."""
     weight = weight or io
     if op not in OPS:
         raise ValueError(f"variant op: expected one of {OPS}, got {op!r}")
@@ -195,6 +204,9 @@ def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weigh
         if lane_channels != 8:
             v["lane_channels"] = lane_channels
             name += f"_lc{lane_channels}"
+        if row_offsets:
+            v["row_offsets"] = True
+            name += "_ro"
         if decodes:
             if not window_ctas:
                 raise ValueError("decodes: conv_prefill convolves decode rows only in its window-CTA form")
@@ -242,7 +254,8 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
                     out.append(variant("conv_prefill", num_v_heads, num_k_heads, 4, io, io, qk_out="float16",
                                        ab=io, param=param, gbias=gbias, stages=STAGES, fast_steps=FAST_STEPS,
                                        silu_form=SILU_FORM, window_ctas=WINDOW_CTAS, decodes=decodes,
-                                       lane_channels=PREFILL_LANE_CHANNELS, **common))
+                                       lane_channels=PREFILL_LANE_CHANNELS,
+                                       row_offsets=PREFILL_ROW_OFFSETS, **common))
             for after in (False,) if WINDOW_CTAS else (False, True):
                 out.append(variant("conv_prefill_state", num_v_heads, num_k_heads, 4, io, io,
                                    after_conv=after, **common))
@@ -575,12 +588,12 @@ def conv_prefill(x, conv_state, weight, bias, slot_ids, has_initial_state, cu_se
     # the decode rows in this launch (its decode CTAs), where it runs with window CTAs
     dec = bool(T_) and windows and decodes is not None and decodes[0].shape[0] > 0
     if T_:
-        lanes = PREFILL_LANE_CHANNELS
+        lanes, offsets = PREFILL_LANE_CHANNELS, PREFILL_ROW_OFFSETS
         walk = WALK_STEPS or steps_per_walk(T_, 2 * hk + hv, sm_count(x.device), lanes)
         stages, fast, silu_form = STAGES, FAST_STEPS, SILU_FORM
         key = ("conv_prefill", x.device, x.dtype, conv_state.dtype, weight.dtype, q_out.dtype, a.dtype,
                A_log.dtype, dt_bias.dtype, hv, hk, width, activation, bias is not None, stages, fast,
-               silu_form, windows, dec, lanes)
+               silu_form, windows, dec, lanes, offsets)
 
         def make():
             io, sdt, wdt = _names(x, conv_state, weight)
@@ -588,7 +601,8 @@ def conv_prefill(x, conv_state, weight, bias, slot_ids, has_initial_state, cu_se
             return variant("conv_prefill", hv, hk, width, io, sdt, weight=wdt, activation=activation,
                            bias=bias is not None, qk_out=_dtype_name(q_out.dtype, "q_out", _IO_DTYPES),
                            ab=ab, param=prm, gbias=gb, stages=stages, fast_steps=fast,
-                           silu_form=silu_form, window_ctas=windows, decodes=dec, lane_channels=lanes)
+                           silu_form=silu_form, window_ctas=windows, decodes=dec, lane_channels=lanes,
+                           row_offsets=offsets)
         _launch_fn(key, make, x.device)(x, conv_state, weight, _bias_arg(bias, weight), slot_ids,
                                         has_initial_state, cu_seqlens, a, b, A_log, dt_bias,
                                         q_out, k_out, v_out, g_out, beta_out, walk, *(decodes if dec else ()))

@@ -20,13 +20,12 @@ conv.py's conv_prefill_state, as this grid's programmatic dependent).
 from .common import log_decay, sigmoid
 
 HEAD_DIM = 128
-# tokens a half-warp loads, then computes, per step (4: 123 registers, no spills; 8 needed 149
+# tokens a walker loads, then computes, per step (4: 123 registers, no spills; 8 needed 149
 # registers and ran 1.5x slower on the H200, benchmarks/layer.md)
 GROUP = 4
-WALKERS = 8                   # half-warps per CTA (128 threads) of the 8-channel lanes
-# channels per lane (variant key "lane_channels"): 8 (16-byte pieces, 16 lanes per 128-channel
-# row, WALKERS walkers per CTA) or 4 (8-byte pieces, a whole warp per row, 4 walkers per CTA, about
-# half the registers per thread: twice the CTAs per SM where a batch fills less than a wave)
+# channels per lane (variant key "lane_channels"): 8 (16-byte pieces, a half-warp per 128-channel
+# row, 8 walkers per CTA of 128 threads) or 4 (8-byte pieces, a whole warp per row, 4 walkers per
+# CTA; half the registers per thread, so twice the CTAs per SM)
 LANE_CHANNELS = (8, 4)
 
 
@@ -55,6 +54,10 @@ __device__ __forceinline__ float qla_tanh_approx(float x) {
   asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
+"""
+# issue_rows' helper in the row-offsets form (conv.PREFILL_ROW_OFFSETS); imported only there, so
+# that the default form's source stays what ran on the GPU
+CP_ROWS_SOURCE = r"""
 // U rows of N bytes from base + offset + u * stride (bytes) into smem + u * SROW, zero-filled
 // from row `valid` on (src-size 0: nothing is read there, whatever the address)
 template <int N, int U, int SROW>
@@ -82,11 +85,12 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t, decod
     blocks of DIM = 128 NH channels, H = W - 1 history columns; conv_state_t(), weight_t() the
     conv state's and the weight's strided tensor types (shared with conv.py's programs).
 
-    The grid is (token ranges of WALKERS * GROUP * walk tokens, 1 + NH). Column 0 are the gate
+    The grid is (token ranges of NW * GROUP * walk tokens, 1 + NH). Column 0 are the gate
     CTAs: each computes g and beta of its token range for all Hv heads (gate_block). In the
-    other columns, walker CTAs of 8 half-warps (walk_block); a half-warp owns one 128-channel
-    block hb = column - 1 of ``GROUP * walk`` consecutive tokens, lane g channels 8g..8g+7. It
-    walks them GROUP tokens at a time: each thread's 16-byte pieces of the group's rows were
+    other columns, walker CTAs of NW walkers (walk_block; a walker is a half-warp with 8 channels
+    per lane, a warp with 4: LANE_CHANNELS); a walker owns one 128-channel block hb = column - 1
+    of ``GROUP * walk`` consecutive tokens, lane g channels VEC g..VEC g + VEC - 1. It walks them
+    GROUP tokens at a time: each thread's 2 VEC-byte pieces of the group's rows were
     copied (cp.async) into its own part of a STAGES-deep shared ring STAGES - 1 steps
     earlier; it waits for its own copies (no block barrier: no thread reads another's piece),
     moves the rows into registers, and each token's W taps come from the registers holding
@@ -94,7 +98,7 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t, decod
     the conv state, are the window CTAs' (columns past the walkers' token ranges: window_block;
     without them the walkers read those taps from the conv state). A token's sequence is
     tracked as the walk goes (a binary search in cu_seqlens only when the walk crosses into a
-    new sequence). The row's 16 lanes reduce the q/k L2 norm by
+    new sequence). The row's 16 (or 32) lanes reduce the q/k L2 norm by
     xor-shuffles. (Forms before it: rows loaded straight into registers, 3-7% slower; 32-token
     tiles through shared memory with a block barrier per tile, slower still at 16/64; the gates
     computed by the walkers, in each step or in rounds between the steps, whose a, b loads
@@ -116,6 +120,7 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t, decod
     # VEC channels per lane in one 2 VEC-byte piece; LANES lanes (a half-warp at 8, a warp at 4)
     # cover a row's 128 channels; NW such walkers per 128-thread CTA
     VEC = v.get("lane_channels", 8)
+    ROW_OFFSETS = v.get("row_offsets", False)   # (conv.PREFILL_ROW_OFFSETS; issue_rows)
     LANES, NW = HEAD_DIM // VEC, walkers_per_cta(VEC)
     silu = v["activation"] == "silu"
     tanh_silu = silu and v.get("silu_form") == "tanh"
@@ -171,13 +176,20 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t, decod
     @T.macro
     def issue_rows(X, ring, t0, tend, wk, g, c0, slot):
         # one cp.async group: rows t0..t0+U-1 of this lane's VEC channels into ring[slot] (rows at
-        # or past tend: zero-filled, never read, their addresses never dereferenced; the group is
-        # committed either way so that every step's wait counts the same groups). The rows'
-        # addresses come from one 64-bit offset and the row stride (qla_cp_async_rows): indexing
-        # X by clamped rows cost ~8-10 instructions a row, a fifth of a v step's.
-        T.call_extern("handle", f"qla_cp_async_rows<{2 * VEC}, {U}, {2 * HEAD_DIM}>",
-                      T.address_of(ring[slot, wk, 0, g * VEC]), T.address_of(X[0, c0 + g * VEC]),
-                      T.cast(t0, "int64") * T.cast(sx0 * 2, "int64"), T.cast(sx0 * 2, "int64"), tend - t0)
+        # or past tend: zero-filled, not read; the group is committed either way so that every
+        # step's wait counts the same groups)
+        if ROW_OFFSETS:
+            # the rows' addresses from one 64-bit offset and the row stride (qla_cp_async_rows;
+            # a row at or past tend is never dereferenced): indexing X by clamped rows costs
+            # ~8-10 instructions a row (SASS, sm_90a: a step's head 119 -> 72 instructions)
+            T.call_extern("handle", f"qla_cp_async_rows<{2 * VEC}, {U}, {2 * HEAD_DIM}>",
+                          T.address_of(ring[slot, wk, 0, g * VEC]), T.address_of(X[0, c0 + g * VEC]),
+                          T.cast(t0, "int64") * T.cast(sx0 * 2, "int64"), T.cast(sx0 * 2, "int64"), tend - t0)
+        else:
+            for u in T.unroll(U):
+                T.call_extern("handle", f"tl::cp_async_gs_conditional<{2 * VEC}>",
+                              T.address_of(ring[slot, wk, u, g * VEC]),
+                              T.address_of(X[T.min(t0 + u, ntok - 1), c0 + g * VEC]), t0 + u < tend)
         T.ptx_commit_group()
 
     @T.macro
@@ -287,7 +299,7 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t, decod
 
     @T.macro
     def window_block(X, CS, Wt, Bias, Slots, HasInit, Cu, Qo, Ko, Vo, jb, hb, tx):
-        # a window CTA: half-warp wk takes sequence s = jb * WALKERS + wk in channel block hb. It
+        # a window CTA: walker wk takes sequence s = jb * NW + wk in channel block hb. It
         # convolves the sequence's first W - 1 tokens (the only ones whose taps reach into the
         # conv state; the walkers leave them here), then writes the sequence's new window into
         # its slot (conv.py's conv_prefill_state, in this grid: one launch fewer). Each thread
@@ -416,12 +428,12 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t, decod
     @T.macro
     def conv_grid(X, CS, Wt, Bias, Slots, HasInit, Cu, A, Bt, A_log, dt_bias, Qo, Ko, Vo, Go, Bo, walk, Xd, DSlots,
                   Yd, nd):
-        # columns past the walks' token ranges: the window CTAs (WINDOWS), WALKERS sequences each,
+        # columns past the walks' token ranges: the window CTAs (WINDOWS), NW sequences each,
         # then (DECODES) one column per decode row of a mixed step
         nwalk = T.ceildiv(ntok, NW * U * walk)
         nwin = T.ceildiv(N, NW) if WINDOWS else 0
         with T.Kernel(nwalk + nwin + (nd if DECODES else 0), 1 + NH, threads=128) as (bx, by):
-            T.import_source(FAST_MATH_SOURCE)
+            T.import_source(FAST_MATH_SOURCE + (CP_ROWS_SOURCE if ROW_OFFSETS else ""))
             if not WINDOWS:
                 # the conv-state write-back (conv.py's conv_prefill_state, after_conv form) may
                 # launch now: it loads its windows while this grid runs, and stores once it has
