@@ -29,6 +29,11 @@
 #   layer      layer_h200.json, layer_h200.png (bench layer --check, every default row)
 #   spec       spec_layouts_h200.txt (benchmarks/spec_prefill_host.py: vLLM's MTP steps beside a
 #              chunked prefill, the spec rows as views, gathered, and interleaved; 2/8 and 2/4)
+#   conv       conv_forms_h200.txt (conv_prefill's opt-in forms, conv.PREFILL_LANE_CHANNELS and
+#              PREFILL_ROW_OFFSETS: their GPU tests, the kernel beside the default form
+#              (benchmarks/conv_prefill_ab.py) and the layer's preamble against issue 24's target
+#              at the 8192-token rows (benchmarks/layer_preamble.py); ~5 min with their kernels
+#              carried, e.g. TLCACHE=".gpucache/tlcache.tar.xz .gpucache/conv_forms.tar.xz")
 #   inputs     prefill_inputs_h200.txt (benchmarks/prefill_inputs.py)
 #   sustained  sustained_h200.txt (benchmarks/sustained.py, the 16/64 and 2/8 rows of prefill.md)
 #   sweep      costmodel_sweep_vs{1,2,4}_h200.json (fit_costmodel.py: every row at forced v_split)
@@ -45,7 +50,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/gpu_benchmarks}; mkdir -p "$out"
 part=${PART:-all}
-parts="tests coldstart prefill check decode flashinfer layer spec inputs sustained sweep cp-sweep maps"
+parts="tests coldstart prefill check decode flashinfer layer spec conv inputs sustained sweep cp-sweep maps"
 if [[ $part != all && " $parts " != *" $part "* ]]; then echo "PART=$part: expected one of: $parts (or all)"; exit 2; fi
 want() { [[ $part == all || $part == "$1" ]]; }
 
@@ -207,6 +212,22 @@ if want spec; then
   step "spec + prefill steps by token layout" $T bash -c "python benchmarks/spec_prefill_host.py --heads 2/8,2/4 \
     --specs 8,32 --rounds 2 --steps 10 > $out/spec_layouts_h200.txt"
   cat "$out/spec_layouts_h200.txt"; stamp "$out/spec_layouts_h200.txt"
+fi
+
+if want conv; then
+  f="$out/conv_forms_h200.txt"
+  {
+    echo "## pytest -m gpu tests/kernels/test_layer_ops_gpu.py -k 'opt_in or random_batches or widths'"
+    step "conv forms: GPU tests" 240 python -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_layer_ops_gpu.py \
+      -k "opt_in or random_batches or widths" 2>&1 | tail -4
+    echo "## python benchmarks/conv_prefill_ab.py (forms: default, 4 channels a lane, row offsets, both)"
+    step "conv forms: kernel A/B" 200 python benchmarks/conv_prefill_ab.py --heads 2/8,4/16,16/64 \
+      --rows 1x8192,16x512,mixed,1x32768 --forms 3:auto:fast,3:auto:fast+lc4,3:auto:fast+ro,3:auto:fast+lc4+ro
+    echo "## python benchmarks/layer_preamble.py --conv-forms 8,4,8ro,4ro (layer - core against 1.25 x floor)"
+    step "conv forms: layer preamble" 200 python benchmarks/layer_preamble.py --heads 2/8,4/16 \
+      --rows 1x8192,16x512,mixed --conv-forms 8,4,8ro,4ro
+  } > "$f" 2>&1
+  cat "$f"; stamp "$f"
 fi
 
 if want inputs; then
