@@ -4,6 +4,8 @@ with its core (gdn_prefill) left out, and of the core alone on the layer's own b
 preamble left out, its outputs from the call before), in one process, interleaved, two rounds.
 
     python benchmarks/layer_preamble.py --heads 2/8 --rows 1x32768,4x8192,16x512,mixed --silu-forms tanh,ex2
+    # conv_prefill's forms (conv.PREFILL_LANE_CHANNELS 8 or 4, "ro": conv.PREFILL_ROW_OFFSETS)
+    python benchmarks/layer_preamble.py --heads 2/8,4/16 --rows 1x8192,16x512,mixed --conv-forms 8,4,8ro,4ro
 
 The target (issue 24): layer - core <= 1.25 x the preamble's memory floor, the bytes it must
 move (x read; q, k, v, g, beta written; a, b read) at 4.2 TB/s. A benchmark, not a test.

@@ -220,9 +220,11 @@ if want conv; then
     echo "## pytest -m gpu tests/kernels/test_layer_ops_gpu.py -k 'opt_in or random_batches or widths'"
     step "conv forms: GPU tests" 240 python -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_layer_ops_gpu.py \
       -k "opt_in or random_batches or widths" 2>&1 | tail -4
-    echo "## python benchmarks/conv_prefill_ab.py (forms: default, 4 channels a lane, row offsets, both)"
+    # (the last form: both, walks of 16 steps; at 4/16 x 8192 the rule's 8 give ~1.5 waves in
+    # either lane form, 16 give 0.73 of a wave with 4 channels a lane)
+    echo "## python benchmarks/conv_prefill_ab.py (forms: default, 4 channels a lane, row offsets, both, both at 16-step walks)"
     step "conv forms: kernel A/B" 200 python benchmarks/conv_prefill_ab.py --heads 2/8,4/16,16/64 \
-      --rows 1x8192,16x512,mixed,1x32768 --forms 3:auto:fast,3:auto:fast+lc4,3:auto:fast+ro,3:auto:fast+lc4+ro
+      --rows 1x8192,16x512,mixed,1x32768 --forms 3:auto:fast,3:auto:fast+lc4,3:auto:fast+ro,3:auto:fast+lc4+ro,3:16:fast+lc4+ro
     echo "## python benchmarks/layer_preamble.py --conv-forms 8,4,8ro,4ro (layer - core against 1.25 x floor)"
     step "conv forms: layer preamble" 200 python benchmarks/layer_preamble.py --heads 2/8,4/16 \
       --rows 1x8192,16x512,mixed --conv-forms 8,4,8ro,4ro
