@@ -217,9 +217,9 @@ fi
 if want conv; then
   f="$out/conv_forms_h200.txt"
   {
-    echo "## pytest -m gpu tests/kernels/test_layer_ops_gpu.py -k 'opt_in or random_batches or widths'"
+    echo "## pytest -m gpu tests/kernels/test_layer_ops_gpu.py -k 'opt_in or random_batches or widths or decode_rows'"
     step "conv forms: GPU tests" 240 python -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_layer_ops_gpu.py \
-      -k "opt_in or random_batches or widths" 2>&1 | tail -4
+      -k "opt_in or random_batches or widths or decode_rows" 2>&1 | tail -4
     # (the last form: both, walks of 16 steps; at 4/16 x 8192 the rule's 8 give ~1.5 waves in
     # either lane form, 16 give 0.73 of a wave with 4 channels a lane)
     echo "## python benchmarks/conv_prefill_ab.py (forms: default, 4 channels a lane, row offsets, both, both at 16-step walks)"

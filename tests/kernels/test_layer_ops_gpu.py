@@ -167,12 +167,15 @@ def _check_conv_prefill(hk, hv, lens, slots, has, layout, bias, dt_bias_dtype, s
 # conv.DECODE_SEQS sequences per thread)
 @pytest.mark.parametrize("B", [1, 5, 300])
 @pytest.mark.parametrize("layout", ["dim_first", "seq_first"])
-def test_conv_prefill_with_decode_rows_matches_two_launches(B, layout):
+@pytest.mark.parametrize("lanes,offsets", [(8, False)] + OPT_IN_FORMS)
+def test_conv_prefill_with_decode_rows_matches_two_launches(B, layout, lanes, offsets, monkeypatch):
     """A mixed step's decode rows convolved by the prefill conv's decode CTAs
     (gdn_layer_prefill_inputs' _decodes, gdn_layer.MIXED_CONV) give bit for bit what the prefill
     conv and causal_conv_decode give as two launches: q, k, v, g, beta, the decode rows' outputs
     and every conv slot (prefill windows written back, decode windows shifted, the others
     untouched)."""
+    monkeypatch.setattr(conv_kernels, "PREFILL_LANE_CHANNELS", lanes)
+    monkeypatch.setattr(conv_kernels, "PREFILL_ROW_OFFSETS", offsets)
     gen = torch.Generator().manual_seed(90 + B)
     hk, hv, W = 2, 8, 4
     dim = (2 * hk + hv) * HEAD

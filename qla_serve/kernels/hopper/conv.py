@@ -31,8 +31,9 @@ formulas in torch; float64 truth in the layer tests):
   sequence's new window into its slot: the write-back is part of this launch
   (WINDOW_CTAS). A token row's 128 channels sit in
   16 adjacent lanes, so the q/k L2 norm is 4 xor-shuffles, and every output is a 16-byte
-  store (with 4 channels per lane: 32 lanes, 5 shuffles, 8-byte pieces and stores). A walk finds its sequence by a binary search in cu_seqlens, and again only where it
-  crosses into the next one (no per-token index tensors). Its program: conv_prefill.py.
+  store (with 4 channels per lane: 32 lanes, 5 shuffles, 8-byte pieces and stores). A walk
+  finds its sequence by a binary search in cu_seqlens, and again only where it crosses into
+  the next one (no per-token index tensors). Its program: conv_prefill.py.
 * ``conv_prefill_state``: the conv-state write-back alone (conv_window): a prefill checkpoint's
   window, and the prefill's own where conv_prefill has no window CTAs (a second launch then: a
   sequence spans several walks, and the walk that would write its new window cannot know that
@@ -558,7 +559,8 @@ def _names(x, conv_state, weight):
 
 
 def steps_per_walk(num_tokens: int, channel_blocks: int, sm_count: int, lane_channels: int = 8) -> int:
-    """conv_prefill's GROUP-token steps per half-warp walk. Longer walks cost fewer walk starts
+    """conv_prefill's GROUP-token steps per walk (walkers_per_cta walkers a CTA at
+    ``lane_channels``). Longer walks cost fewer walk starts
     (a binary search, the W - 1 rows before the walk, a pipeline fill) but give fewer CTAs: up to
     SHORT_WALK_STEPS while that leaves CTAS_PER_SM CTAs per SM, QUICK_WALK_STEPS where the batch
     gives MANY_CTAS_PER_SM CTAs per SM of those (many heads, long batches)."""

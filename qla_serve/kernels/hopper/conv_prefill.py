@@ -27,17 +27,6 @@ GROUP = 4
 # row, 8 walkers per CTA of 128 threads) or 4 (8-byte pieces, a whole warp per row, 4 walkers per
 # CTA; half the registers per thread, so twice the CTAs per SM)
 LANE_CHANNELS = (8, 4)
-
-
-def walkers_per_cta(lane_channels: int) -> int:
-    """The walkers (one 128-channel row each) of a 128-thread CTA at ``lane_channels``."""
-    return 128 // (HEAD_DIM // lane_channels)
-
-
-def min_blocks_per_sm(lane_channels: int) -> int:
-    """The CTAs per SM the straight-line steps' register bound keeps (8 channels: 128 registers;
-    4 channels: 64)."""
-    return 4 if lane_channels == 8 else 8
 SEARCH_STEPS = 20             # binary-search halvings over cu_seqlens: up to 2**20 sequences
 # a gate CTA's (token, v-head) items per thread and round, their loads issued together
 GATE_ITEMS = 8
@@ -78,6 +67,17 @@ __device__ __forceinline__ void qla_cp_async_rows(void* smem, const void* base, 
   }
 }
 """
+
+
+def walkers_per_cta(lane_channels: int) -> int:
+    """The walkers (one 128-channel row each) of a 128-thread CTA at ``lane_channels``."""
+    return 128 // (HEAD_DIM // lane_channels)
+
+
+def min_blocks_per_sm(lane_channels: int) -> int:
+    """The CTAs per SM the straight-line steps' register bound keeps (8 channels a lane: 128
+    registers, no spills; 4: 64, none in the walk loop)."""
+    return 4 if lane_channels == 8 else 8
 
 
 def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t, decode_rows):
@@ -361,7 +361,7 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t, decod
         c0 = hb * HEAD_DIM
         g = tx % LANES
         T.assume(sx0 % VEC == 0)
-        tb = (bx * NW + tx // LANES) * (U * walk)    # this half-warp's first token
+        tb = (bx * NW + tx // LANES) * (U * walk)    # this walker's first token
         tend = T.min(tb + U * walk, ntok)
         w = T.alloc_local((W, VEC), f32)
         bias8 = T.alloc_local((VEC,), f32)
