@@ -35,6 +35,8 @@ EXPECTED = {
     "qwen3-next-80b-a3b-tp4": ("Qwen/Qwen3-Next-80B-A3B-Instruct", 4, "4/8", None),
     # The README's and docs/vllm.md's example deployment.
     "qwen3-next-80b-a3b-tp8": ("Qwen/Qwen3-Next-80B-A3B-Instruct", 8, "2/4", 262144),
+    # the same with MTP speculative decoding (2 drafts a step)
+    "qwen3-next-80b-a3b-tp8-mtp": ("Qwen/Qwen3-Next-80B-A3B-Instruct", 8, "2/4", 262144),
     "qwen3.6-35b-a3b-tp1": ("Qwen/Qwen3.6-35B-A3B", 1, "16/32", 262144),
 }
 

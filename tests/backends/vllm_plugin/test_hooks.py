@@ -208,6 +208,38 @@ def test_unknown_name_in_additional_config(registered):
         EngineArgs(model="m", additional_config={"linear_attn_backend": "nope"}).create_engine_config()
 
 
+def test_shipped_vllm_configs_parse(registered):
+    """Every shipped vLLM deployment's rendered command (configs/deploy, qla_serve.deploy's
+    render_command) through the parser `vllm serve` builds (vllm/entrypoints/cli/serve.py:
+    make_arg_parser) and EngineArgs; the MTP deployment's speculative config arrives as vLLM
+    reads it (the method and draft count; vLLM builds the draft model's config from the
+    checkpoint at start-up, which needs the weights)."""
+    import glob
+    import os
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from qla_serve.deploy import load_config, render_command
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "..", "configs", "deploy")
+    seen = {}
+    for path in sorted(glob.glob(os.path.join(root, "*.yaml"))):
+        cfg = load_config(path)
+        if cfg.engine.name != "vllm":
+            continue
+        model, *flags = render_command(cfg).args
+        ns = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", model, *flags])
+        assert (ns.host, ns.port) == (cfg.engine.host, cfg.engine.port)
+        ea = AsyncEngineArgs.from_cli_args(ns)
+        assert ea.model == model and ea.tensor_parallel_size == cfg.engine.tensor_parallel_size
+        assert ea.additional_config["linear_attn_backend"] == "flashqla"
+        seen[cfg.name] = ea.speculative_config
+    assert seen["qwen3-next-80b-a3b-tp8-mtp"] == {"method": "mtp", "num_speculative_tokens": 2}
+    assert seen["qwen3-next-80b-a3b-tp8"] is None
+
+
 def test_parse_namespace_is_plain(registered):
     ns = _parser().parse_args(["--model", "m"])
     assert isinstance(ns, argparse.Namespace) and ns.linear_attn_backend is None
