@@ -62,13 +62,18 @@ def test_conv_prefill_matches_reference(hk, hv, layout, bias, dt_bias_dtype, wal
 OPT_IN_FORMS = [(4, False), (8, True), (4, True)]
 
 
+def _conv_form(monkeypatch, lanes, offsets):
+    """conv_prefill's form for this test: channels per lane and row offsets (conv.py's switches)."""
+    monkeypatch.setattr(conv_kernels, "PREFILL_LANE_CHANNELS", lanes)
+    monkeypatch.setattr(conv_kernels, "PREFILL_ROW_OFFSETS", offsets)
+
+
 @pytest.mark.parametrize("hk,hv", [(2, 8), (4, 16)])
 @pytest.mark.parametrize("walk", [None, 3])
 @pytest.mark.parametrize("fast", [True, False])
 @pytest.mark.parametrize("lanes,offsets", OPT_IN_FORMS)
 def test_conv_prefill_opt_in_forms(hk, hv, walk, fast, lanes, offsets, monkeypatch):
-    monkeypatch.setattr(conv_kernels, "PREFILL_LANE_CHANNELS", lanes)
-    monkeypatch.setattr(conv_kernels, "PREFILL_ROW_OFFSETS", offsets)
+    _conv_form(monkeypatch, lanes, offsets)
     if walk is not None:
         monkeypatch.setattr(conv_kernels, "steps_per_walk", lambda *_: walk)
     monkeypatch.setattr(conv_kernels, "FAST_STEPS", fast)
@@ -92,8 +97,7 @@ def test_conv_prefill_on_random_batches(walk, seed, windows, lanes, offsets, mon
     bit-identical."""
     monkeypatch.setattr(conv_kernels, "steps_per_walk", lambda *_: walk)
     monkeypatch.setattr(conv_kernels, "WINDOW_CTAS", windows)
-    monkeypatch.setattr(conv_kernels, "PREFILL_LANE_CHANNELS", lanes)
-    monkeypatch.setattr(conv_kernels, "PREFILL_ROW_OFFSETS", offsets)
+    _conv_form(monkeypatch, lanes, offsets)
     gen = torch.Generator().manual_seed(1000 + seed)
     N = 48
     lens = torch.randint(0, 8, (N,), generator=gen)
@@ -112,8 +116,7 @@ def test_conv_prefill_on_random_batches(walk, seed, windows, lanes, offsets, mon
 @pytest.mark.parametrize("layout", ["dim_first", "seq_first"])
 @pytest.mark.parametrize("lanes,offsets", [(8, False)] + OPT_IN_FORMS)
 def test_conv_prefill_widths(width, layout, lanes, offsets, monkeypatch):
-    monkeypatch.setattr(conv_kernels, "PREFILL_LANE_CHANNELS", lanes)
-    monkeypatch.setattr(conv_kernels, "PREFILL_ROW_OFFSETS", offsets)
+    _conv_form(monkeypatch, lanes, offsets)
     gen = torch.Generator().manual_seed(50 + width)
     N = 24
     lens = torch.randint(0, 9, (N,), generator=gen)
@@ -174,8 +177,7 @@ def test_conv_prefill_with_decode_rows_matches_two_launches(B, layout, lanes, of
     conv and causal_conv_decode give as two launches: q, k, v, g, beta, the decode rows' outputs
     and every conv slot (prefill windows written back, decode windows shifted, the others
     untouched)."""
-    monkeypatch.setattr(conv_kernels, "PREFILL_LANE_CHANNELS", lanes)
-    monkeypatch.setattr(conv_kernels, "PREFILL_ROW_OFFSETS", offsets)
+    _conv_form(monkeypatch, lanes, offsets)
     gen = torch.Generator().manual_seed(90 + B)
     hk, hv, W = 2, 8, 4
     dim = (2 * hk + hv) * HEAD

@@ -222,10 +222,10 @@ def test_shipped_vllm_configs_parse(registered):
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     from qla_serve.deploy import load_config, render_command
+    from qla_serve.deploy.config import shipped_configs_dir
 
-    root = os.path.join(os.path.dirname(__file__), "..", "..", "..", "configs", "deploy")
     seen = {}
-    for path in sorted(glob.glob(os.path.join(root, "*.yaml"))):
+    for path in sorted(glob.glob(os.path.join(shipped_configs_dir(), "*.yaml"))):
         cfg = load_config(path)
         if cfg.engine.name != "vllm":
             continue
