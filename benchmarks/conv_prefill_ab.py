@@ -33,9 +33,8 @@ def run_form(case, step, stages, walk, flags=""):
     flags = set(flags.split("+"))
     conv.STAGES, conv.FAST_STEPS = int(stages), "fast" in flags
     conv.SILU_FORM = "ex2" if "ex2" in flags else "tanh"
-    if hasattr(conv, "PREFILL_LANE_CHANNELS"):      # (absent before session 49's forms)
-        conv.PREFILL_LANE_CHANNELS = 4 if "lc4" in flags else 8
-        conv.PREFILL_ROW_OFFSETS = "ro" in flags
+    conv.PREFILL_LANE_CHANNELS = 4 if "lc4" in flags else 8
+    conv.PREFILL_ROW_OFFSETS = "ro" in flags
     conv.steps_per_walk = _AUTO_WALK if walk == "auto" else (lambda *_: int(walk))
     x, a, b = case.mixed_qkv[: case.row.tokens], case.a[: case.row.tokens], case.b[: case.row.tokens]
     plan = step.prefill_plan
