@@ -30,9 +30,10 @@
 #   spec       spec_layouts_h200.txt (benchmarks/spec_prefill_host.py: vLLM's MTP steps beside a
 #              chunked prefill, the spec rows as views, gathered, and interleaved; 2/8 and 2/4)
 #   conv       conv_forms_h200.txt (conv_prefill's opt-in forms, conv.PREFILL_LANE_CHANNELS and
-#              PREFILL_ROW_OFFSETS: their GPU tests, the kernel beside the default form
-#              (benchmarks/conv_prefill_ab.py) and the layer's preamble against issue 24's target
-#              at the 8192-token rows (benchmarks/layer_preamble.py); ~5 min with their kernels
+#              PREFILL_ROW_OFFSETS: the kernel beside the default form (benchmarks/conv_prefill_ab.py)
+#              first, then their GPU tests and the layer's preamble against issue 24's target at
+#              the 8192-token rows (benchmarks/layer_preamble.py), the file written as each step
+#              runs, so that a call cut short returns what ran; ~5 min with their kernels
 #              carried, e.g. TLCACHE=".gpucache/tlcache.tar.xz .gpucache/conv_forms.tar.xz")
 #   inputs     prefill_inputs_h200.txt (benchmarks/prefill_inputs.py)
 #   sustained  sustained_h200.txt (benchmarks/sustained.py, the 16/64 and 2/8 rows of prefill.md)
@@ -216,23 +217,24 @@ fi
 
 if want conv; then
   f="$out/conv_forms_h200.txt"
-  {
-    # (the opt-in forms only: the default form's cases ran before; the three steps' limits add up
-    # to a device call's 10 minutes)
-    sel="opt_in or ((random_batches or widths or decode_rows) and not 8-False)"
-    echo "## pytest -m gpu tests/kernels/test_layer_ops_gpu.py -k '$sel'"
-    step "conv forms: GPU tests" 200 python -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_layer_ops_gpu.py \
-      -k "$sel" 2>&1 | tail -4
-    # (the last form: both, walks of 16 steps; at 4/16 x 8192 the rule's 8 give ~1.5 waves in
-    # either lane form, 16 give 0.73 of a wave with 4 channels a lane)
-    echo "## python benchmarks/conv_prefill_ab.py (forms: default, 4 channels a lane, row offsets, both, both at 16-step walks)"
-    step "conv forms: kernel A/B" 180 python benchmarks/conv_prefill_ab.py --heads 2/8,4/16,16/64 \
-      --rows 1x8192,16x512,mixed,1x32768 --forms 3:auto:fast,3:auto:fast+lc4,3:auto:fast+ro,3:auto:fast+lc4+ro,3:16:fast+lc4+ro
-    echo "## python benchmarks/layer_preamble.py --conv-forms 8,4,8ro,4ro (layer - core against 1.25 x floor)"
-    step "conv forms: layer preamble" 180 python benchmarks/layer_preamble.py --heads 2/8,4/16 \
-      --rows 1x8192,16x512,mixed --conv-forms 8,4,8ro,4ro
-  } > "$f" 2>&1
-  cat "$f"; stamp "$f"
+  # Written as each step runs (tee -a), the A/B first: a call cut short by the device's limit or
+  # its budget still brings back the steps that ran, the deciding one first.
+  : > "$f"
+  # (the last form: both, walks of 16 steps; at 4/16 x 8192 the rule's 8 give ~1.5 waves in
+  # either lane form, 16 give 0.73 of a wave with 4 channels a lane)
+  echo "## python benchmarks/conv_prefill_ab.py (forms: default, 4 channels a lane, row offsets, both, both at 16-step walks)" | tee -a "$f"
+  step "conv forms: kernel A/B" 170 python benchmarks/conv_prefill_ab.py --heads 2/8,4/16,16/64 \
+    --rows 1x8192,16x512,mixed,1x32768 --forms 3:auto:fast,3:auto:fast+lc4,3:auto:fast+ro,3:auto:fast+lc4+ro,3:16:fast+lc4+ro \
+    2>&1 | tee -a "$f"
+  # (the opt-in forms only: the default form's cases ran before)
+  sel="opt_in or ((random_batches or widths or decode_rows) and not 8-False)"
+  echo "## pytest -m gpu tests/kernels/test_layer_ops_gpu.py -k '$sel'" | tee -a "$f"
+  step "conv forms: GPU tests" 190 python -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_layer_ops_gpu.py \
+    -k "$sel" 2>&1 | tail -6 | tee -a "$f"
+  echo "## python benchmarks/layer_preamble.py --conv-forms 8,4,8ro,4ro (layer - core against 1.25 x floor)" | tee -a "$f"
+  step "conv forms: layer preamble" 180 python benchmarks/layer_preamble.py --heads 2/8,4/16 \
+    --rows 1x8192,16x512,mixed --conv-forms 8,4,8ro,4ro 2>&1 | tee -a "$f"
+  stamp "$f"
 fi
 
 if want inputs; then
