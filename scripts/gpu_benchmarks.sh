@@ -218,8 +218,9 @@ fi
 if want conv; then
   f="$out/conv_forms_h200.txt"
   # Written as each step runs (tee -a), the A/B first: a call cut short by the device's limit or
-  # its budget still brings back the steps that ran, the deciding one first.
-  : > "$f"
+  # its budget still brings back the steps that ran, the deciding one first (so the stamp's line
+  # comes first, not after the last step)
+  echo "# commit $commit, date $run_date" > "$f"
   # (the last form: both, walks of 16 steps; at 4/16 x 8192 the rule's 8 give ~1.5 waves in
   # either lane form, 16 give 0.73 of a wave with 4 channels a lane)
   echo "## python benchmarks/conv_prefill_ab.py (forms: default, 4 channels a lane, row offsets, both, both at 16-step walks)" | tee -a "$f"
@@ -234,7 +235,6 @@ if want conv; then
   echo "## python benchmarks/layer_preamble.py --conv-forms 8,4,8ro,4ro (layer - core against 1.25 x floor)" | tee -a "$f"
   step "conv forms: layer preamble" 180 python benchmarks/layer_preamble.py --heads 2/8,4/16 \
     --rows 1x8192,16x512,mixed --conv-forms 8,4,8ro,4ro 2>&1 | tee -a "$f"
-  stamp "$f"
 fi
 
 if want inputs; then
