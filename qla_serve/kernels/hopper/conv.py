@@ -66,7 +66,7 @@ heads, W, dtypes, activation and bias are static and name a variant.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
-from .conv_prefill import GROUP, HEAD_DIM, LANE_CHANNELS, SEARCH_STEPS, walkers_per_cta
+from .conv_prefill import GROUP, HEAD_DIM, LANE_CHANNELS, SEARCH_STEPS, min_blocks_per_sm, walkers_per_cta
 from .conv_prefill import program as _prefill_program
 from .common import (_GATE_DTYPES, _IO_DTYPES, _check_heads, _dtype_name,
                      compile_for, gate_dtype_names, launch_function, sm_count)
@@ -138,6 +138,9 @@ WINDOW_CTAS = True
 #   offset instead of clamped row indices (72 instead of 119 instructions per step head).
 PREFILL_LANE_CHANNELS = 8
 PREFILL_ROW_OFFSETS = False
+# Per call (PREFILL_LANE_CHANNELS = "wave"): 4 channels a lane where the 8-channel form's walker
+# CTAs fill less than one wave of the GPU's CTA slots (prefill_lane_channels), else 8.
+PREFILL_LANE_RULES = (8, 4, "wave")
 # Without the window CTAs: the prefill's conv-state write-back launched as the conv_prefill
 # grid's programmatic dependent (conv_prefill_state's after_conv form): its loads (ids, lengths,
 # the new window) overlap the conv's last wave, its stores wait for the conv's end. False: a
@@ -252,11 +255,11 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
             common = dict(bias=has_bias)
             for param, gbias in _GATE_PARAMS(io):
                 for decodes in (False, True) if WINDOW_CTAS else (False,):   # (mixed steps: with decode CTAs)
-                    out.append(variant("conv_prefill", num_v_heads, num_k_heads, 4, io, io, qk_out="float16",
-                                       ab=io, param=param, gbias=gbias, stages=STAGES, fast_steps=FAST_STEPS,
-                                       silu_form=SILU_FORM, window_ctas=WINDOW_CTAS, decodes=decodes,
-                                       lane_channels=PREFILL_LANE_CHANNELS,
-                                       row_offsets=PREFILL_ROW_OFFSETS, **common))
+                    for lanes in _lane_forms():
+                        out.append(variant("conv_prefill", num_v_heads, num_k_heads, 4, io, io, qk_out="float16",
+                                           ab=io, param=param, gbias=gbias, stages=STAGES, fast_steps=FAST_STEPS,
+                                           silu_form=SILU_FORM, window_ctas=WINDOW_CTAS, decodes=decodes,
+                                           lane_channels=lanes, row_offsets=PREFILL_ROW_OFFSETS, **common))
             for after in (False,) if WINDOW_CTAS else (False, True):
                 out.append(variant("conv_prefill_state", num_v_heads, num_k_heads, 4, io, io,
                                    after_conv=after, **common))
@@ -552,6 +555,26 @@ def _bias_arg(bias, weight):
     return z
 
 
+def _lane_forms() -> tuple[int, ...]:
+    """The channels a lane conv_prefill can launch with (PREFILL_LANE_CHANNELS)."""
+    if PREFILL_LANE_CHANNELS not in PREFILL_LANE_RULES:
+        raise ValueError(f"conv.PREFILL_LANE_CHANNELS: expected one of {PREFILL_LANE_RULES}, "
+                         f"got {PREFILL_LANE_CHANNELS!r}")
+    return LANE_CHANNELS if PREFILL_LANE_CHANNELS == "wave" else (PREFILL_LANE_CHANNELS,)
+
+
+def prefill_lane_channels(num_tokens: int, channel_blocks: int, sm_count: int) -> int:
+    """conv_prefill's channels a lane for a call (PREFILL_LANE_CHANNELS; "wave": 4 where the
+    8-channel form's walker CTAs, at its walk length, fill less than one wave of sm_count SMs'
+    slots: its warps then leave SM slots idle that twice as many walker warps fill)."""
+    if PREFILL_LANE_CHANNELS != "wave":
+        _lane_forms()
+        return PREFILL_LANE_CHANNELS
+    walk = WALK_STEPS or steps_per_walk(num_tokens, channel_blocks, sm_count, 8)
+    ctas = -(-num_tokens // (GROUP * walkers_per_cta(8) * walk)) * channel_blocks
+    return 4 if ctas < sm_count * min_blocks_per_sm(8) else 8
+
+
 def _names(x, conv_state, weight):
     return (_dtype_name(x.dtype, "mixed_qkv", _IO_DTYPES),
             _dtype_name(conv_state.dtype, "conv_state", CONV_STATE_DTYPES),
@@ -590,8 +613,9 @@ def conv_prefill(x, conv_state, weight, bias, slot_ids, has_initial_state, cu_se
     # the decode rows in this launch (its decode CTAs), where it runs with window CTAs
     dec = bool(T_) and windows and decodes is not None and decodes[0].shape[0] > 0
     if T_:
-        lanes, offsets = PREFILL_LANE_CHANNELS, PREFILL_ROW_OFFSETS
-        walk = WALK_STEPS or steps_per_walk(T_, 2 * hk + hv, sm_count(x.device), lanes)
+        sms = sm_count(x.device)
+        lanes, offsets = prefill_lane_channels(T_, 2 * hk + hv, sms), PREFILL_ROW_OFFSETS
+        walk = WALK_STEPS or steps_per_walk(T_, 2 * hk + hv, sms, lanes)
         stages, fast, silu_form = STAGES, FAST_STEPS, SILU_FORM
         key = ("conv_prefill", x.device, x.dtype, conv_state.dtype, weight.dtype, q_out.dtype, a.dtype,
                A_log.dtype, dt_bias.dtype, hv, hk, width, activation, bias is not None, stages, fast,
