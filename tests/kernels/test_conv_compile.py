@@ -120,6 +120,25 @@ def test_steps_per_walk():
     assert C.steps_per_walk(4096, 12, 132) == 4                         # 5.8 -> 4
 
 
+def test_prefill_lane_channels(monkeypatch):
+    """PREFILL_LANE_CHANNELS "wave": 4 channels a lane where the 8-channel form's walker CTAs fill
+    less than one wave (4 CTAs per SM), else 8; a fixed 8 or 4 as it is; kernel_variants lists
+    every form a call can take."""
+    assert C.prefill_lane_channels(8192, 12, 132) == C.PREFILL_LANE_CHANNELS
+    monkeypatch.setattr(C, "PREFILL_LANE_CHANNELS", "wave")
+    # 2/8 heads x 8192 tokens: 8-step walks of 8 walkers x 4 tokens, 32 x 12 = 384 CTAs < 528 slots
+    assert C.prefill_lane_channels(8192, 12, 132) == 4
+    assert C.prefill_lane_channels(8192, 24, 132) == 8      # 4/16: 768 CTAs
+    assert C.prefill_lane_channels(32768, 12, 132) == 8     # 1536
+    assert C.prefill_lane_channels(512, 12, 132) == 4
+    assert C.prefill_lane_channels(8192, 12, 64) == 8       # 384 CTAs against 256 slots
+    lanes = {v.get("lane_channels", 8) for v in C.kernel_variants(8, 2) if v["op"] == "conv_prefill"}
+    assert lanes == {4, 8}
+    monkeypatch.setattr(C, "PREFILL_LANE_CHANNELS", 2)
+    with pytest.raises(ValueError, match="PREFILL_LANE_CHANNELS"):
+        C.prefill_lane_channels(8192, 12, 132)
+
+
 def test_conv_variants_are_unique_and_checked():
     vs = C.kernel_variants(32, 16)
     names = [v["name"] for v in vs]
