@@ -4,7 +4,7 @@ with its core (gdn_prefill) left out, and of the core alone on the layer's own b
 preamble left out, its outputs from the call before), in one process, interleaved, two rounds.
 
     python benchmarks/layer_preamble.py --heads 2/8 --rows 1x32768,4x8192,16x512,mixed --silu-forms tanh,ex2
-    # conv_prefill's forms (conv.PREFILL_LANE_CHANNELS 8 or 4, "ro": conv.PREFILL_ROW_OFFSETS)
+    # conv_prefill's forms (conv.PREFILL_LANE_CHANNELS 8, 4 or wave, "ro": conv.PREFILL_ROW_OFFSETS)
     python benchmarks/layer_preamble.py --heads 2/8,4/16 --rows 1x8192,16x512,mixed --conv-forms 8,4,8ro,4ro
 
 The target (issue 24): layer - core <= 1.25 x the preamble's memory floor, the bytes it must
@@ -54,15 +54,17 @@ def main():
     ap.add_argument("--graph-calls", type=int, default=4)
     ap.add_argument("--silu-forms", default=conv.SILU_FORM, help="conv.SILU_FORM values, each a pass")
     ap.add_argument("--conv-forms", default="8",
-                    help="conv_prefill forms, each a pass: conv.PREFILL_LANE_CHANNELS (8 or 4), 'ro' "
-                         "appended for conv.PREFILL_ROW_OFFSETS (e.g. 8,4,8ro,4ro)")
+                    help="conv_prefill forms, each a pass: conv.PREFILL_LANE_CHANNELS (8, 4 or wave), 'ro' "
+                         "appended for conv.PREFILL_ROW_OFFSETS (e.g. 8,4,8ro,4ro,wavero)")
     args = ap.parse_args()
     points = [(f, c, hk, hv, t) for f in args.silu_forms.split(",")
               for c in args.conv_forms.split(",") for hk, hv in L.parse_heads(args.heads)
               for t in args.rows.split(",")]
     for form, cform, hk, hv, text in points:
         conv.SILU_FORM = form
-        conv.PREFILL_LANE_CHANNELS, conv.PREFILL_ROW_OFFSETS = int(cform.removesuffix("ro")), cform.endswith("ro")
+        lanes = cform.removesuffix("ro")
+        conv.PREFILL_LANE_CHANNELS = lanes if lanes == "wave" else int(lanes)
+        conv.PREFILL_ROW_OFFSETS = cform.endswith("ro")
         case = L.LayerCase(hk, hv, L.parse_row(text), torch.float32, "cuda")
         fn = L.qla_call(case, L.qla_step(case, 0))
         fn()

@@ -133,13 +133,12 @@ WINDOW_CTAS = True
 # - channels per lane (variant key "lane_channels", conv_prefill.LANE_CHANNELS): 8 (16-byte
 #   pieces, 128 registers, 4 CTAs per SM) or 4 (8-byte pieces, a warp per row, 64 registers, 8
 #   CTAs per SM: twice the warps where a batch fills less than a wave, as at 8192 tokens; ~1.2x
-#   the instructions per element);
+#   the instructions per element); or "wave": per call, 4 where the 8-channel form's walker CTAs
+#   fill less than one wave of the GPU's CTA slots (prefill_lane_channels), else 8;
 # - row offsets (variant key "row_offsets"): the ring rows' cp.async addresses from one 64-bit
 #   offset instead of clamped row indices (72 instead of 119 instructions per step head).
 PREFILL_LANE_CHANNELS = 8
 PREFILL_ROW_OFFSETS = False
-# Per call (PREFILL_LANE_CHANNELS = "wave"): 4 channels a lane where the 8-channel form's walker
-# CTAs fill less than one wave of the GPU's CTA slots (prefill_lane_channels), else 8.
 PREFILL_LANE_RULES = (8, 4, "wave")
 # Without the window CTAs: the prefill's conv-state write-back launched as the conv_prefill
 # grid's programmatic dependent (conv_prefill_state's after_conv form): its loads (ids, lengths,
