@@ -4,7 +4,7 @@ with its core (gdn_prefill) left out, and of the core alone on the layer's own b
 preamble left out, its outputs from the call before), in one process, interleaved, two rounds.
 
     python benchmarks/layer_preamble.py --heads 2/8 --rows 1x32768,4x8192,16x512,mixed --silu-forms tanh,ex2
-    # conv_prefill's forms (conv.PREFILL_LANE_CHANNELS 8, 4 or wave, "ro": conv.PREFILL_ROW_OFFSETS)
+    # conv_prefill's forms (conv.PREFILL_LANE_CHANNELS 8, 4 or auto, "ro": conv.PREFILL_ROW_OFFSETS)
     python benchmarks/layer_preamble.py --heads 2/8,4/16 --rows 1x8192,16x512,mixed --conv-forms 8,4,8ro,4ro
 
 The target (issue 24): layer - core <= 1.25 x the preamble's memory floor, the bytes it must
@@ -19,6 +19,7 @@ import torch
 
 import qla_serve
 from qla_serve import layer_ops
+from qla_serve.backends import gdn_layer
 from qla_serve.bench import layer as L
 from qla_serve.bench import prefill as bpre
 from qla_serve.kernels.hopper import conv
@@ -36,8 +37,11 @@ def floor_us(case) -> float:
 
 def timed(fn, reps, graph_calls, skip=None) -> float:
     """GPU us per call (bench prefill's graph timing), with ``skip`` ("gdn_prefill": the core, or
-    "gdn_layer_prefill_inputs": the preamble) a no-op while the graph is captured."""
+    "gdn_layer_prefill_inputs": the preamble) a no-op while the graph is captured. Without the
+    launch replay (graph replays: the same GPU time), which would replay a skipped op's
+    launches recorded by an earlier call of the step."""
     with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(gdn_layer, "LAUNCH_REPLAY", False))
         if skip is not None:
             owner = qla_serve if skip == "gdn_prefill" else layer_ops
             stack.enter_context(mock.patch.object(owner, skip, lambda *a, **k: None))
@@ -53,9 +57,9 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--graph-calls", type=int, default=4)
     ap.add_argument("--silu-forms", default=conv.SILU_FORM, help="conv.SILU_FORM values, each a pass")
-    ap.add_argument("--conv-forms", default="8",
-                    help="conv_prefill forms, each a pass: conv.PREFILL_LANE_CHANNELS (8, 4 or wave), 'ro' "
-                         "appended for conv.PREFILL_ROW_OFFSETS (e.g. 8,4,8ro,4ro,wavero)")
+    ap.add_argument("--conv-forms", default=f"{conv.PREFILL_LANE_CHANNELS}{'ro' if conv.PREFILL_ROW_OFFSETS else ''}",
+                    help="conv_prefill forms, each a pass: conv.PREFILL_LANE_CHANNELS (8, 4 or auto), 'ro' "
+                         "appended for conv.PREFILL_ROW_OFFSETS (e.g. 8,4,8ro,4ro,autoro)")
     args = ap.parse_args()
     points = [(f, c, hk, hv, t) for f in args.silu_forms.split(",")
               for c in args.conv_forms.split(",") for hk, hv in L.parse_heads(args.heads)
@@ -63,7 +67,7 @@ def main():
     for form, cform, hk, hv, text in points:
         conv.SILU_FORM = form
         lanes = cform.removesuffix("ro")
-        conv.PREFILL_LANE_CHANNELS = lanes if lanes == "wave" else int(lanes)
+        conv.PREFILL_LANE_CHANNELS = lanes if lanes == "auto" else int(lanes)
         conv.PREFILL_ROW_OFFSETS = cform.endswith("ro")
         case = L.LayerCase(hk, hv, L.parse_row(text), torch.float32, "cuda")
         fn = L.qla_call(case, L.qla_step(case, 0))

@@ -28,8 +28,11 @@ def test_conv_variant_compiles(variant, target):
         assert "__shfl_xor_sync" in src and "half_t* __restrict__ Qo" in src   # q/k L2 norm, fp16 out
         assert "Cu[((int64_t)mid)]" in src            # sequences found from cu_seqlens, no index tensors
         assert "int ntok" in src and "int walk" in src    # a half-warp walks several token groups
-        # rows through a per-thread cp.async ring, waited for STAGES - 1 steps later: no barrier
-        assert "cp_async_gs_conditional<16>" in src and f"cp_async_wait<{C.STAGES - 1}>" in src
+        # rows through a per-thread cp.async ring, waited for STAGES - 1 steps later: no barrier;
+        # pieces of 2 x lane_channels bytes, addressed from one row offset (conv.PREFILL_ROW_OFFSETS)
+        piece = 2 * variant.get("lane_channels", 8)
+        copy = f"qla_cp_async_rows<{piece}, " if variant.get("row_offsets") else f"cp_async_gs_conditional<{piece}>"
+        assert copy in src and f"cp_async_wait<{C.STAGES - 1}>" in src
         assert "__syncthreads" not in src
     if variant["op"] in ("conv_spec", "conv_verify"):
         assert f"float win[{3 + variant['draft']}];" in src   # history + D draft inputs in registers
@@ -79,11 +82,12 @@ def test_conv_prefill_compiles(target, silu_form):
 @pytest.mark.parametrize("target", ["sm_90a", "sm_100a"])
 @pytest.mark.parametrize("lanes,offsets", [(4, False), (8, True), (4, True)])
 def test_conv_prefill_opt_in_forms_compile(target, lanes, offsets):
-    """conv_prefill's opt-in forms (conv.PREFILL_LANE_CHANNELS = 4, conv.PREFILL_ROW_OFFSETS; run
-    on a GPU by test_layer_ops_gpu.py): with 4 channels per lane 8-byte cp.async pieces, a warp
-    per row (the L2 norm over 32 lanes: 5 xor-shuffles) and 8 CTAs per SM kept by the launch
-    bound (64 registers); with row offsets the rows' cp.async from one offset (the helper
-    imported only then: the default form's source is what ran on the GPU)."""
+    """conv_prefill's forms besides the plain one (conv.PREFILL_LANE_CHANNELS 4 or "auto",
+    conv.PREFILL_ROW_OFFSETS: the defaults since session 51; run on the H200 by
+    test_layer_ops_gpu.py): with 4 channels per lane 8-byte cp.async pieces, a warp per row (the
+    L2 norm over 32 lanes: 5 xor-shuffles) and 8 CTAs per SM kept by the launch bound (64
+    registers); with row offsets the rows' cp.async from one offset (the helper imported only
+    then: the plain form's source is the one that ran before them)."""
     v = C.variant("conv_prefill", HV, HK, 4, "bfloat16", "bfloat16", qk_out="float16", ab="bfloat16",
                   param="float32", gbias="float32", lane_channels=lanes, row_offsets=offsets)
     assert v["name"].endswith(("_lc4" if lanes == 4 else "_wc") + ("_ro" if offsets else ""))
@@ -121,17 +125,23 @@ def test_steps_per_walk():
 
 
 def test_prefill_lane_channels(monkeypatch):
-    """PREFILL_LANE_CHANNELS "wave": 4 channels a lane where the 8-channel form's walker CTAs fill
-    less than one wave (4 CTAs per SM), else 8; a fixed 8 or 4 as it is; kernel_variants lists
-    every form a call can take."""
-    assert C.prefill_lane_channels(8192, 12, 132) == C.PREFILL_LANE_CHANNELS
-    monkeypatch.setattr(C, "PREFILL_LANE_CHANNELS", "wave")
-    # 2/8 heads x 8192 tokens: 8-step walks of 8 walkers x 4 tokens, 32 x 12 = 384 CTAs < 528 slots
+    """PREFILL_LANE_CHANNELS "auto": 4 channels a lane where the 8-channel form's walker CTAs fill
+    fewer than NARROW_LANE_WAVES waves (4 CTAs per SM), else 8; a fixed 8 or 4 as it is;
+    kernel_variants lists every form a call can take."""
+    for fixed in (8, 4):
+        monkeypatch.setattr(C, "PREFILL_LANE_CHANNELS", fixed)
+        assert C.prefill_lane_channels(8192, 12, 132) == fixed
+        assert {v.get("lane_channels", 8) for v in C.kernel_variants(8, 2) if v["op"] == "conv_prefill"} == {fixed}
+    monkeypatch.setattr(C, "PREFILL_LANE_CHANNELS", "auto")
+    # against NARROW_LANE_WAVES x 132 SMs x 4 CTAs = 1056 slots; 2/8 heads x 8192 tokens: 8-step
+    # walks of 8 walkers x 4 tokens, 32 x 12 = 384 CTAs
+    assert C.NARROW_LANE_WAVES == 2
     assert C.prefill_lane_channels(8192, 12, 132) == 4
-    assert C.prefill_lane_channels(8192, 24, 132) == 8      # 4/16: 768 CTAs
+    assert C.prefill_lane_channels(8192, 24, 132) == 4      # 4/16: 768 CTAs
     assert C.prefill_lane_channels(32768, 12, 132) == 8     # 1536
+    assert C.prefill_lane_channels(8192, 96, 132) == 8      # 16/64: 3072
     assert C.prefill_lane_channels(512, 12, 132) == 4
-    assert C.prefill_lane_channels(8192, 12, 64) == 8       # 384 CTAs against 256 slots
+    assert C.prefill_lane_channels(8192, 12, 32) == 8       # 384 CTAs against 256 slots
     lanes = {v.get("lane_channels", 8) for v in C.kernel_variants(8, 2) if v["op"] == "conv_prefill"}
     assert lanes == {4, 8}
     monkeypatch.setattr(C, "PREFILL_LANE_CHANNELS", 2)
@@ -146,8 +156,10 @@ def test_conv_variants_are_unique_and_checked():
     # CTAs), 2 decode (1 and
     # DECODE_SEQS sequences per thread), 3 spec, 3 SGLang verify)
     # with the window CTAs: no after_conv state, and each prefill conv with decode CTAs too
-    assert len(names) == len(set(names)) == 2 * 2 * 13 + 2 * 2 * 2 * C.WINDOW_CTAS
-    assert sum(v.get("decodes", False) for v in vs) == 2 * 2 * 3 * C.WINDOW_CTAS
+    # (each prefill conv in every lane form a call can take: conv.PREFILL_LANE_CHANNELS)
+    lanes = len(C._lane_forms())
+    assert len(names) == len(set(names)) == 2 * 2 * (3 * lanes * (1 + C.WINDOW_CTAS) + 9 + (not C.WINDOW_CTAS))
+    assert sum(v.get("decodes", False) for v in vs) == 2 * 2 * 3 * lanes * C.WINDOW_CTAS
     assert all(v.get("window_ctas", False) == C.WINDOW_CTAS for v in vs if v["op"] == "conv_prefill")
     assert {v.get("seqs", 1) for v in vs if v["op"] == "conv_decode"} == {1, C.DECODE_SEQS}
     assert sum(v["op"] == "conv_verify" for v in vs) == 2 * 2 * 3

@@ -127,19 +127,22 @@ DECODE_SEQS_MIN_BLOCKS = 2048
 # launch of its own (conv_prefill.py's window_block). False: the walkers take the history taps
 # and conv_prefill_state writes the windows back in a second launch (the form before it).
 WINDOW_CTAS = True
-# Two conv_prefill forms compiled and checked on this machine's nvcc (sm_90a SASS) but NOT YET
-# RUN ON A GPU (session 49 was lent none), so both stay off; benchmarks/h200_validation.md has the
-# run that decides them:
+# conv_prefill's forms (H200, kernel us, benchmarks/data/conv_forms_h200.txt, session 51):
 # - channels per lane (variant key "lane_channels", conv_prefill.LANE_CHANNELS): 8 (16-byte
 #   pieces, 128 registers, 4 CTAs per SM) or 4 (8-byte pieces, a warp per row, 64 registers, 8
-#   CTAs per SM: twice the warps where a batch fills less than a wave, as at 8192 tokens; ~1.2x
-#   the instructions per element); or "wave": per call, 4 where the 8-channel form's walker CTAs
-#   fill less than one wave of the GPU's CTA slots (prefill_lane_channels), else 8;
+#   CTAs per SM: twice the warps; ~1.2x the instructions per element). "auto": per call, 4
+#   where the 8-channel form's walker CTAs fill fewer than NARROW_LANE_WAVES waves of the GPU's
+#   CTA slots (prefill_lane_channels), else 8. With row offsets, 4 against 8: 2/8 x 8192 tokens
+#   (384 CTAs, 0.7 waves) 14.6 against 15.0, 4/16 x 8192 (768, 1.5 waves) 29.4-30.3 against
+#   30.2-31.3, level at 2/8 x 32768 (2.9 waves), 0.5-3% slower from 4/16 x 32768 and 16/64
+#   (5.8 waves and more);
 # - row offsets (variant key "row_offsets"): the ring rows' cp.async addresses from one 64-bit
-#   offset instead of clamped row indices (72 instead of 119 instructions per step head).
-PREFILL_LANE_CHANNELS = 8
-PREFILL_ROW_OFFSETS = False
-PREFILL_LANE_RULES = (8, 4, "wave")
+#   offset instead of clamped row indices (72 instead of 119 instructions per step head): never
+#   slower, 0.4-0.8 us faster at 8192 tokens (2/8 15.6 -> 15.0), 16/64 x 32768 416.0 -> 414.7.
+PREFILL_LANE_CHANNELS = "auto"
+PREFILL_ROW_OFFSETS = True
+PREFILL_LANE_RULES = (8, 4, "auto")
+NARROW_LANE_WAVES = 2
 # Without the window CTAs: the prefill's conv-state write-back launched as the conv_prefill
 # grid's programmatic dependent (conv_prefill_state's after_conv form): its loads (ids, lengths,
 # the new window) overlap the conv's last wave, its stores wait for the conv's end. False: a
@@ -559,19 +562,20 @@ def _lane_forms() -> tuple[int, ...]:
     if PREFILL_LANE_CHANNELS not in PREFILL_LANE_RULES:
         raise ValueError(f"conv.PREFILL_LANE_CHANNELS: expected one of {PREFILL_LANE_RULES}, "
                          f"got {PREFILL_LANE_CHANNELS!r}")
-    return LANE_CHANNELS if PREFILL_LANE_CHANNELS == "wave" else (PREFILL_LANE_CHANNELS,)
+    return LANE_CHANNELS if PREFILL_LANE_CHANNELS == "auto" else (PREFILL_LANE_CHANNELS,)
 
 
 def prefill_lane_channels(num_tokens: int, channel_blocks: int, sm_count: int) -> int:
-    """conv_prefill's channels a lane for a call (PREFILL_LANE_CHANNELS; "wave": 4 where the
-    8-channel form's walker CTAs, at its walk length, fill less than one wave of sm_count SMs'
-    slots: its warps then leave SM slots idle that twice as many walker warps fill)."""
-    if PREFILL_LANE_CHANNELS != "wave":
+    """conv_prefill's channels a lane for a call (PREFILL_LANE_CHANNELS; "auto": 4 where the
+    8-channel form's walker CTAs, at its walk length, fill fewer than NARROW_LANE_WAVES waves of
+    sm_count SMs' slots, so that twice the warps hide the latency of a short grid; else 8, whose
+    fewer instructions win once the grid streams for several waves)."""
+    if PREFILL_LANE_CHANNELS != "auto":
         _lane_forms()
         return PREFILL_LANE_CHANNELS
     walk = WALK_STEPS or steps_per_walk(num_tokens, channel_blocks, sm_count, 8)
     ctas = -(-num_tokens // (GROUP * walkers_per_cta(8) * walk)) * channel_blocks
-    return 4 if ctas < sm_count * min_blocks_per_sm(8) else 8
+    return 4 if ctas < NARROW_LANE_WAVES * sm_count * min_blocks_per_sm(8) else 8
 
 
 def _names(x, conv_state, weight):
