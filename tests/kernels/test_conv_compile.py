@@ -124,29 +124,32 @@ def test_steps_per_walk():
     assert C.steps_per_walk(4096, 12, 132) == 4                         # 5.8 -> 4
 
 
-def test_prefill_lane_channels(monkeypatch):
+def test_prefill_launch_form(monkeypatch):
     """PREFILL_LANE_CHANNELS "auto": 4 channels a lane where the 8-channel form's walker CTAs fill
-    fewer than NARROW_LANE_WAVES waves (4 CTAs per SM), else 8; a fixed 8 or 4 as it is;
-    kernel_variants lists every form a call can take."""
+    fewer than NARROW_LANE_WAVES waves (4 CTAs per SM), else 8; a fixed 8 or 4 as it is; the walk
+    is steps_per_walk's for the lanes taken; kernel_variants lists every form a call can take."""
     for fixed in (8, 4):
         monkeypatch.setattr(C, "PREFILL_LANE_CHANNELS", fixed)
-        assert C.prefill_lane_channels(8192, 12, 132) == fixed
+        assert C.prefill_launch_form(8192, 12, 132)[0] == fixed
         assert {v.get("lane_channels", 8) for v in C.kernel_variants(8, 2) if v["op"] == "conv_prefill"} == {fixed}
     monkeypatch.setattr(C, "PREFILL_LANE_CHANNELS", "auto")
     # against NARROW_LANE_WAVES x 132 SMs x 4 CTAs = 1056 slots; 2/8 heads x 8192 tokens: 8-step
     # walks of 8 walkers x 4 tokens, 32 x 12 = 384 CTAs
     assert C.NARROW_LANE_WAVES == 2
-    assert C.prefill_lane_channels(8192, 12, 132) == 4
-    assert C.prefill_lane_channels(8192, 24, 132) == 4      # 4/16: 768 CTAs
-    assert C.prefill_lane_channels(32768, 12, 132) == 8     # 1536
-    assert C.prefill_lane_channels(8192, 96, 132) == 8      # 16/64: 3072
-    assert C.prefill_lane_channels(512, 12, 132) == 4
-    assert C.prefill_lane_channels(8192, 12, 32) == 8       # 384 CTAs against 256 slots
+    assert C.walker_ctas(8192, 12, C.steps_per_walk(8192, 12, 132, 8), 8) == 384
+    assert C.prefill_launch_form(8192, 12, 132) == (4, C.steps_per_walk(8192, 12, 132, 4))
+    assert C.prefill_launch_form(32768, 12, 132) == (8, C.steps_per_walk(32768, 12, 132, 8))
+    assert C.prefill_launch_form(8192, 12, 132)[0] == 4
+    assert C.prefill_launch_form(8192, 24, 132)[0] == 4      # 4/16: 768 CTAs
+    assert C.prefill_launch_form(32768, 12, 132)[0] == 8     # 1536
+    assert C.prefill_launch_form(8192, 96, 132)[0] == 8      # 16/64: 3072
+    assert C.prefill_launch_form(512, 12, 132)[0] == 4
+    assert C.prefill_launch_form(8192, 12, 32)[0] == 8       # 384 CTAs against 256 slots
     lanes = {v.get("lane_channels", 8) for v in C.kernel_variants(8, 2) if v["op"] == "conv_prefill"}
     assert lanes == {4, 8}
     monkeypatch.setattr(C, "PREFILL_LANE_CHANNELS", 2)
     with pytest.raises(ValueError, match="PREFILL_LANE_CHANNELS"):
-        C.prefill_lane_channels(8192, 12, 132)
+        C.prefill_launch_form(8192, 12, 132)
 
 
 def test_conv_variants_are_unique_and_checked():

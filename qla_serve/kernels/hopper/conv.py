@@ -132,7 +132,7 @@ WINDOW_CTAS = True
 #   pieces, 128 registers, 4 CTAs per SM) or 4 (8-byte pieces, a warp per row, 64 registers, 8
 #   CTAs per SM: twice the warps; ~1.2x the instructions per element). "auto": per call, 4
 #   where the 8-channel form's walker CTAs fill fewer than NARROW_LANE_WAVES waves of the GPU's
-#   CTA slots (prefill_lane_channels), else 8. With row offsets, 4 against 8: 2/8 x 8192 tokens
+#   CTA slots (prefill_launch_form), else 8. With row offsets, 4 against 8: 2/8 x 8192 tokens
 #   (384 CTAs, 0.7 waves) 14.6 against 15.0, 4/16 x 8192 (768, 1.5 waves) 29.4-30.3 against
 #   30.2-31.3, level at 2/8 x 32768 (2.9 waves), 0.5-3% slower from 4/16 x 32768 and 16/64
 #   (5.8 waves and more);
@@ -565,17 +565,26 @@ def _lane_forms() -> tuple[int, ...]:
     return LANE_CHANNELS if PREFILL_LANE_CHANNELS == "auto" else (PREFILL_LANE_CHANNELS,)
 
 
-def prefill_lane_channels(num_tokens: int, channel_blocks: int, sm_count: int) -> int:
-    """conv_prefill's channels a lane for a call (PREFILL_LANE_CHANNELS; "auto": 4 where the
-    8-channel form's walker CTAs, at its walk length, fill fewer than NARROW_LANE_WAVES waves of
-    sm_count SMs' slots, so that twice the warps hide the latency of a short grid; else 8, whose
-    fewer instructions win once the grid streams for several waves)."""
-    if PREFILL_LANE_CHANNELS != "auto":
-        _lane_forms()
-        return PREFILL_LANE_CHANNELS
-    walk = WALK_STEPS or steps_per_walk(num_tokens, channel_blocks, sm_count, 8)
-    ctas = -(-num_tokens // (GROUP * walkers_per_cta(8) * walk)) * channel_blocks
-    return 4 if ctas < NARROW_LANE_WAVES * sm_count * min_blocks_per_sm(8) else 8
+def walker_ctas(num_tokens: int, channel_blocks: int, walk: int, lane_channels: int) -> int:
+    """conv_prefill's walker CTAs: walks of ``walk`` GROUP-token steps, walkers_per_cta walkers a
+    CTA at ``lane_channels``, for each of ``channel_blocks`` 128-channel blocks."""
+    return -(-num_tokens // (GROUP * walkers_per_cta(lane_channels) * walk)) * channel_blocks
+
+
+def prefill_launch_form(num_tokens: int, channel_blocks: int, sm_count: int) -> tuple[int, int]:
+    """conv_prefill's (channels a lane, steps a walk) for a call. PREFILL_LANE_CHANNELS "auto":
+    4 channels a lane where the 8-channel form's walker CTAs, at its walk length, fill fewer than
+    NARROW_LANE_WAVES waves of sm_count SMs' slots, so that twice the warps hide the latency of a
+    short grid; else 8, whose fewer instructions win once the grid streams for several waves. The
+    walk: WALK_STEPS, else steps_per_walk for the chosen lanes."""
+    if PREFILL_LANE_CHANNELS == "auto":
+        walk8 = WALK_STEPS or steps_per_walk(num_tokens, channel_blocks, sm_count, 8)
+        if walker_ctas(num_tokens, channel_blocks, walk8, 8) >= NARROW_LANE_WAVES * sm_count * min_blocks_per_sm(8):
+            return 8, walk8
+        lanes = 4
+    else:
+        lanes = _lane_forms()[0]
+    return lanes, WALK_STEPS or steps_per_walk(num_tokens, channel_blocks, sm_count, lanes)
 
 
 def _names(x, conv_state, weight):
@@ -617,8 +626,7 @@ def conv_prefill(x, conv_state, weight, bias, slot_ids, has_initial_state, cu_se
     dec = bool(T_) and windows and decodes is not None and decodes[0].shape[0] > 0
     if T_:
         sms = sm_count(x.device)
-        lanes, offsets = prefill_lane_channels(T_, 2 * hk + hv, sms), PREFILL_ROW_OFFSETS
-        walk = WALK_STEPS or steps_per_walk(T_, 2 * hk + hv, sms, lanes)
+        (lanes, walk), offsets = prefill_launch_form(T_, 2 * hk + hv, sms), PREFILL_ROW_OFFSETS
         stages, fast, silu_form = STAGES, FAST_STEPS, SILU_FORM
         key = ("conv_prefill", x.device, x.dtype, conv_state.dtype, weight.dtype, q_out.dtype, a.dtype,
                A_log.dtype, dt_bias.dtype, hv, hk, width, activation, bias is not None, stages, fast,
