@@ -81,7 +81,7 @@ def test_conv_prefill_compiles(target, silu_form):
 @pytest.mark.compile
 @pytest.mark.parametrize("target", ["sm_90a", "sm_100a"])
 @pytest.mark.parametrize("lanes,offsets", [(4, False), (8, True), (4, True)])
-def test_conv_prefill_opt_in_forms_compile(target, lanes, offsets):
+def test_conv_prefill_fixed_forms_compile(target, lanes, offsets):
     """conv_prefill's forms besides the plain one (conv.PREFILL_LANE_CHANNELS 4 or "auto",
     conv.PREFILL_ROW_OFFSETS: the defaults since session 51; run on the H200 by
     test_layer_ops_gpu.py): with 4 channels per lane 8-byte cp.async pieces, a warp per row (the

@@ -55,11 +55,12 @@ def test_conv_prefill_matches_reference(hk, hv, layout, bias, dt_bias_dtype, wal
                         seed=hk * 100 + hv + bias)
 
 
-# conv_prefill's opt-in forms (conv.py, PREFILL_LANE_CHANNELS and PREFILL_ROW_OFFSETS: not yet run
-# on a GPU when they were written): 4 channels per lane (a warp per 128-channel row, 8-byte pieces,
-# 4 walkers per CTA), the rows' cp.async addresses from one offset, and both; the walk lengths,
-# the checked steps alone, random batches and the widths below run them too
-OPT_IN_FORMS = [(4, False), (8, True), (4, True)]
+# conv_prefill's fixed forms beside the default rule (conv.py, PREFILL_LANE_CHANNELS = "auto" and
+# PREFILL_ROW_OFFSETS = True pick one per call): 4 channels per lane (a warp per 128-channel row,
+# 8-byte pieces, 4 walkers per CTA), the rows' cp.async addresses from one offset, and both; the
+# walk lengths, the checked steps alone, random batches and the widths below run them too, and
+# the plain form (8, False)
+FIXED_FORMS = [(4, False), (8, True), (4, True)]
 
 
 def _conv_form(monkeypatch, lanes, offsets):
@@ -71,8 +72,8 @@ def _conv_form(monkeypatch, lanes, offsets):
 @pytest.mark.parametrize("hk,hv", [(2, 8), (4, 16)])
 @pytest.mark.parametrize("walk", [None, 3])
 @pytest.mark.parametrize("fast", [True, False])
-@pytest.mark.parametrize("lanes,offsets", OPT_IN_FORMS)
-def test_conv_prefill_opt_in_forms(hk, hv, walk, fast, lanes, offsets, monkeypatch):
+@pytest.mark.parametrize("lanes,offsets", FIXED_FORMS)
+def test_conv_prefill_fixed_forms(hk, hv, walk, fast, lanes, offsets, monkeypatch):
     _conv_form(monkeypatch, lanes, offsets)
     if walk is not None:
         monkeypatch.setattr(conv_kernels, "steps_per_walk", lambda *_: walk)
@@ -89,7 +90,7 @@ def test_conv_prefill_opt_in_forms(hk, hv, walk, fast, lanes, offsets, monkeypat
 # conv.WINDOW_CTAS: the sequences' first W - 1 tokens and their windows in the conv grid's window
 # CTAs, or the walkers' history taps and the after_conv write-back kernel (the form before it)
 @pytest.mark.parametrize("windows", [True, False])
-@pytest.mark.parametrize("lanes,offsets", [(8, False)] + OPT_IN_FORMS)
+@pytest.mark.parametrize("lanes,offsets", [(8, False)] + FIXED_FORMS)
 def test_conv_prefill_on_random_batches(walk, seed, windows, lanes, offsets, monkeypatch):
     """Random batches of mostly short sequences (0-7 tokens, a few long ones; empty sequences with
     and without a history, padding slots) through conv_prefill and its conv-state write-back,
@@ -114,7 +115,7 @@ def test_conv_prefill_on_random_batches(walk, seed, windows, lanes, offsets, mon
 # columns (W = 6: 5) than a walk step's 4 tokens (the window CTAs then take two steps)
 @pytest.mark.parametrize("width", [2, 6])
 @pytest.mark.parametrize("layout", ["dim_first", "seq_first"])
-@pytest.mark.parametrize("lanes,offsets", [(8, False)] + OPT_IN_FORMS)
+@pytest.mark.parametrize("lanes,offsets", [(8, False)] + FIXED_FORMS)
 def test_conv_prefill_widths(width, layout, lanes, offsets, monkeypatch):
     _conv_form(monkeypatch, lanes, offsets)
     gen = torch.Generator().manual_seed(50 + width)
@@ -170,7 +171,7 @@ def _check_conv_prefill(hk, hv, lens, slots, has, layout, bias, dt_bias_dtype, s
 # conv.DECODE_SEQS sequences per thread)
 @pytest.mark.parametrize("B", [1, 5, 300])
 @pytest.mark.parametrize("layout", ["dim_first", "seq_first"])
-@pytest.mark.parametrize("lanes,offsets", [(8, False)] + OPT_IN_FORMS)
+@pytest.mark.parametrize("lanes,offsets", [(8, False)] + FIXED_FORMS)
 def test_conv_prefill_with_decode_rows_matches_two_launches(B, layout, lanes, offsets, monkeypatch):
     """A mixed step's decode rows convolved by the prefill conv's decode CTAs
     (gdn_layer_prefill_inputs' _decodes, gdn_layer.MIXED_CONV) give bit for bit what the prefill
