@@ -139,6 +139,9 @@ def test_prefill_launch_form(monkeypatch):
     assert C.walker_ctas(8192, 12, C.steps_per_walk(8192, 12, 132, 8), 8) == 384
     assert C.prefill_launch_form(8192, 12, 132) == (4, C.steps_per_walk(8192, 12, 132, 4))
     assert C.prefill_launch_form(32768, 12, 132) == (8, C.steps_per_walk(32768, 12, 132, 8))
+    # the 4-lane walk counted in whole waves (wave_walk): 4/16 x 8192 at 8 steps is 1536 CTAs
+    # (1.45 waves of 1056 slots), at 4 steps 3072 (2.9)
+    assert C.prefill_launch_form(8192, 24, 132) == (4, 4)
     assert C.prefill_launch_form(8192, 12, 132)[0] == 4
     assert C.prefill_launch_form(8192, 24, 132)[0] == 4      # 4/16: 768 CTAs
     assert C.prefill_launch_form(32768, 12, 132)[0] == 8     # 1536
@@ -147,9 +150,34 @@ def test_prefill_launch_form(monkeypatch):
     assert C.prefill_launch_form(8192, 12, 32)[0] == 8       # 384 CTAs against 256 slots
     lanes = {v.get("lane_channels", 8) for v in C.kernel_variants(8, 2) if v["op"] == "conv_prefill"}
     assert lanes == {4, 8}
+    monkeypatch.setattr(C, "WAVE_WALKS", False)
+    assert C.prefill_launch_form(8192, 24, 132) == (4, C.steps_per_walk(8192, 24, 132, 4))
+    monkeypatch.setattr(C, "WAVE_WALKS", True)
+    monkeypatch.setattr(C, "WALK_STEPS", 8)      # a set walk as it is
+    assert C.prefill_launch_form(8192, 24, 132) == (4, 8)
     monkeypatch.setattr(C, "PREFILL_LANE_CHANNELS", 2)
     with pytest.raises(ValueError, match="PREFILL_LANE_CHANNELS"):
         C.prefill_launch_form(8192, 12, 132)
+
+
+def test_wave_walk():
+    """The 4-lane walk with the fewest step-times in whole waves of CTA slots, ceil(CTAs / slots)
+    x (walk + WALK_START_STEPS), among the rule's walk, its half and its quarter; the longer on a
+    tie; never under one step."""
+    slots = 132 * C.min_blocks_per_sm(4)
+    assert C.WALK_START_STEPS == 2
+    # 2/8 x 8192: 768 CTAs at 8 steps (one wave: 10), 1536 at 4 (two: 12), 3072 at 2 (three: 12)
+    assert C.walker_ctas(8192, 12, 8, 4) == 768 < slots
+    assert C.wave_walk(8192, 12, 132, 8) == 8
+    # 4/16 x 8192: 1536 at 8 (two waves: 20), 3072 at 4 (three: 18), 6144 at 2 (six: 24)
+    assert C.wave_walk(8192, 24, 132, 8) == 4
+    # 2/8 x 2048: 384 CTAs at 4 steps, 768 at 2 (one wave each: 6, 4), 1536 at 1 (two: 6)
+    assert C.wave_walk(2048, 12, 132, 4) == 2
+    assert C.wave_walk(1, 12, 132, 1) == 1
+    for tokens in (64, 1000, 4096, 50000):
+        for walk in (1, 2, 4, 8):
+            w = C.wave_walk(tokens, 12, 132, walk)
+            assert w in (walk, walk // 2, walk // 4) and w >= 1
 
 
 def test_conv_variants_are_unique_and_checked():

@@ -48,7 +48,7 @@ def _weights(dim, W, dtype, gen, bias):
 @pytest.mark.parametrize("fast", [True, False])
 def test_conv_prefill_matches_reference(hk, hv, layout, bias, dt_bias_dtype, walk, fast, monkeypatch):
     if walk is not None:   # the host's choice is 1 at this size; force a longer walk
-        monkeypatch.setattr(conv_kernels, "steps_per_walk", lambda *_: walk)
+        monkeypatch.setattr(conv_kernels, "WALK_STEPS", walk)
     monkeypatch.setattr(conv_kernels, "FAST_STEPS", fast)
     _check_conv_prefill(hk, hv, [70, 0, 1, 2, 3, 333, 1, 64, 97], [3, -1, 5, 7, 9, 11, 13, 15, 17],
                         [True, False, False, True, True, False, True, True, True], layout, bias, dt_bias_dtype,
@@ -76,7 +76,7 @@ def _conv_form(monkeypatch, lanes, offsets):
 def test_conv_prefill_fixed_forms(hk, hv, walk, fast, lanes, offsets, monkeypatch):
     _conv_form(monkeypatch, lanes, offsets)
     if walk is not None:
-        monkeypatch.setattr(conv_kernels, "steps_per_walk", lambda *_: walk)
+        monkeypatch.setattr(conv_kernels, "WALK_STEPS", walk)
     monkeypatch.setattr(conv_kernels, "FAST_STEPS", fast)
     _check_conv_prefill(hk, hv, [70, 0, 1, 2, 3, 333, 1, 64, 97], [3, -1, 5, 7, 9, 11, 13, 15, 17],
                         [True, False, False, True, True, False, True, True, True], "seq_first", True,
@@ -96,7 +96,7 @@ def test_conv_prefill_on_random_batches(walk, seed, windows, lanes, offsets, mon
     and without a history, padding slots) through conv_prefill and its conv-state write-back,
     against the reference: outputs, every live slot's new window bit-exact, every other slot
     bit-identical."""
-    monkeypatch.setattr(conv_kernels, "steps_per_walk", lambda *_: walk)
+    monkeypatch.setattr(conv_kernels, "WALK_STEPS", walk)
     monkeypatch.setattr(conv_kernels, "WINDOW_CTAS", windows)
     _conv_form(monkeypatch, lanes, offsets)
     gen = torch.Generator().manual_seed(1000 + seed)

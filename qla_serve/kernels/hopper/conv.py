@@ -143,6 +143,16 @@ PREFILL_LANE_CHANNELS = "auto"
 PREFILL_ROW_OFFSETS = True
 PREFILL_LANE_RULES = (8, 4, "auto")
 NARROW_LANE_WAVES = 2
+# conv_prefill's walk at 4 channels a lane (WAVE_WALKS; wave_walk): steps_per_walk's walk, or its
+# half or quarter, whichever costs the fewest step-times counted in whole waves of CTA slots,
+# ceil(CTAs / slots) x (walk + WALK_START_STEPS), a walk's start (binary search, the W - 1 rows
+# before it, the ring's fill) costing about WALK_START_STEPS steps. The grids of the 4-lane form
+# are under two waves at 8 channels a lane, so a walk that ends a wave short wastes the most
+# there. H100 (benchmarks/data/layer_conv_defaults_h100.txt), kernel us at walks 8 / 4 / 2: 4/16 x
+# 8192 (1536 CTAs at 8 steps, 1.45 waves of 1056 slots; 3072 at 4, 2.9) 40.5 / 38.5 / 41.7;
+# 2/8 x 8192 (768, 0.73 wave at 8) 18.6 / 19.8 / 22.5. False: steps_per_walk's walk (A/B).
+WAVE_WALKS = True
+WALK_START_STEPS = 2
 # Without the window CTAs: the prefill's conv-state write-back launched as the conv_prefill
 # grid's programmatic dependent (conv_prefill_state's after_conv form): its loads (ids, lengths,
 # the new window) overlap the conv's last wave, its stores wait for the conv's end. False: a
@@ -584,7 +594,23 @@ def prefill_launch_form(num_tokens: int, channel_blocks: int, sm_count: int) -> 
         lanes = 4
     else:
         lanes = _lane_forms()[0]
-    return lanes, WALK_STEPS or steps_per_walk(num_tokens, channel_blocks, sm_count, lanes)
+    if WALK_STEPS:
+        return lanes, WALK_STEPS
+    walk = steps_per_walk(num_tokens, channel_blocks, sm_count, lanes)
+    if lanes == 4 and WAVE_WALKS:
+        walk = wave_walk(num_tokens, channel_blocks, sm_count, walk)
+    return lanes, walk
+
+
+def wave_walk(num_tokens: int, channel_blocks: int, sm_count: int, walk: int) -> int:
+    """The 4-lane form's walk among ``walk``, its half and its quarter (>= 1 step) with the
+    fewest step-times in whole waves, ceil(CTAs / slots) x (walk + WALK_START_STEPS); the longer
+    walk on a tie (WAVE_WALKS)."""
+    slots = sm_count * min_blocks_per_sm(4)
+
+    def cost(w):
+        return -(-walker_ctas(num_tokens, channel_blocks, w, 4) // slots) * (w + WALK_START_STEPS)
+    return min((w for w in (walk, walk // 2, walk // 4) if w >= 1), key=lambda w: (cost(w), -w))
 
 
 def _names(x, conv_state, weight):
