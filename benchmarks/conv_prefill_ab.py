@@ -9,7 +9,7 @@ A form is ``stages:walk[:flags]``: conv.STAGES (the cp.async ring depth), the st
 walk (a number, or "auto": conv.prefill_launch_form's choice), and flags joined by "+": "fast" for
 conv.FAST_STEPS, "ex2" for conv.SILU_FORM = "ex2" (else "tanh"), "lc4" for
 conv.PREFILL_LANE_CHANNELS = 4 and "lcauto" for its "auto" rule (else 8), "ro" for
-conv.PREFILL_ROW_OFFSETS, "nowave" for conv.WAVE_WALKS = False (a number sets the walk as it
+conv.PREFILL_ROW_OFFSETS, "nohalve" for conv.HALVE_WALKS = False (a number sets the walk as it
 is; 3:auto:fast+lcauto+ro is the default form). Each form's q, k, v are also set against the torch reference on the same inputs
 (reference_conv.conv_prefill: fp32 math, torch's SiLU), as "ref" relative L2 errors. A benchmark,
 not a test; two rounds, forms interleaved, so that drift shows. (The gate forms compared at
@@ -37,7 +37,7 @@ def run_form(case, step, stages, walk, flags=""):
     conv.PREFILL_LANE_CHANNELS = 4 if "lc4" in flags else "auto" if "lcauto" in flags else 8
     conv.PREFILL_ROW_OFFSETS = "ro" in flags
     conv.steps_per_walk = _AUTO_WALK if walk == "auto" else (lambda *_: int(walk))
-    conv.WAVE_WALKS = walk == "auto" and "nowave" not in flags
+    conv.HALVE_WALKS = walk == "auto" and "nohalve" not in flags
     x, a, b = case.mixed_qkv[: case.row.tokens], case.a[: case.row.tokens], case.b[: case.row.tokens]
     plan = step.prefill_plan
     return lambda: layer_ops.gdn_layer_prefill_inputs(

@@ -139,9 +139,10 @@ def test_prefill_launch_form(monkeypatch):
     assert C.walker_ctas(8192, 12, C.steps_per_walk(8192, 12, 132, 8), 8) == 384
     assert C.prefill_launch_form(8192, 12, 132) == (4, C.steps_per_walk(8192, 12, 132, 4))
     assert C.prefill_launch_form(32768, 12, 132) == (8, C.steps_per_walk(32768, 12, 132, 8))
-    # the 4-lane walk counted in whole waves (wave_walk): 4/16 x 8192 at 8 steps is 1536 CTAs
-    # (1.45 waves of 1056 slots), at 4 steps 3072 (2.9)
-    assert C.prefill_launch_form(8192, 24, 132) == (4, 4)
+    # the 4-lane walk halved where the grid stays within one wave (halved_walk): 2/8 x 4096 at 8
+    # steps is 384 CTAs, at 4 768 (of 1056 slots); 4/16 x 8192 at 8 steps is 1536: kept
+    assert C.prefill_launch_form(4096, 12, 132) == (4, 4)
+    assert C.prefill_launch_form(8192, 24, 132) == (4, 8)
     assert C.prefill_launch_form(8192, 12, 132)[0] == 4
     assert C.prefill_launch_form(8192, 24, 132)[0] == 4      # 4/16: 768 CTAs
     assert C.prefill_launch_form(32768, 12, 132)[0] == 8     # 1536
@@ -150,34 +151,29 @@ def test_prefill_launch_form(monkeypatch):
     assert C.prefill_launch_form(8192, 12, 32)[0] == 8       # 384 CTAs against 256 slots
     lanes = {v.get("lane_channels", 8) for v in C.kernel_variants(8, 2) if v["op"] == "conv_prefill"}
     assert lanes == {4, 8}
-    monkeypatch.setattr(C, "WAVE_WALKS", False)
-    assert C.prefill_launch_form(8192, 24, 132) == (4, C.steps_per_walk(8192, 24, 132, 4))
-    monkeypatch.setattr(C, "WAVE_WALKS", True)
+    monkeypatch.setattr(C, "HALVE_WALKS", False)
+    assert C.prefill_launch_form(4096, 12, 132) == (4, 8)
+    monkeypatch.setattr(C, "HALVE_WALKS", True)
     monkeypatch.setattr(C, "WALK_STEPS", 8)      # a set walk as it is
-    assert C.prefill_launch_form(8192, 24, 132) == (4, 8)
+    assert C.prefill_launch_form(4096, 12, 132) == (4, 8)
     monkeypatch.setattr(C, "PREFILL_LANE_CHANNELS", 2)
     with pytest.raises(ValueError, match="PREFILL_LANE_CHANNELS"):
         C.prefill_launch_form(8192, 12, 132)
 
 
-def test_wave_walk():
-    """The 4-lane walk with the fewest step-times in whole waves of CTA slots, ceil(CTAs / slots)
-    x (walk + WALK_START_STEPS), among the rule's walk, its half and its quarter; the longer on a
-    tie; never under one step."""
-    slots = 132 * C.min_blocks_per_sm(4)
-    assert C.WALK_START_STEPS == 2
-    # 2/8 x 8192: 768 CTAs at 8 steps (one wave: 10), 1536 at 4 (two: 12), 3072 at 2 (three: 12)
-    assert C.walker_ctas(8192, 12, 8, 4) == 768 < slots
-    assert C.wave_walk(8192, 12, 132, 8) == 8
-    # 4/16 x 8192: 1536 at 8 (two waves: 20), 3072 at 4 (three: 18), 6144 at 2 (six: 24)
-    assert C.wave_walk(8192, 24, 132, 8) == 4
-    # 2/8 x 2048: 384 CTAs at 4 steps, 768 at 2 (one wave each: 6, 4), 1536 at 1 (two: 6)
-    assert C.wave_walk(2048, 12, 132, 4) == 2
-    assert C.wave_walk(1, 12, 132, 1) == 1
-    for tokens in (64, 1000, 4096, 50000):
+def test_halved_walk():
+    """At 4 channels a lane, a walk of 2 x HALVED_WALK_MIN_STEPS steps or more is halved where
+    the halved grid fits one wave of CTA slots (8 per SM), else kept."""
+    assert C.HALVED_WALK_MIN_STEPS == 4 and C.min_blocks_per_sm(4) == 8
+    assert C.walker_ctas(4096, 12, 4, 4) == 768 <= 132 * 8
+    assert C.halved_walk(4096, 12, 132, 8) == 4         # 2/8 x 4096: 384 -> 768 CTAs
+    assert C.halved_walk(2048, 24, 132, 8) == 4         # 4/16 x 2048: the same grid
+    assert C.halved_walk(8192, 12, 132, 8) == 8         # 2/8 x 8192: 1536 at 4 steps, a second wave
+    assert C.halved_walk(2048, 12, 132, 4) == 4         # 2 steps: shorter than the least halved walk
+    assert C.halved_walk(4096, 12, 32, 8) == 8          # 32 SMs: 768 CTAs against 256 slots
+    for tokens in (1, 64, 1000, 4096, 50000):
         for walk in (1, 2, 4, 8):
-            w = C.wave_walk(tokens, 12, 132, walk)
-            assert w in (walk, walk // 2, walk // 4) and w >= 1
+            assert C.halved_walk(tokens, 12, 132, walk) in (walk, walk // 2)
 
 
 def test_conv_variants_are_unique_and_checked():

@@ -143,16 +143,17 @@ PREFILL_LANE_CHANNELS = "auto"
 PREFILL_ROW_OFFSETS = True
 PREFILL_LANE_RULES = (8, 4, "auto")
 NARROW_LANE_WAVES = 2
-# conv_prefill's walk at 4 channels a lane (WAVE_WALKS; wave_walk): steps_per_walk's walk, or its
-# half or quarter, whichever costs the fewest step-times counted in whole waves of CTA slots,
-# ceil(CTAs / slots) x (walk + WALK_START_STEPS), a walk's start (binary search, the W - 1 rows
-# before it, the ring's fill) costing about WALK_START_STEPS steps. The grids of the 4-lane form
-# are under two waves at 8 channels a lane, so a walk that ends a wave short wastes the most
-# there. H100 (benchmarks/data/layer_conv_defaults_h100.txt), kernel us at walks 8 / 4 / 2: 4/16 x
-# 8192 (1536 CTAs at 8 steps, 1.45 waves of 1056 slots; 3072 at 4, 2.9) 40.5 / 38.5 / 41.7;
-# 2/8 x 8192 (768, 0.73 wave at 8) 18.6 / 19.8 / 22.5. False: steps_per_walk's walk (A/B).
-WAVE_WALKS = True
-WALK_START_STEPS = 2
+# conv_prefill's walk at 4 channels a lane (HALVE_WALKS; halved_walk): steps_per_walk's walk of
+# HALVED_WALK_MIN_STEPS x 2 steps or more, halved where the grid then still fits one wave of CTA
+# slots (8 per SM), so that a grid under half a wave runs twice the walkers. H100 (session 52,
+# benchmarks/data/conv_walks_h100.txt), layer GPU us at the rule's walk / halved: 2/8 1 x 4096
+# (384 CTAs at 8 steps) 78.8 / 77.5, 4 x 1024 51.4 / 50.6; 4/16 1 x 2048 75.4 / 73.1, 32
+# decodes + 4 x 512 72.8 / 70.5. Halving further, or into a second wave, measured slower in the
+# layer even where the conv kernel alone got faster (4/16 x 8192: kernel 40.0 -> 38.0 us at 4
+# steps, 3072 CTAs, but layer 175.6 -> 178.3; 2/8 x 1024 at 1 step instead of 2: kernel 5.3 ->
+# 6.4). False: steps_per_walk's walk (A/B).
+HALVE_WALKS = True
+HALVED_WALK_MIN_STEPS = 4
 # Without the window CTAs: the prefill's conv-state write-back launched as the conv_prefill
 # grid's programmatic dependent (conv_prefill_state's after_conv form): its loads (ids, lengths,
 # the new window) overlap the conv's last wave, its stores wait for the conv's end. False: a
@@ -586,7 +587,7 @@ def prefill_launch_form(num_tokens: int, channel_blocks: int, sm_count: int) -> 
     4 channels a lane where the 8-channel form's walker CTAs, at its walk length, fill fewer than
     NARROW_LANE_WAVES waves of sm_count SMs' slots, so that twice the warps hide the latency of a
     short grid; else 8, whose fewer instructions win once the grid streams for several waves. The
-    walk: WALK_STEPS, else steps_per_walk for the chosen lanes."""
+    walk: WALK_STEPS, else steps_per_walk for the chosen lanes (at 4, halved_walk of it)."""
     if PREFILL_LANE_CHANNELS == "auto":
         walk8 = WALK_STEPS or steps_per_walk(num_tokens, channel_blocks, sm_count, 8)
         if walker_ctas(num_tokens, channel_blocks, walk8, 8) >= NARROW_LANE_WAVES * sm_count * min_blocks_per_sm(8):
@@ -597,20 +598,18 @@ def prefill_launch_form(num_tokens: int, channel_blocks: int, sm_count: int) -> 
     if WALK_STEPS:
         return lanes, WALK_STEPS
     walk = steps_per_walk(num_tokens, channel_blocks, sm_count, lanes)
-    if lanes == 4 and WAVE_WALKS:
-        walk = wave_walk(num_tokens, channel_blocks, sm_count, walk)
+    if lanes == 4 and HALVE_WALKS:
+        walk = halved_walk(num_tokens, channel_blocks, sm_count, walk)
     return lanes, walk
 
 
-def wave_walk(num_tokens: int, channel_blocks: int, sm_count: int, walk: int) -> int:
-    """The 4-lane form's walk among ``walk``, its half and its quarter (>= 1 step) with the
-    fewest step-times in whole waves, ceil(CTAs / slots) x (walk + WALK_START_STEPS); the longer
-    walk on a tie (WAVE_WALKS)."""
-    slots = sm_count * min_blocks_per_sm(4)
-
-    def cost(w):
-        return -(-walker_ctas(num_tokens, channel_blocks, w, 4) // slots) * (w + WALK_START_STEPS)
-    return min((w for w in (walk, walk // 2, walk // 4) if w >= 1), key=lambda w: (cost(w), -w))
+def halved_walk(num_tokens: int, channel_blocks: int, sm_count: int, walk: int) -> int:
+    """The 4-lane form's walk: ``walk`` halved where the half is HALVED_WALK_MIN_STEPS or more
+    and its grid still fits one wave of sm_count SMs' CTA slots (HALVE_WALKS), else ``walk``."""
+    half = walk // 2
+    if half >= HALVED_WALK_MIN_STEPS and walker_ctas(num_tokens, channel_blocks, half, 4) <= sm_count * min_blocks_per_sm(4):
+        return half
+    return walk
 
 
 def _names(x, conv_state, weight):
