@@ -145,13 +145,14 @@ PREFILL_LANE_RULES = (8, 4, "auto")
 NARROW_LANE_WAVES = 2
 # conv_prefill's walk at 4 channels a lane (HALVE_WALKS; halved_walk): steps_per_walk's walk of
 # HALVED_WALK_MIN_STEPS x 2 steps or more, halved where the grid then still fits one wave of CTA
-# slots (8 per SM), so that a grid under half a wave runs twice the walkers. H100 (session 52,
-# benchmarks/data/conv_walks_h100.txt), layer GPU us at the rule's walk / halved: 2/8 1 x 4096
-# (384 CTAs at 8 steps) 78.8 / 77.5, 4 x 1024 51.4 / 50.6; 4/16 1 x 2048 75.4 / 73.1, 32
-# decodes + 4 x 512 72.8 / 70.5. Halving further, or into a second wave, measured slower in the
-# layer even where the conv kernel alone got faster (4/16 x 8192: kernel 40.0 -> 38.0 us at 4
-# steps, 3072 CTAs, but layer 175.6 -> 178.3; 2/8 x 1024 at 1 step instead of 2: kernel 5.3 ->
-# 6.4). False: steps_per_walk's walk (A/B).
+# slots (8 per SM), so that a grid under half a wave runs twice the walkers. H100, session 52
+# (benchmarks/data/conv_walks_h100.txt), layer GPU us per call, rule's walk / halved: 2/8 1 x 4096
+# (384 CTAs at 8 steps) 78.2 / 77.0, 4 x 1024 51.5 / 50.1; 4/16 1 x 2048 75.7 / 73.9, 2 x 1024
+# 54.6 / 52.5, 32 decodes + 4 x 512 73.1 / 70.5; the other rows level; the 16/64 x 512 conv
+# kernel 19.2 -> 13.2. Halving further, or into a second wave, measured slower in the layer even
+# where the conv kernel alone got faster (4/16 x 8192: kernel 40.0 -> 38.0 us at 4 steps, 3072
+# CTAs, layer 175.6 -> 178.3; 2/8 x 1024 at 1 step instead of 2: kernel 5.3 -> 6.4).
+# False: steps_per_walk's walk (A/B).
 HALVE_WALKS = True
 HALVED_WALK_MIN_STEPS = 4
 # Without the window CTAs: the prefill's conv-state write-back launched as the conv_prefill
