@@ -10,8 +10,9 @@ walk (a number, or "auto": conv.prefill_launch_form's choice), and flags joined 
 conv.FAST_STEPS, "ex2" for conv.SILU_FORM = "ex2" (else "tanh"), "lc4" for
 conv.PREFILL_LANE_CHANNELS = 4 and "lcauto" for its "auto" rule (else 8), "ro" for
 conv.PREFILL_ROW_OFFSETS, "nohalve" for conv.HALVE_WALKS = False (a number sets the walk as it
-is; 3:auto:fast+lcauto+ro is the default form). Each form's q, k, v are also set against the torch reference on the same inputs
-(reference_conv.conv_prefill: fp32 math, torch's SiLU), as "ref" relative L2 errors. A benchmark,
+is; 3:auto:fast+lcauto+ro is the default form). Each form's q, k, v are also set against the
+torch reference on the same inputs (reference_conv.conv_prefill: fp32 math, torch's SiLU), as
+"ref" relative L2 errors. A benchmark,
 not a test; two rounds, forms interleaved, so that drift shows. (The gate forms compared at
 96477cc were switches of this script then: data/conv_gate_blocks_ab_h200.txt.)
 """
