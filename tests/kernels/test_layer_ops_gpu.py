@@ -83,9 +83,10 @@ def test_conv_prefill_fixed_forms(hk, hv, walk, fast, lanes, offsets, monkeypatc
                         torch.float32, seed=hk * 100 + hv + 7)
 
 
-# steps per walk: ranges of 4, 8, 12 and 20 tokens (8-channel lanes; twice that for 4), so that
-# many sequences' first W - 1 tokens (the ones that read the old window) straddle a range boundary
-@pytest.mark.parametrize("walk", [1, 2, 3, 5])
+# steps per walk: ranges of 4, 8, 12, 16 and 20 tokens (8-channel lanes; twice that for 4), so
+# that many sequences' first W - 1 tokens (the ones that read the old window) straddle a range
+# boundary; 4 steps: the 4-lane walk that conv.HALVE_WALKS takes
+@pytest.mark.parametrize("walk", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 # conv.WINDOW_CTAS: the sequences' first W - 1 tokens and their windows in the conv grid's window
 # CTAs, or the walkers' history taps and the after_conv write-back kernel (the form before it)
