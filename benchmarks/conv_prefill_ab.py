@@ -6,14 +6,13 @@ largest relative L2 difference of its outputs (q, k, v, g, beta, conv state).
         --forms 3:auto:fast,3:auto,3:8:fast,4:auto:fast,3:auto:fast+ex2
 
 A form is ``stages:walk[:flags]``: conv.STAGES (the cp.async ring depth), the steps per half-warp
-walk (a number, or "auto": conv.prefill_launch_form's choice), and flags joined by "+": "fast" for
-conv.FAST_STEPS, "ex2" for conv.SILU_FORM = "ex2" (else "tanh"), "lc4" for
+walk (a number: conv.WALK_STEPS, or "auto": conv.prefill_launch_form's choice), and flags joined
+by "+": "fast" for conv.FAST_STEPS, "ex2" for conv.SILU_FORM = "ex2" (else "tanh"), "lc4" for
 conv.PREFILL_LANE_CHANNELS = 4 and "lcauto" for its "auto" rule (else 8), "ro" for
-conv.PREFILL_ROW_OFFSETS, "nohalve" for conv.HALVE_WALKS = False (a number sets the walk as it
-is; 3:auto:fast+lcauto+ro is the default form). Each form's q, k, v are also set against the
-torch reference on the same inputs (reference_conv.conv_prefill: fp32 math, torch's SiLU), as
-"ref" relative L2 errors. A benchmark,
-not a test; two rounds, forms interleaved, so that drift shows. (The gate forms compared at
+conv.PREFILL_ROW_OFFSETS, "nohalve" for conv.HALVE_WALKS = False (3:auto:fast+lcauto+ro is the
+default form). Each form's q, k, v are also set against the torch reference on the same inputs
+(reference_conv.conv_prefill: fp32 math, torch's SiLU), as "ref" relative L2 errors. A
+benchmark, not a test; two rounds, forms interleaved, so that drift shows. (The gate forms compared at
 96477cc were switches of this script then: data/conv_gate_blocks_ab_h200.txt.)
 """
 
@@ -28,17 +27,14 @@ from qla_serve.kernels.reference import rel_l2
 from qla_serve.kernels.hopper import conv
 
 
-_AUTO_WALK = conv.steps_per_walk
-
-
 def run_form(case, step, stages, walk, flags=""):
     flags = set(flags.split("+"))
     conv.STAGES, conv.FAST_STEPS = int(stages), "fast" in flags
     conv.SILU_FORM = "ex2" if "ex2" in flags else "tanh"
     conv.PREFILL_LANE_CHANNELS = 4 if "lc4" in flags else "auto" if "lcauto" in flags else 8
     conv.PREFILL_ROW_OFFSETS = "ro" in flags
-    conv.steps_per_walk = _AUTO_WALK if walk == "auto" else (lambda *_: int(walk))
-    conv.HALVE_WALKS = walk == "auto" and "nohalve" not in flags
+    conv.WALK_STEPS = None if walk == "auto" else int(walk)   # (a set walk is never halved)
+    conv.HALVE_WALKS = "nohalve" not in flags
     x, a, b = case.mixed_qkv[: case.row.tokens], case.a[: case.row.tokens], case.b[: case.row.tokens]
     plan = step.prefill_plan
     return lambda: layer_ops.gdn_layer_prefill_inputs(
