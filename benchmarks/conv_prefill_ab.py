@@ -9,8 +9,9 @@ A form is ``stages:walk[:flags]``: conv.STAGES (the cp.async ring depth), the st
 walk (a number: conv.WALK_STEPS, or "auto": conv.prefill_launch_form's choice), and flags joined
 by "+": "fast" for conv.FAST_STEPS, "ex2" for conv.SILU_FORM = "ex2" (else "tanh"), "lc4" for
 conv.PREFILL_LANE_CHANNELS = 4 and "lcauto" for its "auto" rule (else 8), "ro" for
-conv.PREFILL_ROW_OFFSETS, "nohalve" for conv.HALVE_WALKS = False (3:auto:fast+lcauto+ro is the
-default form). Each form's q, k, v are also set against the torch reference on the same inputs
+conv.PREFILL_ROW_OFFSETS, "ef" for conv.PREFILL_LOAD_HINT = "evict_first" (else None; it applies
+with "ro" only), "nohalve" for conv.HALVE_WALKS = False (3:auto:fast+lcauto+ro+ef is the default
+form). Each form's q, k, v are also set against the torch reference on the same inputs
 (reference_conv.conv_prefill: fp32 math, torch's SiLU), as "ref" relative L2 errors. A
 benchmark, not a test; two rounds, forms interleaved, so that drift shows. (The gate forms compared at
 96477cc were switches of this script then: data/conv_gate_blocks_ab_h200.txt.)
@@ -33,6 +34,7 @@ def run_form(case, step, stages, walk, flags=""):
     conv.SILU_FORM = "ex2" if "ex2" in flags else "tanh"
     conv.PREFILL_LANE_CHANNELS = 4 if "lc4" in flags else "auto" if "lcauto" in flags else 8
     conv.PREFILL_ROW_OFFSETS = "ro" in flags
+    conv.PREFILL_LOAD_HINT = "evict_first" if "ef" in flags else None
     conv.WALK_STEPS = None if walk == "auto" else int(walk)   # (a set walk is never halved)
     conv.HALVE_WALKS = "nohalve" not in flags
     x, a, b = case.mixed_qkv[: case.row.tokens], case.a[: case.row.tokens], case.b[: case.row.tokens]

@@ -6,6 +6,8 @@ preamble left out, its outputs from the call before), in one process, interleave
     python benchmarks/layer_preamble.py --heads 2/8 --rows 1x32768,4x8192,16x512,mixed --silu-forms tanh,ex2
     # conv_prefill's forms (conv.PREFILL_LANE_CHANNELS 8, 4 or auto, "ro": conv.PREFILL_ROW_OFFSETS)
     python benchmarks/layer_preamble.py --heads 2/8,4/16 --rows 1x8192,16x512,mixed --conv-forms 8,4,8ro,4ro
+    # "ef": conv.PREFILL_LOAD_HINT = "evict_first" (the row-offsets form's reads under L2::evict_first)
+    python benchmarks/layer_preamble.py --heads 2/8,4/16 --rows 1x8192,16x512,mixed --conv-forms autoro,autoroef
 
 The target (issue 24): layer - core <= 1.25 x the preamble's memory floor, the bytes it must
 move (x read; q, k, v, g, beta written; a, b read) at 4.2 TB/s. A benchmark, not a test.
@@ -57,18 +59,22 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--graph-calls", type=int, default=4)
     ap.add_argument("--silu-forms", default=conv.SILU_FORM, help="conv.SILU_FORM values, each a pass")
-    ap.add_argument("--conv-forms", default=f"{conv.PREFILL_LANE_CHANNELS}{'ro' if conv.PREFILL_ROW_OFFSETS else ''}",
+    ap.add_argument("--conv-forms", default=f"{conv.PREFILL_LANE_CHANNELS}{'ro' if conv.PREFILL_ROW_OFFSETS else ''}"
+                                            f"{'ef' if conv.prefill_load_hint(conv.PREFILL_ROW_OFFSETS) else ''}",
                     help="conv_prefill forms, each a pass: conv.PREFILL_LANE_CHANNELS (8, 4 or auto), 'ro' "
-                         "appended for conv.PREFILL_ROW_OFFSETS (e.g. 8,4,8ro,4ro,autoro)")
+                         "appended for conv.PREFILL_ROW_OFFSETS, then 'ef' for conv.PREFILL_LOAD_HINT = "
+                         "'evict_first', else None (e.g. 8,4,8ro,4ro,autoro,autoroef)")
     args = ap.parse_args()
     points = [(f, c, hk, hv, t) for f in args.silu_forms.split(",")
               for c in args.conv_forms.split(",") for hk, hv in L.parse_heads(args.heads)
               for t in args.rows.split(",")]
     for form, cform, hk, hv, text in points:
         conv.SILU_FORM = form
-        lanes = cform.removesuffix("ro")
+        conv.PREFILL_LOAD_HINT = "evict_first" if cform.endswith("ef") else None
+        rform = cform.removesuffix("ef")
+        lanes = rform.removesuffix("ro")
         conv.PREFILL_LANE_CHANNELS = lanes if lanes == "auto" else int(lanes)
-        conv.PREFILL_ROW_OFFSETS = cform.endswith("ro")
+        conv.PREFILL_ROW_OFFSETS = rform.endswith("ro")
         case = L.LayerCase(hk, hv, L.parse_row(text), torch.float32, "cuda")
         fn = L.qla_call(case, L.qla_step(case, 0))
         fn()

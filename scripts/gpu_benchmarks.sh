@@ -29,8 +29,8 @@
 #   layer      layer_h200.json, layer_h200.png (bench layer --check, every default row)
 #   spec       spec_layouts_h200.txt (benchmarks/spec_prefill_host.py: vLLM's MTP steps beside a
 #              chunked prefill, the spec rows as views, gathered, and interleaved; 2/8 and 2/4)
-#   conv       conv_forms_h200.txt (conv_prefill's forms, conv.PREFILL_LANE_CHANNELS and
-#              PREFILL_ROW_OFFSETS: the kernel in each form (benchmarks/conv_prefill_ab.py)
+#   conv       conv_forms_h200.txt (conv_prefill's forms, conv.PREFILL_LANE_CHANNELS,
+#              PREFILL_ROW_OFFSETS and PREFILL_LOAD_HINT: the kernel in each form (benchmarks/conv_prefill_ab.py)
 #              first, then their GPU tests and the layer's preamble against issue 24's target at
 #              the 8192-token rows (benchmarks/layer_preamble.py), the file written as each step
 #              runs, so that a call cut short returns what ran; ~5 min with their kernels
@@ -221,20 +221,20 @@ if want conv; then
   # its budget still brings back the steps that ran, the deciding one first (so the stamp's line
   # comes first, not after the last step)
   echo "# commit $commit, date $run_date" > "$f"
-  # (the last form: both, walks of 16 steps; at 4/16 x 8192 the rule's 8 give ~1.5 waves in
-  # either lane form, 16 give 0.73 of a wave with 4 channels a lane)
-  echo "## python benchmarks/conv_prefill_ab.py (forms: default, 4 channels a lane, row offsets, both, both at 16-step walks)" | tee -a "$f"
+  # (forms: the default, its reads without the L2::evict_first policy, the plain form with 8
+  # channels a lane and clamped rows, 4 lanes with row offsets at 16-step walks)
+  echo "## python benchmarks/conv_prefill_ab.py (forms: default, without the load hint, plain, 4 lanes + row offsets at 16-step walks)" | tee -a "$f"
   step "conv forms: kernel A/B" 170 python benchmarks/conv_prefill_ab.py --heads 2/8,4/16,16/64 \
-    --rows 1x8192,16x512,mixed,1x32768 --forms 3:auto:fast,3:auto:fast+lc4,3:auto:fast+ro,3:auto:fast+lc4+ro,3:16:fast+lc4+ro \
+    --rows 1x8192,16x512,mixed,1x32768 --forms 3:auto:fast+lcauto+ro+ef,3:auto:fast+lcauto+ro,3:auto:fast,3:16:fast+lc4+ro \
     2>&1 | tee -a "$f"
   # (the forms set by the tests themselves; the plain form's cases ran before)
   sel="fixed_forms or ((random_batches or widths or decode_rows) and not 8-False)"
   echo "## pytest -m gpu tests/kernels/test_layer_ops_gpu.py -k '$sel'" | tee -a "$f"
   step "conv forms: GPU tests" 190 python -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_layer_ops_gpu.py \
     -k "$sel" 2>&1 | tail -6 | tee -a "$f"
-  echo "## python benchmarks/layer_preamble.py --conv-forms autoro,8 (layer - core against 1.25 x floor)" | tee -a "$f"
+  echo "## python benchmarks/layer_preamble.py --conv-forms autoroef,autoro,8 (layer - core against 1.25 x floor)" | tee -a "$f"
   step "conv forms: layer preamble" 180 python benchmarks/layer_preamble.py --heads 2/8,4/16 \
-    --rows 1x8192,16x512,mixed --conv-forms autoro,8 2>&1 | tee -a "$f"
+    --rows 1x8192,16x512,mixed --conv-forms autoroef,autoro,8 2>&1 | tee -a "$f"
 fi
 
 if want inputs; then

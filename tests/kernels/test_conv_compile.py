@@ -30,8 +30,10 @@ def test_conv_variant_compiles(variant, target):
         assert "int ntok" in src and "int walk" in src    # a half-warp walks several token groups
         # rows through a per-thread cp.async ring, waited for STAGES - 1 steps later: no barrier;
         # pieces of 2 x lane_channels bytes, addressed from one row offset (conv.PREFILL_ROW_OFFSETS)
+        # (under an L2::evict_first policy where conv.PREFILL_LOAD_HINT says so)
         piece = 2 * variant.get("lane_channels", 8)
-        copy = f"qla_cp_async_rows<{piece}, " if variant.get("row_offsets") else f"cp_async_gs_conditional<{piece}>"
+        rows = "qla_cp_async_rows_ef" if variant.get("load_hint") else "qla_cp_async_rows"
+        copy = f"{rows}<{piece}, " if variant.get("row_offsets") else f"cp_async_gs_conditional<{piece}>"
         assert copy in src and f"cp_async_wait<{C.STAGES - 1}>" in src
         assert "__syncthreads" not in src
     if variant["op"] in ("conv_spec", "conv_verify"):
@@ -103,6 +105,50 @@ def test_conv_prefill_fixed_forms_compile(target, lanes, offsets):
     with pytest.raises(ValueError, match="lane_channels"):
         C.variant("conv_prefill", HV, HK, 4, "bfloat16", "bfloat16", ab="bfloat16", param="float32",
                   gbias="float32", lane_channels=2)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("target", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("lanes", [4, 8])
+def test_conv_prefill_load_hint_compiles(target, lanes):
+    """conv_prefill's row copies under an L2::evict_first cache policy (conv.PREFILL_LOAD_HINT,
+    the default since session 53; its outputs bit-identical to the form without, on an H100:
+    benchmarks/data/conv_load_hint_h100.txt): one createpolicy and cp.async with .L2::cache_hint
+    (16-byte cg pieces at 8 channels a lane, 8-byte ca pieces at 4), the helper imported only in
+    that form."""
+    def form(hint):
+        return C.variant("conv_prefill", HV, HK, 4, "bfloat16", "bfloat16", qk_out="float16", ab="bfloat16",
+                         param="float32", gbias="float32", lane_channels=lanes, row_offsets=True, load_hint=hint)
+    v = form("evict_first")
+    assert v["name"].endswith("_ro_ef") and v["load_hint"] == "evict_first"
+    src = C.build(v, target).get_kernel_source()
+    piece = 2 * lanes
+    assert f"qla_cp_async_rows_ef<{piece}, 4, 256>(" in src
+    assert "createpolicy.fractional.L2::evict_first.b64" in src
+    assert f"cp.async.{'cg' if lanes == 8 else 'ca'}.shared.global.L2::cache_hint" in src
+    plain = C.build(form(None), target).get_kernel_source()
+    assert "qla_cp_async_rows_ef" not in plain and "createpolicy" not in plain
+
+
+def test_prefill_load_hint_follows_the_row_offsets_form(monkeypatch):
+    """The load hint rides on the row-offsets form's copy helper: the launch and kernel_variants take
+    conv.PREFILL_LOAD_HINT there and none without row offsets (so turning PREFILL_ROW_OFFSETS off
+    alone is a valid form); variant() refuses a hint without row offsets, or one it does not know."""
+    monkeypatch.setattr(C, "PREFILL_LOAD_HINT", "evict_first")
+    assert C.prefill_load_hint(True) == "evict_first" and C.prefill_load_hint(False) is None
+    monkeypatch.setattr(C, "PREFILL_ROW_OFFSETS", False)
+    assert all("load_hint" not in v for v in C.kernel_variants(HV, HK))
+    monkeypatch.setattr(C, "PREFILL_ROW_OFFSETS", True)
+    prefill = [v for v in C.kernel_variants(HV, HK) if v["op"] == "conv_prefill"]
+    assert prefill and all(v["load_hint"] == "evict_first" and v["name"].endswith(("_ef", "_ef_dec")) for v in prefill)
+    monkeypatch.setattr(C, "PREFILL_LOAD_HINT", None)
+    assert all("load_hint" not in v for v in C.kernel_variants(HV, HK))
+    common = dict(qk_out="float16", ab="bfloat16", param="float32", gbias="float32")
+    with pytest.raises(ValueError, match="load_hint"):
+        C.variant("conv_prefill", HV, HK, 4, "bfloat16", "bfloat16", load_hint="evict_first", **common)
+    with pytest.raises(ValueError, match="load_hint"):
+        C.variant("conv_prefill", HV, HK, 4, "bfloat16", "bfloat16", row_offsets=True, load_hint="evict_last",
+                  **common)
 
 
 def test_steps_per_walk():

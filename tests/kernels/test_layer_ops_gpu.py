@@ -112,6 +112,36 @@ def test_conv_prefill_on_random_batches(walk, seed, windows, lanes, offsets, mon
                         num_slots=2 * N + 1)
 
 
+@pytest.mark.parametrize("hk,hv,lens", [(2, 8, [8192]), (2, 8, [512] * 16), (4, 16, [700, 0, 1, 3, 2048, 65])])
+@pytest.mark.parametrize("lanes", [4, 8])
+def test_conv_prefill_load_hint_changes_nothing(hk, hv, lens, lanes, monkeypatch):
+    """conv.PREFILL_LOAD_HINT (the row copies under an L2::evict_first policy, the default) is a
+    cache policy only: q, k, v, g, beta and the conv state bit-identical to the copies without it
+    on the same inputs (the fixed forms' tests above run the default hint against the reference)."""
+    monkeypatch.setattr(conv_kernels, "PREFILL_LANE_CHANNELS", lanes)
+    monkeypatch.setattr(conv_kernels, "PREFILL_ROW_OFFSETS", True)
+    gen = torch.Generator().manual_seed(77 + lanes + len(lens))
+    dim, T, N = (2 * hk + hv) * HEAD, sum(lens), len(lens)
+    x = torch.randn(T, dim, generator=gen).to("cuda", torch.bfloat16)
+    a, b = (torch.randn(T, hv, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
+    A_log, dt_bias = (torch.rand(hv, generator=gen) - 1.0).cuda(), (torch.randn(hv, generator=gen) * 0.1).cuda()
+    w, bv = _weights(dim, 4, torch.bfloat16, gen, True)
+    cs0 = _conv_cache(N + 2, dim, 3, torch.bfloat16, "seq_first", gen)
+    plan = plan_prefill(lens, hv, hk, device="cuda")
+    ids = torch.arange(1, N + 1, dtype=torch.int32, device="cuda")
+    has = torch.rand(N, generator=gen).cuda() < 0.5
+    outs = {}
+    for hint in (None, "evict_first"):
+        monkeypatch.setattr(conv_kernels, "PREFILL_LOAD_HINT", hint)
+        cs = cs0.clone()
+        got = layer_ops.gdn_layer_prefill_inputs(x, a, b, cs, ids, plan, conv_weight=w, conv_bias=bv,
+                                                 has_initial_state=has, A_log=A_log, dt_bias=dt_bias,
+                                                 num_k_heads=hk, qk_dtype=torch.float16)
+        outs[hint] = [t.clone() for t in got] + [cs]
+    for name, plain, hinted in zip("q k v g beta conv_state".split(), outs[None], outs["evict_first"]):
+        assert torch.equal(plain, hinted), name
+
+
 # widths other than Qwen's 4: one history column (W = 2: a window of one token), and more history
 # columns (W = 6: 5) than a walk step's 4 tokens (the window CTAs then take two steps)
 @pytest.mark.parametrize("width", [2, 6])

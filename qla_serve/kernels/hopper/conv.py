@@ -141,6 +141,17 @@ WINDOW_CTAS = True
 #   slower, 0.4-0.8 us faster at 8192 tokens (2/8 15.6 -> 15.0), 16/64 x 32768 416.0 -> 414.7.
 PREFILL_LANE_CHANNELS = "auto"
 PREFILL_ROW_OFFSETS = True
+# conv_prefill's L2 policy for the rows it reads (variant key "load_hint"; the row-offsets form
+# only: prefill_load_hint): "evict_first", the cp.async row copies under an L2::evict_first cache
+# policy, so that mixed_qkv's rows, each read once, leave L2 before the q/k/v the kernel writes,
+# which gdn_prefill reads next; None: the copies without a policy (the form before it). Outputs
+# bit-identical. H100, session 53 (benchmarks/data/conv_load_hint_h100.txt), kernel us without /
+# with: 2/8 1 x 8192 18.4-18.8 / 16.8-16.9, 16 x 512 19.1 / 17.9-18.0, mixed 18.7 / 16.9-17.0;
+# 4/16 level (40.0-40.3 / 40.1-40.3). Layer GPU us per call (forms interleaved): 2/8 16 x 512
+# 66.3, 67.1-67.2 / 65.0-65.1; mixed 98.2-98.6 / 97.5-97.6; 4/16 mixed 163.0-163.3 / 160.6-160.8;
+# 2/8 1 x 8192, 1 x 32768, 4 x 8192 and 4/16 1 x 8192, 16 x 512 level.
+PREFILL_LOAD_HINT = "evict_first"
+LOAD_HINTS = (None, "evict_first")
 PREFILL_LANE_RULES = (8, 4, "auto")
 NARROW_LANE_WAVES = 2
 # conv_prefill's walk at 4 channels a lane (HALVE_WALKS; halved_walk): steps_per_walk's walk of
@@ -164,13 +175,19 @@ MAX_SEQS = 1 << SEARCH_STEPS  # conv_prefill's binary search over cu_seqlens run
 OPS = ("conv_prefill", "conv_prefill_state", "conv_decode", "conv_spec", "conv_verify")
 
 
+def prefill_load_hint(row_offsets: bool) -> str | None:
+    """conv_prefill's load_hint for a form with or without row offsets: PREFILL_LOAD_HINT where
+    the rows are copied from one offset (the helper that carries the policy), else None."""
+    return PREFILL_LOAD_HINT if row_offsets else None
+
+
 def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weight: str | None = None,
             activation: str = "silu", bias: bool = True, qk_out: str | None = None,
             ab: str | None = None, param: str | None = None, gbias: str | None = None,
             draft: int = 0, stages: int = STAGES, fast_steps: bool = FAST_STEPS,
             silu_form: str = SILU_FORM, window_ctas: bool = WINDOW_CTAS, decodes: bool = False,
             after_conv: bool = False, seqs: int = 1, lane_channels: int = 8,
-            row_offsets: bool = False) -> dict:
+            row_offsets: bool = False, load_hint: str | None = None) -> dict:
     """A JSON-serialisable variant description; ``name`` identifies it.
 
     io: x's dtype (and the outputs' but q/k's); state: the conv state's; weight: the conv
@@ -182,7 +199,8 @@ def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weigh
     that also convolves a mixed step's decode rows (backends/gdn_layer.MIXED_CONV; with
     window_ctas); after_conv: conv_prefill_state's form launched as conv_prefill's programmatic
     dependent; seqs: conv_decode's sequences per thread (DECODE_SEQS); lane_channels,
-    row_offsets: conv_prefill's forms PREFILL_LANE_CHANNELS, PREFILL_ROW_OFFSETS."""
+    row_offsets, load_hint: conv_prefill's forms PREFILL_LANE_CHANNELS, PREFILL_ROW_OFFSETS,
+    PREFILL_LOAD_HINT."""
     weight = weight or io
     if op not in OPS:
         raise ValueError(f"variant op: expected one of {OPS}, got {op!r}")
@@ -225,6 +243,13 @@ def variant(op: str, hv: int, hk: int, width: int, io: str, state: str, *, weigh
         if row_offsets:
             v["row_offsets"] = True
             name += "_ro"
+        if load_hint not in LOAD_HINTS:
+            raise ValueError(f"conv_prefill load_hint: expected one of {LOAD_HINTS}, got {load_hint!r}")
+        if load_hint is not None:
+            if not row_offsets:
+                raise ValueError("load_hint: conv_prefill's rows carry a cache policy in its row-offsets form only")
+            v["load_hint"] = load_hint
+            name += "_ef"
         if decodes:
             if not window_ctas:
                 raise ValueError("decodes: conv_prefill convolves decode rows only in its window-CTA form")
@@ -273,7 +298,8 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
                         out.append(variant("conv_prefill", num_v_heads, num_k_heads, 4, io, io, qk_out="float16",
                                            ab=io, param=param, gbias=gbias, stages=STAGES, fast_steps=FAST_STEPS,
                                            silu_form=SILU_FORM, window_ctas=WINDOW_CTAS, decodes=decodes,
-                                           lane_channels=lanes, row_offsets=PREFILL_ROW_OFFSETS, **common))
+                                           lane_channels=lanes, row_offsets=PREFILL_ROW_OFFSETS,
+                                           load_hint=prefill_load_hint(PREFILL_ROW_OFFSETS), **common))
             for after in (False,) if WINDOW_CTAS else (False, True):
                 out.append(variant("conv_prefill_state", num_v_heads, num_k_heads, 4, io, io,
                                    after_conv=after, **common))
@@ -653,10 +679,10 @@ def conv_prefill(x, conv_state, weight, bias, slot_ids, has_initial_state, cu_se
     if T_:
         sms = sm_count(x.device)
         (lanes, walk), offsets = prefill_launch_form(T_, 2 * hk + hv, sms), PREFILL_ROW_OFFSETS
-        stages, fast, silu_form = STAGES, FAST_STEPS, SILU_FORM
+        stages, fast, silu_form, hint = STAGES, FAST_STEPS, SILU_FORM, prefill_load_hint(offsets)
         key = ("conv_prefill", x.device, x.dtype, conv_state.dtype, weight.dtype, q_out.dtype, a.dtype,
                A_log.dtype, dt_bias.dtype, hv, hk, width, activation, bias is not None, stages, fast,
-               silu_form, windows, dec, lanes, offsets)
+               silu_form, windows, dec, lanes, offsets, hint)
 
         def make():
             io, sdt, wdt = _names(x, conv_state, weight)
@@ -665,7 +691,7 @@ def conv_prefill(x, conv_state, weight, bias, slot_ids, has_initial_state, cu_se
                            bias=bias is not None, qk_out=_dtype_name(q_out.dtype, "q_out", _IO_DTYPES),
                            ab=ab, param=prm, gbias=gb, stages=stages, fast_steps=fast,
                            silu_form=silu_form, window_ctas=windows, decodes=dec, lane_channels=lanes,
-                           row_offsets=offsets)
+                           row_offsets=offsets, load_hint=hint)
         _launch_fn(key, make, x.device)(x, conv_state, weight, _bias_arg(bias, weight), slot_ids,
                                         has_initial_state, cu_seqlens, a, b, A_log, dt_bias,
                                         q_out, k_out, v_out, g_out, beta_out, walk, *(decodes if dec else ()))

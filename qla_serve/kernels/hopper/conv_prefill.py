@@ -67,6 +67,29 @@ __device__ __forceinline__ void qla_cp_async_rows(void* smem, const void* base, 
   }
 }
 """
+# the same copies under an L2::evict_first cache policy (conv.PREFILL_LOAD_HINT; the policy lives
+# in a uniform register, no extra registers per thread): imported only in that form
+CP_ROWS_EVICT_FIRST_SOURCE = r"""
+template <int N, int U, int SROW>
+__device__ __forceinline__ void qla_cp_async_rows_ef(void* smem, const void* base, long long offset,
+                                                     long long stride, int valid) {
+  unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  const char* p = (const char*)base + offset;
+  unsigned long long policy;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    int bytes = u < valid ? N : 0;
+    if constexpr (N == 16) {
+      asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], %2, %3, %4;"
+                   :: "r"(s + u * SROW), "l"(p + u * stride), "n"(N), "r"(bytes), "l"(policy));
+    } else {
+      asm volatile("cp.async.ca.shared.global.L2::cache_hint [%0], [%1], %2, %3, %4;"
+                   :: "r"(s + u * SROW), "l"(p + u * stride), "n"(N), "r"(bytes), "l"(policy));
+    }
+  }
+}
+"""
 
 
 def walkers_per_cta(lane_channels: int) -> int:
@@ -121,6 +144,7 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t, decod
     # cover a row's 128 channels; NW such walkers per 128-thread CTA
     VEC = v.get("lane_channels", 8)
     ROW_OFFSETS = v.get("row_offsets", False)   # (conv.PREFILL_ROW_OFFSETS; issue_rows)
+    EVICT_FIRST = v.get("load_hint") == "evict_first"   # (conv.PREFILL_LOAD_HINT; issue_rows)
     LANES, NW = HEAD_DIM // VEC, walkers_per_cta(VEC)
     silu = v["activation"] == "silu"
     tanh_silu = silu and v.get("silu_form") == "tanh"
@@ -182,7 +206,9 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t, decod
             # the rows' addresses from one 64-bit offset and the row stride (qla_cp_async_rows;
             # a row at or past tend is never dereferenced): indexing X by clamped rows costs
             # ~8-10 instructions a row (SASS, sm_90a: a step's head 119 -> 72 instructions)
-            T.call_extern("handle", f"qla_cp_async_rows<{2 * VEC}, {U}, {2 * HEAD_DIM}>",
+            # (with conv.PREFILL_LOAD_HINT "evict_first": the same copies under an L2::evict_first
+            # policy, qla_cp_async_rows_ef)
+            T.call_extern("handle", f"qla_cp_async_rows{'_ef' if EVICT_FIRST else ''}<{2 * VEC}, {U}, {2 * HEAD_DIM}>",
                           T.address_of(ring[slot, wk, 0, g * VEC]), T.address_of(X[0, c0 + g * VEC]),
                           T.cast(t0, "int64") * T.cast(sx0 * 2, "int64"), T.cast(sx0 * 2, "int64"), tend - t0)
         else:
@@ -433,7 +459,8 @@ def program(T, v: dict, NH: int, DIM: int, H: int, conv_state_t, weight_t, decod
         nwalk = T.ceildiv(ntok, NW * U * walk)
         nwin = T.ceildiv(N, NW) if WINDOWS else 0
         with T.Kernel(nwalk + nwin + (nd if DECODES else 0), 1 + NH, threads=128) as (bx, by):
-            T.import_source(FAST_MATH_SOURCE + (CP_ROWS_SOURCE if ROW_OFFSETS else ""))
+            T.import_source(FAST_MATH_SOURCE + (CP_ROWS_SOURCE if ROW_OFFSETS else "")
+                            + (CP_ROWS_EVICT_FIRST_SOURCE if EVICT_FIRST else ""))
             if not WINDOWS:
                 # the conv-state write-back (conv.py's conv_prefill_state, after_conv form) may
                 # launch now: it loads its windows while this grid runs, and stores once it has
