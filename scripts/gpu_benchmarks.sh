@@ -30,10 +30,11 @@
 #   spec       spec_layouts_h200.txt (benchmarks/spec_prefill_host.py: vLLM's MTP steps beside a
 #              chunked prefill, the spec rows as views, gathered, and interleaved; 2/8 and 2/4)
 #   conv       conv_forms_h200.txt (conv_prefill's forms, conv.PREFILL_LANE_CHANNELS,
-#              PREFILL_ROW_OFFSETS and PREFILL_LOAD_HINT: the kernel in each form (benchmarks/conv_prefill_ab.py)
-#              first, then their GPU tests and the layer's preamble against issue 24's target at
-#              the 8192-token rows (benchmarks/layer_preamble.py), the file written as each step
-#              runs, so that a call cut short returns what ran; ~5 min with their kernels
+#              PREFILL_ROW_OFFSETS and PREFILL_LOAD_HINT: the kernel in each form
+#              (benchmarks/conv_prefill_ab.py) first, then their GPU tests and the layer's
+#              preamble against issue 24's target at the 8192-token rows
+#              (benchmarks/layer_preamble.py), the file written as each step runs, so that a call
+#              cut short returns what ran; ~5 min with their kernels
 #              carried, e.g. TLCACHE=".gpucache/tlcache.tar.xz .gpucache/conv_forms.tar.xz")
 #   inputs     prefill_inputs_h200.txt (benchmarks/prefill_inputs.py)
 #   sustained  sustained_h200.txt (benchmarks/sustained.py, the 16/64 and 2/8 rows of prefill.md)
