@@ -229,7 +229,7 @@ if want conv; then
     --rows 1x8192,16x512,mixed,1x32768 --forms 3:auto:fast+lcauto+ro+ef,3:auto:fast+lcauto+ro,3:auto:fast,3:16:fast+lc4+ro \
     2>&1 | tee -a "$f"
   # (the forms set by the tests themselves; the plain form's cases ran before)
-  sel="fixed_forms or ((random_batches or widths or decode_rows) and not 8-False)"
+  sel="load_hint or fixed_forms or ((random_batches or widths or decode_rows) and not 8-False)"
   echo "## pytest -m gpu tests/kernels/test_layer_ops_gpu.py -k '$sel'" | tee -a "$f"
   step "conv forms: GPU tests" 190 python -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_layer_ops_gpu.py \
     -k "$sel" 2>&1 | tail -6 | tee -a "$f"
