@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import weakref
 
 import torch
@@ -151,6 +152,41 @@ def _merge(first: list, second: list):
     return out
 
 
+class _Replay:
+    """A merged record made ready to replay: the launches' constant arguments in one tuple, and
+    per launch a getter of its argument tuple from (constants + the call's sources), so that a
+    replayed launch builds its arguments in one C-level call instead of a Python loop over its
+    (source, value) pairs (4 launches of 20 arguments, a mixed call's: 7.6 -> 3.2 us on the CPU
+    machine)."""
+
+    __slots__ = ("consts", "events")
+
+    def __init__(self, merged: list):
+        launches = [ev for ev in merged if ev[0] == "launch"]
+        self.consts = tuple(v for ev in launches for is_source, v in ev[2] if not is_source)
+        n, c = len(self.consts), 0   # the sources follow the constants
+        self.events = []
+        for ev in merged:
+            if ev[0] != "launch":
+                self.events.append(ev)
+                continue
+            positions = []
+            for is_source, v in ev[2]:
+                positions.append(n + v if is_source else c)
+                c += not is_source
+            self.events.append(("launch", ev[1], _getter(positions)))
+
+
+def _getter(positions: list):
+    """positions' items of a tuple, as a tuple (operator.itemgetter's, whatever their count)."""
+    if len(positions) >= 2:
+        return operator.itemgetter(*positions)
+    if positions:
+        i = positions[0]
+        return lambda ext: (ext[i],)
+    return lambda ext: ()
+
+
 class _First:
     """A key's first recording, waiting for a second on other layer tensors (weak references:
     whether the second call's are the same objects)."""
@@ -180,7 +216,7 @@ class LaunchReplays:
         [(kind, count, launch)] (launches nothing itself); on_call: as :func:`launch_parts`'.
         """
         entry = self._entries.get(key)
-        if entry.__class__ is list:
+        if entry.__class__ is _Replay:
             _replay(entry, sources, on_call)
             self.replayed += 1
             return
@@ -214,7 +250,7 @@ class LaunchReplays:
             if len(_CLEAN) >= _CLEAN_MAX:
                 _CLEAN.clear()
             _CLEAN.add(shape)
-        self._entries[key] = merged
+        self._entries[key] = _Replay(merged)
 
     def _refuse(self, key: tuple, why: str) -> None:
         self._entries[key] = _REFUSED
@@ -237,9 +273,10 @@ def launch_parts(parts, on_call=None) -> None:
                 on_call(kind, count)
 
 
-def _replay(events: list, sources: tuple, on_call) -> None:
-    for ev in events:
+def _replay(replay: _Replay, sources: tuple, on_call) -> None:
+    ext = replay.consts + sources
+    for ev in replay.events:
         if ev[0] == "launch":
-            ev[1](*[sources[v] if is_source else v for is_source, v in ev[2]])
+            ev[1](*ev[2](ext))
         elif on_call:
             on_call(ev[1], ev[2])

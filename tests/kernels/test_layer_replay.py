@@ -297,3 +297,19 @@ def test_an_op_off_the_tilelang_path_stops_the_replay(launches, monkeypatch):
         _forward(step, layer)
     assert step._replays.replayed == 0
     assert "decode ran on the fla path" in step._replays.refused.values()
+
+
+def test_a_replay_hands_each_launch_its_sources_and_constants_in_order():
+    """launch_replay._Replay: a merged record's launches of 0, 1 and several arguments, sources and
+    constants interleaved, replayed on new sources: each launch gets its arguments in its order,
+    the parts go to on_call between them."""
+    got = []
+    merged = [("launch", lambda *a: got.append(("f", a)), ((True, 1), (False, "c0"), (True, 0), (False, 7))),
+              ("part", "prefill", 2),
+              ("launch", lambda *a: got.append(("g", a)), ((False, "c1"),)),
+              ("launch", lambda *a: got.append(("h", a)), ()),
+              ("launch", lambda *a: got.append(("k", a)), ((True, 2),))]
+    replay = launch_replay._Replay(merged)
+    launch_replay._replay(replay, ("s0", "s1", "s2"), lambda kind, count: got.append((kind, count)))
+    assert got == [("f", ("s1", "c0", "s0", 7)), ("prefill", 2), ("g", ("c1",)), ("h", ()), ("k", ("s2",))]
+
