@@ -189,7 +189,7 @@ def test_prefill_launch_form(monkeypatch):
     # the 4-lane walk halved where the grid stays within one wave (halved_walk): 2/8 x 4096 at 8
     # steps is 384 CTAs, at 4 768 (of 1056 slots); 4/16 x 8192 at 8 steps is 1536: kept
     assert C.prefill_launch_form(4096, 12, 132) == (4, 4)
-    assert C.prefill_launch_form(8192, 24, 132) == (4, 8)    # 4/16: 768 CTAs at 8 lanes
+    assert C.prefill_launch_form(8192, 24, 132) == (4, 8)    # 4/16: 768 CTAs in the 8-channel form
     assert C.prefill_launch_form(8192, 96, 132)[0] == 8      # 16/64: 3072
     assert C.prefill_launch_form(512, 12, 132)[0] == 4
     assert C.prefill_launch_form(8192, 12, 32)[0] == 8       # 384 CTAs against 256 slots
