@@ -661,3 +661,41 @@ def test_cp_pdl_matches_plain_launches(case, pool_dtype, monkeypatch):
         torch.cuda.synchronize()
         assert torch.equal(out.view(torch.int16), want_out.view(torch.int16)), f"replay {replay}: outputs differ"
         assert torch.equal(pool.view(bits), want_pool.view(bits)), f"replay {replay}: pool differs"
+
+
+HINT_CASES = [  # (lens, Hk, Hv, v_split, segment_chunks, cp, persistent grid)
+    ([512] * 24, 2, 8, 1, 0, None, True),
+    ([3000, 17, 0, 700, 64 * 20 + 5, 1], 4, 16, 1, 0, None, False),
+    ([4096, 1000, 63], 2, 8, 2, 0, None, False),
+    ([64 * 29 + 17, 0, 64 * 5, 1, 64 * 9, 200], 2, 8, 1, 4, "auto", False),  # maps pass, finder, scan
+]
+
+
+@pytest.mark.parametrize("case", HINT_CASES, ids=lambda c: f"{len(c[0])}seq-{c[1]}-{c[2]}-vs{c[3]}-L{c[4]}-p{int(c[6])}")
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_main_load_hints_change_nothing(case, pool_dtype, monkeypatch):
+    """prefill_api.MAIN_LOAD_HINTS (the V-first stage 2's TMA copies under L2 cache policies:
+    the unit grid, the persistent grid and the CP maps pass) is a cache policy only: outputs and
+    every pool slot bit-identical to the copies without it on the same inputs, padded and
+    poisoned slots included (the float64 tests above run the package's setting)."""
+    lens, Hk, Hv, vs, L, cp, persistent = case
+    mod = _mod()
+    monkeypatch.setattr(mod, "PERSISTENT", persistent)
+    gen = torch.Generator(device="cuda").manual_seed(5151 + len(lens) + vs + L)
+    q, k, v, g, beta = make_case(lens, Hk, Hv, qk=torch.float16, gen=gen)
+    N = len(lens)
+    pool0 = make_pool(2 * N + 2, Hv, pool_dtype, gen)
+    slots = torch.tensor([2 * i + 1 if i % 3 != 2 else -1 for i in range(N)], dtype=torch.int32, device="cuda")
+    has = torch.tensor([i % 4 != 1 for i in range(N)], device="cuda")
+    results = {}
+    for hints in (False, True):
+        monkeypatch.setattr(mod, "MAIN_LOAD_HINTS", hints)
+        plan = make_plan(lens, Hv, Hk, vs, L, cp)
+        pool = pool0.clone()
+        out = torch.full((sum(lens), Hv, HD), float("nan"), dtype=v.dtype, device="cuda")
+        mod.prefill(q, k, v, g, beta, pool, slots, plan, has_initial_state=has, scale=HD ** -0.5, out=out)
+        results[hints] = (out, pool)
+    bits = torch.int16 if pool_dtype == torch.bfloat16 else torch.int32
+    assert not torch.isnan(results[True][0]).any(), "output rows left unwritten or NaN"
+    assert torch.equal(results[True][0].view(torch.int16), results[False][0].view(torch.int16)), "outputs differ"
+    assert torch.equal(results[True][1].view(bits), results[False][1].view(bits)), "pool differs"
