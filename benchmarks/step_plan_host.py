@@ -26,6 +26,8 @@ def _shapes():
     yield "mixed 200 decodes + 56 x 512", dict(decodes=200, prefill=[512] * 56)
     yield "decode 256", dict(decodes=256)
     yield "spec 256 x (1+3)", dict(spec=(256, 4))
+    yield "spec 8 x (1+3) + 4 x 512", dict(spec=(8, 4), prefill=[512] * 4)
+    yield "spec 64 x (1+3) + 2 x 4096", dict(spec=(64, 4), prefill=[4096] * 2)
 
 
 def _args(shape: dict, device):
