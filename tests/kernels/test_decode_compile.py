@@ -47,6 +47,31 @@ def test_pipelined_tiles_compile_to_a_cp_async_ring(variant, target):
     assert ("cudaGridDependencySynchronize();" in src) == variant.get("after_conv", False)
 
 
+# Early tiles (-e): the gates before the slot id, v in registers after the state loads.
+EARLY = [dec._variant("decode", HV, HK, "bfloat16", "float32", "ab", "bfloat16", "float32", True, tile)
+         for tile in ("bv16l16-cs-e", "bv8l32-cs-p8s3-e")]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("variant", EARLY, ids=lambda v: v["name"])
+def test_early_tiles_load_the_gates_before_the_slot_and_v_once(variant):
+    """An early tile computes the gates from a, b, A_log, dt_bias before it reads the slot id (the
+    plain tile: after the q/k norms, behind the slot id and the state loads), and reads each of
+    its thread's v values once, before the first row's reductions (the plain tile: one read per
+    row, between them). Decode only, and not in the conv's dependent form."""
+    plain = dict(variant, tile=variant["tile"].removesuffix("-e"), name=variant["name"].removesuffix("-e"))
+    for v, early in ((variant, True), (plain, False)):
+        body = dec.build(v, "sm_90a").get_kernel_source().split('extern "C" __global__')[-1]
+        assert (body.index("A_log[") < body.index("Slots[")) == early, v["name"]
+        first_v, first_shuffle = body.index("Vt["), body.index("__shfl_xor_sync")
+        assert (first_v < first_shuffle) == early, v["name"]
+    for op, after_conv in (("verify", False), ("decode", True)):
+        bad = dec._variant(op, HV, HK, "bfloat16", "float32", "ab", "bfloat16", "float32", True, "bv16l16-cs-e",
+                           after_conv=after_conv)
+        with pytest.raises(ValueError, match="early form"):
+            dec.build(bad, "sm_90a")
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("target", ["sm_90a", "sm_100a"])
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v["name"])
@@ -83,17 +108,20 @@ def test_variant_compiles(variant, target):
 def test_tile_specs_parse_and_bad_ones_name_the_argument():
     """parse_tile: rows, warps, q/k staging, occupancy hint, lanes per row, cache hint; a thread must hold
     whole rows (a power of two of them) and at most 64 state values."""
-    assert dec.parse_tile("bv32") == (32, 4, False, 0, 8, "", "", 1, 0)
-    assert dec.parse_tile("bv16l32-mb12") == (16, 4, False, 12, 32, "", "", 1, 0)
-    assert dec.parse_tile("bv8w1l16s-cs") == (8, 1, True, 0, 16, "cs", "cs", 1, 0)
-    assert dec.parse_tile("bv32l16-lcg-scs") == (32, 4, False, 0, 16, "cg", "cs", 1, 0)
+    assert dec.parse_tile("bv32") == (32, 4, False, 0, 8, "", "", 1, 0, False)
+    assert dec.parse_tile("bv16l32-mb12") == (16, 4, False, 12, 32, "", "", 1, 0, False)
+    assert dec.parse_tile("bv8w1l16s-cs") == (8, 1, True, 0, 16, "cs", "cs", 1, 0, False)
+    assert dec.parse_tile("bv32l16-lcg-scs") == (32, 4, False, 0, 16, "cg", "cs", 1, 0, False)
     assert dec.parse_tile("bv32-scs").store_hint == "cs" and dec.parse_tile("bv32-scs").load_hint == ""
-    assert dec.parse_tile("bv4w1l32-cs") == (4, 1, False, 0, 32, "cs", "cs", 1, 0)
-    assert dec.parse_tile("bv16l16-cs-p2")[-2:] == (2, 2) and dec.parse_tile("bv16l16-cs-p8s3")[-2:] == (8, 3)
-    assert dec.parse_tile("bv16l16-cs")[-2:] == (1, 0)
+    assert dec.parse_tile("bv4w1l32-cs") == (4, 1, False, 0, 32, "cs", "cs", 1, 0, False)
+    assert dec.parse_tile("bv16l16-cs-p2")[7:9] == (2, 2) and dec.parse_tile("bv16l16-cs-p8s3")[7:9] == (8, 3)
+    assert dec.parse_tile("bv16l16-cs")[7:9] == (1, 0)
+    assert dec.parse_tile("bv16l16-cs-e") == (16, 4, False, 0, 16, "cs", "cs", 1, 0, True)
+    assert dec.parse_tile("bv8l32-cs-p8s3-e")[7:] == (8, 3, True)
     for bad in ("bv64w1", "bv8l32w4", "bv8w4", "bv16l4", "bv48", "bv64w1l32", "bv32-ca", "bv32-cs-lcg",
                 "bv32-scs-lcg", "bv32-slu", "bv32-swt", "bv32e", "bv4", "bv4w2", "bv32p", "bv2w1l32",
-                "bv64-p4", "bv16l16-p3", "bv16l16-p2s3", "bv16l16-p4s5", "bv16-p2-cs"):
+                "bv64-p4", "bv16l16-p3", "bv16l16-p2s3", "bv16l16-p4s5", "bv16-p2-cs", "bv16-e-cs",
+                "bv16-e-p2", "bv16-ee"):
         with pytest.raises(ValueError, match="variant tile"):
             dec.parse_tile(bad)
 

@@ -221,6 +221,18 @@ def test_pipelined_decode_tiles_are_correct(tile, monkeypatch):
     _check_decode(1, 1, 300, torch.bfloat16, torch.bfloat16, "ab", True)
 
 
+@pytest.mark.parametrize("tile", ["bv16l16-cs-e", "bv32-e", "bv8l32-cs-p8s3-e", "bv16l16-cs-p8s4-e"])
+def test_early_decode_tiles_are_correct(tile, monkeypatch):
+    """Decode tiles that compute the gates before the slot id and hold v in registers (-e): the
+    pipelined tiles' checks (padding rows, slots outside the batch bit-identical, the float64
+    reference), plain and pipelined forms."""
+    monkeypatch.setattr(_mod(), "TILE_OVERRIDE", tile)
+    _check_decode(2, 8, 37, torch.float32, torch.bfloat16, "ab", True)
+    _check_decode(2, 8, 19, torch.bfloat16, torch.bfloat16, "gb", False)
+    _check_decode(16, 32, 20, torch.float32, torch.float16, "ab-sglang", True)
+    _check_decode(1, 1, 300, torch.bfloat16, torch.bfloat16, "ab", True)
+
+
 def _check_verify(pdt, gating, l2):
     gen = torch.Generator(device="cuda").manual_seed(11)
     Hk, Hv = 2, 8

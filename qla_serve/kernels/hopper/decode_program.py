@@ -21,7 +21,10 @@ Decode is memory-bound: each live slot's [Hv, 128(V), 128(K)] state is read once
   ``(128 // (BV T), Hv, B)``, a block walks T consecutive BV-row tiles of its head (one slot id,
   q/k norm and gate computation for all of them), each tile's state copied by 16-byte cp.async
   into the thread's own slice of an S-deep shared ring S - 1 tiles ahead of the tile it
-  updates, so the block keeps state loads in flight while it computes and stores.
+  updates, so the block keeps state loads in flight while it computes and stores;
+* early tiles ("-e", standalone decode only): the gates computed before the slot id is read and
+  the thread's v values loaded into registers right after its state loads are issued, instead of
+  after the q/k norms and once per row between the row's two reductions (FlashInfer's order).
 
 Math (V-first state S [V, K], fp32 registers whatever the pool dtype)::
 
@@ -64,8 +67,12 @@ def _check_variant(v: dict) -> None:
                 raise ValueError(f"{what} dtype: expected one of {_GATE_DTYPES}, got {dtype}")
     elif v["gating"] != "gb":
         raise ValueError(f"variant gating: expected 'gb' or 'ab', got {v['gating']!r}")
-    if parse_tile(v["tile"]).pipe_stages and v["op"] != "decode":
+    tile = parse_tile(v["tile"])
+    if tile.pipe_stages and v["op"] != "decode":
         raise ValueError(f"variant tile: the pipelined form (-p<T>) is decode's only, got {v['tile']!r} for {v['op']}")
+    if tile.early and (v["op"] != "decode" or v.get("after_conv", False)):
+        raise ValueError(f"variant tile: the early form (-e) is the standalone decode's only, got {v['tile']!r} "
+                         f"for {v['op']}" + (" after the conv" if v.get("after_conv", False) else ""))
 
 
 def program(variant: dict):
@@ -79,7 +86,7 @@ def program(variant: dict):
     gdt = variant["ab_dtype"] if fused else "float32"
     prm = variant["param_dtype"] if fused else "float32"
     bias = (variant.get("bias_dtype") or prm) if fused else "float32"
-    BV, W, QK_SMEM, MIN_BLOCKS, LANES, LD_HINT, ST_HINT, PT, PS = parse_tile(variant["tile"])
+    BV, W, QK_SMEM, MIN_BLOCKS, LANES, LD_HINT, ST_HINT, PT, PS, EARLY = parse_tile(variant["tile"])
     LD_HINTED, ST_HINTED = bool(LD_HINT), bool(ST_HINT)
     AFTER_CONV = bool(variant.get("after_conv", False))
     COLS = HEAD_DIM // LANES                       # K columns per lane
@@ -185,10 +192,11 @@ def program(variant: dict):
             gb[1] = Gb[t, h]
 
     @T.macro
-    def step(st, qv, kv, Sq, Sk, Vt, Out, t, h, row0, lk, w, gb):
+    def step(st, qv, kv, Sq, Sk, Vt, Out, t, h, row0, lk, w, gb, vr, v0):
         # One token on this thread's R rows: decay, delta rule, output (lane 0 of each row).
         # (q/k element e of this lane: qv[e] / kv[e] in registers, or column scol(e // VEC, lk,
-        # e % VEC) of the warp's staged copy.)
+        # e % VEC) of the warp's staged copy; row r's v: vr[v0 + r] where the tile is early
+        # (load_v), else Vt[t, h, row].)
         for r in T.unroll(R):
             d = T.alloc_var(f32)
             d = 0.0
@@ -200,7 +208,10 @@ def program(variant: dict):
                     d += st[r, e] * kv[e]
             for m in T.unroll(SHUFFLES):
                 d += T.shfl_xor(d, 1 << m)
-            delta = gb[1] * (T.cast(Vt[t, h, srow(row0, r)], f32) - d)
+            if EARLY:
+                delta = gb[1] * (vr[v0 + r] - d)
+            else:
+                delta = gb[1] * (T.cast(Vt[t, h, srow(row0, r)], f32) - d)
             o = T.alloc_var(f32)
             o = 0.0
             for e in T.unroll(COLS):
@@ -277,35 +288,49 @@ def program(variant: dict):
                         Dst[at + (h, srow(row0, r), scol(c, lk, e))] = T.cast(st[r, c * VEC + e], pdt)
 
     @T.macro
-    def qk_and_gates(args, ctx, t, h):
-        # Token t of v-head h: its q/k (normalised, scaled) into registers or the warp's staging,
-        # its gates into gb.
+    def load_qk(args, ctx, t, h):
+        # Token t of v-head h: its q/k (normalised, scaled) into registers or the warp's staging.
         Q, Kt, Vt, Ga, Gb, A_log, dt_bias, Out, scale = args
         tx, lk, row0, st, qv, kv, Sq, Sk, gb = ctx
         if QK_SMEM:
             load_qk_smem(Q, Kt, t, h // G, tx, Sq, Sk, scale)
         else:
             load_qk_regs(Q, Kt, t, h // G, lk, qv, kv, scale)
-        gates(Ga, Gb, A_log, dt_bias, t, h, gb)
 
     @T.macro
-    def token(args, ctx, t, h):
+    def qk_and_gates(args, ctx, t, h):
+        # Token t of v-head h: its q/k, then its gates into gb (an early tile has them already).
+        Q, Kt, Vt, Ga, Gb, A_log, dt_bias, Out, scale = args
+        tx, lk, row0, st, qv, kv, Sq, Sk, gb = ctx
+        load_qk(args, ctx, t, h)
+        if not EARLY:
+            gates(Ga, Gb, A_log, dt_bias, t, h, gb)
+
+    @T.macro
+    def load_v(Vt, t, h, row0, vr, v0):
+        # An early tile's v: this thread's R rows of token t, v-head h, into vr[v0 ..].
+        for r in T.unroll(R):
+            vr[v0 + r] = T.cast(Vt[t, h, srow(row0, r)], f32)
+
+    @T.macro
+    def token(args, ctx, t, h, vr):
         # One token t of v-head h: q/k, gates, the state update and output.
         Q, Kt, Vt, Ga, Gb, A_log, dt_bias, Out, scale = args
         tx, lk, row0, st, qv, kv, Sq, Sk, gb = ctx
         qk_and_gates(args, ctx, t, h)
-        step(st, qv, kv, Sq, Sk, Vt, Out, t, h, row0, lk, tx // 32, gb)
+        step(st, qv, kv, Sq, Sk, Vt, Out, t, h, row0, lk, tx // 32, gb, vr, 0)
 
     @T.macro
     def tokens(Pool, src, args, ctx, bos, n, h, Dst, keep, at):
         # A sequence's tokens bos .. bos + n - 1 from the state in pool[src], the state after
         # its token j stored to Dst[at(j) + (h, ...)] where keep(j) holds.
+        Q, Kt, Vt, Ga, Gb, A_log, dt_bias, Out, scale = args
         load_state(Pool, src, h, ctx)
         if AFTER_CONV:
             # the conv launch before this one writes q/k/v (see gdn_decode below)
             T.pdl_sync()
         for j in T.serial(n):
-            token(args, ctx, bos + j, h)
+            token(args, ctx, bos + j, h, Vt)   # (v from Vt: verify tiles are never early)
             if keep(j):
                 store_state(Dst, at(j), h, ctx)
 
@@ -361,12 +386,18 @@ def program(variant: dict):
                 ctx = prologue(bt * PT, False)
                 tx, lk, row0, st, qv, kv, Sq, Sk, gb = ctx
                 ring = T.alloc_shared((PS, R, NCH, W * 32, VEC), pdt)
+                vr = T.alloc_local((PT * R,), f32) if EARLY else Vt   # (an early tile's v)
+                if EARLY:
+                    gates(Ga, Gb, A_log, dt_bias, i, h, gb)
                 slot = Slots[i]
                 if slot >= 0:
                     for j in T.unroll(PS - 1):
                         issue_tile(Pool, slot, h, ring, j, j * BV, ctx)
                     if AFTER_CONV:
                         T.pdl_sync()     # (as gdn_decode's)
+                    if EARLY:
+                        for j in T.unroll(PT):
+                            load_v(Vt, i, h, row0 + j * BV, vr, j * R)
                     qk_and_gates((Q, Kt, Vt, Ga, Gb, A_log, dt_bias, Out, scale), ctx, i, h)
                     for j in T.unroll(PT):
                         issue_tile(Pool, slot, h, ring, (j + PS - 1) % PS, (j + PS - 1) * BV, ctx)
@@ -376,7 +407,10 @@ def program(variant: dict):
                                 for e in T.vectorized(VEC):
                                     st[r, c * VEC + e] = T.cast(ring[j % PS, r, c, tx, e], f32)
                         tile_ctx = (tx, lk, row0 + j * BV, st, qv, kv, Sq, Sk, gb)
-                        step(st, qv, kv, Sq, Sk, Vt, Out, i, h, row0 + j * BV, lk, tx // 32, gb)
+                        if EARLY:
+                            step(st, qv, kv, Sq, Sk, Vt, Out, i, h, row0 + j * BV, lk, tx // 32, gb, vr, j * R)
+                        else:   # (a constant offset: no let in the program, the default tiles' kernels unchanged)
+                            step(st, qv, kv, Sq, Sk, Vt, Out, i, h, row0 + j * BV, lk, tx // 32, gb, vr, 0)
                         store_state(Pool, (slot,), h, tile_ctx)
                 else:
                     if AFTER_CONV:
@@ -394,6 +428,10 @@ def program(variant: dict):
                        Pool: pool_t, Slots: T.Tensor((B,), "int32"), Out: out_t, scale: T.float32):
             with T.Kernel(NV, Hv, B, threads=W * 32) as (bv, h, i):
                 ctx = prologue(bv, False)
+                tx, lk, row0, st, qv, kv, Sq, Sk, gb = ctx
+                vr = T.alloc_local((R,), f32) if EARLY else Vt   # (an early tile's v)
+                if EARLY:
+                    gates(Ga, Gb, A_log, dt_bias, i, h, gb)      # (they need no slot)
                 slot = Slots[i]
                 if slot >= 0:
                     # Issue the state loads first: they are the long pole. (Not `tokens` with
@@ -404,7 +442,9 @@ def program(variant: dict):
                         # (neither written by the conv) load while it runs; q/k/v, which it
                         # writes, only after it has finished and flushed.
                         T.pdl_sync()
-                    token((Q, Kt, Vt, Ga, Gb, A_log, dt_bias, Out, scale), ctx, i, h)
+                    if EARLY:
+                        load_v(Vt, i, h, row0, vr, 0)
+                    token((Q, Kt, Vt, Ga, Gb, A_log, dt_bias, Out, scale), ctx, i, h, vr)
                     store_state(Pool, (slot,), h, ctx)
                 else:
                     if AFTER_CONV:
