@@ -72,6 +72,30 @@ def test_early_tiles_load_the_gates_before_the_slot_and_v_once(variant):
             dec.build(bad, "sm_90a")
 
 
+# Output-gathering tiles (-o): the block's outputs through shared memory, one contiguous store.
+GATHERING = [dec._variant("decode", HV, HK, "bfloat16", "float32", "ab", "bfloat16", "float32", True, tile)
+             for tile in ("bv16l16-cs-o", "bv8l32-cs-p8s3-e-o")]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("variant", GATHERING, ids=lambda v: v["name"])
+def test_gathering_tiles_store_the_outputs_once_per_block(variant):
+    """A gathering tile stores its block's outputs after one block barrier, each of the block's
+    first PT * BV threads one row (the plain tile: a store per row from the row's first lane, no
+    barrier); the rest of the program is the plain tile's. Decode only."""
+    tile = dec.parse_tile(variant["tile"])
+    plain = dict(variant, tile=variant["tile"].removesuffix("-o"), name=variant["name"].removesuffix("-o"))
+    body = dec.build(variant, "sm_90a").get_kernel_source().split('extern "C" __global__')[-1]
+    plain_body = dec.build(plain, "sm_90a").get_kernel_source().split('extern "C" __global__')[-1]
+    assert body.count("__syncthreads();") == 1 and "__syncthreads" not in plain_body
+    gathered = body[body.index("__syncthreads();"):]
+    assert f"if (((int)threadIdx.x) < {tile.pipe_tiles * tile.rows})" in gathered.split("} else {")[0]
+    assert "Out[" in gathered.split("} else {")[0]
+    bad = dec._variant("verify", HV, HK, "bfloat16", "float32", "ab", "bfloat16", "float32", True, "bv16l16-cs-o")
+    with pytest.raises(ValueError, match="output-gathering form"):
+        dec.build(bad, "sm_90a")
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("target", ["sm_90a", "sm_100a"])
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v["name"])

@@ -221,11 +221,13 @@ def test_pipelined_decode_tiles_are_correct(tile, monkeypatch):
     _check_decode(1, 1, 300, torch.bfloat16, torch.bfloat16, "ab", True)
 
 
-@pytest.mark.parametrize("tile", ["bv16l16-cs-e", "bv32-e", "bv8l32-cs-p8s3-e", "bv16l16-cs-p8s4-e"])
-def test_early_decode_tiles_are_correct(tile, monkeypatch):
-    """Decode tiles that compute the gates before the slot id and hold v in registers (-e): the
-    pipelined tiles' checks (padding rows, slots outside the batch bit-identical, the float64
-    reference), plain and pipelined forms."""
+@pytest.mark.parametrize("tile", ["bv16l16-cs-e", "bv32-e", "bv8l32-cs-p8s3-e", "bv16l16-cs-p8s4-e",
+                                  "bv16l16-cs-o", "bv16l16-cs-e-o", "bv8l32-cs-p8s3-o", "bv4w1l32-cs-o"])
+def test_early_and_gathering_decode_tiles_are_correct(tile, monkeypatch):
+    """Decode tiles that compute the gates before the slot id and hold v in registers (-e), or
+    gather the block's outputs in shared memory for one contiguous store (-o): the pipelined
+    tiles' checks (padding rows, slots outside the batch bit-identical, the float64 reference),
+    plain and pipelined forms."""
     monkeypatch.setattr(_mod(), "TILE_OVERRIDE", tile)
     _check_decode(2, 8, 37, torch.float32, torch.bfloat16, "ab", True)
     _check_decode(2, 8, 19, torch.bfloat16, torch.bfloat16, "gb", False)

@@ -24,7 +24,10 @@ Decode is memory-bound: each live slot's [Hv, 128(V), 128(K)] state is read once
   updates, so the block keeps state loads in flight while it computes and stores;
 * early tiles ("-e", standalone decode only): the gates computed before the slot id is read and
   the thread's v values loaded into registers right after its state loads are issued, instead of
-  after the q/k norms and once per row between the row's two reductions (FlashInfer's order).
+  after the q/k norms and once per row between the row's two reductions (FlashInfer's order);
+* output-gathering tiles ("-o", decode only): each row's output into shared memory instead of a
+  2-byte global store from the row's first lane, then after a block barrier one contiguous run
+  of the block's rows stored by its first threads (FlashInfer's output store).
 
 Math (V-first state S [V, K], fp32 registers whatever the pool dtype)::
 
@@ -70,6 +73,8 @@ def _check_variant(v: dict) -> None:
     tile = parse_tile(v["tile"])
     if tile.pipe_stages and v["op"] != "decode":
         raise ValueError(f"variant tile: the pipelined form (-p<T>) is decode's only, got {v['tile']!r} for {v['op']}")
+    if tile.out_smem and v["op"] != "decode":
+        raise ValueError(f"variant tile: the output-gathering form (-o) is decode's only, got {v['tile']!r} for {v['op']}")
     if tile.early and (v["op"] != "decode" or v.get("after_conv", False)):
         raise ValueError(f"variant tile: the early form (-e) is the standalone decode's only, got {v['tile']!r} "
                          f"for {v['op']}" + (" after the conv" if v.get("after_conv", False) else ""))
@@ -86,7 +91,7 @@ def program(variant: dict):
     gdt = variant["ab_dtype"] if fused else "float32"
     prm = variant["param_dtype"] if fused else "float32"
     bias = (variant.get("bias_dtype") or prm) if fused else "float32"
-    BV, W, QK_SMEM, MIN_BLOCKS, LANES, LD_HINT, ST_HINT, PT, PS, EARLY = parse_tile(variant["tile"])
+    BV, W, QK_SMEM, MIN_BLOCKS, LANES, LD_HINT, ST_HINT, PT, PS, EARLY, OUT_SMEM = parse_tile(variant["tile"])
     LD_HINTED, ST_HINTED = bool(LD_HINT), bool(ST_HINT)
     AFTER_CONV = bool(variant.get("after_conv", False))
     COLS = HEAD_DIM // LANES                       # K columns per lane
@@ -192,8 +197,9 @@ def program(variant: dict):
             gb[1] = Gb[t, h]
 
     @T.macro
-    def step(st, qv, kv, Sq, Sk, Vt, Out, t, h, row0, lk, w, gb, vr, v0):
-        # One token on this thread's R rows: decay, delta rule, output (lane 0 of each row).
+    def step(st, qv, kv, Sq, Sk, Vt, Out, t, h, row0, lk, w, gb, vr, v0, Os):
+        # One token on this thread's R rows: decay, delta rule, output (lane 0 of each row;
+        # into Os[row] where the tile gathers its outputs, store_outputs).
         # (q/k element e of this lane: qv[e] / kv[e] in registers, or column scol(e // VEC, lk,
         # e % VEC) of the warp's staged copy; row r's v: vr[v0 + r] where the tile is early
         # (load_v), else Vt[t, h, row].)
@@ -224,7 +230,10 @@ def program(variant: dict):
             for m in T.unroll(SHUFFLES):
                 o += T.shfl_xor(o, 1 << m)
             if lk == 0:
-                Out[t, h, srow(row0, r)] = T.cast(o, io)
+                if OUT_SMEM:
+                    Os[srow(row0, r)] = T.cast(o, io)
+                else:
+                    Out[t, h, srow(row0, r)] = T.cast(o, io)
 
     @T.macro
     def prologue(bv, inter):
@@ -313,12 +322,21 @@ def program(variant: dict):
             vr[v0 + r] = T.cast(Vt[t, h, srow(row0, r)], f32)
 
     @T.macro
-    def token(args, ctx, t, h, vr):
+    def token(args, ctx, t, h, vr, Os):
         # One token t of v-head h: q/k, gates, the state update and output.
         Q, Kt, Vt, Ga, Gb, A_log, dt_bias, Out, scale = args
         tx, lk, row0, st, qv, kv, Sq, Sk, gb = ctx
         qk_and_gates(args, ctx, t, h)
-        step(st, qv, kv, Sq, Sk, Vt, Out, t, h, row0, lk, tx // 32, gb, vr, 0)
+        step(st, qv, kv, Sq, Sk, Vt, Out, t, h, row0, lk, tx // 32, gb, vr, 0, Os)
+
+    @T.macro
+    def store_outputs(Out, Os, t, h, first, n, tx):
+        # A gathering tile's outputs: rows first .. first + n - 1 of token t, v-head h, from Os
+        # to Out once every row's is there, consecutive threads storing consecutive rows.
+        T.sync_threads()
+        for k in T.unroll((n + W * 32 - 1) // (W * 32)):
+            if k * W * 32 + tx < n:
+                Out[t, h, first + k * W * 32 + tx] = Os[first + k * W * 32 + tx]
 
     @T.macro
     def tokens(Pool, src, args, ctx, bos, n, h, Dst, keep, at):
@@ -330,7 +348,7 @@ def program(variant: dict):
             # the conv launch before this one writes q/k/v (see gdn_decode below)
             T.pdl_sync()
         for j in T.serial(n):
-            token(args, ctx, bos + j, h, Vt)   # (v from Vt: verify tiles are never early)
+            token(args, ctx, bos + j, h, Vt, Out)   # (verify tiles are never early nor gathering)
             if keep(j):
                 store_state(Dst, at(j), h, ctx)
 
@@ -387,6 +405,7 @@ def program(variant: dict):
                 tx, lk, row0, st, qv, kv, Sq, Sk, gb = ctx
                 ring = T.alloc_shared((PS, R, NCH, W * 32, VEC), pdt)
                 vr = T.alloc_local((PT * R,), f32) if EARLY else Vt   # (an early tile's v)
+                Os = T.alloc_shared((HEAD_DIM,), io) if OUT_SMEM else Out   # (a gathering tile's outputs)
                 if EARLY:
                     gates(Ga, Gb, A_log, dt_bias, i, h, gb)
                 slot = Slots[i]
@@ -408,10 +427,12 @@ def program(variant: dict):
                                     st[r, c * VEC + e] = T.cast(ring[j % PS, r, c, tx, e], f32)
                         tile_ctx = (tx, lk, row0 + j * BV, st, qv, kv, Sq, Sk, gb)
                         if EARLY:
-                            step(st, qv, kv, Sq, Sk, Vt, Out, i, h, row0 + j * BV, lk, tx // 32, gb, vr, j * R)
+                            step(st, qv, kv, Sq, Sk, Vt, Out, i, h, row0 + j * BV, lk, tx // 32, gb, vr, j * R, Os)
                         else:   # (a constant offset: no let in the program, the default tiles' kernels unchanged)
-                            step(st, qv, kv, Sq, Sk, Vt, Out, i, h, row0 + j * BV, lk, tx // 32, gb, vr, 0)
+                            step(st, qv, kv, Sq, Sk, Vt, Out, i, h, row0 + j * BV, lk, tx // 32, gb, vr, 0, Os)
                         store_state(Pool, (slot,), h, tile_ctx)
+                    if OUT_SMEM:
+                        store_outputs(Out, Os, i, h, bt * PT * BV, PT * BV, tx)
                 else:
                     if AFTER_CONV:
                         T.pdl_sync()     # (as gdn_decode's padded rows)
@@ -430,6 +451,7 @@ def program(variant: dict):
                 ctx = prologue(bv, False)
                 tx, lk, row0, st, qv, kv, Sq, Sk, gb = ctx
                 vr = T.alloc_local((R,), f32) if EARLY else Vt   # (an early tile's v)
+                Os = T.alloc_shared((HEAD_DIM,), io) if OUT_SMEM else Out   # (a gathering tile's outputs)
                 if EARLY:
                     gates(Ga, Gb, A_log, dt_bias, i, h, gb)      # (they need no slot)
                 slot = Slots[i]
@@ -444,8 +466,10 @@ def program(variant: dict):
                         T.pdl_sync()
                     if EARLY:
                         load_v(Vt, i, h, row0, vr, 0)
-                    token((Q, Kt, Vt, Ga, Gb, A_log, dt_bias, Out, scale), ctx, i, h, vr)
+                    token((Q, Kt, Vt, Ga, Gb, A_log, dt_bias, Out, scale), ctx, i, h, vr, Os)
                     store_state(Pool, (slot,), h, ctx)
+                    if OUT_SMEM:
+                        store_outputs(Out, Os, i, h, bv * BV, BV, tx)
                 else:
                     if AFTER_CONV:
                         # padded rows wait too: this grid never completes before the conv (the

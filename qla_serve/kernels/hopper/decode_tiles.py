@@ -25,10 +25,11 @@ class Tile(NamedTuple):
     pipe_tiles: int = 1   # decode: row tiles a block walks, the next ones' state by cp.async ("-p<T>")
     pipe_stages: int = 0  # ... through a ring of this many tiles in shared memory (0: no ring)
     early: bool = False   # decode: the gates before the slot id, v preloaded after the state ("-e")
+    out_smem: bool = False  # decode: the block's outputs gathered in shared memory, one coalesced store ("-o")
 
 
 def parse_tile(tile: str) -> Tile:
-    """Tile spec "bv<rows>[w<warps>][l<lanes>][s][-mb<n>][-cg|-cs][-l<hint>][-s<hint>][-p<T>[s<S>]][-e]".
+    """Tile spec "bv<rows>[w<warps>][l<lanes>][s][-mb<n>][-cg|-cs][-l<hint>][-s<hint>][-p<T>[s<S>]][-e][-o]".
 
     A warp covers 32 / lanes rows at a time; each thread holds R = rows * lanes / (32 * warps)
     rows (a power of two) x 128 / lanes columns of the state, at most 64 values. The cache hints
@@ -43,10 +44,13 @@ def parse_tile(tile: str) -> Tile:
     "-e" (decode only, not after the conv): the gates computed before the slot id's load and each
     thread's v values loaded into registers right after its state loads are issued, instead of
     after the q/k norms and once per row between the row's two reductions (FlashInfer's order;
-    benchmarks/decode.md, "FlashInfer's fp32 edge")."""
+    benchmarks/decode.md, "FlashInfer's fp32 edge").
+    "-o" (decode only): each row's output goes to shared memory instead of a 2-byte global store
+    from the row's first lane; after a block barrier the block's first threads store its rows'
+    outputs as one contiguous run (FlashInfer gathers a CTA's 16 outputs the same way)."""
     import re
     m = re.fullmatch(r"bv(4|8|16|32|64)(?:w([124]))?(?:l(8|16|32))?(s?)(?:-mb(\d+))?"
-                     r"(?:-(cg|cs)|(?:-l(cg|cs|lu))?(?:-s(cg|cs))?)(?:-p([248])(?:s([234]))?)?(-e)?", str(tile))
+                     r"(?:-(cg|cs)|(?:-l(cg|cs|lu))?(?:-s(cg|cs))?)(?:-p([248])(?:s([234]))?)?(-e)?(-o)?", str(tile))
     ok = bool(m)
     if ok:
         rows, warps, lanes = int(m.group(1)), int(m.group(2) or _WARPS), int(m.group(3) or _LANES)
@@ -57,13 +61,13 @@ def parse_tile(tile: str) -> Tile:
         ok = ok and (HEAD_DIM // rows) % pipe_tiles == 0 and not (m.group(10) and pipe_stages < int(m.group(10)))
     if not ok:
         raise ValueError(f"variant tile: expected 'bv<4|8|16|32|64>[w<1|2|4>][l<8|16|32>][s][-mb<n>]"
-                         f"[-cg|-cs|-l<cg|cs|lu>-s<cg|cs>][-p<2|4|8>[s<2|3|4>]][-e]' whose threads each hold "
+                         f"[-cg|-cs|-l<cg|cs|lu>-s<cg|cs>][-p<2|4|8>[s<2|3|4>]][-e][-o]' whose threads each hold "
                          f"1, 2, 4, ... whole rows and at most {_MAX_STATE_REGS} state values (rows * lanes "
                          f"/ (32 * warps) rows of 128 / lanes), p tiles dividing 128 / rows, s stages <= p; "
                          f"got {tile!r}")
     return Tile(rows, warps, m.group(4) == "s", int(m.group(5) or 0), lanes,
                 m.group(6) or m.group(7) or "", m.group(6) or m.group(8) or "", pipe_tiles, pipe_stages,
-                bool(m.group(11)))
+                bool(m.group(11)), bool(m.group(12)))
 
 
 # The state's cache-hinted loads and stores (the tile's hints): CUDA's __ld<hint> / __st<hint> on
