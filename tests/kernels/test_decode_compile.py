@@ -130,22 +130,24 @@ def test_variant_compiles(variant, target):
 
 
 def test_tile_specs_parse_and_bad_ones_name_the_argument():
-    """parse_tile: rows, warps, q/k staging, occupancy hint, lanes per row, cache hint; a thread must hold
+    """parse_tile: rows, warps, q/k staging, occupancy hint, lanes per row, cache hints, pipelining,
+    the early and output-gathering forms; a thread must hold
     whole rows (a power of two of them) and at most 64 state values."""
-    assert dec.parse_tile("bv32") == (32, 4, False, 0, 8, "", "", 1, 0, False)
-    assert dec.parse_tile("bv16l32-mb12") == (16, 4, False, 12, 32, "", "", 1, 0, False)
-    assert dec.parse_tile("bv8w1l16s-cs") == (8, 1, True, 0, 16, "cs", "cs", 1, 0, False)
-    assert dec.parse_tile("bv32l16-lcg-scs") == (32, 4, False, 0, 16, "cg", "cs", 1, 0, False)
+    assert dec.parse_tile("bv32") == (32, 4, False, 0, 8, "", "", 1, 0, False, False)
+    assert dec.parse_tile("bv16l32-mb12") == (16, 4, False, 12, 32, "", "", 1, 0, False, False)
+    assert dec.parse_tile("bv8w1l16s-cs") == (8, 1, True, 0, 16, "cs", "cs", 1, 0, False, False)
+    assert dec.parse_tile("bv32l16-lcg-scs") == (32, 4, False, 0, 16, "cg", "cs", 1, 0, False, False)
     assert dec.parse_tile("bv32-scs").store_hint == "cs" and dec.parse_tile("bv32-scs").load_hint == ""
-    assert dec.parse_tile("bv4w1l32-cs") == (4, 1, False, 0, 32, "cs", "cs", 1, 0, False)
+    assert dec.parse_tile("bv4w1l32-cs") == (4, 1, False, 0, 32, "cs", "cs", 1, 0, False, False)
     assert dec.parse_tile("bv16l16-cs-p2")[7:9] == (2, 2) and dec.parse_tile("bv16l16-cs-p8s3")[7:9] == (8, 3)
     assert dec.parse_tile("bv16l16-cs")[7:9] == (1, 0)
-    assert dec.parse_tile("bv16l16-cs-e") == (16, 4, False, 0, 16, "cs", "cs", 1, 0, True)
-    assert dec.parse_tile("bv8l32-cs-p8s3-e")[7:] == (8, 3, True)
+    assert dec.parse_tile("bv16l16-cs-e") == (16, 4, False, 0, 16, "cs", "cs", 1, 0, True, False)
+    assert dec.parse_tile("bv8l32-cs-p8s3-e")[7:] == (8, 3, True, False)
+    assert dec.parse_tile("bv16l16-cs-o")[9:] == (False, True) and dec.parse_tile("bv8l32-cs-p8s3-e-o")[7:] == (8, 3, True, True)
     for bad in ("bv64w1", "bv8l32w4", "bv8w4", "bv16l4", "bv48", "bv64w1l32", "bv32-ca", "bv32-cs-lcg",
                 "bv32-scs-lcg", "bv32-slu", "bv32-swt", "bv32e", "bv4", "bv4w2", "bv32p", "bv2w1l32",
                 "bv64-p4", "bv16l16-p3", "bv16l16-p2s3", "bv16l16-p4s5", "bv16-p2-cs", "bv16-e-cs",
-                "bv16-e-p2", "bv16-ee"):
+                "bv16-e-p2", "bv16-ee", "bv16-o-e", "bv16-oo", "bv16-o-p2"):
         with pytest.raises(ValueError, match="variant tile"):
             dec.parse_tile(bad)
 
