@@ -321,32 +321,6 @@ def test_cp_pdl_switch_names_the_cp_passes(monkeypatch):
     assert P.warmup_variant(8, pdl=True)["name"] == "gdn_prefill_cp_warmup_hv8_pdl"
 
 
-def test_main_load_hints_name_and_emit_the_cache_policies(monkeypatch):
-    """MAIN_LOAD_HINTS marks the V-first stage 2's variants ("load_hints", names ending "_lh"; v8
-    keeps its form), and their TMA copies carry the L2 policies prefill_main.tma_policies names:
-    q and k evict last, v, M, P, the gate factors and O evict first. Without it no copy carries a
-    policy (the kernel the float64 GPU tests ran before the switch)."""
-    for on in (False, True):
-        monkeypatch.setattr(P, "MAIN_LOAD_HINTS", on)
-        for v in P.kernel_variants(8, 2):
-            hinted = v["op"] == "prefill_main" and v.get("impl") == "vfirst" and on
-            assert v.get("load_hints", False) == hinted and v["name"].endswith("_lh") == hinted, v
-        for v in (P.main_variant(8, 2, "bfloat16", "float32", 1, "maps", "vfirst"),
-                  P.persistent_variant(8, 2, "bfloat16", "float32", 1)):
-            src = P.build(v, "sm_90a").get_kernel_source()
-            policies = re.findall(r"tma_(load|store)<tl::CacheHintSm90::(\w+)>\((\w+)_desc", src)
-            if not on:
-                assert policies == [] and "CacheHintSm90" not in src, v["name"]
-                continue
-            got = {(op, desc): hint for op, hint, desc in policies}
-            want = {("load", "k"): "EVICT_LAST", ("load", "fbuf"): "EVICT_FIRST",
-                    ("load", "values"): "EVICT_FIRST", ("load", "mbuf"): "EVICT_FIRST"}
-            if v["mode"] == "output":
-                want.update({("load", "q"): "EVICT_LAST", ("load", "pbuf"): "EVICT_FIRST",
-                             ("store", "out"): "EVICT_FIRST"})
-            assert got == want, (v["name"], got)
-
-
 @pytest.mark.parametrize("name", ["QLA_SERVE_GATE_WARMUP", "QLA_SERVE_PREFILL_PERSISTENT"])
 def test_on_off_switches_from_env(monkeypatch, name):
     """QLA_SERVE_GATE_WARMUP, QLA_SERVE_PREFILL_PERSISTENT: on unless set to 0; anything but 0/1

@@ -174,12 +174,6 @@ PERSISTENT_MAX_MEAN_CHUNKS = 8
 # persistent).
 PERSISTENT_UNIT_SAVING = 0.8
 
-# The V-first stage 2's TMA copies under L2 cache policies (prefill_main.tma_policies: q/k evict
-# last, v, M, P, the gate factors and O evict first), so that the q/k a qk-head's Hv / Hk CTAs
-# share stay in L2 while the read-once tiles stream past. Variants get the key "load_hints"
-# (names end in "_lh"). Off until measured.
-MAIN_LOAD_HINTS = False
-
 _kernels: dict = {}
 _lock = threading.Lock()
 _fns: dict = {}  # short key -> the compiled kernel's raw launch function (raw_launch.py)
@@ -197,7 +191,7 @@ def _variant_name(v: dict) -> str:
         f"gdn_prefill_main_hv{v['num_v_heads']}_hk{v['num_k_heads']}_{v['io_dtype']}"
         f"_pool{v['pool_dtype']}_vs{v['v_split']}" + ("_maps" if v["mode"] == "maps" else "")
         + ("_vfirst" if v.get("impl", "v8") == "vfirst" else "") + pdl
-        + ("_persistent" if v.get("persistent") else "") + ("_lh" if v.get("load_hints") else "")
+        + ("_persistent" if v.get("persistent") else "")
     )
 
 
@@ -272,8 +266,6 @@ def main_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: 
     }
     if impl != "v8":  # v8 variants keep their names (and compile caches)
         v["impl"] = impl
-    if MAIN_LOAD_HINTS and impl == "vfirst":
-        v["load_hints"] = True
     v["name"] = _variant_name(_chain(v, (CP_PDL and mode == "maps") if pdl is None else pdl))
     return v
 
@@ -417,14 +409,12 @@ def build(variant: dict, target: str = ARCH):
                                               variant.get("heads_per_cta", 1))
                 cfg = prefill_prep.PASS_CONFIGS
             elif variant["op"] == "prefill_main" and variant.get("persistent"):
-                func, _ = prefill_main_vfirst.persistent_func(hv, hk, io, variant["pool_dtype"], variant["v_split"],
-                                                              variant.get("load_hints", False))
+                func, _ = prefill_main_vfirst.persistent_func(hv, hk, io, variant["pool_dtype"], variant["v_split"])
                 cfg = prefill_main_vfirst.PASS_CONFIGS
             elif variant["op"] == "prefill_main":
                 kmod = prefill_main_vfirst if variant.get("impl", "v8") == "vfirst" else prefill_main
-                hints = {"load_hints": True} if variant.get("load_hints") else {}   # (V-first only)
                 func, _ = kmod.main_func(hv, hk, io, variant["pool_dtype"], variant["v_split"],
-                                         variant.get("mode", "output"), pdl, **hints)
+                                         variant.get("mode", "output"), pdl)
                 cfg = kmod.PASS_CONFIGS
             else:
                 raise ValueError(f"variant['op'] must be prefill_prep, prefill_main, prefill_cp_scan or "
@@ -616,7 +606,7 @@ def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale,
     """
     key = ("hopper_prefill_launches", q.shape[0], k.shape[1], v.shape[1], q.dtype, v.dtype, pool.dtype,
            has_initial_state is None, q.device, _stages, _target, GATE_WARMUP, MAIN_IMPL, PREP_HEADS, CP_PDL,
-           PERSISTENT, PERSISTENT_MAX_MEAN_CHUNKS, MAIN_LOAD_HINTS)
+           PERSISTENT, PERSISTENT_MAX_MEAN_CHUNKS)
     launches = plan.kernel_cache.get(key)
     if launches is None:
         launches = plan.kernel_cache[key] = _Launches(plan, q, k, v, pool, has_initial_state is None, _stages,
@@ -666,11 +656,11 @@ class _Launches:
         self.finder = self.maps_pass = self.scan = None
         if persistent_applies(strategy, impl, plan.seq_lens, hv * vs, plan.sm_count):
             self.persistent = _kernel(persistent_variant(hv, hk, io, pool_dt, vs),
-                                      (hv, hk, io, pool_dt, vs, "persistent", MAIN_LOAD_HINTS, target))
+                                      (hv, hk, io, pool_dt, vs, "persistent", target))
             self.items, self.ctas = _persistent_grid(plan, hv, vs, dev)
             return
         self.output = _kernel(main_variant(hv, hk, io, pool_dt, vs, "output", impl, False),
-                              (hv, hk, io, pool_dt, vs, "output", impl, False, MAIN_LOAD_HINTS, target))
+                              (hv, hk, io, pool_dt, vs, "output", impl, False, target))
         if strategy != "cp":
             self.items, self.maps = _whole_sequence_items(plan, dev), _unread_maps(hv, dev)
             self.warm, self.use_items, self.warmup = _unread_warmup(hv, dev), 0, 0
@@ -693,7 +683,7 @@ class _Launches:
             mvs = _maps_pass_split(plan, vs, impl, target)
             self.maps_items = cp.maps_items
             self.maps_pass = _kernel(main_variant(hv, hk, io, pool_dt, mvs, "maps", impl, pdl),
-                                     (hv, hk, io, pool_dt, mvs, "maps", impl, pdl, MAIN_LOAD_HINTS, target))
+                                     (hv, hk, io, pool_dt, mvs, "maps", impl, pdl, target))
             if cp.levels > 1:
                 self.scan = functools.partial(_kernel(scan_variant(hv, pdl=pdl), (hv, "scan", pdl, target)), self.maps,
                                               cp.cut_levels, self.warm[1], self.warmup, sm_count(dev))

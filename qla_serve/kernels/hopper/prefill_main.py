@@ -364,26 +364,17 @@ def checkpoint_chunk(ckpt_chunk, ckpt_slot, use_ckpt, s, start, warm_chunks):
     return ck, ck_slot
 
 
-def tma_policies(load_hints: bool) -> tuple[str | None, str | None]:
-    """The L2 policies of stage 2's TMA copies, (shared, once): with load_hints, q/k tiles (read
-    by the Hv / Hk CTAs of a qk-head, adjacent in launch order) evict last, and the tiles one CTA
-    alone reads or writes (v, M, P, the gate factors, O) evict first; without, both None (the
-    default policy). A cache policy only: the results are bit-identical either way."""
-    return ("evict_last", "evict_first") if load_hints else (None, None)
-
-
-def qk_tile_loader(maps_mode: bool, load_hints: bool = False):
+def qk_tile_loader(maps_mode: bool):
     """The TMA loads both stage-2 kernels make of one chunk into stage st: q and P (outputs
     only), k and the gate factors. Each kernel's loader adds the tiles its chain reads."""
-    shared, once = tma_policies(load_hints)
 
     @T.macro
     def load_qk_tiles(st, t0, cidx, hk, h, q, k, pbuf, fbuf, q_s, k_s, p_s, f_s, ready):
         if not maps_mode:
-            T.tma_copy(q[t0:t0 + C, hk, 0:DK], q_s[st, :, :], barrier=ready[st], eviction_policy=shared)
-            T.tma_copy(pbuf[cidx, h, 0:C, 0:C], p_s[st, :, :], barrier=ready[st], eviction_policy=once)
-        T.tma_copy(k[t0:t0 + C, hk, 0:DK], k_s[st, :, :], barrier=ready[st], eviction_policy=shared)
-        T.tma_copy(fbuf[cidx, h, 0:2, 0:C], f_s[st, :, :], barrier=ready[st], eviction_policy=once)
+            T.tma_copy(q[t0:t0 + C, hk, 0:DK], q_s[st, :, :], barrier=ready[st])
+            T.tma_copy(pbuf[cidx, h, 0:C, 0:C], p_s[st, :, :], barrier=ready[st])
+        T.tma_copy(k[t0:t0 + C, hk, 0:DK], k_s[st, :, :], barrier=ready[st])
+        T.tma_copy(fbuf[cidx, h, 0:2, 0:C], f_s[st, :, :], barrier=ready[st])
 
     return load_qk_tiles
 

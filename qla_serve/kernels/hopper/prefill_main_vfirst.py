@@ -42,8 +42,7 @@ since v16 the storer warp takes the O tiles: ~3.6 us per chunk at v_split 1 with
 import tilelang
 import tilelang.language as T
 
-from .prefill_main import (C, DK, DV, MODES, _NREG_PRODUCER, checkpoint_chunk, item_walker, qk_tile_loader,
-                           tma_policies)
+from .prefill_main import C, DK, DV, MODES, _NREG_PRODUCER, checkpoint_chunk, item_walker, qk_tile_loader
 from .prefill_main import PASS_CONFIGS as _MAIN_PASS_CONFIGS
 
 # Every shared-memory handoff in this kernel goes through its own mbarriers (TMA stages, the O
@@ -62,10 +61,9 @@ _POOL_VEC = {"float32": 4, "bfloat16": 8}
 
 
 def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str, v_split: int,
-              mode: str = "output", pdl: bool = False, load_hints: bool = False):
+              mode: str = "output", pdl: bool = False):
     """Build the V-first stage-2 PrimFunc: the signature and semantics of
-    prefill_main.main_func (work items, modes "output"/"maps", gate warmup, pdl), v_split 1 or 2;
-    load_hints: the TMA copies' L2 policies (prefill_main.tma_policies)."""
+    prefill_main.main_func (work items, modes "output"/"maps", gate warmup, pdl), v_split 1 or 2."""
     if v_split not in V_SPLITS:
         raise ValueError(f"v_split must be one of {V_SPLITS} for the V-first kernel, got {v_split}")
     if mode not in MODES:
@@ -93,9 +91,9 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
     sp0 = T.dynamic("sp0")
     mm = "float16"
     acc = "float32"
-    load_chunk = _chunk_loader(maps_mode, BV, load_hints)
+    load_chunk = _chunk_loader(maps_mode, BV)
     chain_step = _chain_step(maps_mode, BV)
-    emit_o, store_o = _output_movers(BV, io_dtype, load_hints)
+    emit_o, store_o = _output_movers(BV, io_dtype)
     walk_item, pool_load = item_walker(maps_mode, v_split)
 
     @T.prim_func
@@ -281,7 +279,7 @@ def _chain_step(maps_mode: bool, BV: int):
     return chain_step
 
 
-def _output_movers(BV: int, io_dtype: str, load_hints: bool = False):
+def _output_movers(BV: int, io_dtype: str):
     """The O of one chunk on its way out, shared by main_func and persistent_func: emit_o (the
     consumers) and store_o (the storer warp). A whole chunk (the j-th written) goes transposed
     into the swizzled tile j % 2 and its TMA store is issued by the storer warp; the consumers
@@ -303,23 +301,20 @@ def _output_movers(BV: int, io_dtype: str, load_hints: bool = False):
                 if i < n:
                     out[t0 + i, h, v0 + v] = T.cast(o_f[v, i], io_dtype)
 
-    once = tma_policies(load_hints)[1]
-
     @T.macro
     def store_o(j, t0, h, v0, o_s, out, o_full, o_free):
         T.barrier_wait(o_full[j % 2], (j // 2) % 2)
-        T.tma_copy(o_s[j % 2, :, :], out[t0:t0 + C, h, v0:v0 + BV], leader_scope_threads=32, eviction_policy=once)
+        T.tma_copy(o_s[j % 2, :, :], out[t0:t0 + C, h, v0:v0 + BV], leader_scope_threads=32)
         T.tma_store_wait(0)
         T.sync_warp()  # the issuing lane has seen the tile read
         T.barrier_arrive(o_free[j % 2])
 
     return emit_o, store_o
 
-def _chunk_loader(maps_mode: bool, BV: int, load_hints: bool = False):
+def _chunk_loader(maps_mode: bool, BV: int):
     """The producer's TMA loads of one chunk into stage c % 2 (q and P only for outputs), after
     every consumer released that stage. v rows past T arrive as zeros (TMA bounds)."""
-    load_qk_tiles = qk_tile_loader(maps_mode, load_hints)
-    once = tma_policies(load_hints)[1]
+    load_qk_tiles = qk_tile_loader(maps_mode)
 
     @T.macro
     def load_chunk(c, t0, cidx, hk, h, v0, q, k, values, pbuf, fbuf, mbuf, q_s, k_s, p_s, f_s, v_s, m_s, ready,
@@ -327,15 +322,14 @@ def _chunk_loader(maps_mode: bool, BV: int, load_hints: bool = False):
         st = c % 2
         T.barrier_wait(free[st], (c // 2 + 1) % 2)
         load_qk_tiles(st, t0, cidx, hk, h, q, k, pbuf, fbuf, q_s, k_s, p_s, f_s, ready)
-        T.tma_copy(values[t0:t0 + C, h, v0:v0 + BV], v_s[st, :, :], barrier=ready[st], eviction_policy=once)
-        T.tma_copy(mbuf[cidx, h, 0:C, 0:C], m_s[st, :, :], barrier=ready[st], eviction_policy=once)
+        T.tma_copy(values[t0:t0 + C, h, v0:v0 + BV], v_s[st, :, :], barrier=ready[st])
+        T.tma_copy(mbuf[cidx, h, 0:C, 0:C], m_s[st, :, :], barrier=ready[st])
         T.barrier_arrive(ready[st])
 
     return load_chunk
 
 
-def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str, v_split: int,
-                    load_hints: bool = False):
+def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str, v_split: int):
     """The V-first stage 2 for plain and V-split plans (whole sequences, output mode) on a
     persistent grid: CTA b walks work units b, b + G, b + 2 G, ... (G CTAs, the length of
     ``ctas``; unit u = (item u // (Hv v_split), head, value block), items in the host's order,
@@ -345,7 +339,7 @@ def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtyp
     (running chunk counts); each unit's operations are main_func's, so the results are
     bit-identical to a CTA per unit. Measured on the H200: 1.4-3% faster on batches of 8-chunk
     sequences, level or slower on longer ones (benchmarks/prefill.md), so prefill_api takes it
-    only for short sequences dealt evenly enough (persistent_applies). load_hints: main_func's."""
+    only for short sequences dealt evenly enough (persistent_applies)."""
     if v_split not in V_SPLITS:
         raise ValueError(f"v_split must be one of {V_SPLITS} for the V-first kernel, got {v_split}")
     Hv, Hk = num_v_heads, num_k_heads
@@ -367,9 +361,9 @@ def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtyp
     sp0 = T.dynamic("sp0")
     mm = "float16"
     acc = "float32"
-    load_chunk = _chunk_loader(False, BV, load_hints)
+    load_chunk = _chunk_loader(False, BV)
     chain_step = _chain_step(False, BV)
-    emit_o, store_o = _output_movers(BV, io_dtype, load_hints)
+    emit_o, store_o = _output_movers(BV, io_dtype)
     nunits = nitem * Hv * v_split
 
     @T.prim_func
