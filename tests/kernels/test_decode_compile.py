@@ -158,7 +158,7 @@ def test_kernel_variants_are_unique_and_json_serialisable():
     # 16 fp32 decode x 2 tiles, 16 bf16 decode x 3, 32 verify x 2, 12 after_conv decode (bf16
     # pools: 2 tiles up to 256 rows, fp32: 1), 12 verify_slots x 2 tiles + 12 after_conv (1 tile up
     # to 64 rows), 12 after_conv verify (1 tile), 4 commit
-    assert len(names) == len(set(names)) == 214
+    assert len(names) == len(set(names)) == 230
     assert sum(v.get("after_conv", False) for v in vs) == 42
     assert {v["op"] for v in vs if v.get("after_conv", False)} == {"decode", "verify", "verify_slots"}
     assert json.loads(json.dumps(vs)) == vs
@@ -194,14 +194,17 @@ def test_after_conv_bounds_stay_within_the_listed_variants():
 
 
 def test_the_decode_tile_follows_the_row_count_and_precompile_lists_every_pick():
-    """decode_tile by rows = sequences x v-heads (the after_conv form, the verify ops), and every
-    variant the lookup can pick at any batch is in kernel_variants (a deployment's precompile
-    covers it)."""
-    for pool, table in dec.DECODE_TILES.items():
-        bound, first = table[0]
-        assert dec.decode_tile(pool, 1) == dec.decode_tile(pool, bound) == first
-        assert dec.decode_tile(pool, bound + 1) == table[1][1]
-        assert dec.decode_tile(pool, 10**7) == table[-1][1] and table[-1][0] is None
+    """decode_tile by rows = sequences x v-heads (the after_conv form, the verify ops, the cards
+    with tables of their own), and every variant the lookup can pick at any batch on any card is
+    in kernel_variants (a deployment's precompile covers it, wherever it is built)."""
+    for card, tables in (("", dec.DECODE_TILES), *dec.CARD_DECODE_TILES.items()):
+        for pool, table in tables.items():
+            bound, first = table[0]
+            assert dec.decode_tile(pool, 1, card=card) == first
+            if bound is not None:
+                assert dec.decode_tile(pool, bound, card=card) == first
+                assert dec.decode_tile(pool, bound + 1, card=card) == table[1][1]
+            assert dec.decode_tile(pool, 10**7, card=card) == table[-1][1] and table[-1][0] is None
     assert dec.decode_tile("bfloat16", 256, after_conv=True) == dec.AFTER_CONV_TILES["bfloat16"][-1][1]
     assert dec.decode_tile("float32", 256, after_conv=True) == dec.decode_tile("float32", 256)
     for op in ("verify", "verify_slots"):
@@ -214,10 +217,23 @@ def test_the_decode_tile_follows_the_row_count_and_precompile_lists_every_pick()
             for rows in (1, 64, 65, 128, 129, 256, 4096, 4097, 10**6):
                 if after and rows > dec.AFTER_CONV_MAX_ROWS[v["op"]]:
                     continue              # the layers launch the plain form there
-                tile = dec.decode_tile(v["pool_dtype"], rows, after, v["op"])
-                assert dec._variant(v["op"], HV, HK, v["io_dtype"], v["pool_dtype"], v["gating"], v["ab_dtype"],
-                                    v["param_dtype"], v["l2norm"], tile, bias=v["bias_dtype"],
-                                    after_conv=after)["name"] in names
+                for card in ("", *dec.CARD_DECODE_TILES):
+                    tile = dec.decode_tile(v["pool_dtype"], rows, after, v["op"], card)
+                    assert dec._variant(v["op"], HV, HK, v["io_dtype"], v["pool_dtype"], v["gating"], v["ab_dtype"],
+                                        v["param_dtype"], v["l2norm"], tile, bias=v["bias_dtype"],
+                                        after_conv=after)["name"] in names, (card, rows, v["name"])
+
+
+def test_the_card_follows_the_cuda_device_name():
+    """card_of: the H100s (SXM, PCIe, NVL names) take the H100 table; the H200 and other cards
+    DECODE_TILES. The H100's fp32 decode stays on bv16l16-cs where the H200's pipelines."""
+    for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H100 NVL"):
+        assert dec.card_of(name) == "H100"
+    for name in ("NVIDIA H200", "NVIDIA GH200 480GB", "NVIDIA B200", ""):
+        assert dec.card_of(name) == ""
+    assert dec.decode_tile("float32", 16384, card="H100") == "bv16l16-cs" != dec.decode_tile("float32", 16384)
+    assert dec.decode_tile("bfloat16", 16384, card="H100") == "bv16l16-cs-p8s4-o"
+    assert dec.decode_tile("bfloat16", 16384, card="H200") == dec.DECODE_TILES["bfloat16"][-1][1]
 
 
 def test_bad_variants_and_targets_are_rejected():

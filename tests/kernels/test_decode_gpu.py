@@ -106,7 +106,8 @@ CASES = [
     # bf16 states, <= 128 rows: the small-batch entry of decode.DECODE_TILES (decode_tile)
     (2, 8, 5, torch.bfloat16, torch.bfloat16, "ab", True),
     (16, 32, 3, torch.bfloat16, torch.float16, "ab-sglang", True),
-    # the pipelined entries of decode.DECODE_TILES: fp32 above 2048 rows, bf16 above 8192
+    # the pipelined entries of decode.DECODE_TILES: fp32 above 2048 rows, bf16 above 8192 (an
+    # H100 takes CARD_DECODE_TILES["H100"]: bv16l16-cs, and the gathering bv16l16-cs-p8s4-o)
     (2, 8, 300, torch.float32, torch.bfloat16, "ab", True),
     (16, 32, 260, torch.bfloat16, torch.bfloat16, "ab-sglang", True),
 ]
@@ -222,7 +223,8 @@ def test_pipelined_decode_tiles_are_correct(tile, monkeypatch):
 
 
 @pytest.mark.parametrize("tile", ["bv16l16-cs-e", "bv32-e", "bv8l32-cs-p8s3-e", "bv16l16-cs-p8s4-e",
-                                  "bv16l16-cs-o", "bv16l16-cs-e-o", "bv8l32-cs-p8s3-o", "bv4w1l32-cs-o"])
+                                  "bv16l16-cs-o", "bv16l16-cs-e-o", "bv8l32-cs-p8s3-o", "bv4w1l32-cs-o",
+                                  "bv16l16-cs-p8s4-o"])
 def test_early_and_gathering_decode_tiles_are_correct(tile, monkeypatch):
     """Decode tiles that compute the gates before the slot id and hold v in registers (-e), or
     gather the block's outputs in shared memory for one contiguous store (-o): the pipelined

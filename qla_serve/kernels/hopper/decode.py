@@ -19,6 +19,7 @@ every engine pool and for q/k views of a fused projection.
 
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations,
 # which refer to closure variables (head counts, dtypes).
+import functools
 import os
 from typing import Any
 
@@ -27,7 +28,8 @@ import torch
 from .common import (_IO_DTYPES, _TORCH_TO_TL, HEAD_DIM, _check_heads, _dtype_name, check_pool_alignment,
                      compile_for, gate_dtype_names, launch_function)
 from .decode_program import _ACC_DTYPES, _POOL_DTYPES, commit_program, program
-from .decode_tiles import (AFTER_CONV_MAX_ROWS, AFTER_CONV_TILES, DECODE_TILES, STATE_IO_SOURCE,  # noqa: F401
+from .decode_tiles import (AFTER_CONV_MAX_ROWS, AFTER_CONV_TILES, CARD_DECODE_TILES, DECODE_TILES,  # noqa: F401
+                           STATE_IO_SOURCE, card_of,
                            VERIFY_TILES,  # noqa: F401 (re-exported)
                            decode_tile, decode_tiles, default_tile, parse_tile)
 
@@ -71,13 +73,13 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
     Matrix: op {decode, verify} x io dtype {bf16, fp16} x pool {fp32, bf16} x gating
     {g/beta fp32, raw a/b in the io dtype with A_log/dt_bias fp32, a/b and A_log/dt_bias in
     the io dtype, a/b and dt_bias in the io dtype with A_log fp32 (SGLang's and vLLM's layers)}
-    x l2norm {off, on} = 64 variants, each in every tile decode_tile can pick for its op (two, or
-    three for bf16 decode: 80 more); after_conv decode variants (the layers' decode step), verify_slots
+    x l2norm {off, on} = 64 variants, each in every tile decode_tile can pick for its op on any
+    card (two, or four for bf16 decode: 96 more); after_conv decode variants (the layers' decode step), verify_slots
     variants, plain and after_conv (the vLLM layer's spec step), and after_conv verify variants
     (the SGLang layer's verify step), each io x pool x the three raw-gate forms, l2norm on, in
     the tiles their calls reach (after_conv: up to AFTER_CONV_MAX_ROWS rows; 18 after_conv
     decode, 24 + 12 verify_slots, 12 verify); plus 4 commit variants (pool dtype x num_accepted
-    int32/int64): 214.
+    int32/int64): 230.
     Other gate dtype combinations and tile overrides (TILE_OVERRIDE) compile on first use
     (JIT, same cache).
     """
@@ -179,11 +181,18 @@ def _check_alignment(vec: int, pool, q, k, inter=None) -> None:
         check_intermediate_alignment(inter)
 
 
+@functools.lru_cache(maxsize=None)
+def _card(device) -> str:
+    """decode_tiles.card_of the device's CUDA name (once per device; "" off CUDA, where the
+    argument checks raise before any launch)."""
+    return card_of(torch.cuda.get_device_name(device)) if device.type == "cuda" else ""
+
+
 def _lookup(op, q, pool, g, beta, a, b, A_log, dt_bias, l2, sequences, after_conv=False):
     pdt = pool.dtype
     tile = TILE_OVERRIDE
     if tile is None:
-        tile = decode_tile(_TORCH_TO_TL.get(pdt), sequences * pool.shape[1], after_conv, op)
+        tile = decode_tile(_TORCH_TO_TL.get(pdt), sequences * pool.shape[1], after_conv, op, _card(pool.device))
     fused = g is None
     key = (op, q.device, q.dtype, pdt, fused, a.dtype if fused else None,
            A_log.dtype if fused else None, dt_bias.dtype if fused else None, bool(l2), pool.shape[1],

@@ -1,7 +1,8 @@
 """Decode and verify tiles (decode.py's kernels): the tile grammar (:func:`parse_tile`), the
 per-pool-dtype choices measured on the H200 by rows = sequences x v-heads (DECODE_TILES,
-AFTER_CONV_TILES, VERIFY_TILES; benchmarks/decode.md) and the pick per call
-(:func:`decode_tile`); STATE_IO_SOURCE, the CUDA helpers behind the tiles' cache hints.
+AFTER_CONV_TILES, VERIFY_TILES; benchmarks/decode.md), the cards whose decode tiles were measured
+apart (CARD_DECODE_TILES: the H100) and the pick per call (:func:`decode_tile`);
+STATE_IO_SOURCE, the CUDA helpers behind the tiles' cache hints.
 """
 
 from typing import NamedTuple
@@ -125,6 +126,28 @@ DECODE_TILES = {
     "float32": ((2048, "bv16l16-cs"), (None, "bv8l32-cs-p8s3")),
     "bfloat16": ((128, "bv16l16-cs"), (8192, "bv32l16-cs"), (None, "bv16l16-cs-p8s4")),
 }
+# Cards whose standalone decode tiles were measured apart, by a substring of the CUDA device name
+# (:func:`card_of`); every other card takes DECODE_TILES. H100 80GB HBM3 (benchmarks/decode.md,
+# "The H100's decode tiles", session 55: `bench decode` beside FlashInfer 0.7.2, fp32 two rounds,
+# kernel GPU us): the pipelined fp32 tile that leads on the H200 trails bv16l16-cs there above
+# 2048 rows (16/32 B = 512: 745.0 / 741.7 against 737.7 / 734.5, FlashInfer 733.0 / 729.2;
+# 2/8 B = 512 192.1 / 191.0 against 189.3 / 188.2; level at 2/8 B = 1024), and the bf16
+# pipelined tile gains ~1% from gathering its 64 rows' outputs into one store (-o: 16/32 B = 512
+# 378.7 -> 375.2, B = 1024 751.0 -> 745.7, 2/8 B = 2048 383.4 -> 380.5).
+CARD_DECODE_TILES = {
+    "H100": {
+        "float32": ((None, "bv16l16-cs"),),
+        "bfloat16": ((128, "bv16l16-cs"), (8192, "bv32l16-cs"), (None, "bv16l16-cs-p8s4-o")),
+    },
+}
+
+
+def card_of(device_name: str) -> str:
+    """The CARD_DECODE_TILES key of a CUDA device name ("NVIDIA H100 80GB HBM3" -> "H100"), or ""
+    for the cards that take DECODE_TILES."""
+    return next((card for card in CARD_DECODE_TILES if card in device_name), "")
+
+
 # The layer's decode launched as the conv's programmatic dependent (after_conv; the layer runs it up
 # to gdn_layer.DECODE_AFTER_CONV_MAX_ROWS = 256 rows): with bf16 states bv32l16-cs measured slower
 # there than bv64 (2/8 d32, 256 rows: 9.8 against 9.3 us per layer call), the kernel alone not.
@@ -144,34 +167,40 @@ VERIFY_TILES = {pool: ((64, "bv16l16-cs"), (None, "bv8w1l16-cs")) for pool in ("
 AFTER_CONV_MAX_ROWS = {"decode": 256, "verify": 64, "verify_slots": 64}
 
 
-def _tile_table(op: str, pool_dtype: str, after_conv: bool) -> tuple:
+def _tile_table(op: str, pool_dtype: str, after_conv: bool, card: str = "") -> tuple:
     if op != "decode":
         table = VERIFY_TILES
-    else:
-        table = AFTER_CONV_TILES if after_conv and pool_dtype in AFTER_CONV_TILES else DECODE_TILES
+    elif after_conv and pool_dtype in AFTER_CONV_TILES:
+        table = AFTER_CONV_TILES
+    else:   # (the after_conv form reaches only the first entries, which the card tables keep)
+        table = CARD_DECODE_TILES.get(card, DECODE_TILES)
     # (an unknown pool dtype gets a placeholder here; _check_variant names the argument)
     return table.get(pool_dtype, ((None, "bv32"),))
 
 
-def decode_tile(pool_dtype: str, rows: int, after_conv: bool = False, op: str = "decode") -> str:
-    """The op's tile for a call of ``rows`` = sequences x v-heads (host metadata): the first
-    entry of DECODE_TILES[pool_dtype] (AFTER_CONV_TILES for the after_conv form, VERIFY_TILES
-    for verify / verify_slots) whose row bound holds."""
-    for max_rows, tile in _tile_table(op, pool_dtype, after_conv):
+def decode_tile(pool_dtype: str, rows: int, after_conv: bool = False, op: str = "decode", card: str = "") -> str:
+    """The op's tile for a call of ``rows`` = sequences x v-heads (host metadata) on ``card``
+    (:func:`card_of`): the first entry of DECODE_TILES[pool_dtype] (CARD_DECODE_TILES[card]'s
+    where it has one, AFTER_CONV_TILES for the after_conv form, VERIFY_TILES for verify /
+    verify_slots) whose row bound holds."""
+    for max_rows, tile in _tile_table(op, pool_dtype, after_conv, card):
         if max_rows is None or rows <= max_rows:
             return tile
     raise AssertionError(f"{op} tile table of {pool_dtype} has no open-ended last entry")
 
 
 def decode_tiles(pool_dtype: str, after_conv: bool = False, op: str = "decode") -> list[str]:
-    """Every tile :func:`decode_tile` can pick for this op, pool dtype and form (precompile
-    lists them all); for the after_conv form, those of calls up to AFTER_CONV_MAX_ROWS[op] rows."""
+    """Every tile :func:`decode_tile` can pick for this op, pool dtype and form on any card
+    (precompile lists them all: a cache may be built away from the card that uses it); for the
+    after_conv form, those of calls up to AFTER_CONV_MAX_ROWS[op] rows."""
     limit = AFTER_CONV_MAX_ROWS[op] if after_conv else None
     tiles = []
-    for max_rows, tile in _tile_table(op, pool_dtype, after_conv):
-        tiles.append(tile)
-        if max_rows is None or (limit is not None and limit <= max_rows):
-            break
+    for card in ("", *CARD_DECODE_TILES):
+        for max_rows, tile in _tile_table(op, pool_dtype, after_conv, card):
+            if tile not in tiles:
+                tiles.append(tile)
+            if max_rows is None or (limit is not None and limit <= max_rows):
+                break
     return tiles
 
 
