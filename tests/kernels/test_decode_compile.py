@@ -236,6 +236,19 @@ def test_the_card_follows_the_cuda_device_name():
     assert dec.decode_tile("bfloat16", 16384, card="H200") == dec.DECODE_TILES["bfloat16"][-1][1]
 
 
+def test_the_after_conv_form_never_picks_an_early_tile():
+    """The early form (-e) is refused after the conv (its gates would load before the conv's
+    writes are waited for); the after_conv rows, up to AFTER_CONV_MAX_ROWS, must pick a tile
+    without it on every card (a card table's first entries serve them where AFTER_CONV_TILES has
+    no table for the pool dtype)."""
+    for card in ("", *dec.CARD_DECODE_TILES):
+        for pool in ("float32", "bfloat16"):
+            for op in ("decode", "verify", "verify_slots"):
+                for rows in (1, 8, 64, 128, dec.AFTER_CONV_MAX_ROWS[op]):
+                    tile = dec.decode_tile(pool, rows, after_conv=True, op=op, card=card)
+                    assert not dec.parse_tile(tile).early, (card, pool, op, rows, tile)
+
+
 def test_bad_variants_and_targets_are_rejected():
     v = dec.kernel_variants(HV, HK)[0]
     with pytest.raises(ValueError, match="target"):

@@ -224,7 +224,7 @@ def test_pipelined_decode_tiles_are_correct(tile, monkeypatch):
 
 @pytest.mark.parametrize("tile", ["bv16l16-cs-e", "bv32-e", "bv8l32-cs-p8s3-e", "bv16l16-cs-p8s4-e",
                                   "bv16l16-cs-o", "bv16l16-cs-e-o", "bv8l32-cs-p8s3-o", "bv4w1l32-cs-o",
-                                  "bv16l16-cs-p8s4-o"])
+                                  "bv16l16-cs-p8s4-o", "bv8l32-p2-e-o", "bv8l32-p4-e-o"])
 def test_early_and_gathering_decode_tiles_are_correct(tile, monkeypatch):
     """Decode tiles that compute the gates before the slot id and hold v in registers (-e), or
     gather the block's outputs in shared memory for one contiguous store (-o): the pipelined
