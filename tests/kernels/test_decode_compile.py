@@ -158,7 +158,7 @@ def test_kernel_variants_are_unique_and_json_serialisable():
     # 16 fp32 decode x 2 tiles, 16 bf16 decode x 3, 32 verify x 2, 12 after_conv decode (bf16
     # pools: 2 tiles up to 256 rows, fp32: 1), 12 verify_slots x 2 tiles + 12 after_conv (1 tile up
     # to 64 rows), 12 after_conv verify (1 tile), 4 commit
-    assert len(names) == len(set(names)) == 230
+    assert len(names) == len(set(names)) == 246
     assert sum(v.get("after_conv", False) for v in vs) == 42
     assert {v["op"] for v in vs if v.get("after_conv", False)} == {"decode", "verify", "verify_slots"}
     assert json.loads(json.dumps(vs)) == vs
@@ -226,12 +226,14 @@ def test_the_decode_tile_follows_the_row_count_and_precompile_lists_every_pick()
 
 def test_the_card_follows_the_cuda_device_name():
     """card_of: the H100s (SXM, PCIe, NVL names) take the H100 table; the H200 and other cards
-    DECODE_TILES. The H100's fp32 decode stays on bv16l16-cs where the H200's pipelines."""
+    DECODE_TILES. Above 2048 fp32 rows the H100 takes FlashInfer's structure, the H200 its
+    8-tile pipeline."""
     for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H100 NVL"):
         assert dec.card_of(name) == "H100"
     for name in ("NVIDIA H200", "NVIDIA GH200 480GB", "NVIDIA B200", ""):
         assert dec.card_of(name) == ""
-    assert dec.decode_tile("float32", 16384, card="H100") == "bv16l16-cs" != dec.decode_tile("float32", 16384)
+    assert dec.decode_tile("float32", 2048, card="H100") == "bv16l16-cs" == dec.decode_tile("float32", 2048)
+    assert dec.decode_tile("float32", 16384, card="H100") == "bv8l32-p2-e-o" != dec.decode_tile("float32", 16384)
     assert dec.decode_tile("bfloat16", 16384, card="H100") == "bv16l16-cs-p8s4-o"
     assert dec.decode_tile("bfloat16", 16384, card="H200") == dec.DECODE_TILES["bfloat16"][-1][1]
 

@@ -74,12 +74,12 @@ def kernel_variants(num_v_heads: int, num_k_heads: int) -> list[dict]:
     {g/beta fp32, raw a/b in the io dtype with A_log/dt_bias fp32, a/b and A_log/dt_bias in
     the io dtype, a/b and dt_bias in the io dtype with A_log fp32 (SGLang's and vLLM's layers)}
     x l2norm {off, on} = 64 variants, each in every tile decode_tile can pick for its op on any
-    card (two, or four for bf16 decode: 96 more); after_conv decode variants (the layers' decode step), verify_slots
+    card (two; three for fp32 and four for bf16 decode: 112 more); after_conv decode variants (the layers' decode step), verify_slots
     variants, plain and after_conv (the vLLM layer's spec step), and after_conv verify variants
     (the SGLang layer's verify step), each io x pool x the three raw-gate forms, l2norm on, in
     the tiles their calls reach (after_conv: up to AFTER_CONV_MAX_ROWS rows; 18 after_conv
     decode, 24 + 12 verify_slots, 12 verify); plus 4 commit variants (pool dtype x num_accepted
-    int32/int64): 230.
+    int32/int64): 246.
     Other gate dtype combinations and tile overrides (TILE_OVERRIDE) compile on first use
     (JIT, same cache).
     """

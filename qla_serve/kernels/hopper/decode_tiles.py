@@ -128,15 +128,19 @@ DECODE_TILES = {
 }
 # Cards whose standalone decode tiles were measured apart, by a substring of the CUDA device name
 # (:func:`card_of`); every other card takes DECODE_TILES. H100 80GB HBM3 (benchmarks/decode.md,
-# "The H100's decode tiles", session 55: `bench decode` beside FlashInfer 0.7.2, fp32 two rounds,
+# "The H100's decode tiles", session 55: `bench decode` beside FlashInfer 0.7.2, two rounds,
 # kernel GPU us): the pipelined fp32 tile that leads on the H200 trails bv16l16-cs there above
-# 2048 rows (16/32 B = 512: 745.0 / 741.7 against 737.7 / 734.5, FlashInfer 733.0 / 729.2;
-# 2/8 B = 512 192.1 / 191.0 against 189.3 / 188.2; level at 2/8 B = 1024), and the bf16
-# pipelined tile gains ~1% from gathering its 64 rows' outputs into one store (-o: 16/32 B = 512
-# 378.7 -> 375.2, B = 1024 751.0 -> 745.7, 2/8 B = 2048 383.4 -> 380.5).
+# 2048 rows (16/32 B = 512: 745.0 / 741.7 against 737.7 / 734.5), and FlashInfer's own structure
+# (bv8l32-p2-e-o: 8-row tiles two to a block through a 2-stage ring, gates before the slot id, v
+# in registers, outputs gathered, no cache hints) leads both from 4096 rows: 16/32 B = 512 735.7
+# / 735.1 against 741.3 / 740.8 on bv16l16-cs (FlashInfer 740.9 / 743.6), B = 1024 1470.8 /
+# 1466.1 against 1479.0 / 1479.5, 2/8 B = 1024 377.0 / 376.8 against 380.2 / 379.9; in the layer
+# 16/32 d512 779 -> 769 us, 2/8 d1024 400 -> 393; below 4096 rows it trails bv16l16-cs by ~1%.
+# The bf16 pipelined tile gains ~1% from gathering its 64 rows' outputs into one store (-o:
+# 16/32 B = 512 378.7 -> 375.2, B = 1024 751.0 -> 745.7, 2/8 B = 2048 383.4 -> 380.5).
 CARD_DECODE_TILES = {
     "H100": {
-        "float32": ((None, "bv16l16-cs"),),
+        "float32": ((2048, "bv16l16-cs"), (None, "bv8l32-p2-e-o")),
         "bfloat16": ((128, "bv16l16-cs"), (8192, "bv32l16-cs"), (None, "bv16l16-cs-p8s4-o")),
     },
 }
