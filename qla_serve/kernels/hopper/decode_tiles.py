@@ -127,7 +127,8 @@ DECODE_TILES = {
     "bfloat16": ((128, "bv16l16-cs"), (8192, "bv32l16-cs"), (None, "bv16l16-cs-p8s4")),
 }
 # Cards whose standalone decode tiles were measured apart, by a substring of the CUDA device name
-# (:func:`card_of`); every other card takes DECODE_TILES. H100 80GB HBM3 (benchmarks/decode.md,
+# (:func:`card_of`); every other card takes DECODE_TILES. The H100 entry was measured on the SXM
+# card; the PCIe and NVL H100s take it by name, unmeasured. H100 80GB HBM3 (benchmarks/decode.md,
 # "The H100's decode tiles", session 55: `bench decode` beside FlashInfer 0.7.2, two rounds,
 # kernel GPU us): the pipelined fp32 tile that leads on the H200 trails bv16l16-cs there above
 # 2048 rows (16/32 B = 512: 745.0 / 741.7 against 737.7 / 734.5), and FlashInfer's own structure
