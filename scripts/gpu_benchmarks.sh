@@ -36,6 +36,13 @@
 #              (benchmarks/layer_preamble.py), the file written as each step runs, so that a call
 #              cut short returns what ran; ~5 min with their kernels
 #              carried, e.g. TLCACHE=".gpucache/tlcache.tar.xz .gpucache/conv_forms.tar.xz")
+#   decode-tiles decode_tiles_h200.txt (the decode's candidate tiles beside the defaults and
+#              FlashInfer, fp32 and bf16 states, two rounds, then the layer with the fp32
+#              candidate forced: DECODE_TILES against the H100's choices of session 55,
+#              benchmarks/decode.md; needs .fibundle as the flashinfer part does; written as each
+#              step runs). Its kernels, ~1 min here: TLCACHE tars of `bench decode --precompile
+#              sm_90a` with the same arguments and of `qla-serve precompile --heads 2/8 16/32
+#              --arch sm_90a --match "conv_decode|gdn_decode" --pack OUT.tar.xz` for the layer
 #   inputs     prefill_inputs_h200.txt (benchmarks/prefill_inputs.py)
 #   sustained  sustained_h200.txt (benchmarks/sustained.py, the 16/64 and 2/8 rows of prefill.md)
 #   sweep      costmodel_sweep_vs{1,2,4}_h200.json (fit_costmodel.py: every row at forced v_split)
@@ -52,7 +59,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/gpu_benchmarks}; mkdir -p "$out"
 part=${PART:-all}
-parts="tests coldstart prefill check decode flashinfer layer spec conv inputs sustained sweep cp-sweep maps"
+parts="tests coldstart prefill check decode flashinfer layer spec conv decode-tiles inputs sustained sweep cp-sweep maps"
 if [[ $part != all && " $parts " != *" $part "* ]]; then echo "PART=$part: expected one of: $parts (or all)"; exit 2; fi
 want() { [[ $part == all || $part == "$1" ]]; }
 
@@ -236,6 +243,25 @@ if want conv; then
   echo "## python benchmarks/layer_preamble.py --conv-forms autoroef,autoro,8 (layer - core against 1.25 x floor)" | tee -a "$f"
   step "conv forms: layer preamble" 180 python benchmarks/layer_preamble.py --heads 2/8,4/16 \
     --rows 1x8192,16x512,mixed --conv-forms autoroef,autoro,8 2>&1 | tee -a "$f"
+fi
+
+if want decode-tiles; then
+  f="$out/decode_tiles_h200.txt"
+  if [[ -f .fibundle/activate.sh ]]; then source .fibundle/activate.sh; fi
+  echo "# commit $commit, date $run_date" > "$f"
+  nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee -a "$f"
+  for pools_tiles in "float32|bv16l16-cs,bv8l32-cs-p8s3,bv8l32-cs-p8s3-o,bv8l32-p2-e-o" \
+                     "bfloat16|bv32l16-cs,bv16l16-cs-p8s4,bv16l16-cs-p8s4-o"; do
+    for round in 1 2; do
+      echo "## bench decode ${pools_tiles%%|*}, round $round (kernel GPU us, graph replay)" | tee -a "$f"
+      step "decode tiles ${pools_tiles%%|*} $round" 150 python -m qla_serve.cli bench decode \
+        --pools "${pools_tiles%%|*}" --heads 2/8,16/32 --batches 64,256,512,1024,2048 \
+        --impls qla-fused,flashinfer --tiles "${pools_tiles#*|}" --out /tmp/decode_tiles 2>&1 | grep "^|" | tee -a "$f"
+    done
+  done
+  echo "## layer_ab.py decode.TILE_OVERRIDE=None,'bv8l32-p2-e-o' (GPU us per layer call)" | tee -a "$f"
+  step "decode tiles: layer" 120 python benchmarks/layer_ab.py --switch "decode.TILE_OVERRIDE=None,'bv8l32-p2-e-o'" \
+    --heads 2/8,16/32 --rows d256,d512,d1024 --states fp32 2>&1 | grep -v INFO | tee -a "$f"
 fi
 
 if want inputs; then
