@@ -87,7 +87,7 @@ def _precompile(args) -> int:
                 if impl not in impls:
                     continue
                 # the tile the default path picks at each batch on any card (decode_tile), and the forced ones
-                picked = {dec.decode_tile(pdt, B * hv, card=card) for B in batches for card in ("", *dec.CARD_DECODE_TILES)}
+                picked = {dec.decode_tile(pdt, B * hv, card=card) for B in batches for card in dec.CARDS}
                 for tile in sorted(picked | (set(tiles) if impl == "qla-fused" else set())):
                     dec.build(dec._variant("decode", hv, hk, io, pdt, gating, ab, prm, l2, tile),
                               args.precompile)

@@ -217,7 +217,7 @@ def test_the_decode_tile_follows_the_row_count_and_precompile_lists_every_pick()
             for rows in (1, 64, 65, 128, 129, 256, 4096, 4097, 10**6):
                 if after and rows > dec.AFTER_CONV_MAX_ROWS[v["op"]]:
                     continue              # the layers launch the plain form there
-                for card in ("", *dec.CARD_DECODE_TILES):
+                for card in dec.CARDS:
                     tile = dec.decode_tile(v["pool_dtype"], rows, after, v["op"], card)
                     assert dec._variant(v["op"], HV, HK, v["io_dtype"], v["pool_dtype"], v["gating"], v["ab_dtype"],
                                         v["param_dtype"], v["l2norm"], tile, bias=v["bias_dtype"],
@@ -243,7 +243,7 @@ def test_the_after_conv_form_never_picks_an_early_tile():
     writes are waited for); the after_conv rows, up to AFTER_CONV_MAX_ROWS, must pick a tile
     without it on every card (a card table's first entries serve them where AFTER_CONV_TILES has
     no table for the pool dtype)."""
-    for card in ("", *dec.CARD_DECODE_TILES):
+    for card in dec.CARDS:
         for pool in ("float32", "bfloat16"):
             for op in ("decode", "verify", "verify_slots"):
                 for rows in (1, 8, 64, 128, dec.AFTER_CONV_MAX_ROWS[op]):

@@ -28,7 +28,7 @@ import torch
 from .common import (_IO_DTYPES, _TORCH_TO_TL, HEAD_DIM, _check_heads, _dtype_name, check_pool_alignment,
                      compile_for, gate_dtype_names, launch_function)
 from .decode_program import _ACC_DTYPES, _POOL_DTYPES, commit_program, program
-from .decode_tiles import (AFTER_CONV_MAX_ROWS, AFTER_CONV_TILES, CARD_DECODE_TILES, DECODE_TILES,  # noqa: F401
+from .decode_tiles import (AFTER_CONV_MAX_ROWS, AFTER_CONV_TILES, CARD_DECODE_TILES, CARDS, DECODE_TILES,  # noqa: F401
                            STATE_IO_SOURCE, card_of,
                            VERIFY_TILES,  # noqa: F401 (re-exported)
                            decode_tile, decode_tiles, default_tile, parse_tile)

@@ -426,10 +426,10 @@ def program(variant: dict):
                                 for e in T.vectorized(VEC):
                                     st[r, c * VEC + e] = T.cast(ring[j % PS, r, c, tx, e], f32)
                         tile_ctx = (tx, lk, row0 + j * BV, st, qv, kv, Sq, Sk, gb)
-                        if EARLY:
-                            step(st, qv, kv, Sq, Sk, Vt, Out, i, h, row0 + j * BV, lk, tx // 32, gb, vr, j * R, Os)
-                        else:   # (a constant offset: no let in the program, the default tiles' kernels unchanged)
-                            step(st, qv, kv, Sq, Sk, Vt, Out, i, h, row0 + j * BV, lk, tx // 32, gb, vr, 0, Os)
+                        # (v0 = 0 where the tile is not early: no let in the program, the default tiles'
+                        # kernels unchanged)
+                        step(st, qv, kv, Sq, Sk, Vt, Out, i, h, row0 + j * BV, lk, tx // 32, gb, vr,
+                             j * R if EARLY else 0, Os)
                         store_state(Pool, (slot,), h, tile_ctx)
                     if OUT_SMEM:
                         store_outputs(Out, Os, i, h, bt * PT * BV, PT * BV, tx)

@@ -147,6 +147,10 @@ CARD_DECODE_TILES = {
 }
 
 
+# Every card key decode_tile takes: "" (DECODE_TILES) and the cards with tables of their own.
+CARDS = ("", *CARD_DECODE_TILES)
+
+
 def card_of(device_name: str) -> str:
     """The CARD_DECODE_TILES key of a CUDA device name ("NVIDIA H100 80GB HBM3" -> "H100"), or ""
     for the cards that take DECODE_TILES."""
@@ -200,7 +204,7 @@ def decode_tiles(pool_dtype: str, after_conv: bool = False, op: str = "decode") 
     after_conv form, those of calls up to AFTER_CONV_MAX_ROWS[op] rows."""
     limit = AFTER_CONV_MAX_ROWS[op] if after_conv else None
     tiles = []
-    for card in ("", *CARD_DECODE_TILES):
+    for card in CARDS:
         for max_rows, tile in _tile_table(op, pool_dtype, after_conv, card):
             if tile not in tiles:
                 tiles.append(tile)
