@@ -5,7 +5,8 @@ TileLang kernel (slot_ids "rows") through its raw host function.
     python benchmarks/launch_cost.py     # on a GPU, with the slot_ids kernels cached
 
 Enqueue time only (the queue is drained between rounds); median over rounds (ops_host.py's). A benchmark, not a
-test. Figures: data/launch_cost_h200.txt, benchmarks/layer.md ("Host time of one layer call").
+test. Figures: data/launch_cost_h200.txt, benchmarks/layer.md ("Host time of one layer call";
+full write-up: `git show af9803e:benchmarks/layer.md`).
 """
 import importlib
 

@@ -346,7 +346,8 @@ def _layer_key(step: StepPlan, tensors, scalars) -> tuple | None:
     address modulo 16, and the non-tensor arguments): a later layer of the step with the same key hands its ops
     arguments of the same metadata as one whose ops passed their checks, so its ops skip them
     (``_trusted``: 10 tensors' metadata per call instead of the ops' 37 on a mixed step;
-    benchmarks/layer.md, "Host time of one layer call"). None (checks on
+    benchmarks/layer.md, "Host time of one layer call"
+    (full write-up: ``git show af9803e:benchmarks/layer.md``)). None (checks on
     every call) where the step's slot ids are on the CPU or QLA_SERVE_DEBUG=1 (ops._checked_key)."""
     index = [x for x in (step.decode_slots, step.prefill_slots, step.spec_slots) if x is not None]
     key = _checked_key(("gdn_layer", *scalars), tensors, index)

@@ -107,7 +107,7 @@ CASES = [
     (2, 8, 5, torch.bfloat16, torch.bfloat16, "ab", True),
     (16, 32, 3, torch.bfloat16, torch.float16, "ab-sglang", True),
     # the pipelined entries of decode.DECODE_TILES: fp32 above 2048 rows, bf16 above 8192 (an
-    # H100 takes CARD_DECODE_TILES["H100"]: bv16l16-cs, and the gathering bv16l16-cs-p8s4-o)
+    # H100 takes CARD_DECODE_TILES["H100"]: bv8l32-p2-e-o, and the gathering bv16l16-cs-p8s4-o)
     (2, 8, 300, torch.float32, torch.bfloat16, "ab", True),
     (16, 32, 260, torch.bfloat16, torch.bfloat16, "ab-sglang", True),
 ]

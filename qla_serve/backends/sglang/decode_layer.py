@@ -9,7 +9,8 @@ shift in place, then gdn_decode launched as its programmatic dependent (the vLLM
 decode), with the step's slot ids derived once per forward batch instead of once per layer.
 
 Why (H200, GPU us per layer call in a CUDA graph, SGLang's cache layout, one process;
-benchmarks/layer.md "SGLang's decode step"): SGLang's conv + qla_serve's decode kernel, the route
+benchmarks/layer.md "SGLang's decode step" (full write-up: ``git show af9803e:benchmarks/layer.md``)):
+SGLang's conv + qla_serve's decode kernel, the route
 before this hook, took 8.9-10.1 us at one request where qla_serve's conv + decode take 3.4-4.2,
 14.8-18.6 at 32 requests against 9.5-13.2, and 1-6% more at 64-256 requests.
 

@@ -12,7 +12,8 @@ prefill kernel with the conv-state write-back, split, L2 norm and gates in one l
 ``gdn_prefill`` on the batch's plan.
 
 Why (H200, GPU us per layer call, SGLang's cache layout, fp32 states, one process;
-benchmarks/layer.md "SGLang's extend step"): SGLang's conv, split and gating before flashqla's
+benchmarks/layer.md "SGLang's extend step" (full write-up: ``git show af9803e:benchmarks/layer.md``)):
+SGLang's conv, split and gating before flashqla's
 kernel took 132 us at 2/8 heads 1 x 8192 tokens where this takes 99, 105 against 67 at 16 x 512,
 403 against 286 at 1 x 32768, and 1995 against 1478 at 16/64 heads 4 x 8192 (0.64-0.78x), with
 3-5x less host time per call (166-242 us against 506-795).

@@ -26,7 +26,8 @@ from qla_serve.backends.gdn_layer import HEAD_DIM
 # The verify launched as the conv's programmatic dependent (kernels/hopper/decode.verify's
 # after_conv: its blocks load their ids and states while the conv runs) where requests x v-heads
 # <= this; above, two plain launches. Measured on the H200 (benchmarks/layer.md, "SGLang's
-# target-verify step", `sglang_verify.py --ab`): up to 64 rows 0.1-0.6 us faster per layer call
+# target-verify step" (full write-up: `git show af9803e:benchmarks/layer.md`),
+# `sglang_verify.py --ab`): up to 64 rows 0.1-0.6 us faster per layer call
 # (2/8, one request x 2 drafts: 4.6 against 5.2 us), from 256 rows level with fp32 states and
 # 6-15% slower with bf16 states (2/8, 128 x 4: 65.2 against 57.1 us).
 AFTER_CONV_MAX_ROWS = 64
