@@ -4,7 +4,8 @@
 
 Runs on any machine (CPU tensors; the ops' path dispatch answers "tilelang" and launches nothing),
 so a host-time change of a few microseconds shows, which the lent H200's host hides in its
-run-to-run noise (30-50%: benchmarks/h200_validation.md, session 29). ``--to-launch``: down to
+run-to-run noise (30-50%: benchmarks/h200_validation.md, session 29; full record:
+``git show 4e19e3d:benchmarks/h200_validation.md``). ``--to-launch``: down to
 the raw launch instead, the kernel modules' host code included (variant lookup, alignment
 checks, argument lists; the TileLang programs are never compiled and the launch function does
 nothing: tests/kernels/launch_check.py's stand-ins), on meta-device tensors (CUDA's stand-in: no
