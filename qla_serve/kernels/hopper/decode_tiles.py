@@ -108,7 +108,8 @@ QLA_STATE_ST(cs)
 
 # Decode tiles by rows = sequences x v-heads (host metadata), per pool dtype: ((up to rows, tile),
 # ..., (None, tile)), the first entry that holds. Measured on the H200 (benchmarks/decode.md,
-# "Wider rows and streaming stores", 2026-12-03, beside FlashInfer 0.7.2 in one process): 16 lanes
+# History of the runs, "Wider rows and streaming stores" (full write-up: `git show
+# 460b141:benchmarks/decode.md`), 2026-12-03, beside FlashInfer 0.7.2 in one process): 16 lanes
 # per state row (R rows x 8 columns per thread: fewer registers, more blocks per SM) and the
 # state's loads and stores with the streaming hint (__ldcs / __stcs; the stores' hint is what
 # counts). Kernel GPU us, old tile -> new (FlashInfer): bf16 2/8 B = 256 45.5 -> 38.8 (41.3),
@@ -118,7 +119,8 @@ QLA_STATE_ST(cs)
 # (layer_ab.py, one process): fp32 16/32 d256 (8192 rows) ran 302.6 us on bv16l16-cs against 297.5
 # on bv32, so bv32 kept the largest fp32 batches then (d64, 2048 rows: 77.8 against 79.0).
 # Above 2048 fp32 rows and 8192 bf16 rows, pipelined tiles (2026-12-04, benchmarks/decode.md
-# "Pipelined tiles"; three runs, kernel GPU us): fp32 bv8l32-cs-p8s3 (FlashInfer's layout, a warp
+# History of the runs, "Pipelined tiles" (full write-up: `git show 460b141:benchmarks/decode.md`);
+# three runs, kernel GPU us): fp32 bv8l32-cs-p8s3 (FlashInfer's layout, a warp
 # per row, a block walking 8 tiles of 8 rows through a 3-deep cp.async ring): 16/32 B = 512
 # 552 -> 542 (FlashInfer 529), B = 256 278 -> 273.5, 2/8 B = 512 143.7 -> 141.4, level at 2048
 # rows; bf16 bv16l16-cs-p8s4: 16/32 B = 512 295-307 -> 279-281 (FlashInfer 292), level at 8192 rows.
