@@ -40,9 +40,11 @@
 #              FlashInfer, fp32 and bf16 states, two rounds, then the layer with the fp32
 #              candidate forced: DECODE_TILES against the H100's choices of session 55,
 #              benchmarks/decode.md; needs .fibundle as the flashinfer part does; written as each
-#              step runs). Its kernels, ~1 min here: TLCACHE tars of `bench decode --precompile
-#              sm_90a` with the same arguments and of `qla-serve precompile --heads 2/8 16/32
-#              --arch sm_90a --match "conv_decode|gdn_decode" --pack OUT.tar.xz` for the layer
+#              step runs; fp32 two rounds, bf16 one, sized for one 10-minute call). Its
+#              kernels: `bench decode --precompile sm_90a` with the same arguments (~25 s on 2
+#              cores) and `qla-serve precompile --heads 2/8 16/32 --arch sm_90a --match
+#              "conv_decode|gdn_decode|slot_ids"` for the layer (~9 min on 2 cores), all into one
+#              TILELANG_CACHE_DIR, tarred as TLCACHE (`tar -cJf X.tar.xz -C DIR .`, ~1.7 MB)
 #   inputs     prefill_inputs_h200.txt (benchmarks/prefill_inputs.py)
 #   sustained  sustained_h200.txt (benchmarks/sustained.py, the 16/64 and 2/8 rows of prefill.md)
 #   sweep      costmodel_sweep_vs{1,2,4}_h200.json (fit_costmodel.py: every row at forced v_split)
@@ -250,17 +252,18 @@ if want decode-tiles; then
   if [[ -f .fibundle/activate.sh ]]; then source .fibundle/activate.sh; fi
   echo "# commit $commit, date $run_date" > "$f"
   nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee -a "$f"
-  for pools_tiles in "float32|bv16l16-cs,bv8l32-cs-p8s3,bv8l32-cs-p8s3-o,bv8l32-p2-e-o" \
-                     "bfloat16|bv32l16-cs,bv16l16-cs-p8s4,bv16l16-cs-p8s4-o"; do
-    for round in 1 2; do
-      echo "## bench decode ${pools_tiles%%|*}, round $round (kernel GPU us, graph replay)" | tee -a "$f"
-      step "decode tiles ${pools_tiles%%|*} $round" 150 python -m qla_serve.cli bench decode \
-        --pools "${pools_tiles%%|*}" --heads 2/8,16/32 --batches 64,256,512,1024,2048 \
-        --impls qla-fused,flashinfer --tiles "${pools_tiles#*|}" --out /tmp/decode_tiles 2>&1 | grep "^|" | tee -a "$f"
-    done
+  # (pool | tiles | round: fp32, the open question, twice; bf16 once)
+  for spec in "float32|bv16l16-cs,bv8l32-cs-p8s3,bv8l32-cs-p8s3-o,bv8l32-p2-e-o|1" \
+              "float32|bv16l16-cs,bv8l32-cs-p8s3,bv8l32-cs-p8s3-o,bv8l32-p2-e-o|2" \
+              "bfloat16|bv32l16-cs,bv16l16-cs-p8s4,bv16l16-cs-p8s4-o|1"; do
+    IFS='|' read -r pool tiles round <<< "$spec"
+    echo "## bench decode $pool, round $round (kernel GPU us, graph replay)" | tee -a "$f"
+    step "decode tiles $pool $round" 140 python -m qla_serve.cli bench decode \
+      --pools "$pool" --heads 2/8,16/32 --batches 64,256,512,1024,2048 \
+      --impls qla-fused,flashinfer --tiles "$tiles" --out /tmp/decode_tiles 2>&1 | grep "^|" | tee -a "$f"
   done
   echo "## layer_ab.py decode.TILE_OVERRIDE=None,'bv8l32-p2-e-o' (GPU us per layer call)" | tee -a "$f"
-  step "decode tiles: layer" 120 python benchmarks/layer_ab.py --switch "decode.TILE_OVERRIDE=None,'bv8l32-p2-e-o'" \
+  step "decode tiles: layer" 110 python benchmarks/layer_ab.py --switch "decode.TILE_OVERRIDE=None,'bv8l32-p2-e-o'" \
     --heads 2/8,16/32 --rows d256,d512,d1024 --states fp32 2>&1 | grep -v INFO | tee -a "$f"
 fi
 
