@@ -11,5 +11,5 @@ setup(
     packages=find_packages(include=["qla_serve", "qla_serve.*"]) + ["qla_serve.configs"],
     package_dir={"qla_serve.configs": "configs"},
     package_data={"qla_serve.configs": ["*.yaml", "*/*.yaml"],
-                  "qla_serve.kernels.hopper": ["csrc/*.cc"]},
+                  "qla_serve.kernels.hopper": ["csrc/*.cc", "csrc/*.cuh"]},
 )

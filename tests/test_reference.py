@@ -43,14 +43,17 @@ def test_segmented_equals_recurrent_float64(seq_lens, Hk, Hv, segment_chunks):
     assert rel_err(s2, s1) < 1e-10
 
 
+@pytest.mark.parametrize("solve", ["blocked_solve", "block_substitution_solve"])
 @pytest.mark.parametrize("n_valid", [64, 50, 1])
-def test_blocked_solve_equals_triangular_solve(n_valid):
-    """Stage 1's blocked inverse (reference.blocked_solve, the algebra of prefill_prep._solve)
-    is A diag(beta) from the triangular solve, exactly in float64; rows past n_valid have
-    beta = 0 (a chunk's padding) and give zero columns. With its shared-memory operands rounded
-    to fp16, as the kernel keeps them, it is ~2.1e-4 off here (relative L2; bound 1e-3): the
-    solve's share of the outputs' 2e-3 budget (the kernel's own outputs are checked on the H200,
+def test_blocked_solve_equals_triangular_solve(n_valid, solve):
+    """Stage 1's blocked inverses (reference.blocked_solve, the algebra of prefill_prep._solve;
+    reference.block_substitution_solve, that of the mma solve in csrc/block_solve.cuh) are
+    A diag(beta) from the triangular solve, exactly in float64; rows past n_valid have
+    beta = 0 (a chunk's padding) and give zero columns. With their operands rounded to fp16, as
+    the kernels keep them, both are ~2.0-2.1e-4 off here (relative L2; bound 1e-3): the
+    solve's share of the outputs' 2e-3 budget (the kernels' own outputs are checked on the GPU,
     tests/kernels/test_prefill_gpu.py)."""
+    solve_fn = getattr(R, solve)
     torch.manual_seed(n_valid)
     k = torch.nn.functional.normalize(torch.randn(3, 64, 128, dtype=torch.float64), dim=-1)
     beta = torch.rand(3, 64, dtype=torch.float64) * 0.98 + 0.01
@@ -61,11 +64,11 @@ def test_blocked_solve_equals_triangular_solve(n_valid):
     A = torch.linalg.solve_triangular(eye + (beta[..., :, None] * kkt).masked_fill(~strict, 0),
                                       eye.expand(3, 64, 64), upper=False, unitriangular=True)
     want = A * beta[..., None, :]
-    got = R.blocked_solve(kkt, beta)
+    got = solve_fn(kkt, beta)
     assert (got - want).abs().max() < 1e-12
     assert torch.equal(torch.triu(got, 1), torch.zeros_like(got))
     assert not got[..., n_valid:].any()
-    rounded = R.blocked_solve(kkt.float(), beta.float(), operand_dtype=torch.float16).double()
+    rounded = solve_fn(kkt.float(), beta.float(), operand_dtype=torch.float16).double()
     assert rel_err(rounded, want) < 1e-3
 
 

@@ -11,6 +11,7 @@ beta ~ U(0.01, 0.99), fp32 initial states for every sequence.
     baselines take bf16 q/k, so this row is qla_serve's engine path, not the same op's inputs.
     qla16_units: qla16 with stage 2 on a CTA per (sequence, head) unit instead of the persistent
     grid (prefill_api.PERSISTENT = False; plain and V-split plans only), the A/B in one process.
+    qla16_mma: qla16 with stage 1's mma.sync solve (prefill_api.PREP_SOLVE = "mma").
   * FLA / FlashQLA: chunk_gated_delta_rule with cu_seqlens, K-first fp32 initial states, final
     state returned (what an engine does around them: gathering the pool is not counted).
   * flashinfer (opt-in, `--impls ...,flashinfer`; flashinfer-python 0.7.2.post1, vLLM 0.33's
@@ -60,9 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", default="all", help="qk/v head pairs, e.g. 2/8,16/64 (default: all five)")
     parser.add_argument("--rows", default="all", help=f"rows among {','.join(ROWS)} (default: all)")
     parser.add_argument("--impls", default="qla,fla,flashqla",
-                        help="subset of qla,qla16,qla16_units,fla,flashqla,flashinfer (qla16: qla_serve on fp16 q/k, "
-                             "the engine layers' form; qla16_units: the same with stage 2 on a CTA per unit instead of "
-                             "the persistent grid; flashinfer: FlashInfer 0.7.2's GDN prefill, if installed)")
+                        help="subset of qla,qla16,qla16_units,qla16_mma,fla,flashqla,flashinfer (qla16: qla_serve "
+                             "on fp16 q/k, the engine layers' form; qla16_units: the same with stage 2 on a CTA per "
+                             "unit instead of the persistent grid; qla16_mma: with stage 1's mma.sync solve; "
+                             "flashinfer: FlashInfer 0.7.2's GDN prefill, if installed)")
     parser.add_argument("--v-split", default="auto", help="qla_serve v_split: auto (planner) or 1/2/4")
     parser.add_argument("--segment-chunks", default="auto",
                         help="qla_serve CP segment length in chunks: auto (planner; no cut when --v-split "
@@ -323,11 +325,13 @@ def _cp_label(plan) -> str:
     return plan.cp + ("+warmup" if warm else "")
 
 
-QLA_IMPLS = ("qla", "qla16", "qla16_units")
+# qla_serve's rows and the prefill_api switches each sets for its calls (A/Bs in one process).
+QLA_SWITCHES = {"qla": {}, "qla16": {}, "qla16_units": {"PERSISTENT": False}, "qla16_mma": {"PREP_SOLVE": "mma"}}
+QLA_IMPLS = tuple(QLA_SWITCHES)
 
 
 def _qla_data(impl, data):
-    """The inputs qla_serve gets: the row's, or for "qla16" and "qla16_units" fp16 q/k beside the
+    """The inputs qla_serve gets: the row's, or for "qla16" and its variants fp16 q/k beside the
     bf16 v (unit-norm bf16 values: exact in fp16 down to its normal range, 6e-5)."""
     if impl == "qla":
         return data
@@ -336,8 +340,9 @@ def _qla_data(impl, data):
 
 
 def _qla_fn(lens, hk, hv, data, v_split, stages="prep,main", segment_chunks="auto", cp="auto", maps_v_split=None,
-            persistent=None):
-    """persistent: None keeps prefill_api.PERSISTENT; False / True sets it for each of fn's calls."""
+            switches=None):
+    """switches: prefill_api attributes set for each of fn's calls (QLA_SWITCHES), e.g.
+    {"PERSISTENT": False}; the others keep their values."""
     import contextlib
     from unittest import mock
 
@@ -368,9 +373,9 @@ def _qla_fn(lens, hk, hv, data, v_split, stages="prep,main", segment_chunks="aut
     def fn():
         # the pool's states evolve from call to call; they stay bounded (the update is contractive)
         kw = {} if stages == "prep,main" else {"_stages": stages}
-        switch = (contextlib.nullcontext() if persistent is None
-                  else mock.patch.object(prefill_api, "PERSISTENT", persistent))
-        with switch:
+        with contextlib.ExitStack() as stack:
+            for name, value in (switches or {}).items():
+                stack.enter_context(mock.patch.object(prefill_api, name, value))
             mod.prefill(q, k, v, g, beta, pool, slots, plan, has_initial_state=None, scale=128**-0.5, out=out, **kw)
 
     pool.copy_(h0)
@@ -487,7 +492,7 @@ def run(args) -> int:
                         fn, out, pool, plan = _qla_fn(lens, hk, hv, qdata, args.v_split,
                                                       segment_chunks=args.segment_chunks, cp=args.cp,
                                                       maps_v_split=args.maps_v_split,
-                                                      persistent=False if impl == "qla16_units" else None)
+                                                      switches=QLA_SWITCHES[impl])
                         qla_runs[impl] = (fn, out, pool)
                         if impl == "qla":
                             rec["qla_plan"] = plan_label(plan)
@@ -498,7 +503,7 @@ def run(args) -> int:
                             for st in ("prep", "main"):
                                 f2 = _qla_fn(lens, hk, hv, qdata, args.v_split, st, args.segment_chunks,
                                              args.cp, args.maps_v_split,
-                                             persistent=False if impl == "qla16_units" else None)[0]
+                                             switches=QLA_SWITCHES[impl])[0]
                                 rec[f"{impl}_{st}_gpu_ms"] = round(_gpu_time_ms(f2, args.reps, args.graph_calls)[0], 4)
                         if args.kernels:
                             rec[f"{impl}_kernels"] = _kernel_timeline(fn, args.reps, args.graph_calls)

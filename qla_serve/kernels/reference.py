@@ -176,6 +176,28 @@ def _chunk_products(Q, Kc, Vc, g, beta, scale):
     return M @ Vc, M @ (gamma[..., None] * Kc), P, gamma, torch.exp(gcum[..., -1:] - gcum)
 
 
+def _scaled_diag_inverse(KKt, beta, block):
+    """Db = Dinv diag(beta): Dinv inverts the diagonal block x block blocks of
+    I + StrictLower(diag(beta) K K^T), by forward substitution as the kernels' threads do it
+    (column c of Dinv_b: x[r] = [c == r] - beta_r sum_{m<r} KK[r, m] x[m]); zero off those blocks."""
+    C = KKt.shape[-1]
+    eye = torch.eye(C, dtype=KKt.dtype, device=KKt.device)
+    dinv = torch.zeros_like(KKt)
+    for b in range(C // block):
+        r = slice(b * block, (b + 1) * block)
+        x = torch.zeros_like(KKt[..., r, r])
+        for i in range(block):
+            row = b * block + i
+            acc = (KKt[..., row, r][..., :i, None] * x[..., :i, :]).sum(-2)
+            x[..., i, :] = eye[row, r] - beta[..., row, None] * acc
+        dinv[..., r, r] = x
+    return dinv * beta[..., None, :]
+
+
+def _rounder(dtype, operand_dtype):
+    return (lambda x: x.to(operand_dtype).to(dtype)) if operand_dtype is not None else (lambda x: x)
+
+
 def blocked_solve(KKt, beta, operand_dtype=None, block=16):
     """A diag(beta), A = (I + StrictLower(diag(beta) K K^T))^-1, by the Hopper stage 1's blocked
     algorithm (kernels/hopper/prefill_prep.py, _solve; the same as solving the triangular system
@@ -192,24 +214,39 @@ def blocked_solve(KKt, beta, operand_dtype=None, block=16):
     if C % block or C // block != 4:
         raise ValueError(f"blocked_solve: four {block}-blocks expected, got C = {C}")
     dt = KKt.dtype
-    rnd = (lambda x: x.to(operand_dtype).to(dt)) if operand_dtype is not None else (lambda x: x)
+    rnd = _rounder(dt, operand_dtype)
     blk = torch.arange(C, device=KKt.device) // block
     off = blk[:, None] > blk[None, :]
     eye = torch.eye(C, dtype=dt, device=KKt.device)
-    dinv = torch.zeros_like(KKt)
-    for b in range(C // block):
-        r = slice(b * block, (b + 1) * block)
-        # column c of Dinv_b: x[r] = [c == r] - beta_r sum_{m<r} KK[r, m] x[m]
-        x = torch.zeros_like(KKt[..., r, r])
-        for i in range(block):
-            row = b * block + i
-            acc = (KKt[..., row, r][..., :i, None] * x[..., :i, :]).sum(-2)
-            x[..., i, :] = eye[row, r] - beta[..., row, None] * acc
-        dinv[..., r, r] = x
-    db = rnd(dinv * beta[..., None, :])
+    db = rnd(_scaled_diag_inverse(KKt, beta, block))
     n = db @ rnd(KKt.masked_fill(~off, 0))
     b_mat = rnd(rnd(eye - n) @ db)
     return rnd(eye + rnd(n) @ rnd(n)) @ b_mat
+
+
+def block_substitution_solve(KKt, beta, operand_dtype=None, block=16):
+    """The same A diag(beta) as :func:`blocked_solve`, by the block forward substitution of
+    stage 1's mma solve (kernels/hopper/csrc/block_solve.cuh, PREP_SOLVE "mma"): with W = A
+    diag(beta), Db as there and KK_ik the blocks of K K^T,
+        W_jj = Db_j,   W_ij = -Db_i sum_{k=j}^{i-1} KK_ik W_kj   (i > j),
+    block column by block column. operand_dtype rounds what that kernel rounds: the operands Db
+    and KK_ik, each W_kj before it is multiplied again, and each sum before its product with Db_i
+    (the products accumulate in KKt's dtype); None computes exactly."""
+    C = KKt.shape[-1]
+    nb = C // block
+    if C % block:
+        raise ValueError(f"block_substitution_solve: C = {C} is not a multiple of {block}")
+    rnd = _rounder(KKt.dtype, operand_dtype)
+    db = rnd(_scaled_diag_inverse(KKt, beta, block))
+    kk = rnd(KKt)
+    blk = [slice(b * block, (b + 1) * block) for b in range(nb)]
+    w = torch.zeros_like(KKt)
+    for j in range(nb):
+        w[..., blk[j], blk[j]] = db[..., blk[j], blk[j]]
+        for i in range(j + 1, nb):
+            z = sum(kk[..., blk[i], blk[m]] @ rnd(w[..., blk[m], blk[j]]) for m in range(j, i))
+            w[..., blk[i], blk[j]] = -(db[..., blk[i], blk[i]] @ rnd(z))
+    return w
 
 
 def chunked_gdn(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None, chunk_size=CHUNK):

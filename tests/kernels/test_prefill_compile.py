@@ -157,6 +157,52 @@ def test_prep_heads_per_cta(tmp_path, heads):
 PREP_HEADS_SPILL_BYTES = {2: 0, 4: 48}
 
 
+@pytest.mark.parametrize("heads", [1, 4])
+def test_prep_mma_solve(tmp_path, heads, monkeypatch):
+    """Stage 1 with the mma.sync solve (PREP_SOLVE "mma", csrc/block_solve.cuh): named apart,
+    listed by kernel_variants only when it is the solve in use, form "m" only; its source calls
+    the helper and holds m16n8k16 products beside the Q K^T / K K^T wgmma (not serialized); it
+    fits the CTAs per SM of the wgmma solve without spills and asks for no more shared memory (it
+    has no N, I - N, N^2 or B tiles; at one head the allocator overlaps those with others)."""
+    variant = P.prep_variant(8, 2, "bfloat16", "m", "float16", heads, "mma")
+    assert variant["name"].endswith("_mma")
+    assert variant not in P.kernel_variants(8, 2)
+    monkeypatch.setattr(P, "PREP_SOLVE", "mma")
+    assert variant in P.kernel_variants(8, 2)
+    assert P.prep_variant(8, 2, "bfloat16", "uw")["name"] == P.prep_variant(8, 2, "bfloat16")["name"]
+    with pytest.raises(ValueError, match="solve"):
+        P.prep_variant(8, 2, "bfloat16", "uw", None, 1, "mma")
+    kern = P.build(variant, "sm_90a")
+    src = kern.get_kernel_source()
+    assert src.count("qla_block_solve_m(") == heads + 1  # the definition and one call per head
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in src and "wgmma" in src
+    usage, _ = kernel_report.ptxas(src, "sm_90a", tmp_path)
+    assert usage["registers"] * 128 * P.prefill_prep.ctas_per_sm("m", heads) <= 65536, usage
+    assert usage["spill_store_bytes"] == 0 and not usage["wgmma_serialized"], usage
+    base = P.build(P.prep_variant(8, 2, "bfloat16", "m", "float16", heads, "wgmma"), "sm_90a")
+    smem, base_smem = (kernel_report.launch_dynamic_smem(k.get_host_source(), threads=128) for k in (kern, base))
+    assert smem <= base_smem, (smem, base_smem)
+
+
+def test_swizzled_tile_layout_is_the_mma_solves():
+    """csrc/block_solve.cuh addresses the [64, 64] fp16 tiles of make_swizzled_layout (which the
+    TMA stores and TileLang's own stmatrix use) as the 128-byte swizzle, element (r, c) at
+    r * 64 + ((c / 8) ^ (r % 8)) * 8 + c % 8: that is TileLang 0.1.12's layout."""
+    from tilelang.layout import make_swizzled_layout
+    from tvm import arith, tirx
+
+    layout = make_swizzled_layout(tirx.decl_buffer((64, 64), "float16", scope="shared.dyn"))
+    shape = [int(x) for x in layout.get_output_shape()]
+    analyzer = arith.Analyzer()
+    for r in range(64):
+        for c in range(64):
+            idx = [int(analyzer.simplify(x)) for x in layout.map_forward_index([r, c])]
+            flat = 0
+            for i, n in zip(idx, shape):
+                flat = flat * n + i
+            assert flat == r * 64 + (((c // 8) ^ (r % 8)) * 8) + c % 8, (r, c, idx)
+
+
 # tensor-core calls in TileLang's CUDA (wgmma_ss/_rs, mma_sync, tl::mma...); "mma" alone would
 # also match cudaTriggerProgrammaticLaunchCompletion, which the CP passes call (prefill_api.CP_PDL)
 _TENSOR_CORE_OPS = re.compile(r"wgmma|mma_sync|\bmma\w*\(|::mma")

@@ -51,6 +51,7 @@ def _kernel_switches(monkeypatch):
     monkeypatch.setattr(_mod(), "GATE_WARMUP", True)
     monkeypatch.setattr(_mod(), "MAIN_IMPL", "vfirst")
     monkeypatch.setattr(_mod(), "PREP_HEADS", 0)
+    monkeypatch.setattr(_mod(), "PREP_SOLVE", _mod().PREP_SOLVE_DEFAULT)
 
 
 def make_case(lens, Hk, Hv, *, io=torch.bfloat16, qk=None, gen, dev="cuda"):
@@ -232,6 +233,27 @@ def test_prep_heads_per_cta(Hk, Hv, heads, monkeypatch):
             errors[n] = run_case(lens, Hk, Hv, seed=1200 + i + Hv, **case)[:2]
         print(f"{Hk}/{Hv} heads per CTA {heads}, case {i}: o {errors[heads][0]:.2e} state {errors[heads][1]:.2e}")
         assert errors[heads] == errors[1]
+
+
+@pytest.mark.parametrize("Hk,Hv,heads", [(2, 8, 1), (2, 8, 4), (4, 16, 2), (16, 32, 1), (16, 64, 4)])
+def test_prep_solves(Hk, Hv, heads, monkeypatch):
+    """Stage 1's two solves (prefill_api.PREP_SOLVE: the wgmma products, the mma.sync block
+    substitution of csrc/block_solve.cuh) against the float64 recurrence on the same inputs:
+    edge lengths with padding at both pools, bf16 and fp16 q/k, one and several heads per CTA,
+    CP with gate warmup (M of cut chunks). The two round differently (fp16 operands at other
+    points: reference.blocked_solve / block_substitution_solve), so each is held to the
+    tolerance, not to the other's bits."""
+    monkeypatch.setattr(_mod(), "PREP_HEADS", heads)
+    cases = [dict(lens=EDGE_LENS, pool_dtype=torch.float32, pad_frac=0.2, v_split=1),
+             dict(lens=EDGE_LENS, pool_dtype=torch.bfloat16, pad_frac=0.2, qk=torch.float16, v_split=2),
+             dict(lens=[64 * 29 + 17, 0, 64 * 3, 1, 64 * 7, 200], qk=torch.float16, v_split=1, pad_frac=0.2,
+                  segment_chunks=3, cp="auto")]
+    for i, case in enumerate(cases):
+        lens = case.pop("lens")
+        for solve in _mod().PREP_SOLVES:
+            monkeypatch.setattr(_mod(), "PREP_SOLVE", solve)
+            e = run_case(lens, Hk, Hv, seed=1300 + i + Hv, **dict(case))
+            print(f"{Hk}/{Hv} heads per CTA {heads}, case {i}, solve {solve}: o {e[0]:.2e} state {e[1]:.2e}")
 
 
 PERSISTENT_CASES = [  # (lens, Hk, Hv, v_split, q/k dtype, pool dtype, padding, checkpoints)

@@ -140,6 +140,23 @@ def _prep_heads_from_env() -> int:
 
 PREP_HEADS = _prep_heads_from_env()
 
+# How stage 1 (form "m") solves for A diag(beta): "wgmma" (three 64x64 products through shared
+# memory, the default) or "mma" (the block substitution on mma.sync, csrc/block_solve.cuh; its
+# variants are named "_mma"). Read once at import from QLA_SERVE_PREP_SOLVE; the GPU tests and
+# `qla-serve bench prefill --prep-solve` set it instead.
+PREP_SOLVES = prefill_prep.SOLVES
+PREP_SOLVE_DEFAULT = "wgmma"
+
+
+def _prep_solve_from_env() -> str:
+    solve = os.environ.get("QLA_SERVE_PREP_SOLVE", PREP_SOLVE_DEFAULT).strip().lower()
+    if solve not in prefill_prep.SOLVES:
+        raise ValueError(f"QLA_SERVE_PREP_SOLVE: expected one of {prefill_prep.SOLVES}, got {solve!r}")
+    return solve
+
+
+PREP_SOLVE = _prep_solve_from_env()
+
 # The context-parallel passes (warmup finder, maps pass, scan) as programmatic dependent
 # launches: each first lets the next launch start (griddepcontrol.launch_dependents) and then
 # waits for the grid before it to complete with its writes visible (griddepcontrol.wait), so its
@@ -185,7 +202,8 @@ def _variant_name(v: dict) -> str:
         return (f"gdn_prefill_prep_hv{v['num_v_heads']}_hk{v['num_k_heads']}_{v['io_dtype']}"
                 + ("_m" if v.get("form", "uw") == "m" else "")
                 + (f"_qk{v['qk_dtype']}" if "qk_dtype" in v else "")
-                + (f"_heads{v['heads_per_cta']}" if "heads_per_cta" in v else ""))
+                + (f"_heads{v['heads_per_cta']}" if "heads_per_cta" in v else "")
+                + (f"_{v['solve']}" if "solve" in v else ""))
     pdl = "_pdl" if v.get("pdl", False) else ""
     return (
         f"gdn_prefill_main_hv{v['num_v_heads']}_hk{v['num_k_heads']}_{v['io_dtype']}"
@@ -204,12 +222,17 @@ def _chain(v: dict, pdl: bool) -> dict:
 
 
 def prep_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw",
-                 qk_dtype: str | None = None, heads_per_cta: int = 1) -> dict:
+                 qk_dtype: str | None = None, heads_per_cta: int = 1, solve: str | None = None) -> dict:
     """Stage 1; form "uw" (U0 and -Wk, for the v8 stage 2) or "m" (M, for V-first): the form
     a stage-2 kernel reads is PREP_FORM[impl]. io_dtype is v's; qk_dtype q/k's (None: v's);
-    heads_per_cta the v-heads of one CTA (form "m": a divisor of Hv / Hk)."""
+    heads_per_cta the v-heads of one CTA (form "m": a divisor of Hv / Hk); solve form "m"'s
+    (prefill_prep.SOLVES; None: PREP_SOLVE; form "uw" has only "wgmma")."""
     if form not in prefill_prep.FORMS:
         raise ValueError(f"form: expected one of {prefill_prep.FORMS}, got {form!r}")
+    solve = (PREP_SOLVE if form == "m" else "wgmma") if solve is None else solve
+    if solve not in prefill_prep.SOLVES or (solve != "wgmma" and form != "m"):
+        raise ValueError(f"solve: expected one of {prefill_prep.SOLVES} ('mma' with form 'm' only), "
+                         f"got {solve!r} (form {form!r})")
     qk_dtype = qk_dtype or io_dtype
     if (qk_dtype, io_dtype) not in QK_V_DTYPES:
         raise ValueError(f"q/k dtype {qk_dtype} with v dtype {io_dtype}: expected one of {QK_V_DTYPES}")
@@ -224,6 +247,8 @@ def prep_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = 
             raise ValueError(f"heads_per_cta: {heads_per_cta} v-heads per CTA needs form 'm' and must be one of "
                              f"{PREP_HEADS_CHOICES} dividing Hv / Hk = {group} (form {form!r})")
         v["heads_per_cta"] = heads_per_cta
+    if solve != "wgmma":  # wgmma variants keep their names (and compile caches)
+        v["solve"] = solve
     v["name"] = _variant_name(v)
     return v
 
@@ -406,7 +431,7 @@ def build(variant: dict, target: str = ARCH):
                 func, cfg = prefill_warmup.warmup_func(hv, pdl), prefill_warmup.PASS_CONFIGS
             elif variant["op"] == "prefill_prep":
                 func = prefill_prep.prep_func(hv, hk, io, variant.get("form", "uw"), variant.get("qk_dtype"),
-                                              variant.get("heads_per_cta", 1))
+                                              variant.get("heads_per_cta", 1), variant.get("solve", "wgmma"))
                 cfg = prefill_prep.PASS_CONFIGS
             elif variant["op"] == "prefill_main" and variant.get("persistent"):
                 func, _ = prefill_main_vfirst.persistent_func(hv, hk, io, variant["pool_dtype"], variant["v_split"])
@@ -605,8 +630,8 @@ def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale,
     plan.scratch): every GDN layer of a step then only binds its own tensors.
     """
     key = ("hopper_prefill_launches", q.shape[0], k.shape[1], v.shape[1], q.dtype, v.dtype, pool.dtype,
-           has_initial_state is None, q.device, _stages, _target, GATE_WARMUP, MAIN_IMPL, PREP_HEADS, CP_PDL,
-           PERSISTENT, PERSISTENT_MAX_MEAN_CHUNKS)
+           has_initial_state is None, q.device, _stages, _target, GATE_WARMUP, MAIN_IMPL, PREP_HEADS, PREP_SOLVE,
+           CP_PDL, PERSISTENT, PERSISTENT_MAX_MEAN_CHUNKS)
     launches = plan.kernel_cache.get(key)
     if launches is None:
         launches = plan.kernel_cache[key] = _Launches(plan, q, k, v, pool, has_initial_state is None, _stages,
@@ -648,7 +673,8 @@ class _Launches:
         # Stage 2's tensor-core operands are fp16: bf16 q/k are converted once, by stage 1.
         self.half_qk = _half_qk(plan, max(self.ntok, 1), hk, dev) if qk == "bfloat16" else None
         hpc = prep_heads_per_cta(hv, hk, nchunks, form, plan.sm_count)  # the planner's (the GPU's) SMs
-        kp = _kernel(prep_variant(hv, hk, io, form, qk, hpc), (hv, hk, io, form, qk, hpc, target))
+        solve = PREP_SOLVE if form == "m" else "wgmma"
+        kp = _kernel(prep_variant(hv, hk, io, form, qk, hpc, solve), (hv, hk, io, form, qk, hpc, solve, target))
         self.prep = kp if nchunks > 0 and "prep" in stages else None  # stages: benchmarks time them apart
         self.output = self.persistent = None
         if "main" not in stages:

@@ -77,6 +77,8 @@ benchmarks/HISTORY.md (v28, v29: the shared K K^T and the three-trip solve).
 """
 
 
+from pathlib import Path
+
 import tilelang
 import tilelang.language as T
 
@@ -89,6 +91,11 @@ _LOG2E = 1.4426950408889634
 
 
 FORMS = ("uw", "m")
+# How form "m" solves for A diag(beta) after the diagonal blocks' substitution: "wgmma", three
+# 64x64 products through shared memory ((I + N^2)(I - N) Db, _solve); "mma", the block forward
+# substitution on mma.sync with its operands in registers (csrc/block_solve.cuh).
+SOLVES = ("wgmma", "mma")
+SOLVE_SOURCE = (Path(__file__).with_name("csrc") / "block_solve.cuh").read_text()
 
 
 def ctas_per_sm(form: str, heads_per_cta: int = 1) -> int:
@@ -99,7 +106,7 @@ def ctas_per_sm(form: str, heads_per_cta: int = 1) -> int:
 
 
 def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw",
-              qk_dtype: str | None = None, heads_per_cta: int = 1):
+              qk_dtype: str | None = None, heads_per_cta: int = 1, solve: str = "wgmma"):
     """Build the stage-1 PrimFunc for (Hv, Hk, io dtype, form, q/k dtype); T (tokens), N
     (sequences) and the number of chunks are symbolic, so one compile serves every batch.
 
@@ -119,6 +126,9 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
     Hv / heads_per_cta x chunks)."""
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+    if solve not in SOLVES or (solve != "wgmma" and form != "m"):
+        raise ValueError(f"solve must be one of {SOLVES} ('mma' with form 'm' only), got {solve!r} (form {form!r})")
+    mma_solve = solve == "mma"
     uw_form = form == "uw"
     qk_dtype = qk_dtype or io_dtype
     Hv, Hk = num_v_heads, num_k_heads
@@ -271,6 +281,39 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
         T.copy(kk_f, koff_s)
 
     @T.macro
+    def _diag_blocks(j, kd_s, b_s, db_s, zero_off_diagonal):
+        """Head j's Db = Dinv diag(beta) into the diagonal 16x16 blocks of db_s (fp16), Dinv the
+        inverse of I + L's diagonal blocks, by forward substitution in registers, one thread per
+        (block b, column c) holding column c of Dinv_b, rows r = 0..15:
+          Dinv_b[r, c] = [c == r] - beta_r sum_{m<r} KK_b[r, m] Dinv_b[m, c]
+        (KK_b's row r is a broadcast read), stored times beta_c straight into db_s (v29: v28 went
+        through an fp32 buffer and a fragment, 28 KB more shared-memory traffic per head).
+        Threads 0-63 (warps 0-1) do it; with zero_off_diagonal, warps 2-3 meanwhile zero the
+        other blocks, one row each (the wgmma solve multiplies the whole tile; the mma solve reads
+        the diagonal blocks only). (v11 kept the column in shared memory: a barrier and a
+        dependent load per row.) Entries above the diagonal come out exactly 0, so every product
+        keeps A's upper triangle exactly 0."""
+        tx = T.get_thread_binding()
+        blk = (tx % 64) // 16
+        col = tx % 16
+        dcol = T.alloc_local((16,), acc)
+        if tx < 64:
+            for r in T.unroll(16):
+                dcol[r] = 0.0
+                for m in T.unroll(r):
+                    dcol[r] = dcol[r] + kd_s[blk, r, m] * dcol[m]
+                dcol[r] = T.if_then_else(col == r, 1.0, 0.0) - b_s[j, blk * 16 + r] * dcol[r]
+            beta_col = b_s[j, blk * 16 + col]
+            for r in T.unroll(16):
+                db_s[blk * 16 + r, blk * 16 + col] = T.cast(dcol[r] * beta_col, mm_dtype)
+        elif zero_off_diagonal:
+            row = tx - 64
+            for cb in T.unroll(4):
+                if cb != row // 16:
+                    for c in T.vectorized(16):
+                        db_s[row, cb * 16 + c] = T.cast(0.0, mm_dtype)
+
+    @T.macro
     def _solve(j, kd_s, koff_s, kk_f, n_f, t_f, b_s):
         """Head j's A diag(beta) into t_f, A = (I + L)^-1, L = StrictLower(diag(beta) K K^T),
         from K K^T's blocks in kd_s / koff_s (_kk_blocks). With Dinv the inverse of I + L's
@@ -288,35 +331,7 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
         imn_s = _staging_tile()
         n2_s = T.alloc_shared((C, C), mm_dtype)
         b_mm_s = _staging_tile()
-
-        # Diagonal 16x16 blocks of (I + L): forward substitution in registers, one thread
-        # per (block b, column c) holding column c of Dinv_b, rows r = 0..15:
-        #   Dinv_b[r, c] = [c == r] - beta_r sum_{m<r} KK_b[r, m] Dinv_b[m, c]
-        # (KK_b's row r is a broadcast read), stored times beta_c straight into Db's tile
-        # (v29: v28 went through an fp32 buffer and a fragment, 28 KB more shared-memory
-        # traffic per head). Threads 0-63 (warps 0-1) do it; warps 2-3 meanwhile zero Db's
-        # blocks off the diagonal, one row each. (v11 kept the column in shared memory: a
-        # barrier and a dependent load per row.) Entries above the diagonal come out exactly 0,
-        # so every product below keeps A's upper triangle exactly 0.
-        tx = T.get_thread_binding()
-        blk = (tx % 64) // 16
-        col = tx % 16
-        dcol = T.alloc_local((16,), acc)
-        if tx < 64:
-            for r in T.unroll(16):
-                dcol[r] = 0.0
-                for m in T.unroll(r):
-                    dcol[r] = dcol[r] + kd_s[blk, r, m] * dcol[m]
-                dcol[r] = T.if_then_else(col == r, 1.0, 0.0) - b_s[j, blk * 16 + r] * dcol[r]
-            beta_col = b_s[j, blk * 16 + col]
-            for r in T.unroll(16):
-                db_s[blk * 16 + r, blk * 16 + col] = T.cast(dcol[r] * beta_col, mm_dtype)
-        else:
-            row = tx - 64
-            for cb in T.unroll(4):
-                if cb != row // 16:
-                    for c in T.vectorized(16):
-                        db_s[row, cb * 16 + c] = T.cast(0.0, mm_dtype)
+        _diag_blocks(j, kd_s, b_s, db_s, True)
 
         T.gemm(db_s, koff_s, n_f, clear_accum=True)  # N
         T.copy(n_f, n_s)
@@ -336,9 +351,21 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
         """Form "m": head h0 + j's M in fp16 (stage 2 meets it with fp16 operands; v10 stored
         U0 = fp16(M) fp16(V) within the budget), to mbuf."""
         mo_s = _staging_tile()
-        _solve(j, kd_s, koff_s, kk_f, n_f, t_f, b_s)
-        _gated_m(t_f, g2_s, j)
-        T.copy(t_f, mo_s)
+        if mma_solve:
+            # csrc/block_solve.cuh: the block forward substitution on mma.sync from Db's diagonal
+            # blocks and koff_s, gated into mo_s by stmatrix; its ldmatrix reads and stores go
+            # through raw pointers, which TileLang's barrier placement does not see: hence the
+            # explicit barriers around it.
+            db_s = _staging_tile()
+            _diag_blocks(j, kd_s, b_s, db_s, False)
+            T.sync_threads()
+            T.call_extern("handle", "qla_block_solve_m", T.address_of(koff_s[0, 0]), T.address_of(db_s[0, 0]),
+                          T.address_of(g2_s[j, 0]), T.address_of(mo_s[0, 0]))
+            T.sync_threads()
+        else:
+            _solve(j, kd_s, koff_s, kk_f, n_f, t_f, b_s)
+            _gated_m(t_f, g2_s, j)
+            T.copy(t_f, mo_s)
         T.copy(mo_s, mbuf[cid, h0 + j, :, :])
 
     @T.prim_func
@@ -366,6 +393,8 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
             # registers; 34 KB): the phases of one CTA are latency-bound (loads, the 16-step
             # substitution), so other CTAs fill the gaps. Several heads per CTA: four.
             T.annotate_min_blocks_per_sm(ctas_per_sm(form, hpc))
+            if mma_solve:
+                T.import_source(SOLVE_SOURCE)
             h0 = hb * hpc  # the CTA's first v-head; its heads h0 .. h0 + hpc - 1 share qk-head hk
             hk = h0 // group
             # q, k, v stay in their dtypes: Q K^T and K K^T take them as they are (exact
