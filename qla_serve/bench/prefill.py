@@ -11,7 +11,8 @@ beta ~ U(0.01, 0.99), fp32 initial states for every sequence.
     baselines take bf16 q/k, so this row is qla_serve's engine path, not the same op's inputs.
     qla16_units: qla16 with stage 2 on a CTA per (sequence, head) unit instead of the persistent
     grid (prefill_api.PERSISTENT = False; plain and V-split plans only), the A/B in one process.
-    qla16_mma: qla16 with stage 1's mma.sync solve (prefill_api.PREP_SOLVE = "mma").
+    qla16_wgmma: qla16 with stage 1's wgmma solve (prefill_api.PREP_SOLVE = "wgmma"; the default is
+    the mma.sync solve).
   * FLA / FlashQLA: chunk_gated_delta_rule with cu_seqlens, K-first fp32 initial states, final
     state returned (what an engine does around them: gathering the pool is not counted).
   * flashinfer (opt-in, `--impls ...,flashinfer`; flashinfer-python 0.7.2.post1, vLLM 0.33's
@@ -61,9 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", default="all", help="qk/v head pairs, e.g. 2/8,16/64 (default: all five)")
     parser.add_argument("--rows", default="all", help=f"rows among {','.join(ROWS)} (default: all)")
     parser.add_argument("--impls", default="qla,fla,flashqla",
-                        help="subset of qla,qla16,qla16_units,qla16_mma,fla,flashqla,flashinfer (qla16: qla_serve "
+                        help="subset of qla,qla16,qla16_units,qla16_wgmma,fla,flashqla,flashinfer (qla16: qla_serve "
                              "on fp16 q/k, the engine layers' form; qla16_units: the same with stage 2 on a CTA per "
-                             "unit instead of the persistent grid; qla16_mma: with stage 1's mma.sync solve; "
+                             "unit instead of the persistent grid; qla16_wgmma: with stage 1's wgmma solve; "
                              "flashinfer: FlashInfer 0.7.2's GDN prefill, if installed)")
     parser.add_argument("--v-split", default="auto", help="qla_serve v_split: auto (planner) or 1/2/4")
     parser.add_argument("--segment-chunks", default="auto",
@@ -326,7 +327,7 @@ def _cp_label(plan) -> str:
 
 
 # qla_serve's rows and the prefill_api switches each sets for its calls (A/Bs in one process).
-QLA_SWITCHES = {"qla": {}, "qla16": {}, "qla16_units": {"PERSISTENT": False}, "qla16_mma": {"PREP_SOLVE": "mma"}}
+QLA_SWITCHES = {"qla": {}, "qla16": {}, "qla16_units": {"PERSISTENT": False}, "qla16_wgmma": {"PREP_SOLVE": "wgmma"}}
 QLA_IMPLS = tuple(QLA_SWITCHES)
 
 

@@ -159,19 +159,26 @@ PREP_HEADS_SPILL_BYTES = {2: 0, 4: 48}
 
 @pytest.mark.parametrize("heads", [1, 4])
 def test_prep_mma_solve(tmp_path, heads, monkeypatch):
-    """Stage 1 with the mma.sync solve (PREP_SOLVE "mma", csrc/block_solve.cuh): named apart,
-    listed by kernel_variants only when it is the solve in use, form "m" only; its source calls
-    the helper and holds m16n8k16 products beside the Q K^T / K K^T wgmma (not serialized); it
-    fits the CTAs per SM of the wgmma solve without spills and asks for no more shared memory (it
-    has no N, I - N, N^2 or B tiles; at one head the allocator overlaps those with others)."""
-    variant = P.prep_variant(8, 2, "bfloat16", "m", "float16", heads, "mma")
-    assert variant["name"].endswith("_mma")
-    assert variant not in P.kernel_variants(8, 2)
-    monkeypatch.setattr(P, "PREP_SOLVE", "mma")
-    assert variant in P.kernel_variants(8, 2)
-    assert P.prep_variant(8, 2, "bfloat16", "uw")["name"] == P.prep_variant(8, 2, "bfloat16")["name"]
+    """Stage 1's two solves (PREP_SOLVE): form "m" runs the mma.sync one (csrc/block_solve.cuh)
+    by default under the form's names; its wgmma one is named "_wgmma" and listed by
+    kernel_variants only when it is the solve in use; form "uw" has the wgmma solve only, under
+    its names. The mma variant's source calls the helper and holds m16n8k16 products beside the
+    Q K^T / K K^T wgmma (not serialized); it fits the CTAs per SM without spills and asks for no
+    more shared memory than the wgmma one (it has no N, I - N, N^2 or B tiles; at one head the
+    allocator overlaps those with others)."""
+    variant = P.prep_variant(8, 2, "bfloat16", "m", "float16", heads)
+    assert variant == P.prep_variant(8, 2, "bfloat16", "m", "float16", heads, "mma")
+    assert "solve" not in variant and variant in P.kernel_variants(8, 2)
+    wgmma = P.prep_variant(8, 2, "bfloat16", "m", "float16", heads, "wgmma")
+    assert wgmma["name"] == variant["name"] + "_wgmma" and wgmma not in P.kernel_variants(8, 2)
+    monkeypatch.setattr(P, "PREP_SOLVE", "wgmma")
+    assert wgmma in P.kernel_variants(8, 2) and variant not in P.kernel_variants(8, 2)
+    assert P.prep_variant(8, 2, "bfloat16", "uw") == P.prep_variant(8, 2, "bfloat16", "uw", None, 1, "wgmma")
+    assert "solve" not in P.prep_variant(8, 2, "bfloat16", "uw")
     with pytest.raises(ValueError, match="solve"):
         P.prep_variant(8, 2, "bfloat16", "uw", None, 1, "mma")
+    with pytest.raises(ValueError, match="solve"):
+        P.prep_variant(8, 2, "bfloat16", "m", None, 1, "cublas")
     kern = P.build(variant, "sm_90a")
     src = kern.get_kernel_source()
     assert src.count("qla_block_solve_m(") == heads + 1  # the definition and one call per head
@@ -179,7 +186,8 @@ def test_prep_mma_solve(tmp_path, heads, monkeypatch):
     usage, _ = kernel_report.ptxas(src, "sm_90a", tmp_path)
     assert usage["registers"] * 128 * P.prefill_prep.ctas_per_sm("m", heads) <= 65536, usage
     assert usage["spill_store_bytes"] == 0 and not usage["wgmma_serialized"], usage
-    base = P.build(P.prep_variant(8, 2, "bfloat16", "m", "float16", heads, "wgmma"), "sm_90a")
+    base = P.build(wgmma, "sm_90a")
+    assert "qla_block_solve_m" not in base.get_kernel_source()
     smem, base_smem = (kernel_report.launch_dynamic_smem(k.get_host_source(), threads=128) for k in (kern, base))
     assert smem <= base_smem, (smem, base_smem)
 

@@ -140,12 +140,14 @@ def _prep_heads_from_env() -> int:
 
 PREP_HEADS = _prep_heads_from_env()
 
-# How stage 1 (form "m") solves for A diag(beta): "wgmma" (three 64x64 products through shared
-# memory, the default) or "mma" (the block substitution on mma.sync, csrc/block_solve.cuh; its
-# variants are named "_mma"). Read once at import from QLA_SERVE_PREP_SOLVE; the GPU tests and
-# `qla-serve bench prefill --prep-solve` set it instead.
+# How stage 1 (form "m") solves for A diag(beta): "mma" (the default: the block substitution on
+# mma.sync, csrc/block_solve.cuh; on an H100 stage 1 9-26% and the layer 1.6-5% faster than
+# "wgmma" on every row measured, benchmarks/prefill.md) or "wgmma" (three 64x64 products through
+# shared memory, form "uw"'s only solve; form "m"'s variants of it are named "_wgmma"). Read once
+# at import from QLA_SERVE_PREP_SOLVE; the GPU tests and `bench prefill --impls qla16_wgmma` set
+# it instead.
 PREP_SOLVES = prefill_prep.SOLVES
-PREP_SOLVE_DEFAULT = "wgmma"
+PREP_SOLVE_DEFAULT = "mma"
 
 
 def _prep_solve_from_env() -> str:
@@ -203,7 +205,7 @@ def _variant_name(v: dict) -> str:
                 + ("_m" if v.get("form", "uw") == "m" else "")
                 + (f"_qk{v['qk_dtype']}" if "qk_dtype" in v else "")
                 + (f"_heads{v['heads_per_cta']}" if "heads_per_cta" in v else "")
-                + (f"_{v['solve']}" if "solve" in v else ""))
+                + (f"_{v['solve']}" if "solve" in v else ""))  # form "m" on the wgmma solve
     pdl = "_pdl" if v.get("pdl", False) else ""
     return (
         f"gdn_prefill_main_hv{v['num_v_heads']}_hk{v['num_k_heads']}_{v['io_dtype']}"
@@ -229,10 +231,7 @@ def prep_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = 
     (prefill_prep.SOLVES; None: PREP_SOLVE; form "uw" has only "wgmma")."""
     if form not in prefill_prep.FORMS:
         raise ValueError(f"form: expected one of {prefill_prep.FORMS}, got {form!r}")
-    solve = (PREP_SOLVE if form == "m" else "wgmma") if solve is None else solve
-    if solve not in prefill_prep.SOLVES or (solve != "wgmma" and form != "m"):
-        raise ValueError(f"solve: expected one of {prefill_prep.SOLVES} ('mma' with form 'm' only), "
-                         f"got {solve!r} (form {form!r})")
+    solve = _prep_solve(form, solve)
     qk_dtype = qk_dtype or io_dtype
     if (qk_dtype, io_dtype) not in QK_V_DTYPES:
         raise ValueError(f"q/k dtype {qk_dtype} with v dtype {io_dtype}: expected one of {QK_V_DTYPES}")
@@ -247,10 +246,20 @@ def prep_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = 
             raise ValueError(f"heads_per_cta: {heads_per_cta} v-heads per CTA needs form 'm' and must be one of "
                              f"{PREP_HEADS_CHOICES} dividing Hv / Hk = {group} (form {form!r})")
         v["heads_per_cta"] = heads_per_cta
-    if solve != "wgmma":  # wgmma variants keep their names (and compile caches)
+    if form == "m" and solve == "wgmma":  # the default solve's variants carry no suffix
         v["solve"] = solve
     v["name"] = _variant_name(v)
     return v
+
+
+def _prep_solve(form: str, solve: str | None) -> str:
+    """The solve a form "m" / "uw" prep variant runs: solve, or PREP_SOLVE for form "m" (form
+    "uw" has only "wgmma"); refused by name otherwise."""
+    solve = (PREP_SOLVE if form == "m" else "wgmma") if solve is None else solve
+    if solve not in prefill_prep.SOLVES or (solve != "wgmma" and form != "m"):
+        raise ValueError(f"solve: expected one of {prefill_prep.SOLVES} ('mma' with form 'm' only), "
+                         f"got {solve!r} (form {form!r})")
+    return solve
 
 
 def prep_heads_per_cta(num_v_heads: int, num_k_heads: int, num_chunks: int, form: str, sm_count: int) -> int:
@@ -430,8 +439,9 @@ def build(variant: dict, target: str = ARCH):
             elif variant["op"] == "prefill_cp_warmup":
                 func, cfg = prefill_warmup.warmup_func(hv, pdl), prefill_warmup.PASS_CONFIGS
             elif variant["op"] == "prefill_prep":
-                func = prefill_prep.prep_func(hv, hk, io, variant.get("form", "uw"), variant.get("qk_dtype"),
-                                              variant.get("heads_per_cta", 1), variant.get("solve", "wgmma"))
+                form = variant.get("form", "uw")
+                func = prefill_prep.prep_func(hv, hk, io, form, variant.get("qk_dtype"), variant.get("heads_per_cta", 1),
+                                              variant.get("solve", "mma" if form == "m" else "wgmma"))
                 cfg = prefill_prep.PASS_CONFIGS
             elif variant["op"] == "prefill_main" and variant.get("persistent"):
                 func, _ = prefill_main_vfirst.persistent_func(hv, hk, io, variant["pool_dtype"], variant["v_split"])
@@ -673,7 +683,7 @@ class _Launches:
         # Stage 2's tensor-core operands are fp16: bf16 q/k are converted once, by stage 1.
         self.half_qk = _half_qk(plan, max(self.ntok, 1), hk, dev) if qk == "bfloat16" else None
         hpc = prep_heads_per_cta(hv, hk, nchunks, form, plan.sm_count)  # the planner's (the GPU's) SMs
-        solve = PREP_SOLVE if form == "m" else "wgmma"
+        solve = _prep_solve(form, None)
         kp = _kernel(prep_variant(hv, hk, io, form, qk, hpc, solve), (hv, hk, io, form, qk, hpc, solve, target))
         self.prep = kp if nchunks > 0 and "prep" in stages else None  # stages: benchmarks time them apart
         self.output = self.persistent = None

@@ -28,11 +28,16 @@ Stage 2 then computes O = scale exp(gc) Q S + P V'.
 
 The inverse is blocked, and only A diag(beta) is formed (all that M needs): the four 16x16
 diagonal blocks of I + L are inverted by forward substitution in fp32 on the CUDA cores (Dinv),
-then with Db = Dinv diag(beta) and N = Dinv L_off = Db (K K^T)_off (strictly block-lower,
-N^4 = 0): A diag(beta) = (I - N + N^2 - N^3) Db = (I + N^2)(I - N) Db, four 64x64x64 fp16
-tensor-core GEMMs with fp32 accumulation in three round trips through shared memory (N; N^2 and
-(I - N) Db; the last product). reference.blocked_solve is this algebra in torch (fp16 operands
-optional). K K^T is beta-free, so it is computed once per CTA. fp16 (11-bit mantissa) rather
+then, with Db = Dinv diag(beta), by one of two solves (prep_func's solve):
+  "mma" (form "m"'s default, v31): the block forward substitution W_jj = Db_j,
+       W_ij = -Db_i sum_{k=j}^{i-1} KK_ik W_kj (W = A diag(beta)), one block column per warp on
+       mma.sync with its operands in registers, M gated and stored by the same helper
+       (csrc/block_solve.cuh; reference.block_substitution_solve);
+  "wgmma" (form "uw"'s only; v29): with N = Dinv L_off = Db (K K^T)_off (strictly block-lower,
+       N^4 = 0), A diag(beta) = (I - N + N^2 - N^3) Db = (I + N^2)(I - N) Db, four 64x64x64 fp16
+       tensor-core GEMMs with fp32 accumulation in three round trips through shared memory (N;
+       N^2 and (I - N) Db; the last product) (reference.blocked_solve).
+Both take fp16 operands and accumulate in fp32. K K^T is beta-free, so it is computed once per CTA. fp16 (11-bit mantissa) rather
 than bf16 for these operands and the outputs: the bf16 variant misses the 2e-3 relative-L2
 budget against the float64 recurrence (see benchmarks/prefill.md). q, k and v are used as
 loaded (their dtypes): Q K^T and K K^T are exact products with fp32 sums, and in form "uw" M
@@ -60,7 +65,8 @@ tiles to global memory in 16-byte stores.
 Occupancy (v11): 49 KB of shared memory and <= 128 registers, so 4 CTAs (16 warps) per SM
 share the latency of each CTA's serial phases (v10: 65 KB, 3 CTAs); form "m" takes 34 KB and
 <= 102 registers, 5 CTAs (v15); with two or four heads per CTA 4 CTAs (v29: 96, 109 and 121
-registers at one, two and four heads, no spills; v27 spilled 24-148 bytes). Which heads per CTA
+registers at one, two and four heads, no spills; v27 spilled 24-148 bytes; v31's mma solve: 87
+and 107 at one and four heads). Which heads per CTA
 a call takes (prefill_api.prep_heads_per_cta) is a matter of waves: each such CTA takes ~1.4x
 (two heads) or ~2.5x (four) a one-head CTA's time on the H200 at v29 (v27: 1.55x, 3.05x), so the
 larger CTAs win where they fill the SMs in fewer or fuller waves (benchmarks/prefill.md "v27"
@@ -73,7 +79,8 @@ their fragments by stmatrix: 2307 -> 1481 SASS instructions in form m's main spa
 (ptxas), 19-27% less GPU time (v29: 1374-1433, `benchmarks/kernel_report.py prep 2/8 bfloat16 m
 float16`).
 Figures of every version: benchmarks/prefill.md ("v11-v13", "v14" for form "m", "v17"), and
-benchmarks/HISTORY.md (v28, v29: the shared K K^T and the three-trip solve).
+benchmarks/HISTORY.md (v28, v29: the shared K K^T and the three-trip solve; v31: the mma solve,
+benchmarks/prefill.md "Stage 1's solve on mma.sync").
 """
 
 
@@ -91,9 +98,10 @@ _LOG2E = 1.4426950408889634
 
 
 FORMS = ("uw", "m")
-# How form "m" solves for A diag(beta) after the diagonal blocks' substitution: "wgmma", three
-# 64x64 products through shared memory ((I + N^2)(I - N) Db, _solve); "mma", the block forward
-# substitution on mma.sync with its operands in registers (csrc/block_solve.cuh).
+# How form "m" solves for A diag(beta) after the diagonal blocks' substitution: "mma" (its
+# default), the block forward substitution on mma.sync with its operands in registers
+# (csrc/block_solve.cuh); "wgmma" (form "uw"'s only), three 64x64 products through shared memory
+# ((I + N^2)(I - N) Db, _solve).
 SOLVES = ("wgmma", "mma")
 SOLVE_SOURCE = (Path(__file__).with_name("csrc") / "block_solve.cuh").read_text()
 
@@ -106,7 +114,7 @@ def ctas_per_sm(form: str, heads_per_cta: int = 1) -> int:
 
 
 def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw",
-              qk_dtype: str | None = None, heads_per_cta: int = 1, solve: str = "wgmma"):
+              qk_dtype: str | None = None, heads_per_cta: int = 1, solve: str | None = None):
     """Build the stage-1 PrimFunc for (Hv, Hk, io dtype, form, q/k dtype); T (tokens), N
     (sequences) and the number of chunks are symbolic, so one compile serves every batch.
 
@@ -126,6 +134,7 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
     Hv / heads_per_cta x chunks)."""
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+    solve = solve or ("mma" if form == "m" else "wgmma")
     if solve not in SOLVES or (solve != "wgmma" and form != "m"):
         raise ValueError(f"solve must be one of {SOLVES} ('mma' with form 'm' only), got {solve!r} (form {form!r})")
     mma_solve = solve == "mma"
