@@ -141,7 +141,7 @@ def _prep_heads_from_env() -> int:
 PREP_HEADS = _prep_heads_from_env()
 
 # How stage 1 (form "m") solves for A diag(beta): "mma" (the default: the block substitution on
-# mma.sync, csrc/block_solve.cuh; on an H100 stage 1 9-26% and the layer 1.6-5% faster than
+# mma.sync, csrc/block_solve.cuh; on an H100 stage 1 8-26% and the layer 1.6-5% faster than
 # "wgmma" on every row measured, benchmarks/prefill.md) or "wgmma" (three 64x64 products through
 # shared memory, form "uw"'s only solve; form "m"'s variants of it are named "_wgmma"). Read once
 # at import from QLA_SERVE_PREP_SOLVE; the GPU tests and `bench prefill --impls qla16_wgmma` set
@@ -439,9 +439,8 @@ def build(variant: dict, target: str = ARCH):
             elif variant["op"] == "prefill_cp_warmup":
                 func, cfg = prefill_warmup.warmup_func(hv, pdl), prefill_warmup.PASS_CONFIGS
             elif variant["op"] == "prefill_prep":
-                form = variant.get("form", "uw")
-                func = prefill_prep.prep_func(hv, hk, io, form, variant.get("qk_dtype"), variant.get("heads_per_cta", 1),
-                                              variant.get("solve", "mma" if form == "m" else "wgmma"))
+                func = prefill_prep.prep_func(hv, hk, io, variant.get("form", "uw"), variant.get("qk_dtype"),
+                                              variant.get("heads_per_cta", 1), variant.get("solve"))
                 cfg = prefill_prep.PASS_CONFIGS
             elif variant["op"] == "prefill_main" and variant.get("persistent"):
                 func, _ = prefill_main_vfirst.persistent_func(hv, hk, io, variant["pool_dtype"], variant["v_split"])

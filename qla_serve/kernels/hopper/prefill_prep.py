@@ -37,8 +37,8 @@ then, with Db = Dinv diag(beta), by one of two solves (prep_func's solve):
        N^4 = 0), A diag(beta) = (I - N + N^2 - N^3) Db = (I + N^2)(I - N) Db, four 64x64x64 fp16
        tensor-core GEMMs with fp32 accumulation in three round trips through shared memory (N;
        N^2 and (I - N) Db; the last product) (reference.blocked_solve).
-Both take fp16 operands and accumulate in fp32. K K^T is beta-free, so it is computed once per CTA. fp16 (11-bit mantissa) rather
-than bf16 for these operands and the outputs: the bf16 variant misses the 2e-3 relative-L2
+Both take fp16 operands and accumulate in fp32. K K^T is beta-free, so it is computed once per
+CTA. fp16 (11-bit mantissa) rather than bf16 for these operands and the outputs: the bf16 variant misses the 2e-3 relative-L2
 budget against the float64 recurrence (see benchmarks/prefill.md). q, k and v are used as
 loaded (their dtypes): Q K^T and K K^T are exact products with fp32 sums, and in form "uw" M
 meets V and K each as hi + lo in that tile's dtype (M = hi + lo to ~2^-16 relative), two GEMMs
@@ -115,8 +115,9 @@ def ctas_per_sm(form: str, heads_per_cta: int = 1) -> int:
 
 def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw",
               qk_dtype: str | None = None, heads_per_cta: int = 1, solve: str | None = None):
-    """Build the stage-1 PrimFunc for (Hv, Hk, io dtype, form, q/k dtype); T (tokens), N
-    (sequences) and the number of chunks are symbolic, so one compile serves every batch.
+    """Build the stage-1 PrimFunc for (Hv, Hk, io dtype, form, q/k dtype, solve); T (tokens), N
+    (sequences) and the number of chunks are symbolic, so one compile serves every batch. solve
+    (SOLVES): form "m"'s "mma" (its default) or "wgmma"; form "uw" takes "wgmma" only.
 
     io_dtype is v's (and the output's); q and k are qk_dtype (default io_dtype). fp16 q/k
     beside bf16 v is what gdn_prefill_inputs(..., qk_dtype=torch.float16) hands over: stage 2
