@@ -41,7 +41,8 @@ def _mod():
 def _kernel_switches(monkeypatch):
     """The package defaults, whatever the environment says: gate warmup on (plans with
     cp="auto" take it, cp="exact" plans never do), the V-first stage 2 at v_split 1 and 2
-    (v_split 4 runs v8), stage 1's heads per CTA by its rule. The CP passes' launch form
+    (v_split 4 runs v8), stage 1's heads per CTA by its rule and its default solve (mma.sync;
+    test_prep_solves runs both). The CP passes' launch form
     (CP_PDL) is read from no environment: the package's. test_v8_main and the sanitizer case
     switch to v8 themselves, test_prep_heads_per_cta forces the heads,
     test_cp_pdl_matches_plain_launches runs both launch forms. Plain and V-split plans run their
