@@ -4,8 +4,8 @@
 // Computes, for one head of one chunk, what prefill_prep's form "m" writes:
 //   W = A diag(beta),  A = (I + L)^-1,  L = StrictLower(diag(beta) K K^T)
 //   M[i, c] = W[i, c] exp2(g2[i] - g2[c]) for i >= c, 0 above the diagonal
-// (reference.blocked_solve, then the gating of prefill_prep._gated_m). In 16x16 blocks, with
-// Db_i = Dinv_i diag(beta_i) (Dinv_i the inverse of I + L's diagonal block i, from the
+// (reference.block_substitution_solve, then prefill_prep._gated_m's gating). In 16x16 blocks,
+// with Db_i = Dinv_i diag(beta_i) (Dinv_i the inverse of I + L's diagonal block i, from the
 // substitution that runs before) and KK_ik the blocks of K K^T below the diagonal:
 //   W_jj = Db_j,   W_ij = -Db_i sum_{k=j}^{i-1} KK_ik W_kj   (i > j)
 // (block forward substitution: L_ik = diag(beta_i) KK_ik, and Dinv_i diag(beta_i) = Db_i).
