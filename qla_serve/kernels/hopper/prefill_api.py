@@ -141,7 +141,7 @@ def _prep_heads_from_env() -> int:
 PREP_HEADS = _prep_heads_from_env()
 
 # How stage 1 (form "m") solves for A diag(beta): "mma" (the default: the block substitution on
-# mma.sync, csrc/block_solve.cuh; on an H100 stage 1 8-26% and the layer 1.6-5% faster than
+# mma.sync, csrc/block_solve.cuh; on an H100 stage 1 8-26% and the layer 1.7-5% faster than
 # "wgmma" on every row measured, benchmarks/prefill.md) or "wgmma" (three 64x64 products through
 # shared memory, form "uw"'s only solve; form "m"'s variants of it are named "_wgmma"). Read once
 # at import from QLA_SERVE_PREP_SOLVE; the GPU tests and `bench prefill --impls qla16_wgmma` set
