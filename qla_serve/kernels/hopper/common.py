@@ -1,7 +1,8 @@
 """What the Hopper kernel modules share (decode.py, conv.py, prefill_inputs.py, prefill_api.py,
 slot_ids.py): the head dim and dtype names of the kernel-module contract, the gate formulas as TIR
-expressions, and the one compile and launch path (TileLang's disk cache with an explicit target,
-then the raw tvm-ffi function: raw_launch.py).
+expressions, the fast-math device helpers (conv_prefill.py, prefill_prep.py), and the one compile
+and launch path (TileLang's disk cache with an explicit target, then the raw tvm-ffi function:
+raw_launch.py).
 """
 
 import functools
@@ -19,6 +20,21 @@ _TORCH_TO_TL = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 _IO_DTYPES = ("bfloat16", "float16")
 _GATE_DTYPES = ("float32", "bfloat16", "float16")
 _TARGETS = ("sm_90a", "sm_100a")
+
+# Device helpers for kernels that T.import_source them (conv_prefill.py's SiLU, prefill_prep.py's
+# mma solve, csrc/block_solve.cuh): ex2 and tanh as single approximate instructions.
+FAST_MATH_SOURCE = r"""
+__device__ __forceinline__ float qla_ex2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float qla_tanh_approx(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+"""
 
 # Pass configs: the safe-memory pass would guard every pool access with `slot < S` (slot ids
 # are data), which both costs a compare per load and defeats vectorisation; ops.py validated

@@ -17,7 +17,7 @@ conv.py's conv_prefill_state, as this grid's programmatic dependent).
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
-from .common import log_decay, sigmoid
+from .common import FAST_MATH_SOURCE, log_decay, sigmoid
 
 HEAD_DIM = 128
 # tokens a walker loads, then computes, per step (4: 123 registers, no spills; 8 needed 149
@@ -31,19 +31,6 @@ SEARCH_STEPS = 20             # binary-search halvings over cu_seqlens: up to 2*
 # a gate CTA's (token, v-head) items per thread and round, their loads issued together
 GATE_ITEMS = 8
 LOG2E = 1.4426950408889634
-# Device helpers the kernel calls (T.import_source puts them before it).
-FAST_MATH_SOURCE = r"""
-__device__ __forceinline__ float qla_ex2_ftz(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-__device__ __forceinline__ float qla_tanh_approx(float x) {
-  float y;
-  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-"""
 # issue_rows' helper in the row-offsets form (conv.PREFILL_ROW_OFFSETS); imported only there, so
 # that the default form's source stays what ran on the GPU
 CP_ROWS_SOURCE = r"""

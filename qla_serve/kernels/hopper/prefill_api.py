@@ -147,7 +147,7 @@ PREP_HEADS = _prep_heads_from_env()
 # at import from QLA_SERVE_PREP_SOLVE; the GPU tests and `bench prefill --impls qla16_wgmma` set
 # it instead.
 PREP_SOLVES = prefill_prep.SOLVES
-PREP_SOLVE_DEFAULT = "mma"
+PREP_SOLVE_DEFAULT = prefill_prep.DEFAULT_SOLVE["m"]
 
 
 def _prep_solve_from_env() -> str:
@@ -246,7 +246,7 @@ def prep_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = 
             raise ValueError(f"heads_per_cta: {heads_per_cta} v-heads per CTA needs form 'm' and must be one of "
                              f"{PREP_HEADS_CHOICES} dividing Hv / Hk = {group} (form {form!r})")
         v["heads_per_cta"] = heads_per_cta
-    if form == "m" and solve == "wgmma":  # the default solve's variants carry no suffix
+    if solve != prefill_prep.DEFAULT_SOLVE[form]:  # the default solve's variants carry no suffix
         v["solve"] = solve
     v["name"] = _variant_name(v)
     return v
@@ -254,12 +254,8 @@ def prep_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = 
 
 def _prep_solve(form: str, solve: str | None) -> str:
     """The solve a form "m" / "uw" prep variant runs: solve, or PREP_SOLVE for form "m" (form
-    "uw" has only "wgmma"); refused by name otherwise."""
-    solve = (PREP_SOLVE if form == "m" else "wgmma") if solve is None else solve
-    if solve not in prefill_prep.SOLVES or (solve != "wgmma" and form != "m"):
-        raise ValueError(f"solve: expected one of {prefill_prep.SOLVES} ('mma' with form 'm' only), "
-                         f"got {solve!r} (form {form!r})")
-    return solve
+    "uw" has only "wgmma"); refused by name otherwise (prefill_prep.resolve_solve)."""
+    return prefill_prep.resolve_solve(form, PREP_SOLVE if solve is None and form == "m" else solve)
 
 
 def prep_heads_per_cta(num_v_heads: int, num_k_heads: int, num_chunks: int, form: str, sm_count: int) -> int:

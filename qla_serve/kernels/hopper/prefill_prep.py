@@ -89,6 +89,8 @@ from pathlib import Path
 import tilelang
 import tilelang.language as T
 
+from .common import FAST_MATH_SOURCE
+
 C = 64  # chunk length
 DK = 128
 DV = 128
@@ -103,7 +105,17 @@ FORMS = ("uw", "m")
 # (csrc/block_solve.cuh); "wgmma" (form "uw"'s only), three 64x64 products through shared memory
 # ((I + N^2)(I - N) Db, _solve).
 SOLVES = ("wgmma", "mma")
-SOLVE_SOURCE = (Path(__file__).with_name("csrc") / "block_solve.cuh").read_text()
+DEFAULT_SOLVE = {"m": "mma", "uw": "wgmma"}
+SOLVE_SOURCE = FAST_MATH_SOURCE + (Path(__file__).with_name("csrc") / "block_solve.cuh").read_text()
+
+
+def resolve_solve(form: str, solve: str | None = None) -> str:
+    """The solve a prep of this form runs: solve, or the form's DEFAULT_SOLVE; refused by name
+    where the form has no such solve ("mma" is form "m"'s only)."""
+    solve = solve or DEFAULT_SOLVE[form]
+    if solve not in SOLVES or (solve != "wgmma" and form != "m"):
+        raise ValueError(f"solve: expected one of {SOLVES} ('mma' with form 'm' only), got {solve!r} (form {form!r})")
+    return solve
 
 
 def ctas_per_sm(form: str, heads_per_cta: int = 1) -> int:
@@ -135,10 +147,7 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
     Hv / heads_per_cta x chunks)."""
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
-    solve = solve or ("mma" if form == "m" else "wgmma")
-    if solve not in SOLVES or (solve != "wgmma" and form != "m"):
-        raise ValueError(f"solve must be one of {SOLVES} ('mma' with form 'm' only), got {solve!r} (form {form!r})")
-    mma_solve = solve == "mma"
+    mma_solve = resolve_solve(form, solve) == "mma"
     uw_form = form == "uw"
     qk_dtype = qk_dtype or io_dtype
     Hv, Hk = num_v_heads, num_k_heads

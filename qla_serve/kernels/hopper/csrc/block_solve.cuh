@@ -1,5 +1,6 @@
 // Stage 1's solve by blocks on mma.sync, with every operand in registers or read by ldmatrix
-// (prefill_prep.py, PREP_SOLVE "mma"; T.import_source puts this before the kernel).
+// (prefill_prep.py, PREP_SOLVE "mma"; T.import_source puts this before the kernel, after
+// common.FAST_MATH_SOURCE, whose qla_ex2_ftz it calls).
 //
 // Computes, for one head of one chunk, what prefill_prep's form "m" writes:
 //   W = A diag(beta),  A = (I + L)^-1,  L = StrictLower(diag(beta) K K^T)
@@ -62,12 +63,6 @@ __device__ __forceinline__ void qla_acc_to_a(const float (&c)[2][4], float sign,
   a[3] = qla_pack_half2(sign * c[1][2], sign * c[1][3]);
 }
 
-__device__ __forceinline__ float qla_solve_ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // Block (bi, J) of M from Y_{bi J} (accumulators c): gated, masked on the diagonal block, to out
 // by one stmatrix (transposed: Y's columns are M's rows).
 template <int J>
@@ -84,7 +79,7 @@ __device__ __forceinline__ void qla_store_m_block(unsigned out, const float* g2,
 #pragma unroll
       for (int q = 0; q < 2; ++q) {  // Y columns: M's rows
         const int row = 16 * bi + 8 * nt + 2 * tig + q;
-        const float x = c[nt][2 * hr + q] * qla_solve_ex2(g2[row] - g2[col]);
+        const float x = c[nt][2 * hr + q] * qla_ex2_ftz(g2[row] - g2[col]);
         e[q] = row >= col ? x : 0.0f;  // above the diagonal the factor may be inf
       }
       v[2 * nt + hr] = qla_pack_half2(e[0], e[1]);
