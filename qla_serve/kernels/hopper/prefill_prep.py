@@ -67,12 +67,13 @@ share the latency of each CTA's serial phases (v10: 65 KB, 3 CTAs); form "m" tak
 <= 102 registers, 5 CTAs (v15); with two or four heads per CTA 4 CTAs (v29: 96, 109 and 121
 registers at one, two and four heads, no spills; v27 spilled 24-148 bytes; v31's mma solve: 87
 and 107 at one and four heads). Which heads per CTA
-a call takes (prefill_api.prep_heads_per_cta) is a matter of waves: each such CTA takes ~1.4x
-(two heads) or ~2.5x (four) a one-head CTA's time on the H200 at v29 (v27: 1.55x, 3.05x), so the
-larger CTAs win where they fill the SMs in fewer or fuller waves (benchmarks/prefill.md "v27"
-and "Stage 1's heads per CTA").
-Instruction count (v17): prep issues ~2 instructions per cycle per SM with 20 warps, so fewer
-instructions is time saved. Every masked elementwise product is computed for all elements and
+a call takes (prefill_api.prep_heads_per_cta) is fit on the H200: since v31 two heads per CTA
+are fastest from one full wave up, four at the largest calls, one within a single wave
+(benchmarks/prefill.md "Stage 1's heads per CTA, refit on v31").
+Where the time goes (ncu, v32, 2/8 64x512, four heads per CTA): latency, not issue: 1.3
+instructions per SM cycle, 0.48 eligible warps per scheduler; a third of the stall samples wait
+on the CTA's first loads (the q/k TMA 16%, g and beta 8%, the chunk's binary search 6%) and a
+quarter at barriers. Earlier (v17), fewer instructions was time saved. Every masked elementwise product is computed for all elements and
 masked afterwards (a conditional product compiled to a branch per element), each gate factor is
 one ex2 of base-2 exponents kept in shared memory (scale folded in), and the solve's tiles leave
 their fragments by stmatrix: 2307 -> 1481 SASS instructions in form m's main span
@@ -121,7 +122,8 @@ def resolve_solve(form: str, solve: str | None = None) -> str:
 def ctas_per_sm(form: str, heads_per_cta: int = 1) -> int:
     """The CTAs per SM prep's launch bounds claim: five for form "m" with one head per CTA
     (<= 102 registers, 34 KB), else four (form "uw": <= 128 registers, 49 KB; several heads:
-    113-128 registers, 43-45 KB). prefill_api's choice of heads per CTA counts its waves by it."""
+    113-128 registers, 43-45 KB). prefill_api's heads-per-CTA rule takes one head where one wave
+    of one-head CTAs holds the call."""
     return 5 if form == "m" and heads_per_cta == 1 else 4
 
 
@@ -290,7 +292,8 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
         diagonal 16x16 blocks to kd_s in fp32 for the substitution, the blocks below them to
         koff_s in fp16 for the tensor-core products (v28; until then K K^T was computed again
         for each head and scaled by its beta). The diagonal blocks go to kd_s unmasked: the
-        substitution reads only their strict lower triangle (m < r)."""
+        substitution reads only their strict upper triangle (row m, columns r > m), which is the
+        lower one by symmetry."""
         T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
         for i, c in T.Parallel(C, C):
             if i // 16 == c // 16:
@@ -303,25 +306,29 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
     def _diag_blocks(j, kd_s, b_s, db_s, zero_off_diagonal):
         """Head j's Db = Dinv diag(beta) into the diagonal 16x16 blocks of db_s (fp16), Dinv the
         inverse of I + L's diagonal blocks, by forward substitution in registers, one thread per
-        (block b, column c) holding column c of Dinv_b, rows r = 0..15:
-          Dinv_b[r, c] = [c == r] - beta_r sum_{m<r} KK_b[r, m] Dinv_b[m, c]
-        (KK_b's row r is a broadcast read), stored times beta_c straight into db_s (v29: v28 went
-        through an fp32 buffer and a fragment, 28 KB more shared-memory traffic per head).
-        Threads 0-63 (warps 0-1) do it; with zero_off_diagonal, warps 2-3 meanwhile zero the
-        other blocks, one row each (the wgmma solve multiplies the whole tile; the mma solve reads
-        the diagonal blocks only). (v11 kept the column in shared memory: a barrier and a
-        dependent load per row.) Entries above the diagonal come out exactly 0, so every product
-        keeps A's upper triangle exactly 0."""
+        (block b, column c) holding column c of Dinv_b, x_r = Dinv_b[r, c] for rows r = 0..15:
+          x_r = [c == r] - beta_r sum_{m<r} KK_b[r, m] x_m
+        right-looking (v32): once x_m is final it is added into every later row's sum,
+        s_r += KK_b[m, r] x_m for r > m (row m of the block: K K^T is symmetric, and a row is a
+        broadcast, vectorizable read), so the dependent chain is two FMAs per row, 32 in all,
+        where the row-by-row sums (v29-v31) chained 120. x_m times beta_c goes straight into
+        db_s (v29: v28 went through an fp32 buffer and a fragment, 28 KB more shared-memory
+        traffic per head). Threads 0-63 (warps 0-1) do it; with zero_off_diagonal, warps 2-3
+        meanwhile zero the other blocks, one row each (the wgmma solve multiplies the whole tile;
+        the mma solve reads the diagonal blocks only). (v11 kept the column in shared memory: a
+        barrier and a dependent load per row.) Entries above the diagonal come out exactly 0, so
+        every product keeps A's upper triangle exactly 0."""
         tx = T.get_thread_binding()
         blk = (tx % 64) // 16
         col = tx % 16
-        dcol = T.alloc_local((16,), acc)
+        dcol = T.alloc_local((16,), acc)  # row r: the running sum s_r, then x_r
         if tx < 64:
             for r in T.unroll(16):
                 dcol[r] = 0.0
-                for m in T.unroll(r):
-                    dcol[r] = dcol[r] + kd_s[blk, r, m] * dcol[m]
-                dcol[r] = T.if_then_else(col == r, 1.0, 0.0) - b_s[j, blk * 16 + r] * dcol[r]
+            for m in T.unroll(16):
+                dcol[m] = T.if_then_else(col == m, 1.0, 0.0) - b_s[j, blk * 16 + m] * dcol[m]
+                for r in T.unroll(m + 1, 16):
+                    dcol[r] = dcol[r] + kd_s[blk, m, r] * dcol[m]
             beta_col = b_s[j, blk * 16 + col]
             for r in T.unroll(16):
                 db_s[blk * 16 + r, blk * 16 + col] = T.cast(dcol[r] * beta_col, mm_dtype)
