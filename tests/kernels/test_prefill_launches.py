@@ -262,11 +262,11 @@ def test_misaligned_pool_rejected_before_any_launch(launches):
     assert launches == []
 
 
-@pytest.mark.parametrize("lens,heads", [([64 * 128], 2), ([64 * 128] * 4, 4), ([64 * 144], 1), ([300, 0, 65], 1)])
+@pytest.mark.parametrize("lens,heads", [([64 * 128], 2), ([64 * 128] * 4, 2), ([64 * 144], 2), ([300, 0, 65], 1)])
 def test_stage1_heads_per_cta_by_the_rule(launches, lens, heads):
     """The prep variant a call launches takes prep_heads_per_cta's choice for its chunk count
-    (2/8 heads: one chunk-head wave of two-head CTAs at 128 chunks; at 144 chunks two heads
-    would need a second, nearly empty wave, so one; at 512 chunks two waves of four-head CTAs)."""
+    (2/8 heads: two-head CTAs at 128, 144 and 512 chunks; one head where one wave of one-head
+    CTAs holds the call, 7 chunks here)."""
     _call(lens, 2, 0, None)
     prep = launches[0][0]
     assert prep["op"] == "prefill_prep" and prep.get("heads_per_cta", 1) == heads
@@ -274,13 +274,16 @@ def test_stage1_heads_per_cta_by_the_rule(launches, lens, heads):
 
 def test_heads_per_cta_rule():
     """The rule against the H200's measurements (benchmarks/prefill.md, "Stage 1's heads per
-    CTA", stage 1 v29): the heads per CTA that measured fastest for 2/8 and 16/64 at the bench's
-    chunk counts (2/8 at 144 chunks excepted: four heads, 0.55 of a wave, ran stage 1 9% faster
-    than the rule's one), 1 where Hv / Hk has no other divisor among the choices or the form is
-    "uw", and a forced PREP_HEADS clipped to a divisor of Hv / Hk."""
+    CTA, refit on v31", session 58): the heads per CTA that measured fastest, or within 0.3% of
+    it, for 2/8 and 16/64 at the bench's chunk counts (2/8 512 chunks: two heads 0.0410 ms, four
+    0.0411; 16/64 128 chunks: two heads faster on three rows of four, 0.5% slower on the fourth),
+    one head in a single wave of one-head CTAs, four heads at 16/64 512 chunks (the fit's
+    extrapolation; four measured fastest there on v29), 1 where Hv / Hk has no other divisor
+    among the choices or the form is "uw", and a forced PREP_HEADS clipped to a divisor of
+    Hv / Hk."""
     rule = P.prep_heads_per_cta
-    assert [rule(8, 2, n, "m", 132) for n in (1, 128, 144, 512)] == [1, 2, 1, 4]
-    assert [rule(64, 16, n, "m", 132) for n in (128, 144, 512)] == [4, 4, 4]
+    assert [rule(8, 2, n, "m", 132) for n in (1, 82, 83, 128, 144, 512)] == [1, 1, 2, 2, 2, 2]
+    assert [rule(64, 16, n, "m", 132) for n in (10, 11, 128, 144, 512)] == [1, 2, 2, 2, 4]
     assert {rule(24, 8, n, "m", 132) for n in (1, 128, 512, 4096)} == {1}
     assert rule(64, 16, 512, "uw", 132) == 1
 

@@ -59,7 +59,6 @@ few attribute reads. Nothing here synchronises with the GPU.
 import collections
 import functools
 import itertools
-import math
 import os
 import threading
 
@@ -123,12 +122,14 @@ MAIN_IMPL = _main_impl_from_env()
 # divides Hv / Hk (else the largest that does). Read once at import from QLA_SERVE_PREP_HEADS;
 # the GPU tests and benchmarks set it instead.
 PREP_HEADS_CHOICES = (1, 2, 4)
-# The rule's figure, measured on the H200 with stage 1 v29 (benchmarks/prefill.md, "Stage 1's
-# heads per CTA"): a CTA's time per full wave relative to a one-head CTA's, each at the CTAs per SM
-# of prefill_prep.ctas_per_sm (16/64 64x512, 49.7 / 31.0 / 15.5 waves: 1.36 for two heads, 2.45
-# for four; 2/8 64x512: 1.42, 2.59). v27's figures were 1.55 and 3.05, before v28 / v29 shared
-# K K^T across a CTA's heads.
-_PREP_CTA_COST = {1: 1.0, 2: 1.4, 4: 2.5}
+# The rule's figures, measured on the H200 with stage 1 v31/v32 (session 58; benchmarks/prefill.md,
+# "Stage 1's heads per CTA, refit on v31"): stage 1's GPU us for a call as a line in its
+# chunk-heads per SM x, a + b x, per heads per CTA (least squares over 2/8 and 16/64 at 128-512
+# chunks, x 7.8-70; the largest residual 3.9 us). Two heads lead from 128 chunks at 2/8 to ~95
+# chunk-heads per SM, four above; one head only where its grid is a single wave (the call then
+# takes one CTA's latency, the shortest). v29's wave-count rule (1 / 1.4 / 2.5 per whole wave)
+# kept one head at 2/8 mixed8192 (144 chunks), 35% slower in stage 1 than two heads on v31.
+_PREP_COST_US = {1: (5.3, 1.31), 2: (3.1, 1.13), 4: (5.0, 1.11)}
 
 
 def _prep_heads_from_env() -> int:
@@ -260,20 +261,23 @@ def _prep_solve(form: str, solve: str | None) -> str:
 
 def prep_heads_per_cta(num_v_heads: int, num_k_heads: int, num_chunks: int, form: str, sm_count: int) -> int:
     """Stage 1's v-heads per CTA for a call of num_chunks chunks (form "m"; "uw" always 1):
-    PREP_HEADS where set (the largest choice dividing Hv / Hk that is not above it), else the
-    choice of least expected time, waves x a CTA's relative time. Waves are whole below three
-    (a second, nearly empty wave costs a whole CTA time: 2/8 mixed8192 at two heads, 1.09 waves,
-    was 9% slower), fractional above. Ties go to more heads."""
+    PREP_HEADS where set (the largest choice dividing Hv / Hk that is not above it); else one head
+    where one wave of one-head CTAs holds the call, and otherwise the choice of least expected
+    time by _PREP_COST_US. Ties go to more heads."""
     if form != "m":
         return 1
     group = num_v_heads // num_k_heads
     choices = [n for n in PREP_HEADS_CHOICES if group % n == 0]
     if PREP_HEADS:
         return max(n for n in choices if n <= PREP_HEADS)
+    chunk_heads = num_chunks * num_v_heads
+    if chunk_heads <= prefill_prep.ctas_per_sm(form, 1) * sm_count:
+        return 1
+    per_sm = chunk_heads / sm_count
 
     def cost(n):
-        waves = num_chunks * num_v_heads / n / (prefill_prep.ctas_per_sm(form, n) * sm_count)
-        return _PREP_CTA_COST[n] * (waves if waves >= 3 else math.ceil(waves))
+        a, b = _PREP_COST_US[n]
+        return a + b * per_sm
 
     return min(reversed(choices), key=cost)
 
