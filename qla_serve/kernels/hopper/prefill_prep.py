@@ -65,18 +65,20 @@ tiles to global memory in 16-byte stores.
 Occupancy (v11): 49 KB of shared memory and <= 128 registers, so 4 CTAs (16 warps) per SM
 share the latency of each CTA's serial phases (v10: 65 KB, 3 CTAs); form "m" takes 34 KB and
 <= 102 registers, 5 CTAs (v15); with two or four heads per CTA 4 CTAs (v29: 96, 109 and 121
-registers at one, two and four heads, no spills; v27 spilled 24-148 bytes; v31's mma solve: 87
-and 107 at one and four heads). Which heads per CTA
-a call takes (prefill_api.prep_heads_per_cta) is fit on the H200: since v31 two heads per CTA
-are fastest from one full wave up, four at the largest calls, one within a single wave
+registers at one, two and four heads, no spills; v27 spilled 24-148 bytes). v31's mma solve
+takes 87, 93 and 107 registers at one, two and four heads: five, five and four CTAs per SM by
+their registers (the launch bounds ask for five, four and four). Which heads per CTA a call
+takes (prefill_api.prep_heads_per_cta) is fit on the H200: since v31 two heads per CTA are
+fastest from one full wave up, four at the largest calls, one within a single wave
 (benchmarks/prefill.md "Stage 1's heads per CTA, refit on v31").
 Where the time goes (ncu, v32, 2/8 64x512, four heads per CTA): latency, not issue: 1.3
 instructions per SM cycle, 0.48 eligible warps per scheduler; a third of the stall samples wait
 on the CTA's first loads (the q/k TMA 16%, g and beta 8%, the chunk's binary search 6%) and a
-quarter at barriers. Earlier (v17), fewer instructions was time saved. Every masked elementwise product is computed for all elements and
-masked afterwards (a conditional product compiled to a branch per element), each gate factor is
-one ex2 of base-2 exponents kept in shared memory (scale folded in), and the solve's tiles leave
-their fragments by stmatrix: 2307 -> 1481 SASS instructions in form m's main span
+quarter at barriers. Earlier (v17), fewer instructions was time saved: every masked elementwise
+product is computed for all elements and masked afterwards (a conditional product compiled to a
+branch per element), each gate factor is one ex2 of base-2 exponents kept in shared memory
+(scale folded in), and the solve's tiles leave their fragments by stmatrix: 2307 -> 1481 SASS
+instructions in form m's main span
 (ptxas), 19-27% less GPU time (v29: 1374-1433, `benchmarks/kernel_report.py prep 2/8 bfloat16 m
 float16`).
 Figures of every version: benchmarks/prefill.md ("v11-v13", "v14" for form "m", "v17"), and
