@@ -503,7 +503,7 @@ def run(args) -> int:
                                                       maps_v_split=args.maps_v_split,
                                                       switches=QLA_SWITCHES[impl])
                         qla_runs[impl] = (fn, out, pool)
-                        if impl == "qla":
+                        if "qla_plan" not in rec:  # the row's plan: the same for every qla impl
                             rec["qla_plan"] = plan_label(plan)
                             rec["qla_maps_v_split"] = plan.maps_v_split
                             rec["qla_cp"] = _cp_label(plan)
