@@ -38,8 +38,9 @@ then, with Db = Dinv diag(beta), by one of two solves (prep_func's solve):
        tensor-core GEMMs with fp32 accumulation in three round trips through shared memory (N;
        N^2 and (I - N) Db; the last product) (reference.blocked_solve).
 Both take fp16 operands and accumulate in fp32. K K^T is beta-free, so it is computed once per
-CTA. fp16 (11-bit mantissa) rather than bf16 for these operands and the outputs: the bf16 variant misses the 2e-3 relative-L2
-budget against the float64 recurrence (see benchmarks/prefill.md). q, k and v are used as
+CTA. fp16 (11-bit mantissa) rather than bf16 for these operands and the outputs: the bf16
+variant misses the 2e-3 relative-L2 budget against the float64 recurrence (see
+benchmarks/prefill.md). q, k and v are used as
 loaded (their dtypes): Q K^T and K K^T are exact products with fp32 sums, and in form "uw" M
 meets V and K each as hi + lo in that tile's dtype (M = hi + lo to ~2^-16 relative), two GEMMs
 each, so no tile is converted in shared memory. Form "m" stores M rounded once to fp16 (as v10
