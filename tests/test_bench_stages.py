@@ -28,10 +28,14 @@ def _data(lens, hk=2, hv=8):
             torch.zeros(T, hv), torch.zeros(T, hv), torch.zeros(len(lens), hv, 128, 128))
 
 
-def _run(monkeypatch, stages):
-    calls = []
+def _as_hopper(monkeypatch, calls):
     monkeypatch.setattr(ops, "device_arch", lambda dev: "sm90")
     monkeypatch.setattr(ops, "kernel_module", lambda arch: _recording_module(calls))
+
+
+def _run(monkeypatch, stages):
+    calls = []
+    _as_hopper(monkeypatch, calls)
     fn, _, _, plan = B._qla_fn([100, 30], 2, 8, _data([100, 30]), "auto", stages)
     built = list(calls)
     fn()
@@ -49,3 +53,16 @@ def test_whole_call_and_stage_one_alone_run_nothing_ahead(monkeypatch):
         built, timed, plan = _run(monkeypatch, stages)
         assert built == []
         assert timed == [(stages, plan)]
+
+
+def test_rows_record_stage_one_heads_per_cta(monkeypatch):
+    """The JSON's qla_prep_heads is what prefill_api._Launches would pick for the plan: the rule
+    (one head while one wave of one-head CTAs holds the call) or QLA_SERVE_PREP_HEADS's choice."""
+    from qla_serve.kernels.hopper import prefill_api
+    _as_hopper(monkeypatch, [])
+    _, _, _, plan = B._qla_fn([100, 30], 2, 8, _data([100, 30]), "auto", "prep,main")
+    assert B._prep_heads(plan, 2, 8) == 1  # 3 chunks x 8 heads: one wave of one-head CTAs
+    monkeypatch.setattr(prefill_api, "PREP_HEADS", 4)
+    assert B._prep_heads(plan, 2, 8) == 4
+    monkeypatch.setattr(prefill_api, "PREP_HEADS", 2)
+    assert B._prep_heads(plan, 2, 8) == 2

@@ -318,6 +318,17 @@ def _main_impl(plan) -> str:
     return prefill_api.main_impl_for(plan.v_split) if plan.arch == "sm90" else "-"
 
 
+def _prep_heads(plan, hk: int, hv: int) -> int:
+    """Stage 1's v-heads per CTA in this plan's launches (prefill_api.prep_heads_per_cta on the
+    plan's chunks, as prefill_api._Launches picks them; 0 off Hopper)."""
+    if plan.arch != "sm90":
+        return 0
+    from qla_serve.kernels.hopper import prefill_api
+    form = prefill_api.PREP_FORM[_main_impl(plan)]
+    chunks = sum(-(-int(n) // prefill_api.CHUNK) for n in plan.seq_lens)
+    return prefill_api.prep_heads_per_cta(hv, hk, chunks, form, plan.sm_count)
+
+
 def _cp_label(plan) -> str:
     """The plan's cp mode, "+warmup" where its cut segments may take the gate warmup (the
     switch read from prefill_api, whether --gate-warmup, QLA_SERVE_GATE_WARMUP or the default set it)."""
@@ -508,6 +519,7 @@ def run(args) -> int:
                             rec["qla_maps_v_split"] = plan.maps_v_split
                             rec["qla_cp"] = _cp_label(plan)
                             rec["qla_main"] = _main_impl(plan)
+                            rec["qla_prep_heads"] = _prep_heads(plan, hk, hv)
                         if args.breakdown:
                             for st in ("prep", "main"):
                                 f2 = _qla_fn(lens, hk, hv, qdata, args.v_split, st, args.segment_chunks,
