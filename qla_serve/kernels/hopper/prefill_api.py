@@ -129,6 +129,7 @@ PREP_HEADS_CHOICES = (1, 2, 4)
 # chunk-heads per SM, four above; one head only where its grid is a single wave (the call then
 # takes one CTA's latency, the shortest). v29's wave-count rule (1 / 1.4 / 2.5 per whole wave)
 # kept one head at 2/8 mixed8192 (144 chunks), 35% slower in stage 1 than two heads on v31.
+# Refit: benchmarks/fit_prep_heads.py (data/prep_heads_v31_h200.jsonl --by-order 1,2,4 gives these).
 _PREP_COST_US = {1: (5.3, 1.31), 2: (3.1, 1.13), 4: (5.0, 1.11)}
 
 
