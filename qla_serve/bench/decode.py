@@ -257,13 +257,13 @@ def run(args) -> int:
         try:
             from flashinfer.gdn_decode import gated_delta_rule_decode_pretranspose as fi
         except ImportError as exc:
-            print(f"FlashInfer not importable ({exc}); skipping flashinfer and --check")
+            print(f"FlashInfer not importable ({exc}; pip install 'qla_serve[bench]'); skipping flashinfer and --check")
             impls = [i for i in impls if i != "flashinfer"]
     if any(i.startswith("fla") for i in impls):
         try:
             from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla
         except ImportError as exc:
-            print(f"FLA not importable ({exc}); skipping fla, fla-fused")
+            print(f"FLA not importable ({exc}; pip install 'qla_serve[bench]'); skipping fla, fla-fused")
             impls = [i for i in impls if not i.startswith("fla")]
     os.makedirs(args.out, exist_ok=True)
     bw = _copy_bandwidth(torch)

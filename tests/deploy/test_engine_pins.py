@@ -25,7 +25,8 @@ tomllib = pytest.importorskip("tomllib", reason="tomllib is Python 3.11+")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 ENGINE_PINS = {
-    ("vllm", "0.33.0"): {"torch": "2.14.0", "tilelang": "0.1.12", "apache-tvm-ffi": "0.1.11"},
+    ("vllm", "0.33.0"): {"torch": "2.14.0", "tilelang": "0.1.12", "apache-tvm-ffi": "0.1.11",
+                         "flashinfer-python": "0.7.2.post1"},
     ("sglang", "0.5.23"): {"torch": "2.14.1", "tilelang": "0.1.12", "apache-tvm-ffi": "0.1.11"},
 }
 
@@ -54,6 +55,18 @@ def test_our_requirements_admit_the_engines_pins(engine, version):
 def test_the_engine_extra_is_the_supported_release(engine, version):
     (req,) = [Requirement(r) for r in _project()["optional-dependencies"][engine]]
     assert req.name == engine and req.specifier.contains(version), req
+
+
+@pytest.mark.parametrize("engine,version", sorted(ENGINE_PINS))
+def test_the_bench_extra_admits_the_engines_pins(engine, version):
+    """`pip install 'qla_serve[bench]'` beside an engine keeps its pins: FlashInfer, the bench's
+    baseline, at the version vLLM 0.33 runs (its stock GDN prefill and decode on Hopper)."""
+    bench = {Requirement(r).name.lower(): Requirement(r) for r in _project()["optional-dependencies"]["bench"]}
+    assert "flashinfer-python" in bench
+    for name, pinned in ENGINE_PINS[engine, version].items():
+        if name in bench:
+            assert bench[name].specifier.contains(pinned), (
+                f"qla_serve[bench] requires {bench[name]}, but {engine} {version} pins {name}=={pinned}")
 
 
 def test_a_narrower_requirement_would_fail():
