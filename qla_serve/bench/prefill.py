@@ -319,14 +319,12 @@ def _main_impl(plan) -> str:
 
 
 def _prep_heads(plan, hk: int, hv: int) -> int:
-    """Stage 1's v-heads per CTA in this plan's launches (prefill_api.prep_heads_per_cta on the
-    plan's chunks, as prefill_api._Launches picks them; 0 off Hopper)."""
+    """Stage 1's v-heads per CTA in this plan's launches (prefill_api.plan_prep_heads; 0 off
+    Hopper)."""
     if plan.arch != "sm90":
         return 0
     from qla_serve.kernels.hopper import prefill_api
-    form = prefill_api.PREP_FORM[_main_impl(plan)]
-    chunks = sum(-(-int(n) // prefill_api.CHUNK) for n in plan.seq_lens)
-    return prefill_api.prep_heads_per_cta(hv, hk, chunks, form, plan.sm_count)
+    return prefill_api.plan_prep_heads(plan, hv, hk, prefill_api.PREP_FORM[_main_impl(plan)])
 
 
 def _cp_label(plan) -> str:

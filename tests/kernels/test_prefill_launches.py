@@ -277,11 +277,10 @@ def test_heads_per_cta_rule():
     CTA, refit on v31", session 58): the heads per CTA that measured fastest, or within 0.5% of
     it, for 2/8 and 16/64 at the bench's chunk counts (2/8 512 chunks: two heads 0.0410 ms, four
     0.0411; 16/64 at 128-144 chunks: two heads faster on three rows of four, 0.5% slower on
-    1024x8),
-    one head in a single wave of one-head CTAs, four heads at 16/64 512 chunks (the fit's
-    extrapolation; four measured fastest there on v29), 1 where Hv / Hk has no other divisor
-    among the choices or the form is "uw", and a forced PREP_HEADS clipped to a divisor of
-    Hv / Hk."""
+    1024x8), one head in a single wave of one-head CTAs, four heads at 16/64 512 chunks (the
+    fit's extrapolation; four measured fastest there on v29), 1 where Hv / Hk has no other
+    divisor among the choices or the form is "uw", and a forced PREP_HEADS clipped to a divisor
+    of Hv / Hk."""
     rule = P.prep_heads_per_cta
     assert [rule(8, 2, n, "m", 132) for n in (1, 82, 83, 128, 144, 512)] == [1, 1, 2, 2, 2, 2]
     assert [rule(64, 16, n, "m", 132) for n in (10, 11, 128, 144, 512)] == [1, 2, 2, 2, 4]

@@ -283,6 +283,17 @@ def prep_heads_per_cta(num_v_heads: int, num_k_heads: int, num_chunks: int, form
     return min(reversed(choices), key=cost)
 
 
+def plan_chunks(plan) -> int:
+    """The plan's 64-token chunks: ceil(len / CHUNK) summed over its sequences (host metadata)."""
+    return sum((int(L) + CHUNK - 1) // CHUNK for L in plan.seq_lens)
+
+
+def plan_prep_heads(plan, num_v_heads: int, num_k_heads: int, form: str) -> int:
+    """Stage 1's v-heads per CTA in a call of this plan (prep_heads_per_cta on its chunks and
+    the planner's SMs): what _Launches launches and what bench prefill records."""
+    return prep_heads_per_cta(num_v_heads, num_k_heads, plan_chunks(plan), form, plan.sm_count)
+
+
 def main_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str, v_split: int,
                  mode: str = "output", impl: str = "v8", pdl: bool | None = None) -> dict:
     """Stage 2; impl "vfirst" is prefill_main_vfirst.py (v_split 1 and 2), "v8" prefill_main.py;
@@ -470,7 +481,7 @@ def _plan_scratch(plan, hv: int, form: str, device):
     form (plan.scratch): every GDN layer of a step reuses them (stage 1 rewrites them in full
     before stage 2 reads)."""
     def make():
-        nchunks = sum((int(L) + CHUNK - 1) // CHUNK for L in plan.seq_lens)
+        nchunks = plan_chunks(plan)
         rows = max(nchunks, 1)  # stage 2 never reads row 0 when there are no chunks
         m_rows, uw_rows = (1, rows) if form == "uw" else (rows, 1)
         return nchunks, (
@@ -682,7 +693,7 @@ class _Launches:
         nchunks, self.stage1 = _plan_scratch(plan, hv, form, dev)
         # Stage 2's tensor-core operands are fp16: bf16 q/k are converted once, by stage 1.
         self.half_qk = _half_qk(plan, max(self.ntok, 1), hk, dev) if qk == "bfloat16" else None
-        hpc = prep_heads_per_cta(hv, hk, nchunks, form, plan.sm_count)  # the planner's (the GPU's) SMs
+        hpc = plan_prep_heads(plan, hv, hk, form)
         solve = _prep_solve(form, None)
         kp = _kernel(prep_variant(hv, hk, io, form, qk, hpc, solve), (hv, hk, io, form, qk, hpc, solve, target))
         self.prep = kp if nchunks > 0 and "prep" in stages else None  # stages: benchmarks time them apart
