@@ -78,13 +78,15 @@ def test_compiles_sm90a(variant):
         # the fp16 copies go to two distinct buffers (one shared annotation object once bound
         # both parameters to kh: q's copy overwrote k's, caught only on the H200)
         assert re.search(r"\(qh \+", src) and re.search(r"\(kh \+", src), "expected stores to both qh and kh"
-        # form "uw" stores U0 and -Wk (and loads v for U0), form "m" stores M and never reads v
+        # form "uw" stores P, U0 and -Wk (and loads v for U0); form "m" never reads v and stores
+        # P^T into mbuf's tile, then adds M's strict lower triangle into it (a TMA reduce)
         stores = set(re.findall(r"tma_store\((\w+)_desc", src))
+        adds = set(re.findall(r"tma_store_add\((\w+)_desc", src))
         loads_v = "tma_load(v_desc" in src
         if variant.get("form", "uw") == "m":
-            assert stores == {"pbuf", "mbuf"} and not loads_v, stores
+            assert stores == {"mbuf"} and adds == {"mbuf"} and not loads_v, (stores, adds)
         else:
-            assert stores == {"pbuf", "ubuf", "wbuf"} and loads_v, stores
+            assert stores == {"pbuf", "ubuf", "wbuf"} and not adds and loads_v, (stores, adds)
 
 
 @pytest.mark.parametrize("form", ["m", "uw"])
@@ -129,17 +131,18 @@ def test_prep_fits_its_ctas_per_sm(tmp_path, form):
 
 @pytest.mark.parametrize("heads", [2, 4])
 def test_prep_heads_per_cta(tmp_path, heads):
-    """Stage 1 with several v-heads per CTA (form "m"): Q K^T once per CTA, each head's P and M
-    stored (one TMA store per head and tile), four CTAs per SM (registers and shared memory:
-    each head's tiles are allocated per head, so their lifetimes do not stack), named apart,
-    listed where Hv / Hk allows them and refused where not."""
+    """Stage 1 with several v-heads per CTA (form "m"): K Q^T once per CTA, each head's P^T and
+    M stored packed (one TMA store and one TMA reduce per head), four CTAs per SM (registers and
+    shared memory: each head's tiles are allocated per head, so their lifetimes do not stack),
+    named apart, listed where Hv / Hk allows them and refused where not."""
     variant = P.prep_variant(8, 2, "bfloat16", "m", "float16", heads)
     assert variant["name"].endswith(f"_qkfloat16_heads{heads}")
     assert variant in P.kernel_variants(8, 2)
     assert P.prep_variant(64, 16, "bfloat16", "m", "float16", heads) in P.kernel_variants(64, 16)
     kern = P.build(variant, "sm_90a")
     src = kern.get_kernel_source()
-    assert src.count("tma_store(pbuf_desc") == heads and src.count("tma_store(mbuf_desc") == heads
+    assert src.count("tma_store(mbuf_desc") == heads and src.count("tma_store_add(mbuf_desc") == heads
+    assert "pbuf_desc" not in src  # P^T goes packed into mbuf's tile
     assert "__launch_bounds__(128, 4)" in src
     smem = kernel_report.launch_dynamic_smem(kern.get_host_source(), threads=128)
     assert smem is not None and 4 * (smem + 1024) <= 228 * 1024, smem
@@ -260,8 +263,12 @@ def test_compiles_vfirst_sm90a(v_split, mode):
     assert "hs_s" not in src and "__sync_thread_partial" not in src and src.count("__syncthreads()") == 1
     # a whole chunk's O leaves by TMA store (from the swizzled o_s, issued by the storer warp)
     assert ("tma_store(out_desc" in src) == (mode == "output")
-    # V-first reads M and v (prep form "m"), never U0 / -Wk
-    assert "tma_load(mbuf_desc" in src and "tma_load(values_desc" in src and "ubuf" not in src
+    # V-first reads stage 1's packed P^T / M tile, M's diagonal and v (prep form "m"), never P,
+    # U0 or -Wk apart; two producer warps unpack the tile (csrc/unpack_pm.cuh; P^T outputs only)
+    assert "tma_load(mbuf_desc" in src and "tma_load(dbuf_desc" in src and "tma_load(values_desc" in src
+    assert "ubuf" not in src and "pbuf" not in src
+    call = re.search(r"qla_unpack_pm\((\(&.*)\);", src)
+    assert call and call.group(1).endswith(", 1" if mode == "output" else ", 0"), call
     assert ("warpgroup_reg_alloc" in src) == (v_split == 1), "setmaxnreg.inc only at 384 threads"
 
 
@@ -291,6 +298,7 @@ def test_compiles_persistent_sm90a(v_split):
     assert "gdn_prefill_main_persistent" in src and "wgmma_rs" in src and "wgmma_ss" not in src
     assert "__sync_thread_partial" not in src and src.count("__syncthreads()") == 1
     assert "tma_store(out_desc" in src and "tma_load(mbuf_desc" in src and "items[" in src
+    assert "pbuf" not in src and re.search(r"qla_unpack_pm\(\(&.*, 1\);", src)
     assert "blockIdx.y" not in src and "blockIdx.z" not in src
     assert ("warpgroup_reg_alloc" in src) == (v_split == 1)
 

@@ -179,16 +179,18 @@ def test_main_switch_selects_the_stage2_kernel(launches, monkeypatch, main_impl,
 
 @pytest.mark.parametrize("main_impl,v_split", [("vfirst", 1), ("vfirst", 2), ("vfirst", 4), ("v8", 1)])
 def test_stage1_form_matches_the_stage2_kernel(launches, monkeypatch, main_impl, v_split):
-    """V-first reads M (prep form "m") and v itself; v8 reads U0 and -Wk (form "uw"). The tiles
-    stage 2 loads are the very tensors stage 1 wrote; the other form's outputs are 1-row stand-ins."""
+    """V-first reads the packed P^T / M tile, M's diagonal (prep form "m") and v itself; v8 reads
+    P, U0 and -Wk (form "uw"). The tiles stage 2 loads are the very tensors stage 1 wrote; the
+    other form's outputs are 1-row stand-ins."""
     monkeypatch.setattr(P, "MAIN_IMPL", main_impl)
     inputs = {}
     _call([300, 0, 65], v_split, 0, None, inputs)
     (prep_v, prep), (main_v, main) = launches
     impl = main_v.get("impl", "v8")
     assert prep_v.get("form", "uw") == P.PREP_FORM[impl]
-    assert main["pbuf"] is prep["pbuf"] and main["fbuf"] is prep["fbuf"]
-    written, unread = (("mbuf",), ("ubuf", "wbuf")) if impl == "vfirst" else (("ubuf", "wbuf"), ("mbuf",))
+    assert main["fbuf"] is prep["fbuf"]
+    written, unread = ((("mbuf", "dbuf"), ("pbuf", "ubuf", "wbuf")) if impl == "vfirst"
+                       else (("pbuf", "ubuf", "wbuf"), ("mbuf", "dbuf")))
     for name in written:
         assert main[name] is prep[name] and prep[name].shape[0] == 7  # chunks: 5 (300 tokens) + 2 (65)
     for name in unread:

@@ -476,20 +476,22 @@ def build(variant: dict, target: str = ARCH):
 
 def _plan_scratch(plan, hv: int, form: str, device):
     """(number of chunks NC, stage 1's outputs in prep_func's argument order: gate factors
-    [NC, Hv, 2, 64] fp32, P and M [NC, Hv, 64, 64] fp16, U0 and -Wk [NC, Hv, 64, 128] fp16), the
-    outputs the form does not write as 1-row stand-ins; allocated once per plan, head count and
-    form (plan.scratch): every GDN layer of a step reuses them (stage 1 rewrites them in full
-    before stage 2 reads)."""
+    [NC, Hv, 2, 64] fp32, P [NC, Hv, 64, 64] fp16 (form "uw"), the packed P^T / M tile
+    [NC, Hv, 64, 64] fp16 (form "m"), U0 and -Wk [NC, Hv, 64, 128] fp16 (form "uw"), M's
+    diagonal [NC, Hv, 64] fp16 (form "m")), the outputs the form does not write as 1-row
+    stand-ins; allocated once per plan, head count and form (plan.scratch): every GDN layer of
+    a step reuses them (stage 1 rewrites them in full before stage 2 reads)."""
     def make():
         nchunks = plan_chunks(plan)
         rows = max(nchunks, 1)  # stage 2 never reads row 0 when there are no chunks
         m_rows, uw_rows = (1, rows) if form == "uw" else (rows, 1)
         return nchunks, (
             torch.empty((rows, hv, 2, CHUNK), dtype=torch.float32, device=device),
-            torch.empty((rows, hv, CHUNK, CHUNK), dtype=torch.float16, device=device),
+            torch.empty((uw_rows, hv, CHUNK, CHUNK), dtype=torch.float16, device=device),
             torch.empty((m_rows, hv, CHUNK, CHUNK), dtype=torch.float16, device=device),
             torch.empty((uw_rows, hv, CHUNK, 128), dtype=torch.float16, device=device),
             torch.empty((uw_rows, hv, CHUNK, 128), dtype=torch.float16, device=device),
+            torch.empty((m_rows, hv, CHUNK), dtype=torch.float16, device=device),
         )
     return plan.scratch(("hopper_prefill_ws", hv, form), make)
 
@@ -752,9 +754,9 @@ class _Launches:
             self.prep(q, k, v, g, beta, self.cu_seqlens, self.chunk_offsets, *self.stage1, qh, kh, scale)
         if self.output is None and self.persistent is None:
             return
-        fbuf, pbuf, mbuf, ubuf, wbuf = self.stage1
-        # Stage 2's inputs: V-first reads v and M, v8 U0 and -Wk.
-        tiles = (v, fbuf, pbuf, mbuf) if self.vfirst else (fbuf, pbuf, ubuf, wbuf)
+        fbuf, pbuf, mbuf, ubuf, wbuf, dbuf = self.stage1
+        # Stage 2's inputs: V-first reads v, M's diagonal and the packed P^T / M, v8 P, U0 and -Wk.
+        tiles = (v, fbuf, dbuf, mbuf) if self.vfirst else (fbuf, pbuf, ubuf, wbuf)
         head = (qh, kh, *tiles, pool, slot_ids, flags, self.cu_seqlens, self.chunk_offsets)
         # (without checkpoints the kernels never read these: slot_ids stands in for both)
         ckpt = (slot_ids, slot_ids, 0) if checkpoints is None else (*checkpoints, 1)

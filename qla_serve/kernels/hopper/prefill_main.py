@@ -364,15 +364,17 @@ def checkpoint_chunk(ckpt_chunk, ckpt_slot, use_ckpt, s, start, warm_chunks):
     return ck, ck_slot
 
 
-def qk_tile_loader(maps_mode: bool):
+def qk_tile_loader(maps_mode: bool, with_p: bool = True):
     """The TMA loads both stage-2 kernels make of one chunk into stage st: q and P (outputs
-    only), k and the gate factors. Each kernel's loader adds the tiles its chain reads."""
+    only; P only with_p: the V-first kernel's P^T comes packed with M), k and the gate factors.
+    Each kernel's loader adds the tiles its chain reads."""
 
     @T.macro
     def load_qk_tiles(st, t0, cidx, hk, h, q, k, pbuf, fbuf, q_s, k_s, p_s, f_s, ready):
         if not maps_mode:
             T.tma_copy(q[t0:t0 + C, hk, 0:DK], q_s[st, :, :], barrier=ready[st])
-            T.tma_copy(pbuf[cidx, h, 0:C, 0:C], p_s[st, :, :], barrier=ready[st])
+            if with_p:
+                T.tma_copy(pbuf[cidx, h, 0:C, 0:C], p_s[st, :, :], barrier=ready[st])
         T.tma_copy(k[t0:t0 + C, hk, 0:DK], k_s[st, :, :], barrier=ready[st])
         T.tma_copy(fbuf[cidx, h, 0:2, 0:C], f_s[st, :, :], barrier=ready[st])
 

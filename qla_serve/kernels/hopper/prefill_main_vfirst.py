@@ -22,9 +22,13 @@ Warp roles (BV / 64 consumer warpgroups + one producer warpgroup):
              for its rows. Nothing passes between consumer warpgroups on the chain (no fp16
              copy of S or V' in shared memory, no named barrier): they share the TMA stages and
              the O tiles.
-  producer   one warp issuing the TMA loads of the next chunk (two stages), and one "storer"
+  producer   one warp issuing the TMA loads of the next chunk (two stages), one "storer"
              warp issuing the TMA store of each whole chunk's O tile (two tiles: the consumers
-             write tile j % 2 once chunk j - 2's store has read it; mbarriers o_full / o_free).
+             write tile j % 2 once chunk j - 2's store has read it; mbarriers o_full / o_free),
+             and two "unpack" warps that turn stage 1's packed tile (P^T above M, prefill_prep
+             form "m") into the zero-filled M and P^T tiles the GEMMs take, in shared memory,
+             once a stage's TMA bytes land (mbarrier loaded) and before the consumers may read
+             it (mbarrier ready): stage 1's P and M cross HBM as one 8 KB tile per chunk and head.
              A sequence's last, partial chunk is stored by the consumers themselves, row by row
              (TMA clips at T, not at the sequence's end).
 Only v_split 1 (two consumer warpgroups, 384 threads) and 2 (one, 256 threads): a wgmma tile
@@ -38,6 +42,8 @@ since v16 the storer warp takes the O tiles: ~3.6 us per chunk at v_split 1 with
 (v15's ncu: latency-bound, issue slots 27% busy), against ~1.1 us of tensor work
 (benchmarks/prefill.md v13o-v16).
 """
+
+from pathlib import Path
 
 import tilelang
 import tilelang.language as T
@@ -58,6 +64,10 @@ V_SPLITS = (1, 2)
 _NREG_CONSUMER = 224
 # Elements per 16 bytes of a pool slot: prefill_api checks that the slot stride is a multiple.
 _POOL_VEC = {"float32": 4, "bfloat16": 8}
+
+
+# Stage 2's unpack of stage 1's packed P^T / M tile (csrc/unpack_pm.cuh, T.import_source).
+UNPACK_SOURCE = (Path(__file__).with_name("csrc") / "unpack_pm.cuh").read_text()
 
 
 def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str, v_split: int,
@@ -92,6 +102,7 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
     mm = "float16"
     acc = "float32"
     load_chunk = _chunk_loader(maps_mode, BV)
+    unpack = _unpacker(maps_mode, consumers + 64)
     chain_step = _chain_step(maps_mode, BV)
     emit_o, store_o = _output_movers(BV, io_dtype)
     walk_item, pool_load = item_walker(maps_mode, v_split)
@@ -102,8 +113,8 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
         k: T.StridedTensor((ntok, Hk, DK), (sk0, sk1, 1), mm),
         values: T.StridedTensor((ntok, Hv, DV), (sv0, sv1, 1), io_dtype),  # v (loop variables take `v`)
         fbuf: T.Tensor((nchunk, Hv, 2, C), "float32"),
-        pbuf: T.Tensor((nchunk, Hv, C, C), mm),
-        mbuf: T.Tensor((nchunk, Hv, C, C), mm),
+        dbuf: T.Tensor((nchunk, Hv, C), mm),  # M's diagonal (prefill_prep form "m")
+        mbuf: T.Tensor((nchunk, Hv, C, C), mm),  # P^T on and above the diagonal, M below it
         pool: T.StridedTensor((nslot, Hv, DV, DK), (sp0, DV * DK, DK, 1), pool_dtype),
         slot_ids: T.Tensor((nseq,), "int32"),
         has_init: T.Tensor((nhis,), "uint8"),
@@ -136,12 +147,18 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
             p_s = T.alloc_shared((2, C, C), mm)
             v_s = T.alloc_shared((2, C, BV), io_dtype)
             m_s = T.alloc_shared((2, C, C), mm)
+            pm_s = T.alloc_shared((2, C, C), mm)  # stage 1's packed tile, as loaded
+            d_s = T.alloc_shared((2, C), mm)  # M's diagonal
             f_s = T.alloc_shared((2, 2, C), acc)  # exp(gc), dec
             o_s = T.alloc_shared((2, C, BV), io_dtype)  # O of whole chunks on their way out (TMA)
             # Swizzled: each thread reads V^T (R's first term) down a column of the tile, 4 rows
             # 256 bytes apart per warp load: the same banks, 4-way conflicts, when row-major.
             T.annotate_layout({v_s: tilelang.layout.make_swizzled_layout(v_s),
-                               o_s: tilelang.layout.make_swizzled_layout(o_s)})
+                               o_s: tilelang.layout.make_swizzled_layout(o_s),
+                               pm_s: tilelang.layout.make_swizzled_layout(pm_s),
+                               m_s: tilelang.layout.make_swizzled_layout(m_s),
+                               p_s: tilelang.layout.make_swizzled_layout(p_s)})
+            T.import_source(UNPACK_SOURCE)
             x_f = T.alloc_fragment((BV, DK), acc)  # X = S^T
             xh_f = T.alloc_fragment((BV, DK), mm)
             vp_f = T.alloc_fragment((BV, C), acc)  # (K S)^T, then V'^T
@@ -149,7 +166,8 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
             vph_f = T.alloc_fragment((BV, C), mm)
             vpd_f = T.alloc_fragment((BV, C), mm)  # (V' diag(dec))^T
             o_f = T.alloc_fragment((BV, C), acc)  # O^T
-            ready = T.alloc_barrier([32, 32])  # stage filled: the producer warp + TMA bytes
+            loaded = T.alloc_barrier([32, 32])  # stage's TMA tiles: the producer warp + their bytes
+            ready = T.alloc_barrier([64, 64])  # stage's M and P^T unpacked: the two unpack warps
             free = T.alloc_barrier([consumers, consumers])  # stage consumed by every consumer
             o_full = T.alloc_barrier([consumers, consumers])  # O tile written by every consumer
             o_free = T.alloc_barrier([32, 32])  # O tile read by its TMA store (the storer warp)
@@ -195,7 +213,7 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
                     n = T.min(eos - t0, C)
                     emit = c >= warm_chunks  # warmup chunks: the state only
                     chain_step(st, (c // 2) % 2, emit, is_phi, scale, x_f, xh_f, vp_f, rh_f, vph_f, vpd_f, o_f, q_s,
-                               k_s, v_s, m_s, p_s, f_s, ready)
+                               k_s, v_s, m_s, p_s, f_s, loaded, ready)
                     if not maps_mode:
                         if c == ck:  # the state after the checkpoint's chunk: into its slot
                             for v, d in T.Parallel(BV, DK):
@@ -223,8 +241,11 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
                                 store_o(c - warm_chunks, t0, h, v0, o_s, out, o_full, o_free)
                 if tx < consumers + 32:
                     for c in T.serial(nchunks):
-                        load_chunk(c, bos + c * C, coff + c, hk, h, v0, q, k, values, pbuf, fbuf, mbuf,
-                                   q_s, k_s, p_s, f_s, v_s, m_s, ready, free)
+                        load_chunk(c, bos + c * C, coff + c, hk, h, v0, q, k, values, dbuf, fbuf, mbuf,
+                                   q_s, k_s, f_s, v_s, pm_s, d_s, loaded, free)
+                if tx >= consumers + 64:
+                    for c in T.serial(nchunks):
+                        unpack(c, pm_s, d_s, m_s, p_s, loaded, ready)
 
     return gdn_prefill_main_vfirst, threads
 
@@ -239,8 +260,9 @@ def _chain_step(maps_mode: bool, BV: int):
 
     @T.macro
     def chain_step(st, phase, emit, is_phi, scale, x_f, xh_f, vp_f, rh_f, vph_f, vpd_f, o_f, q_s, k_s, v_s,
-                   m_s, p_s, f_s, ready):
-        T.barrier_wait(ready[st], phase)
+                   m_s, p_s, f_s, loaded, ready):
+        T.barrier_wait(loaded[st], phase)  # the stage's TMA tiles
+        T.barrier_wait(ready[st], phase)  # M and P^T unpacked from them (_unpacker)
         for v, d in T.Parallel(BV, DK):
             xh_f[v, d] = T.cast(x_f[v, d], mm)
         # (K S)^T = Xh K^T and O^T = Xh Q^T; R^T = V^T - (K S)^T diag(exp gc) (V = 0
@@ -273,7 +295,7 @@ def _chain_step(maps_mode: bool, BV: int):
                 for v, i in T.Parallel(BV, C):
                     vph_f[v, i] = T.cast(vp_f[v, i], mm)
                     o_f[v, i] = o_f[v, i] * (f_s[st, 0, i] * scale)
-                T.wgmma_gemm(vph_f, p_s[st, :, :], o_f, transpose_B=True, policy=rows)
+                T.wgmma_gemm(vph_f, p_s[st, :, :], o_f, policy=rows)  # p_s holds P^T
         T.wait_wgmma(0)
 
     return chain_step
@@ -312,21 +334,43 @@ def _output_movers(BV: int, io_dtype: str):
     return emit_o, store_o
 
 def _chunk_loader(maps_mode: bool, BV: int):
-    """The producer's TMA loads of one chunk into stage c % 2 (q and P only for outputs), after
-    every consumer released that stage. v rows past T arrive as zeros (TMA bounds)."""
-    load_qk_tiles = qk_tile_loader(maps_mode)
+    """The producer's TMA loads of one chunk into stage c % 2 (q only for outputs), after every
+    consumer released that stage: q, k, the gate factors, v, stage 1's packed P^T / M tile and
+    M's diagonal. v rows past T arrive as zeros (TMA bounds)."""
+    load_qk_tiles = qk_tile_loader(maps_mode, with_p=False)
 
     @T.macro
-    def load_chunk(c, t0, cidx, hk, h, v0, q, k, values, pbuf, fbuf, mbuf, q_s, k_s, p_s, f_s, v_s, m_s, ready,
+    def load_chunk(c, t0, cidx, hk, h, v0, q, k, values, dbuf, fbuf, mbuf, q_s, k_s, f_s, v_s, pm_s, d_s, loaded,
                    free):
         st = c % 2
         T.barrier_wait(free[st], (c // 2 + 1) % 2)
-        load_qk_tiles(st, t0, cidx, hk, h, q, k, pbuf, fbuf, q_s, k_s, p_s, f_s, ready)
-        T.tma_copy(values[t0:t0 + C, h, v0:v0 + BV], v_s[st, :, :], barrier=ready[st])
-        T.tma_copy(mbuf[cidx, h, 0:C, 0:C], m_s[st, :, :], barrier=ready[st])
-        T.barrier_arrive(ready[st])
+        load_qk_tiles(st, t0, cidx, hk, h, q, k, None, fbuf, q_s, k_s, None, f_s, loaded)
+        T.tma_copy(values[t0:t0 + C, h, v0:v0 + BV], v_s[st, :, :], barrier=loaded[st])
+        T.tma_copy(mbuf[cidx, h, 0:C, 0:C], pm_s[st, :, :], barrier=loaded[st])
+        T.tma_copy(dbuf[cidx, h, 0:C], d_s[st, :], barrier=loaded[st])
+        T.barrier_arrive(loaded[st])
 
     return load_chunk
+
+
+def _unpacker(maps_mode: bool, first_thread: int):
+    """Two producer warps' work on each chunk of stage c % 2, between its TMA loads and the
+    consumers: stage 1's packed tile (P^T on and above the diagonal, M's strict lower triangle
+    below; M's diagonal apart) into the zero-filled M and P^T tiles the chain's GEMMs take,
+    by UNPACK_SOURCE's qla_unpack_pm: branch-free, 16-byte pieces, position by position (the
+    three tiles share the 128-byte swizzle)."""
+
+    @T.macro
+    def unpack(c, pm_s, d_s, m_s, p_s, loaded, ready):
+        st = c % 2
+        t = T.get_thread_binding() - first_thread
+        T.barrier_wait(loaded[st], (c // 2) % 2)
+        T.call_extern("handle", "qla_unpack_pm", T.address_of(pm_s[st, 0, 0]), T.address_of(d_s[st, 0]),
+                      T.address_of(m_s[st, 0, 0]), T.address_of(p_s[st, 0, 0]), t, 0 if maps_mode else 1)
+        T.fence_proxy_async()  # generic-proxy writes, read by wgmma
+        T.barrier_arrive(ready[st])
+
+    return unpack
 
 
 def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str, v_split: int):
@@ -362,6 +406,7 @@ def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtyp
     mm = "float16"
     acc = "float32"
     load_chunk = _chunk_loader(False, BV)
+    unpack = _unpacker(False, consumers + 64)
     chain_step = _chain_step(False, BV)
     emit_o, store_o = _output_movers(BV, io_dtype)
     nunits = nitem * Hv * v_split
@@ -372,8 +417,8 @@ def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtyp
         k: T.StridedTensor((ntok, Hk, DK), (sk0, sk1, 1), mm),
         values: T.StridedTensor((ntok, Hv, DV), (sv0, sv1, 1), io_dtype),
         fbuf: T.Tensor((nchunk, Hv, 2, C), "float32"),
-        pbuf: T.Tensor((nchunk, Hv, C, C), mm),
-        mbuf: T.Tensor((nchunk, Hv, C, C), mm),
+        dbuf: T.Tensor((nchunk, Hv, C), mm),  # M's diagonal (prefill_prep form "m")
+        mbuf: T.Tensor((nchunk, Hv, C, C), mm),  # P^T on and above the diagonal, M below it
         pool: T.StridedTensor((nslot, Hv, DV, DK), (sp0, DV * DK, DK, 1), pool_dtype),
         slot_ids: T.Tensor((nseq,), "int32"),
         has_init: T.Tensor((nhis,), "uint8"),
@@ -395,10 +440,16 @@ def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtyp
             p_s = T.alloc_shared((2, C, C), mm)
             v_s = T.alloc_shared((2, C, BV), io_dtype)
             m_s = T.alloc_shared((2, C, C), mm)
+            pm_s = T.alloc_shared((2, C, C), mm)
+            d_s = T.alloc_shared((2, C), mm)
             f_s = T.alloc_shared((2, 2, C), acc)
             o_s = T.alloc_shared((2, C, BV), io_dtype)
             T.annotate_layout({v_s: tilelang.layout.make_swizzled_layout(v_s),
-                               o_s: tilelang.layout.make_swizzled_layout(o_s)})
+                               o_s: tilelang.layout.make_swizzled_layout(o_s),
+                               pm_s: tilelang.layout.make_swizzled_layout(pm_s),
+                               m_s: tilelang.layout.make_swizzled_layout(m_s),
+                               p_s: tilelang.layout.make_swizzled_layout(p_s)})
+            T.import_source(UNPACK_SOURCE)
             x_f = T.alloc_fragment((BV, DK), acc)
             xh_f = T.alloc_fragment((BV, DK), mm)
             vp_f = T.alloc_fragment((BV, C), acc)
@@ -406,7 +457,8 @@ def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtyp
             vph_f = T.alloc_fragment((BV, C), mm)
             vpd_f = T.alloc_fragment((BV, C), mm)
             o_f = T.alloc_fragment((BV, C), acc)
-            ready = T.alloc_barrier([32, 32])
+            loaded = T.alloc_barrier([32, 32])
+            ready = T.alloc_barrier([64, 64])
             free = T.alloc_barrier([consumers, consumers])
             o_full = T.alloc_barrier([consumers, consumers])
             o_free = T.alloc_barrier([32, 32])
@@ -449,7 +501,7 @@ def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtyp
                         t0 = bos + c * C
                         n = T.min(eos - t0, C)
                         chain_step(st, (g // 2) % 2, True, False, scale, x_f, xh_f, vp_f, rh_f, vph_f, vpd_f, o_f,
-                                   q_s, k_s, v_s, m_s, p_s, f_s, ready)
+                                   q_s, k_s, v_s, m_s, p_s, f_s, loaded, ready)
                         if c == ck:
                             for v, d in T.Parallel(BV, DK):
                                 pool[ck_slot, h, v0 + v, d] = T.cast(x_f[v, d], pool_dtype)
@@ -480,7 +532,10 @@ def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtyp
                     if tx < consumers + 32:
                         for c in T.serial(nchunks):
                             load_chunk(gdone + c, bos + c * C, chunk_offsets[s] + c, h // group, h, v0, q, k, values,
-                                       pbuf, fbuf, mbuf, q_s, k_s, p_s, f_s, v_s, m_s, ready, free)
+                                       dbuf, fbuf, mbuf, q_s, k_s, f_s, v_s, pm_s, d_s, loaded, free)
+                    if tx >= consumers + 64:
+                        for c in T.serial(nchunks):
+                            unpack(gdone + c, pm_s, d_s, m_s, p_s, loaded, ready)
                     gdone = gdone + nchunks
                     jdone = jdone + (eos - bos) // C
 

@@ -50,8 +50,14 @@ Outputs (workspace, chunk-major so stage 2 loads each tile with one TMA copy; al
 >= n finite and only ever meeting zero weights in stage 2):
   fbuf [NC, Hv, 2, 64] fp32: exp(gc[i]) and dec[i] = exp(gc[63] - gc[i]) (0 for rows >= n; rows
        >= n have g = 0, so gc[63] = gc[n-1] and exp(gc[63]) is the chunk's total decay);
-  pbuf [NC, Hv, 64, 64] fp16;
-  form "m": mbuf [NC, Hv, 64, 64] fp16 (M, zero above the diagonal and in columns >= n);
+  form "uw": pbuf [NC, Hv, 64, 64] fp16 (P);
+  form "m": mbuf [NC, Hv, 64, 64] fp16, P and M packed into one tile, both being lower
+       triangular: P^T on and above the diagonal, M's strict lower triangle below it (M is zero
+       above the diagonal and in columns >= n); dbuf [NC, Hv, 64] fp16, M's diagonal. P^T comes
+       from K Q^T and leaves first, by a TMA store (zeros below the diagonal); M's part is added
+       into the same tile by a TMA reduce (x + 0 is exact), so a chunk and head cross HBM as 8 KB
+       where P and M apart took 16 (stage 2 unpacks the tile in shared memory,
+       csrc/unpack_pm.cuh);
   form "uw": ubuf (U0) and wbuf (-Wk, negated so stage 2 accumulates onto U0) [NC, Hv, 64, 128],
        fp16;
   for bf16 q/k also qh, kh [T, Hk, 128]: fp16 copies of q and k (exact for unit-norm rows down to
@@ -143,8 +149,9 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
 
     form "uw" (for prefill_main.py, v8) writes U0 and -Wk; form "m" (for prefill_main_vfirst.py)
     writes M itself, and the stage-2 kernel forms V' = M (V - diag(exp(gc)) K S) on its chain.
-    Both take the same arguments; the outputs a form does not write (mbuf for "uw", ubuf and
-    wbuf for "m") have their own symbolic row counts, so the host passes 1-row stand-ins.
+    Both take the same arguments; the outputs a form does not write (mbuf and dbuf for "uw",
+    pbuf, ubuf and wbuf for "m") have their own symbolic row counts, so the host passes 1-row
+    stand-ins.
 
     heads_per_cta (form "m" only; a divisor of Hv / Hk): the v-heads one CTA computes, all of
     one qk-head. The q/k tiles and Q K^T depend on the qk-head alone, so the CTA loads q/k and
@@ -171,6 +178,7 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
     # The outputs a form does not write: their own row counts, so 1-row stand-ins fit.
     nuw = nchunk if uw_form else T.dynamic("nuw")
     nm = T.dynamic("nm") if uw_form else nchunk
+    np_ = nchunk if uw_form else T.dynamic("np")  # form "m" packs P^T into mbuf
     mm_dtype = "float16"
     acc = "float32"
     copy_qk = qk_dtype != mm_dtype  # stage 2 wants fp16 q/k
@@ -276,18 +284,27 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
         return product_f if hpc == 1 else spare_f
 
     @T.macro
-    def _p_tile(j, qk_f, spare_f, prow_s, g2_s, pbuf, cid, h0):
-        """Head h0 + j's P = scale * Lower(Gamma) o (Q K^T) from Q K^T in qk_f, to pbuf:
-        P[i, c] = (Q K^T)[i, c] exp2(g2_i + log2(scale) - g2_c) for i >= c (every element, then
-        masked: see _gated_m)."""
+    def _p_tile(j, qk_f, spare_f, prow_s, g2_s, pbuf, mbuf, cid, h0):
+        """Head h0 + j's P = scale * Lower(Gamma) o (Q K^T), P[i, c] = (Q K^T)[i, c]
+        exp2(g2_i + log2(scale) - g2_c) for i >= c (every element, then masked: see _gated_m).
+        Form "uw": from Q K^T in qk_f, to pbuf. Form "m": P^T from K Q^T in qk_f, to mbuf's tile
+        (its upper triangle with the diagonal; zeros below, where _m_tile adds M)."""
         p_s = _staging_tile()
         p_f = _scratch(qk_f, spare_f)
-        for i, c in T.Parallel(C, C):
-            p_f[i, c] = qk_f[i, c] * T.exp2(prow_s[j, i] - g2_s[j, c])
-        for i, c in T.Parallel(C, C):
-            p_f[i, c] = T.if_then_else(i >= c, p_f[i, c], 0.0)
-        T.copy(p_f, p_s)
-        T.copy(p_s, pbuf[cid, h0 + j, :, :])
+        if uw_form:
+            for i, c in T.Parallel(C, C):
+                p_f[i, c] = qk_f[i, c] * T.exp2(prow_s[j, i] - g2_s[j, c])
+            for i, c in T.Parallel(C, C):
+                p_f[i, c] = T.if_then_else(i >= c, p_f[i, c], 0.0)
+            T.copy(p_f, p_s)
+            T.copy(p_s, pbuf[cid, h0 + j, :, :])
+        else:
+            for c, i in T.Parallel(C, C):
+                p_f[c, i] = qk_f[c, i] * T.exp2(prow_s[j, i] - g2_s[j, c])
+            for c, i in T.Parallel(C, C):
+                p_f[c, i] = T.if_then_else(i >= c, p_f[c, i], 0.0)
+            T.copy(p_f, p_s)
+            T.copy(p_s, mbuf[cid, h0 + j, :, :])
 
     @T.macro
     def _kk_blocks(k_s, kk_f, kd_s, koff_s):
@@ -376,9 +393,11 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
         T.gemm(n2_s, b_mm_s, t_f, clear_accum=True)  # (I + N^2) B
 
     @T.macro
-    def _m_tile(j, kd_s, koff_s, kk_f, n_f, t_f, b_s, g2_s, mbuf, cid, h0):
+    def _m_tile(j, kd_s, koff_s, kk_f, n_f, t_f, b_s, g2_s, mbuf, dbuf, cid, h0):
         """Form "m": head h0 + j's M in fp16 (stage 2 meets it with fp16 operands; v10 stored
-        U0 = fp16(M) fp16(V) within the budget), to mbuf."""
+        U0 = fp16(M) fp16(V) within the budget): its diagonal to dbuf, its strict lower
+        triangle added by a TMA reduce into mbuf's tile, where _p_tile stored P^T with zeros
+        below the diagonal (x + 0 is exact in fp16), so the tile crosses HBM once."""
         mo_s = _staging_tile()
         if mma_solve:
             # csrc/block_solve.cuh: the block forward substitution on mma.sync from Db's diagonal
@@ -395,7 +414,11 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
             _solve(j, kd_s, koff_s, kk_f, n_f, t_f, b_s)
             _gated_m(t_f, g2_s, j)
             T.copy(t_f, mo_s)
-        T.copy(mo_s, mbuf[cid, h0 + j, :, :])
+        for i in T.Parallel(C):
+            dbuf[cid, h0 + j, i] = mo_s[i, i]
+            mo_s[i, i] = T.cast(0.0, mm_dtype)
+        T.tma_store_wait(0, read=False)  # P^T's store into the tile has completed, not only been read
+        T.atomic_add(mbuf[cid, h0 + j, :, :], mo_s, use_tma=True)
 
     @T.prim_func
     def gdn_prefill_prep(
@@ -407,10 +430,11 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
         cu_seqlens: T.Tensor((nseq + 1,), "int32"),
         chunk_offsets: T.Tensor((nseq + 1,), "int32"),
         fbuf: T.Tensor((nchunk, Hv, 2, C), "float32"),
-        pbuf: T.Tensor((nchunk, Hv, C, C), mm_dtype),
+        pbuf: T.Tensor((np_, Hv, C, C), mm_dtype),
         mbuf: T.Tensor((nm, Hv, C, C), mm_dtype),
         ubuf: T.Tensor((nuw, Hv, C, DV), mm_dtype),
         wbuf: T.Tensor((nuw, Hv, C, DK), mm_dtype),
+        dbuf: T.Tensor((nm, Hv, C), mm_dtype),
         qh: qh_type,
         kh: kh_type,
         scale: T.float32,
@@ -495,9 +519,12 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
                 fbuf[cid, h0 + j, 1, i] = T.if_then_else(i < n, T.exp2(g_s[j, C - 1] * _LOG2E - g2), 0.0)
 
             # P = scale * Lower(Gamma) o Q K^T (state-free, so off stage 2's sequential chain):
-            # Q K^T once, then each head's gates.
-            T.gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)
-            _for_each_head(_p_tile, p_f, t_f, prow_s, g2_s, pbuf, cid, h0)
+            # Q K^T (K Q^T for form "m", which stores P^T) once, then each head's gates.
+            if uw_form:
+                T.gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)
+            else:
+                T.gemm(k_s, q_s, p_f, transpose_B=True, clear_accum=True)
+            _for_each_head(_p_tile, p_f, t_f, prow_s, g2_s, pbuf, mbuf, cid, h0)
 
             # K K^T once; then each head's A diag(beta) = (I + L)^-1 diag(beta) and M.
             kd_s = T.alloc_shared((4, 16, 16), acc)
@@ -507,6 +534,6 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
                 _solve(0, kd_s, koff_s, kk_f, n_f, t_f, b_s)
                 _write_u0_wk(v, ubuf, wbuf, t0, h0, cid, k_s, g2_s, eg_s, t_f)
             else:
-                _for_each_head(_m_tile, kd_s, koff_s, kk_f, n_f, t_f, b_s, g2_s, mbuf, cid, h0)
+                _for_each_head(_m_tile, kd_s, koff_s, kk_f, n_f, t_f, b_s, g2_s, mbuf, dbuf, cid, h0)
 
     return gdn_prefill_prep
