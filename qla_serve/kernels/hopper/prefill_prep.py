@@ -73,8 +73,9 @@ Occupancy (v11): 49 KB of shared memory and <= 128 registers, so 4 CTAs (16 warp
 share the latency of each CTA's serial phases (v10: 65 KB, 3 CTAs); form "m" takes 34 KB and
 <= 102 registers, 5 CTAs (v15); with two or four heads per CTA 4 CTAs (v29: 96, 109 and 121
 registers at one, two and four heads, no spills; v27 spilled 24-148 bytes). v31's mma solve
-takes 87, 93 and 107 registers at one, two and four heads: five, five and four CTAs per SM by
-their registers (the launch bounds ask for five, four and four). Which heads per CTA a call
+takes 87, 93 and 107 registers at one, two and four heads (91, 94 and 111 with the packed P^T / M
+tile): five, five and four CTAs per SM by their registers (the launch bounds ask for five, four
+and four). Which heads per CTA a call
 takes (prefill_api.prep_heads_per_cta) is fit on the H200: since v31 two heads per CTA are
 fastest from one full wave up, four at the largest calls, one within a single wave
 (benchmarks/prefill.md "Stage 1's heads per CTA, refit on v31").
