@@ -292,20 +292,14 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
         (its upper triangle with the diagonal; zeros below, where _m_tile adds M)."""
         p_s = _staging_tile()
         p_f = _scratch(qk_f, spare_f)
-        if uw_form:
-            for i, c in T.Parallel(C, C):
-                p_f[i, c] = qk_f[i, c] * T.exp2(prow_s[j, i] - g2_s[j, c])
-            for i, c in T.Parallel(C, C):
-                p_f[i, c] = T.if_then_else(i >= c, p_f[i, c], 0.0)
-            T.copy(p_f, p_s)
-            T.copy(p_s, pbuf[cid, h0 + j, :, :])
-        else:
-            for c, i in T.Parallel(C, C):
-                p_f[c, i] = qk_f[c, i] * T.exp2(prow_s[j, i] - g2_s[j, c])
-            for c, i in T.Parallel(C, C):
-                p_f[c, i] = T.if_then_else(i >= c, p_f[c, i], 0.0)
-            T.copy(p_f, p_s)
-            T.copy(p_s, mbuf[cid, h0 + j, :, :])
+        for r, s in T.Parallel(C, C):  # (r, s) = (i, c) for P, (c, i) for P^T
+            i, c = (r, s) if uw_form else (s, r)
+            p_f[r, s] = qk_f[r, s] * T.exp2(prow_s[j, i] - g2_s[j, c])
+        for r, s in T.Parallel(C, C):
+            i, c = (r, s) if uw_form else (s, r)
+            p_f[r, s] = T.if_then_else(i >= c, p_f[r, s], 0.0)
+        T.copy(p_f, p_s)
+        T.copy(p_s, (pbuf if uw_form else mbuf)[cid, h0 + j, :, :])
 
     @T.macro
     def _kk_blocks(k_s, kk_f, kd_s, koff_s):
