@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 def _chunks(row: str) -> int:
     """Chunks of a `bench prefill` row name (its ROWS table: the sequence lengths)."""
     from qla_serve.bench import prefill as B
-    from qla_serve.plan import CHUNK
+    from qla_serve.plan import seq_chunks
 
-    return sum(-(-n // CHUNK) for n in B.ROWS[row])
+    return sum(seq_chunks(B.ROWS[row]))
 
 
 def labelled_points(rows: list[dict], by_order: list[int] | None, sms: int) -> dict[int, list[tuple]]:
