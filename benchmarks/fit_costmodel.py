@@ -35,13 +35,13 @@ import sys
 
 from qla_serve.bench.prefill import ROWS, parse_plan_label
 from qla_serve.costmodel import load_cost_model
-from qla_serve.plan import CHUNK, _score
+from qla_serve.plan import _score, seq_chunks
 
 SM = load_cost_model("sm90").sm_count  # the H200's 132 SMs
 
 
 def _chunks(row: str) -> list[int]:
-    return [-(-n // CHUNK) for n in ROWS[row] if n]
+    return [c for c in seq_chunks(ROWS[row]) if c]
 
 
 def _ratio_fit(xs, ys):

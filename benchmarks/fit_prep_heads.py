@@ -25,14 +25,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-CHUNK = 64
-
 
 def _chunks(row: str) -> int:
     """Chunks of a `bench prefill` row name (its ROWS table: the sequence lengths)."""
     from qla_serve.bench import prefill as B
+    from qla_serve.plan import seq_chunks
 
-    return sum(-(-n // CHUNK) for n in B.ROWS[row])
+    return sum(seq_chunks(B.ROWS[row]))
 
 
 def labelled_points(rows: list[dict], by_order: list[int] | None, sms: int) -> dict[int, list[tuple]]:
@@ -76,7 +75,7 @@ def read_rows(path: Path) -> list[dict]:
 def fit_line(pts: list[tuple]) -> tuple[float, float]:
     """(a, b) of the least-squares line y = a + b x through pts' (x, y)."""
     n = len(pts)
-    if n < 2 or len({p[0] for p in pts}) < 2:
+    if len({p[0] for p in pts}) < 2:
         raise ValueError(f"a line needs points at two or more x, got {[p[0] for p in pts]}")
     sx = sum(p[0] for p in pts)
     sy = sum(p[1] for p in pts)

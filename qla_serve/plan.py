@@ -45,6 +45,11 @@ from qla_serve.costmodel import CostModel, load_cost_model
 from qla_serve.paths import supported_prefill_strategies
 
 CHUNK = 64
+
+
+def seq_chunks(seq_lens: Iterable[int]) -> list[int]:
+    """Each sequence's CHUNK-token chunks, ceil(len / CHUNK) (0 for an empty sequence)."""
+    return [-(-int(n) // CHUNK) for n in seq_lens]
 ENV_CP = "QLA_SERVE_CP"
 V_SPLITS = (1, 2, 4)
 __all__ = ["ALL_STRATEGIES", "CHUNK", "CP_MODES", "ENV_CP", "PrefillPlan", "V_SPLITS", "cp_from_env", "force_plan",
@@ -366,7 +371,7 @@ def plan_prefill(seq_lens: Sequence[int], num_v_heads: int, num_k_heads: int, *,
     if supported_strategies is None:
         supported_strategies = supported_prefill_strategies(device)
     supported_strategies = check_strategies(supported_strategies)
-    chunks = [(n + CHUNK - 1) // CHUNK for n in lens]
+    chunks = seq_chunks(lens)
     choice = _choose(model, chunks, num_v_heads, sm, cp, supported_strategies)
     rows = _segment_rows(chunks, choice.segment_chunks)
     maps_vs = _maps_v_split(model, chunks, num_v_heads, sm, cp, choice.v_split, choice.segment_chunks)
@@ -404,7 +409,7 @@ def force_plan(plan: PrefillPlan, strategy: str, v_split: int, segment_chunks: i
     if cp not in CP_MODES or (strategy == "cp" and cp == "off"):
         raise ValueError(f"cp: expected one of {CP_MODES} (not 'off' with a cut), got {cp!r} for {strategy!r}")
     lens = list(plan.seq_lens)
-    chunks = [(n + CHUNK - 1) // CHUNK for n in lens]
+    chunks = seq_chunks(lens)
     model = load_cost_model(plan.arch)
     if maps_v_split is None:
         maps_v_split = _maps_v_split(model, chunks, plan.num_v_heads, plan.sm_count, cp, v_split, segment_chunks)
