@@ -46,6 +46,7 @@ def test_package_union_and_dispatch():
 REPRESENTATIVES = [
     P.prep_variant(8, 2, "bfloat16"),
     P.prep_variant(8, 2, "bfloat16", "m"),
+    P.prep_variant(8, 2, "bfloat16", "m", packed=True),
     P.main_variant(8, 2, "bfloat16", "float32", 1),
     P.main_variant(8, 2, "bfloat16", "bfloat16", 4),
     P.main_variant(8, 2, "float16", "float32", 2),
@@ -79,12 +80,17 @@ def test_compiles_sm90a(variant):
         # both parameters to kh: q's copy overwrote k's, caught only on the H200)
         assert re.search(r"\(qh \+", src) and re.search(r"\(kh \+", src), "expected stores to both qh and kh"
         # form "uw" stores P, U0 and -Wk (and loads v for U0); form "m" never reads v and stores
-        # P^T into mbuf's tile, then adds M's strict lower triangle into it (a TMA reduce)
+        # P and M, or packed P^T into mbuf's tile, then adds M's strict lower triangle into it
+        # (a TMA reduce) and writes M's diagonal apart
         stores = set(re.findall(r"tma_store\((\w+)_desc", src))
         adds = set(re.findall(r"tma_store_add\((\w+)_desc", src))
         loads_v = "tma_load(v_desc" in src
-        if variant.get("form", "uw") == "m":
+        if variant.get("packed"):
             assert stores == {"mbuf"} and adds == {"mbuf"} and not loads_v, (stores, adds)
+            assert re.search(r"dbuf\[", src), "expected M's diagonal stored"
+        elif variant.get("form", "uw") == "m":
+            assert stores == {"pbuf", "mbuf"} and not adds and not loads_v, (stores, adds)
+            assert "dbuf[" not in src
         else:
             assert stores == {"pbuf", "ubuf", "wbuf"} and not adds and loads_v, (stores, adds)
 
@@ -129,20 +135,25 @@ def test_prep_fits_its_ctas_per_sm(tmp_path, form):
     assert usage["spill_store_bytes"] <= PREP_SPILL_BYTES[form], usage
 
 
-@pytest.mark.parametrize("heads", [2, 4])
-def test_prep_heads_per_cta(tmp_path, heads):
-    """Stage 1 with several v-heads per CTA (form "m"): K Q^T once per CTA, each head's P^T and
-    M stored packed (one TMA store and one TMA reduce per head), four CTAs per SM (registers and
-    shared memory: each head's tiles are allocated per head, so their lifetimes do not stack),
-    named apart, listed where Hv / Hk allows them and refused where not."""
-    variant = P.prep_variant(8, 2, "bfloat16", "m", "float16", heads)
-    assert variant["name"].endswith(f"_qkfloat16_heads{heads}")
+@pytest.mark.parametrize("heads,packed", [(2, False), (4, True)])
+def test_prep_heads_per_cta(tmp_path, heads, packed):
+    """Stage 1 with several v-heads per CTA (form "m"): Q K^T (K Q^T packed) once per CTA, each
+    head's P and M stored (one TMA store per head and tile; packed: P^T's store and M's TMA
+    reduce into one tile per head), four CTAs per SM (registers and shared memory: each head's
+    tiles are allocated per head, so their lifetimes do not stack), named apart, listed where
+    Hv / Hk allows them and refused where not."""
+    variant = P.prep_variant(8, 2, "bfloat16", "m", "float16", heads, packed=packed)
+    assert variant["name"].endswith(f"_qkfloat16_heads{heads}" + ("_pm" if packed else ""))
     assert variant in P.kernel_variants(8, 2)
-    assert P.prep_variant(64, 16, "bfloat16", "m", "float16", heads) in P.kernel_variants(64, 16)
+    assert P.prep_variant(64, 16, "bfloat16", "m", "float16", heads, packed=packed) in P.kernel_variants(64, 16)
     kern = P.build(variant, "sm_90a")
     src = kern.get_kernel_source()
-    assert src.count("tma_store(mbuf_desc") == heads and src.count("tma_store_add(mbuf_desc") == heads
-    assert "pbuf_desc" not in src  # P^T goes packed into mbuf's tile
+    if packed:
+        assert src.count("tma_store(mbuf_desc") == heads and src.count("tma_store_add(mbuf_desc") == heads
+        assert "pbuf_desc" not in src  # P^T goes packed into mbuf's tile
+    else:
+        assert src.count("tma_store(pbuf_desc") == heads and src.count("tma_store(mbuf_desc") == heads
+        assert "tma_store_add" not in src
     assert "__launch_bounds__(128, 4)" in src
     smem = kernel_report.launch_dynamic_smem(kern.get_host_source(), threads=128)
     assert smem is not None and 4 * (smem + 1024) <= 228 * 1024, smem
@@ -251,31 +262,35 @@ def test_launches_go_to_the_kernels_host_function():
         fn(fbuf, offsets, cuts, warm, need, 2, 1)
 
 
-@pytest.mark.parametrize("v_split,mode", [(1, "output"), (2, "maps")])
-def test_compiles_vfirst_sm90a(v_split, mode):
+@pytest.mark.parametrize("v_split,mode,packed", [(1, "output", True), (2, "output", False), (2, "maps", False)])
+def test_compiles_vfirst_sm90a(v_split, mode, packed):
     """The V-first stage 2 (prefill_main_vfirst.py, the default at v_split 1/2): every chain GEMM takes its A
     operand from registers (wgmma_rs), nothing of the state is copied to shared memory, and the
-    consumer warpgroups meet no named barrier."""
-    src = P.build(P.main_variant(8, 2, "bfloat16", "float32", v_split, mode, "vfirst"), "sm_90a").get_kernel_source()
+    consumer warpgroups meet no named barrier. Packed (whole-sequence plans), two producer warps
+    unpack stage 1's tile; the context-parallel passes read P and M apart."""
+    variant = P.main_variant(8, 2, "bfloat16", "float32", v_split, mode, "vfirst", packed=packed)
+    src = P.build(variant, "sm_90a").get_kernel_source()
     assert "gdn_prefill_main_vfirst" in src and "wgmma_rs" in src and "wgmma_ss" not in src
     # no barrier over the consumer threads anywhere (TileLang's automatic ones are off: every
     # handoff has its own mbarrier), only the one after the mbarriers' initialisation
     assert "hs_s" not in src and "__sync_thread_partial" not in src and src.count("__syncthreads()") == 1
     # a whole chunk's O leaves by TMA store (from the swizzled o_s, issued by the storer warp)
     assert ("tma_store(out_desc" in src) == (mode == "output")
-    # V-first reads stage 1's packed P^T / M tile, M's diagonal and v (prep form "m"), never P,
-    # U0 or -Wk apart; two producer warps unpack the tile (csrc/unpack_pm.cuh; P^T outputs only)
-    assert "tma_load(mbuf_desc" in src and "tma_load(dbuf_desc" in src and "tma_load(values_desc" in src
-    assert "ubuf" not in src and "pbuf" not in src
+    # V-first reads M (prep form "m") and v, never U0 / -Wk; packed: stage 1's P^T / M tile and
+    # M's diagonal, unpacked by two producer warps (csrc/unpack_pm.cuh), else P (outputs) and M
+    assert "tma_load(mbuf_desc" in src and "tma_load(values_desc" in src and "ubuf" not in src
+    assert ("tma_load(pd_desc" in src) == (packed or mode == "output")
     call = re.search(r"qla_unpack_pm\((\(&.*)\);", src)
-    assert call and call.group(1).endswith(", 1" if mode == "output" else ", 0"), call
+    assert bool(call) == packed and (not packed or call.group(1).endswith(", 1")), call
     assert ("warpgroup_reg_alloc" in src) == (v_split == 1), "setmaxnreg.inc only at 384 threads"
 
 
 WGMMA_KERNELS = ([P.main_variant(8, 2, "bfloat16", "float32", vs, mode, "vfirst")
                   for vs in (1, 2) for mode in ("output", "maps")]
+                 + [P.main_variant(8, 2, "bfloat16", "float32", 1, "output", "vfirst", packed=True)]
                  + [P.persistent_variant(8, 2, "bfloat16", "float32", vs) for vs in (1, 2)]
-                 + [P.prep_variant(8, 2, "bfloat16", "m", "float16", heads) for heads in (1, 4)])
+                 + [P.prep_variant(8, 2, "bfloat16", "m", "float16", heads, packed=pk)
+                    for heads in (1, 4) for pk in (False, True)])
 
 
 @pytest.mark.parametrize("variant", WGMMA_KERNELS, ids=lambda v: v["name"])
@@ -298,7 +313,7 @@ def test_compiles_persistent_sm90a(v_split):
     assert "gdn_prefill_main_persistent" in src and "wgmma_rs" in src and "wgmma_ss" not in src
     assert "__sync_thread_partial" not in src and src.count("__syncthreads()") == 1
     assert "tma_store(out_desc" in src and "tma_load(mbuf_desc" in src and "items[" in src
-    assert "pbuf" not in src and re.search(r"qla_unpack_pm\(\(&.*, 1\);", src)
+    assert "tma_load(dbuf_desc" in src and re.search(r"qla_unpack_pm\(\(&.*, 1\);", src)  # packed
     assert "blockIdx.y" not in src and "blockIdx.z" not in src
     assert ("warpgroup_reg_alloc" in src) == (v_split == 1)
 

@@ -177,25 +177,39 @@ def test_main_switch_selects_the_stage2_kernel(launches, monkeypatch, main_impl,
     assert mains == [("maps", impl), ("output", impl)]
 
 
-@pytest.mark.parametrize("main_impl,v_split", [("vfirst", 1), ("vfirst", 2), ("vfirst", 4), ("v8", 1)])
-def test_stage1_form_matches_the_stage2_kernel(launches, monkeypatch, main_impl, v_split):
-    """V-first reads the packed P^T / M tile, M's diagonal (prep form "m") and v itself; v8 reads
-    P, U0 and -Wk (form "uw"). The tiles stage 2 loads are the very tensors stage 1 wrote; the
-    other form's outputs are 1-row stand-ins."""
+@pytest.mark.parametrize("main_impl,v_split,segment_chunks", [("vfirst", 1, 0), ("vfirst", 2, 0), ("vfirst", 4, 0),
+                                                              ("v8", 1, 0), ("vfirst", 1, 3), ("vfirst", 2, 3)])
+def test_stage1_form_matches_the_stage2_kernel(launches, monkeypatch, main_impl, v_split, segment_chunks):
+    """V-first reads M (prep form "m") and v itself: without a cut packed, P^T and M in one tile
+    with M's diagonal apart (stage 2's `pd`); with a cut P (`pd`) and M apart, in every pass. v8
+    reads P, U0 and -Wk (form "uw"). The tiles stage 2 loads are the very tensors stage 1 wrote;
+    the outputs not written are 1-row stand-ins."""
     monkeypatch.setattr(P, "MAIN_IMPL", main_impl)
     inputs = {}
-    _call([300, 0, 65], v_split, 0, None, inputs)
-    (prep_v, prep), (main_v, main) = launches
-    impl = main_v.get("impl", "v8")
-    assert prep_v.get("form", "uw") == P.PREP_FORM[impl]
-    assert main["fbuf"] is prep["fbuf"]
-    written, unread = ((("mbuf", "dbuf"), ("pbuf", "ubuf", "wbuf")) if impl == "vfirst"
-                       else (("pbuf", "ubuf", "wbuf"), ("mbuf", "dbuf")))
+    _call([300, 0, 65] if not segment_chunks else [64 * 10, 100], v_split, segment_chunks,
+          "exact" if segment_chunks else None, inputs)
+    (prep_v, prep), *mains = [(v, a) for v, a in launches if v["op"] in ("prefill_prep", "prefill_main")]
+    impl = mains[-1][0].get("impl", "v8")
+    packed = impl == "vfirst" and not segment_chunks
+    assert prep_v.get("form", "uw") == P.PREP_FORM[impl] and prep_v.get("packed", False) == packed
+    chunks = 7 if not segment_chunks else 12  # 5 (300 tokens) + 2 (65); 10 + 2 (100)
+    if impl == "vfirst":
+        written, unread = (("mbuf", "dbuf"), ("pbuf", "ubuf", "wbuf")) if packed else \
+            (("pbuf", "mbuf"), ("dbuf", "ubuf", "wbuf"))
+    else:
+        written, unread = ("pbuf", "ubuf", "wbuf"), ("mbuf", "dbuf")
     for name in written:
-        assert main[name] is prep[name] and prep[name].shape[0] == 7  # chunks: 5 (300 tokens) + 2 (65)
+        assert prep[name].shape[0] == chunks, name
     for name in unread:
-        assert prep[name].shape[0] == 1 and name not in main
-    assert (main.get("values") is inputs["v"]) == (impl == "vfirst")
+        assert prep[name].shape[0] == 1, name
+    for main_v, main in mains:
+        assert main_v.get("packed", False) == (packed and not main_v.get("persistent")), main_v["name"]
+        assert main["fbuf"] is prep["fbuf"]
+        if impl == "vfirst":
+            assert main["mbuf"] is prep["mbuf"] and main["pd"] is prep["dbuf" if packed else "pbuf"]
+        else:
+            assert all(main[name] is prep[name] for name in written)
+        assert (main.get("values") is inputs["v"]) == (impl == "vfirst")
 
 
 @pytest.mark.parametrize("maps_split", [1, 2])

@@ -207,13 +207,14 @@ def _variant_name(v: dict) -> str:
                 + ("_m" if v.get("form", "uw") == "m" else "")
                 + (f"_qk{v['qk_dtype']}" if "qk_dtype" in v else "")
                 + (f"_heads{v['heads_per_cta']}" if "heads_per_cta" in v else "")
-                + (f"_{v['solve']}" if "solve" in v else ""))  # form "m" on the wgmma solve
+                + (f"_{v['solve']}" if "solve" in v else "")  # form "m" on the wgmma solve
+                + ("_pm" if v.get("packed") else ""))
     pdl = "_pdl" if v.get("pdl", False) else ""
     return (
         f"gdn_prefill_main_hv{v['num_v_heads']}_hk{v['num_k_heads']}_{v['io_dtype']}"
         f"_pool{v['pool_dtype']}_vs{v['v_split']}" + ("_maps" if v["mode"] == "maps" else "")
         + ("_vfirst" if v.get("impl", "v8") == "vfirst" else "") + pdl
-        + ("_persistent" if v.get("persistent") else "")
+        + ("_persistent" if v.get("persistent") else "") + ("_pm" if v.get("packed") else "")
     )
 
 
@@ -226,13 +227,17 @@ def _chain(v: dict, pdl: bool) -> dict:
 
 
 def prep_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw",
-                 qk_dtype: str | None = None, heads_per_cta: int = 1, solve: str | None = None) -> dict:
+                 qk_dtype: str | None = None, heads_per_cta: int = 1, solve: str | None = None,
+                 packed: bool = False) -> dict:
     """Stage 1; form "uw" (U0 and -Wk, for the v8 stage 2) or "m" (M, for V-first): the form
     a stage-2 kernel reads is PREP_FORM[impl]. io_dtype is v's; qk_dtype q/k's (None: v's);
     heads_per_cta the v-heads of one CTA (form "m": a divisor of Hv / Hk); solve form "m"'s
-    (prefill_prep.SOLVES; None: PREP_SOLVE; form "uw" has only "wgmma")."""
+    (prefill_prep.SOLVES; None: PREP_SOLVE; form "uw" has only "wgmma"); packed (form "m"):
+    P^T and M in one tile (packed_tiles)."""
     if form not in prefill_prep.FORMS:
         raise ValueError(f"form: expected one of {prefill_prep.FORMS}, got {form!r}")
+    if packed and form != "m":
+        raise ValueError(f"packed: form 'm' only, got form {form!r}")
     solve = _prep_solve(form, solve)
     qk_dtype = qk_dtype or io_dtype
     if (qk_dtype, io_dtype) not in QK_V_DTYPES:
@@ -250,6 +255,8 @@ def prep_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = 
         v["heads_per_cta"] = heads_per_cta
     if solve != prefill_prep.DEFAULT_SOLVE[form]:  # the default solve's variants carry no suffix
         v["solve"] = solve
+    if packed:
+        v["packed"] = True
     v["name"] = _variant_name(v)
     return v
 
@@ -295,12 +302,14 @@ def plan_prep_heads(plan, num_v_heads: int, num_k_heads: int, form: str) -> int:
 
 
 def main_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str, v_split: int,
-                 mode: str = "output", impl: str = "v8", pdl: bool | None = None) -> dict:
+                 mode: str = "output", impl: str = "v8", pdl: bool | None = None, packed: bool = False) -> dict:
     """Stage 2; impl "vfirst" is prefill_main_vfirst.py (v_split 1 and 2), "v8" prefill_main.py;
     pdl: a programmatic dependent launch (None: CP_PDL for the maps pass, plain for the output
-    pass)."""
+    pass); packed (V-first output mode): it reads stage 1's packed tile (packed_tiles)."""
     if impl not in MAIN_IMPLS:
         raise ValueError(f"impl: expected one of {MAIN_IMPLS}, got {impl!r}")
+    if packed and (impl != "vfirst" or mode != "output"):
+        raise ValueError(f"packed: the V-first output mode only, got impl {impl!r}, mode {mode!r}")
     v = {
         "op": "prefill_main",
         "num_v_heads": num_v_heads,
@@ -312,12 +321,25 @@ def main_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: 
     }
     if impl != "v8":  # v8 variants keep their names (and compile caches)
         v["impl"] = impl
+    if packed:
+        v["packed"] = True
     v["name"] = _variant_name(_chain(v, (CP_PDL and mode == "maps") if pdl is None else pdl))
     return v
 
 
+def packed_tiles(strategy: str, impl: str) -> bool:
+    """Whether a plan's stage 1 packs P^T and M into one tile (prefill_prep's packed form "m")
+    for its stage 2 to unpack: V-first plans without a cut. A chunk and head then cross HBM as
+    8 KB instead of 16 (H100, packed against apart: 16/64 4 x 8192 -9%, 2048 x 4 -6%, 8 x 1024
+    -5%, 2/8 64 x 512 -5.5% per call). The context-parallel passes read P and M apart: their
+    maps pass reads M alone, so it saves nothing there and its unpack only adds latency (2/8
+    1 x 8192 +6% packed; benchmarks/prefill.md, "P and M packed")."""
+    return impl == "vfirst" and strategy != "cp"
+
+
 def persistent_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str, v_split: int) -> dict:
-    """The V-first stage 2 of plain and V-split plans on a persistent grid (output mode)."""
+    """The V-first stage 2 of plain and V-split plans on a persistent grid (output mode; it
+    reads stage 1's packed tile, as every plan without a cut: packed_tiles)."""
     v = main_variant(num_v_heads, num_k_heads, io_dtype, pool_dtype, v_split, "output", "vfirst", False)
     v["persistent"] = True
     v["name"] = _variant_name(v)
@@ -417,14 +439,18 @@ def kernel_variants(num_v_heads: int, num_k_heads: int, target: str = ARCH) -> l
         raise ValueError(f"num_v_heads ({num_v_heads}) must be a positive multiple of num_k_heads ({num_k_heads})")
     forms = sorted({PREP_FORM[main_impl_for(vs, target)] for vs in V_SPLITS}, reverse=True)
     group = num_v_heads // num_k_heads
-    out = [prep_variant(num_v_heads, num_k_heads, io, form, qk, n) for qk, io in QK_V_DTYPES for form in forms
+    out = [prep_variant(num_v_heads, num_k_heads, io, form, qk, n, packed=packed)
+           for qk, io in QK_V_DTYPES for form in forms for packed in ((False, True) if form == "m" else (False,))
            for n in PREP_HEADS_CHOICES if n == 1 or (form == "m" and group % n == 0)]
     out += [scan_variant(num_v_heads), warmup_variant(num_v_heads)]
     for io in IO_DTYPES:
         for pool in POOL_DTYPES:
             for vs in V_SPLITS:
+                impl = main_impl_for(vs, target)
                 for mode in MAIN_MODES:
-                    out.append(main_variant(num_v_heads, num_k_heads, io, pool, vs, mode, main_impl_for(vs, target)))
+                    out.append(main_variant(num_v_heads, num_k_heads, io, pool, vs, mode, impl))
+                if packed_tiles("plain", impl):  # whole sequences: the packed tile
+                    out.append(main_variant(num_v_heads, num_k_heads, io, pool, vs, "output", impl, False, True))
                 if persistent_applies("plain", main_impl_for(vs, target)):
                     out.append(persistent_variant(num_v_heads, num_k_heads, io, pool, vs))
     return out
@@ -452,15 +478,17 @@ def build(variant: dict, target: str = ARCH):
                 func, cfg = prefill_warmup.warmup_func(hv, pdl), prefill_warmup.PASS_CONFIGS
             elif variant["op"] == "prefill_prep":
                 func = prefill_prep.prep_func(hv, hk, io, variant.get("form", "uw"), variant.get("qk_dtype"),
-                                              variant.get("heads_per_cta", 1), variant.get("solve"))
+                                              variant.get("heads_per_cta", 1), variant.get("solve"),
+                                              variant.get("packed", False))
                 cfg = prefill_prep.PASS_CONFIGS
             elif variant["op"] == "prefill_main" and variant.get("persistent"):
                 func, _ = prefill_main_vfirst.persistent_func(hv, hk, io, variant["pool_dtype"], variant["v_split"])
                 cfg = prefill_main_vfirst.PASS_CONFIGS
             elif variant["op"] == "prefill_main":
                 kmod = prefill_main_vfirst if variant.get("impl", "v8") == "vfirst" else prefill_main
+                extra = {"packed": True} if variant.get("packed") else {}  # V-first only (main_variant)
                 func, _ = kmod.main_func(hv, hk, io, variant["pool_dtype"], variant["v_split"],
-                                         variant.get("mode", "output"), pdl)
+                                         variant.get("mode", "output"), pdl, **extra)
                 cfg = kmod.PASS_CONFIGS
             else:
                 raise ValueError(f"variant['op'] must be prefill_prep, prefill_main, prefill_cp_scan or "
@@ -474,26 +502,27 @@ def build(variant: dict, target: str = ARCH):
     return kern
 
 
-def _plan_scratch(plan, hv: int, form: str, device):
+def _plan_scratch(plan, hv: int, form: str, packed: bool, device):
     """(number of chunks NC, stage 1's outputs in prep_func's argument order: gate factors
-    [NC, Hv, 2, 64] fp32, P [NC, Hv, 64, 64] fp16 (form "uw"), the packed P^T / M tile
-    [NC, Hv, 64, 64] fp16 (form "m"), U0 and -Wk [NC, Hv, 64, 128] fp16 (form "uw"), M's
-    diagonal [NC, Hv, 64] fp16 (form "m")), the outputs the form does not write as 1-row
-    stand-ins; allocated once per plan, head count and form (plan.scratch): every GDN layer of
-    a step reuses them (stage 1 rewrites them in full before stage 2 reads)."""
+    [NC, Hv, 2, 64] fp32, P [NC, Hv, 64, 64] fp16 (but when packed), M or the packed P^T / M
+    tile [NC, Hv, 64, 64] fp16 (form "m"), U0 and -Wk [NC, Hv, 64, 128] fp16 (form "uw"), M's
+    diagonal [NC, Hv, 64] fp16 (packed)), the outputs not written as 1-row stand-ins; allocated
+    once per plan, head count and form (plan.scratch): every GDN layer of a step reuses them
+    (stage 1 rewrites them in full before stage 2 reads)."""
     def make():
         nchunks = plan_chunks(plan)
         rows = max(nchunks, 1)  # stage 2 never reads row 0 when there are no chunks
         m_rows, uw_rows = (1, rows) if form == "uw" else (rows, 1)
+        p_rows, d_rows = (1, rows) if packed else (rows, 1)
         return nchunks, (
             torch.empty((rows, hv, 2, CHUNK), dtype=torch.float32, device=device),
-            torch.empty((uw_rows, hv, CHUNK, CHUNK), dtype=torch.float16, device=device),
+            torch.empty((p_rows, hv, CHUNK, CHUNK), dtype=torch.float16, device=device),
             torch.empty((m_rows, hv, CHUNK, CHUNK), dtype=torch.float16, device=device),
             torch.empty((uw_rows, hv, CHUNK, 128), dtype=torch.float16, device=device),
             torch.empty((uw_rows, hv, CHUNK, 128), dtype=torch.float16, device=device),
-            torch.empty((m_rows, hv, CHUNK), dtype=torch.float16, device=device),
+            torch.empty((d_rows, hv, CHUNK), dtype=torch.float16, device=device),
         )
-    return plan.scratch(("hopper_prefill_ws", hv, form), make)
+    return plan.scratch(("hopper_prefill_ws", hv, form, packed), make)
 
 
 def _half_qk(plan, ntok: int, hk: int, device):
@@ -688,16 +717,18 @@ class _Launches:
         impl = main_impl_for(vs, target)
         self.vfirst = impl == "vfirst"
         form = PREP_FORM[impl]
+        self.packed = packed = packed_tiles(strategy, impl)
         self.ntok = q.shape[0]
         self.all_init = int(all_init)
         self.flags = _dummy(("flags", dev), lambda: torch.ones(1, dtype=torch.uint8, device=dev))
         self.cu_seqlens, self.chunk_offsets = plan.cu_seqlens, plan.chunk_offsets
-        nchunks, self.stage1 = _plan_scratch(plan, hv, form, dev)
+        nchunks, self.stage1 = _plan_scratch(plan, hv, form, packed, dev)
         # Stage 2's tensor-core operands are fp16: bf16 q/k are converted once, by stage 1.
         self.half_qk = _half_qk(plan, max(self.ntok, 1), hk, dev) if qk == "bfloat16" else None
         hpc = plan_prep_heads(plan, hv, hk, form)
         solve = _prep_solve(form, None)
-        kp = _kernel(prep_variant(hv, hk, io, form, qk, hpc, solve), (hv, hk, io, form, qk, hpc, solve, target))
+        kp = _kernel(prep_variant(hv, hk, io, form, qk, hpc, solve, packed),
+                     (hv, hk, io, form, qk, hpc, solve, packed, target))
         self.prep = kp if nchunks > 0 and "prep" in stages else None  # stages: benchmarks time them apart
         self.output = self.persistent = None
         if "main" not in stages:
@@ -708,8 +739,8 @@ class _Launches:
                                       (hv, hk, io, pool_dt, vs, "persistent", target))
             self.items, self.ctas = _persistent_grid(plan, hv, vs, dev)
             return
-        self.output = _kernel(main_variant(hv, hk, io, pool_dt, vs, "output", impl, False),
-                              (hv, hk, io, pool_dt, vs, "output", impl, False, target))
+        self.output = _kernel(main_variant(hv, hk, io, pool_dt, vs, "output", impl, False, packed),
+                              (hv, hk, io, pool_dt, vs, "output", impl, False, packed, target))
         if strategy != "cp":
             self.items, self.maps = _whole_sequence_items(plan, dev), _unread_maps(hv, dev)
             self.warm, self.use_items, self.warmup = _unread_warmup(hv, dev), 0, 0
@@ -755,8 +786,9 @@ class _Launches:
         if self.output is None and self.persistent is None:
             return
         fbuf, pbuf, mbuf, ubuf, wbuf, dbuf = self.stage1
-        # Stage 2's inputs: V-first reads v, M's diagonal and the packed P^T / M, v8 P, U0 and -Wk.
-        tiles = (v, fbuf, dbuf, mbuf) if self.vfirst else (fbuf, pbuf, ubuf, wbuf)
+        # Stage 2's inputs: V-first reads v, M's diagonal and the packed P^T / M (packed) or P and
+        # M, v8 P, U0 and -Wk.
+        tiles = (v, fbuf, dbuf if self.packed else pbuf, mbuf) if self.vfirst else (fbuf, pbuf, ubuf, wbuf)
         head = (qh, kh, *tiles, pool, slot_ids, flags, self.cu_seqlens, self.chunk_offsets)
         # (without checkpoints the kernels never read these: slot_ids stands in for both)
         ckpt = (slot_ids, slot_ids, 0) if checkpoints is None else (*checkpoints, 1)

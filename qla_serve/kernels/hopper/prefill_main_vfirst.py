@@ -25,10 +25,12 @@ Warp roles (BV / 64 consumer warpgroups + one producer warpgroup):
   producer   one warp issuing the TMA loads of the next chunk (two stages), one "storer"
              warp issuing the TMA store of each whole chunk's O tile (two tiles: the consumers
              write tile j % 2 once chunk j - 2's store has read it; mbarriers o_full / o_free),
-             and two "unpack" warps that turn stage 1's packed tile (P^T above M, prefill_prep
-             form "m") into the zero-filled M and P^T tiles the GEMMs take, in shared memory,
-             once a stage's TMA bytes land (mbarrier loaded) and before the consumers may read
-             it (mbarrier ready): stage 1's P and M cross HBM as one 8 KB tile per chunk and head.
+             and, for whole-sequence plans (packed), two "unpack" warps that turn stage 1's
+             packed tile (P^T above M, prefill_prep's packed form "m") into the zero-filled M
+             and P^T tiles the GEMMs take, in shared memory, once a stage's TMA bytes land
+             (mbarrier loaded) and before the consumers may read it (mbarrier ready): stage 1's
+             P and M cross HBM as one 8 KB tile per chunk and head. The context-parallel passes
+             read P and M apart (prefill_api.packed_tiles).
              A sequence's last, partial chunk is stored by the consumers themselves, row by row
              (TMA clips at T, not at the sequence's end).
 Only v_split 1 (two consumer warpgroups, 384 threads) and 2 (one, 256 threads): a wgmma tile
@@ -71,9 +73,13 @@ UNPACK_SOURCE = (Path(__file__).with_name("csrc") / "unpack_pm.cuh").read_text()
 
 
 def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str, v_split: int,
-              mode: str = "output", pdl: bool = False):
+              mode: str = "output", pdl: bool = False, packed: bool = False):
     """Build the V-first stage-2 PrimFunc: the signature and semantics of
-    prefill_main.main_func (work items, modes "output"/"maps", gate warmup, pdl), v_split 1 or 2."""
+    prefill_main.main_func (work items, modes "output"/"maps", gate warmup, pdl), v_split 1 or 2.
+    packed: stage 1 wrote P^T and M packed (prefill_prep's packed form; the argument `pd` is then
+    M's diagonal [NC, Hv, 64], else P [NC, Hv, 64, 64] beside M in mbuf), unpacked by two
+    producer warps; the context-parallel passes take the tiles apart (prefill_api.packed_tiles:
+    their maps pass reads M alone, where the unpack would only add latency)."""
     if v_split not in V_SPLITS:
         raise ValueError(f"v_split must be one of {V_SPLITS} for the V-first kernel, got {v_split}")
     if mode not in MODES:
@@ -101,11 +107,12 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
     sp0 = T.dynamic("sp0")
     mm = "float16"
     acc = "float32"
-    load_chunk = _chunk_loader(maps_mode, BV)
+    load_chunk = _chunk_loader(maps_mode, BV, packed)
     unpack = _unpacker(maps_mode, consumers + 64)
-    chain_step = _chain_step(maps_mode, BV)
+    chain_step = _chain_step(maps_mode, BV, packed)
     emit_o, store_o = _output_movers(BV, io_dtype)
     walk_item, pool_load = item_walker(maps_mode, v_split)
+    pd_t = T.Tensor((nchunk, Hv, C), mm) if packed else T.Tensor((nchunk, Hv, C, C), mm)
 
     @T.prim_func
     def gdn_prefill_main_vfirst(
@@ -113,8 +120,8 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
         k: T.StridedTensor((ntok, Hk, DK), (sk0, sk1, 1), mm),
         values: T.StridedTensor((ntok, Hv, DV), (sv0, sv1, 1), io_dtype),  # v (loop variables take `v`)
         fbuf: T.Tensor((nchunk, Hv, 2, C), "float32"),
-        dbuf: T.Tensor((nchunk, Hv, C), mm),  # M's diagonal (prefill_prep form "m")
-        mbuf: T.Tensor((nchunk, Hv, C, C), mm),  # P^T on and above the diagonal, M below it
+        pd: pd_t,  # packed: M's diagonal; else P
+        mbuf: T.Tensor((nchunk, Hv, C, C), mm),  # packed: P^T on and above the diagonal, M below; else M
         pool: T.StridedTensor((nslot, Hv, DV, DK), (sp0, DV * DK, DK, 1), pool_dtype),
         slot_ids: T.Tensor((nseq,), "int32"),
         has_init: T.Tensor((nhis,), "uint8"),
@@ -142,23 +149,7 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
             T.assume(sp0 % _POOL_VEC[pool_dtype] == 0)
             hk = h // group
             v0 = (vb % v_split) * BV  # value rows (or, for Phi blocks, the rows of Phi^T)
-            q_s = T.alloc_shared((2, C, DK), mm)
-            k_s = T.alloc_shared((2, C, DK), mm)
-            p_s = T.alloc_shared((2, C, C), mm)
-            v_s = T.alloc_shared((2, C, BV), io_dtype)
-            m_s = T.alloc_shared((2, C, C), mm)
-            pm_s = T.alloc_shared((2, C, C), mm)  # stage 1's packed tile, as loaded
-            d_s = T.alloc_shared((2, C), mm)  # M's diagonal
-            f_s = T.alloc_shared((2, 2, C), acc)  # exp(gc), dec
-            o_s = T.alloc_shared((2, C, BV), io_dtype)  # O of whole chunks on their way out (TMA)
-            # Swizzled: each thread reads V^T (R's first term) down a column of the tile, 4 rows
-            # 256 bytes apart per warp load: the same banks, 4-way conflicts, when row-major.
-            T.annotate_layout({v_s: tilelang.layout.make_swizzled_layout(v_s),
-                               o_s: tilelang.layout.make_swizzled_layout(o_s),
-                               pm_s: tilelang.layout.make_swizzled_layout(pm_s),
-                               m_s: tilelang.layout.make_swizzled_layout(m_s),
-                               p_s: tilelang.layout.make_swizzled_layout(p_s)})
-            T.import_source(UNPACK_SOURCE)
+            q_s, k_s, p_s, v_s, m_s, pm_s, d_s, f_s, o_s = _ring_tiles(packed, BV, io_dtype)
             x_f = T.alloc_fragment((BV, DK), acc)  # X = S^T
             xh_f = T.alloc_fragment((BV, DK), mm)
             vp_f = T.alloc_fragment((BV, C), acc)  # (K S)^T, then V'^T
@@ -166,8 +157,7 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
             vph_f = T.alloc_fragment((BV, C), mm)
             vpd_f = T.alloc_fragment((BV, C), mm)  # (V' diag(dec))^T
             o_f = T.alloc_fragment((BV, C), acc)  # O^T
-            loaded = T.alloc_barrier([32, 32])  # stage's TMA tiles: the producer warp + their bytes
-            ready = T.alloc_barrier([64, 64])  # stage's M and P^T unpacked: the two unpack warps
+            loaded, ready = _ring_barriers(packed)
             free = T.alloc_barrier([consumers, consumers])  # stage consumed by every consumer
             o_full = T.alloc_barrier([consumers, consumers])  # O tile written by every consumer
             o_free = T.alloc_barrier([32, 32])  # O tile read by its TMA store (the storer warp)
@@ -241,16 +231,17 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
                                 store_o(c - warm_chunks, t0, h, v0, o_s, out, o_full, o_free)
                 if tx < consumers + 32:
                     for c in T.serial(nchunks):
-                        load_chunk(c, bos + c * C, coff + c, hk, h, v0, q, k, values, dbuf, fbuf, mbuf,
-                                   q_s, k_s, f_s, v_s, pm_s, d_s, loaded, free)
-                if tx >= consumers + 64:
-                    for c in T.serial(nchunks):
-                        unpack(c, pm_s, d_s, m_s, p_s, loaded, ready)
+                        load_chunk(c, bos + c * C, coff + c, hk, h, v0, q, k, values, pd, fbuf, mbuf,
+                                   q_s, k_s, p_s, f_s, v_s, m_s, pm_s, d_s, loaded, free)
+                if packed:
+                    if tx >= consumers + 64:
+                        for c in T.serial(nchunks):
+                            unpack(c, pm_s, d_s, m_s, p_s, loaded, ready)
 
     return gdn_prefill_main_vfirst, threads
 
 
-def _chain_step(maps_mode: bool, BV: int):
+def _chain_step(maps_mode: bool, BV: int, packed: bool):
     """The consumers' work on one chunk in ring stage st (phase: its mbarrier parity): wait for
     the stage, then V', O and the state update (module docstring), shared by main_func and
     persistent_func. emit (a PrimExpr, or True): the chunk's O is computed (False for warmup
@@ -261,8 +252,9 @@ def _chain_step(maps_mode: bool, BV: int):
     @T.macro
     def chain_step(st, phase, emit, is_phi, scale, x_f, xh_f, vp_f, rh_f, vph_f, vpd_f, o_f, q_s, k_s, v_s,
                    m_s, p_s, f_s, loaded, ready):
-        T.barrier_wait(loaded[st], phase)  # the stage's TMA tiles
-        T.barrier_wait(ready[st], phase)  # M and P^T unpacked from them (_unpacker)
+        if packed:
+            T.barrier_wait(loaded[st], phase)  # the stage's TMA tiles
+        T.barrier_wait(ready[st], phase)  # packed: M and P^T unpacked from them (_unpacker)
         for v, d in T.Parallel(BV, DK):
             xh_f[v, d] = T.cast(x_f[v, d], mm)
         # (K S)^T = Xh K^T and O^T = Xh Q^T; R^T = V^T - (K S)^T diag(exp gc) (V = 0
@@ -295,7 +287,8 @@ def _chain_step(maps_mode: bool, BV: int):
                 for v, i in T.Parallel(BV, C):
                     vph_f[v, i] = T.cast(vp_f[v, i], mm)
                     o_f[v, i] = o_f[v, i] * (f_s[st, 0, i] * scale)
-                T.wgmma_gemm(vph_f, p_s[st, :, :], o_f, policy=rows)  # p_s holds P^T
+                # packed: p_s holds P^T (_unpacker), else P
+                T.wgmma_gemm(vph_f, p_s[st, :, :], o_f, transpose_B=not packed, policy=rows)
         T.wait_wgmma(0)
 
     return chain_step
@@ -333,24 +326,61 @@ def _output_movers(BV: int, io_dtype: str):
 
     return emit_o, store_o
 
-def _chunk_loader(maps_mode: bool, BV: int):
+def _chunk_loader(maps_mode: bool, BV: int, packed: bool):
     """The producer's TMA loads of one chunk into stage c % 2 (q only for outputs), after every
-    consumer released that stage: q, k, the gate factors, v, stage 1's packed P^T / M tile and
-    M's diagonal. v rows past T arrive as zeros (TMA bounds)."""
-    load_qk_tiles = qk_tile_loader(maps_mode, with_p=False)
+    consumer released that stage: q, k, the gate factors, v, and packed stage 1's packed P^T / M
+    tile and M's diagonal (pd), else P (pd; outputs only) and M. v rows past T arrive as zeros
+    (TMA bounds). Unpacked, `loaded` is the stage's `ready` (_ring_barriers)."""
+    load_qk_tiles = qk_tile_loader(maps_mode, with_p=not packed)
 
     @T.macro
-    def load_chunk(c, t0, cidx, hk, h, v0, q, k, values, dbuf, fbuf, mbuf, q_s, k_s, f_s, v_s, pm_s, d_s, loaded,
-                   free):
+    def load_chunk(c, t0, cidx, hk, h, v0, q, k, values, pd, fbuf, mbuf, q_s, k_s, p_s, f_s, v_s, m_s, pm_s, d_s,
+                   loaded, free):
         st = c % 2
         T.barrier_wait(free[st], (c // 2 + 1) % 2)
-        load_qk_tiles(st, t0, cidx, hk, h, q, k, None, fbuf, q_s, k_s, None, f_s, loaded)
+        load_qk_tiles(st, t0, cidx, hk, h, q, k, pd, fbuf, q_s, k_s, p_s, f_s, loaded)
         T.tma_copy(values[t0:t0 + C, h, v0:v0 + BV], v_s[st, :, :], barrier=loaded[st])
-        T.tma_copy(mbuf[cidx, h, 0:C, 0:C], pm_s[st, :, :], barrier=loaded[st])
-        T.tma_copy(dbuf[cidx, h, 0:C], d_s[st, :], barrier=loaded[st])
+        if packed:
+            T.tma_copy(mbuf[cidx, h, 0:C, 0:C], pm_s[st, :, :], barrier=loaded[st])
+            T.tma_copy(pd[cidx, h, 0:C], d_s[st, :], barrier=loaded[st])
+        else:
+            T.tma_copy(mbuf[cidx, h, 0:C, 0:C], m_s[st, :, :], barrier=loaded[st])
         T.barrier_arrive(loaded[st])
 
     return load_chunk
+
+
+def _ring_tiles(packed: bool, BV: int, io_dtype: str):
+    """The two-stage ring's shared tiles: q, k, P (P^T when packed), v, M, and when packed stage
+    1's tile as loaded and M's diagonal (else None), the gate factors, and O on its way out."""
+    mm = "float16"
+    q_s = T.alloc_shared((2, C, DK), mm)
+    k_s = T.alloc_shared((2, C, DK), mm)
+    p_s = T.alloc_shared((2, C, C), mm)
+    v_s = T.alloc_shared((2, C, BV), io_dtype)
+    m_s = T.alloc_shared((2, C, C), mm)
+    pm_s = T.alloc_shared((2, C, C), mm) if packed else None  # stage 1's packed tile, as loaded
+    d_s = T.alloc_shared((2, C), mm) if packed else None  # M's diagonal
+    f_s = T.alloc_shared((2, 2, C), "float32")  # exp(gc), dec
+    o_s = T.alloc_shared((2, C, BV), io_dtype)  # O of whole chunks on their way out (TMA)
+    # Swizzled: each thread reads V^T (R's first term) down a column of the tile, 4 rows
+    # 256 bytes apart per warp load: the same banks, 4-way conflicts, when row-major.
+    layouts = {v_s: tilelang.layout.make_swizzled_layout(v_s), o_s: tilelang.layout.make_swizzled_layout(o_s)}
+    if packed:  # the unpack moves 16-byte pieces by position: the three tiles share one swizzle
+        layouts.update({t: tilelang.layout.make_swizzled_layout(t) for t in (pm_s, m_s, p_s)})
+    T.annotate_layout(layouts)
+    if packed:
+        T.import_source(UNPACK_SOURCE)
+    return q_s, k_s, p_s, v_s, m_s, pm_s, d_s, f_s, o_s
+
+
+def _ring_barriers(packed: bool):
+    """(loaded, ready) per ring stage: packed, the TMA tiles (the producer warp + their bytes) and
+    then M and P^T unpacked (the two unpack warps); else one barrier, stage filled, for both."""
+    if packed:
+        return T.alloc_barrier([32, 32]), T.alloc_barrier([64, 64])
+    ready = T.alloc_barrier([32, 32])
+    return ready, ready
 
 
 def _unpacker(maps_mode: bool, first_thread: int):
@@ -405,9 +435,9 @@ def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtyp
     sp0 = T.dynamic("sp0")
     mm = "float16"
     acc = "float32"
-    load_chunk = _chunk_loader(False, BV)
+    load_chunk = _chunk_loader(False, BV, True)
     unpack = _unpacker(False, consumers + 64)
-    chain_step = _chain_step(False, BV)
+    chain_step = _chain_step(False, BV, True)
     emit_o, store_o = _output_movers(BV, io_dtype)
     nunits = nitem * Hv * v_split
 
@@ -417,7 +447,7 @@ def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtyp
         k: T.StridedTensor((ntok, Hk, DK), (sk0, sk1, 1), mm),
         values: T.StridedTensor((ntok, Hv, DV), (sv0, sv1, 1), io_dtype),
         fbuf: T.Tensor((nchunk, Hv, 2, C), "float32"),
-        dbuf: T.Tensor((nchunk, Hv, C), mm),  # M's diagonal (prefill_prep form "m")
+        pd: T.Tensor((nchunk, Hv, C), mm),  # M's diagonal (as main_func's packed)
         mbuf: T.Tensor((nchunk, Hv, C, C), mm),  # P^T on and above the diagonal, M below it
         pool: T.StridedTensor((nslot, Hv, DV, DK), (sp0, DV * DK, DK, 1), pool_dtype),
         slot_ids: T.Tensor((nseq,), "int32"),
@@ -435,21 +465,7 @@ def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtyp
     ):
         with T.Kernel(ncta, threads=threads) as bx:
             T.assume(sp0 % _POOL_VEC[pool_dtype] == 0)
-            q_s = T.alloc_shared((2, C, DK), mm)
-            k_s = T.alloc_shared((2, C, DK), mm)
-            p_s = T.alloc_shared((2, C, C), mm)
-            v_s = T.alloc_shared((2, C, BV), io_dtype)
-            m_s = T.alloc_shared((2, C, C), mm)
-            pm_s = T.alloc_shared((2, C, C), mm)
-            d_s = T.alloc_shared((2, C), mm)
-            f_s = T.alloc_shared((2, 2, C), acc)
-            o_s = T.alloc_shared((2, C, BV), io_dtype)
-            T.annotate_layout({v_s: tilelang.layout.make_swizzled_layout(v_s),
-                               o_s: tilelang.layout.make_swizzled_layout(o_s),
-                               pm_s: tilelang.layout.make_swizzled_layout(pm_s),
-                               m_s: tilelang.layout.make_swizzled_layout(m_s),
-                               p_s: tilelang.layout.make_swizzled_layout(p_s)})
-            T.import_source(UNPACK_SOURCE)
+            q_s, k_s, p_s, v_s, m_s, pm_s, d_s, f_s, o_s = _ring_tiles(True, BV, io_dtype)
             x_f = T.alloc_fragment((BV, DK), acc)
             xh_f = T.alloc_fragment((BV, DK), mm)
             vp_f = T.alloc_fragment((BV, C), acc)
@@ -457,8 +473,7 @@ def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtyp
             vph_f = T.alloc_fragment((BV, C), mm)
             vpd_f = T.alloc_fragment((BV, C), mm)
             o_f = T.alloc_fragment((BV, C), acc)
-            loaded = T.alloc_barrier([32, 32])
-            ready = T.alloc_barrier([64, 64])
+            loaded, ready = _ring_barriers(True)
             free = T.alloc_barrier([consumers, consumers])
             o_full = T.alloc_barrier([consumers, consumers])
             o_free = T.alloc_barrier([32, 32])
@@ -532,7 +547,7 @@ def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtyp
                     if tx < consumers + 32:
                         for c in T.serial(nchunks):
                             load_chunk(gdone + c, bos + c * C, chunk_offsets[s] + c, h // group, h, v0, q, k, values,
-                                       dbuf, fbuf, mbuf, q_s, k_s, f_s, v_s, pm_s, d_s, loaded, free)
+                                       pd, fbuf, mbuf, q_s, k_s, p_s, f_s, v_s, m_s, pm_s, d_s, loaded, free)
                     if tx >= consumers + 64:
                         for c in T.serial(nchunks):
                             unpack(gdone + c, pm_s, d_s, m_s, p_s, loaded, ready)

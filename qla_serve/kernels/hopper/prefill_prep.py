@@ -50,10 +50,11 @@ Outputs (workspace, chunk-major so stage 2 loads each tile with one TMA copy; al
 >= n finite and only ever meeting zero weights in stage 2):
   fbuf [NC, Hv, 2, 64] fp32: exp(gc[i]) and dec[i] = exp(gc[63] - gc[i]) (0 for rows >= n; rows
        >= n have g = 0, so gc[63] = gc[n-1] and exp(gc[63]) is the chunk's total decay);
-  form "uw": pbuf [NC, Hv, 64, 64] fp16 (P);
-  form "m": mbuf [NC, Hv, 64, 64] fp16, P and M packed into one tile, both being lower
-       triangular: P^T on and above the diagonal, M's strict lower triangle below it (M is zero
-       above the diagonal and in columns >= n); dbuf [NC, Hv, 64] fp16, M's diagonal. P^T comes
+  pbuf [NC, Hv, 64, 64] fp16 (P; not written when packed);
+  form "m": mbuf [NC, Hv, 64, 64] fp16 (M, zero above the diagonal and in columns >= n);
+  packed (form "m"): mbuf [NC, Hv, 64, 64] fp16, P and M packed into one tile, both being lower
+       triangular: P^T on and above the diagonal, M's strict lower triangle below it;
+       dbuf [NC, Hv, 64] fp16, M's diagonal. P^T comes
        from K Q^T and leaves first, by a TMA store (zeros below the diagonal); M's part is added
        into the same tile by a TMA reduce (x + 0 is exact), so a chunk and head cross HBM as 8 KB
        where P and M apart took 16 (stage 2 unpacks the tile in shared memory,
@@ -138,7 +139,8 @@ def ctas_per_sm(form: str, heads_per_cta: int = 1) -> int:
 
 
 def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw",
-              qk_dtype: str | None = None, heads_per_cta: int = 1, solve: str | None = None):
+              qk_dtype: str | None = None, heads_per_cta: int = 1, solve: str | None = None,
+              packed: bool = False):
     """Build the stage-1 PrimFunc for (Hv, Hk, io dtype, form, q/k dtype, solve); T (tokens), N
     (sequences) and the number of chunks are symbolic, so one compile serves every batch. solve
     (SOLVES): form "m"'s "mma" (its default) or "wgmma"; form "uw" takes "wgmma" only.
@@ -148,11 +150,13 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
     reads such q/k as they are, so this kernel writes no fp16 copies (v21's measurement: prep
     -10% without them).
 
-    form "uw" (for prefill_main.py, v8) writes U0 and -Wk; form "m" (for prefill_main_vfirst.py)
-    writes M itself, and the stage-2 kernel forms V' = M (V - diag(exp(gc)) K S) on its chain.
-    Both take the same arguments; the outputs a form does not write (mbuf and dbuf for "uw",
-    pbuf, ubuf and wbuf for "m") have their own symbolic row counts, so the host passes 1-row
-    stand-ins.
+    form "uw" (for prefill_main.py, v8) writes P, U0 and -Wk; form "m" (for
+    prefill_main_vfirst.py) writes P and M itself, and the stage-2 kernel forms
+    V' = M (V - diag(exp(gc)) K S) on its chain; packed (form "m" only): P^T and M packed into
+    mbuf's one tile, M's diagonal into dbuf, instead of P into pbuf and M into mbuf (the
+    whole-sequence plans' stage 2 unpacks it; the context-parallel passes read the tiles apart,
+    prefill_api.packed_tiles). All take the same arguments; the outputs a form does not write
+    have their own symbolic row counts, so the host passes 1-row stand-ins.
 
     heads_per_cta (form "m" only; a divisor of Hv / Hk): the v-heads one CTA computes, all of
     one qk-head. The q/k tiles and Q K^T depend on the qk-head alone, so the CTA loads q/k and
@@ -162,6 +166,8 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
     mma_solve = resolve_solve(form, solve) == "mma"
     uw_form = form == "uw"
+    if packed and uw_form:
+        raise ValueError("packed: form 'm' only (form 'uw' writes U0 and -Wk, no M)")
     qk_dtype = qk_dtype or io_dtype
     Hv, Hk = num_v_heads, num_k_heads
     group = Hv // Hk
@@ -179,7 +185,8 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
     # The outputs a form does not write: their own row counts, so 1-row stand-ins fit.
     nuw = nchunk if uw_form else T.dynamic("nuw")
     nm = T.dynamic("nm") if uw_form else nchunk
-    np_ = nchunk if uw_form else T.dynamic("np")  # form "m" packs P^T into mbuf
+    np_ = T.dynamic("np") if packed else nchunk  # packed: P^T in mbuf's tile
+    nd = nchunk if packed else T.dynamic("nd")  # M's diagonal, packed only
     mm_dtype = "float16"
     acc = "float32"
     copy_qk = qk_dtype != mm_dtype  # stage 2 wants fp16 q/k
@@ -288,18 +295,18 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
     def _p_tile(j, qk_f, spare_f, prow_s, g2_s, pbuf, mbuf, cid, h0):
         """Head h0 + j's P = scale * Lower(Gamma) o (Q K^T), P[i, c] = (Q K^T)[i, c]
         exp2(g2_i + log2(scale) - g2_c) for i >= c (every element, then masked: see _gated_m).
-        Form "uw": from Q K^T in qk_f, to pbuf. Form "m": P^T from K Q^T in qk_f, to mbuf's tile
-        (its upper triangle with the diagonal; zeros below, where _m_tile adds M)."""
+        From Q K^T in qk_f, to pbuf; packed: P^T from K Q^T in qk_f, to mbuf's tile (its upper
+        triangle with the diagonal; zeros below, where _m_tile adds M)."""
         p_s = _staging_tile()
         p_f = _scratch(qk_f, spare_f)
         for r, s in T.Parallel(C, C):  # (r, s) = (i, c) for P, (c, i) for P^T
-            i, c = (r, s) if uw_form else (s, r)
+            i, c = (s, r) if packed else (r, s)
             p_f[r, s] = qk_f[r, s] * T.exp2(prow_s[j, i] - g2_s[j, c])
         for r, s in T.Parallel(C, C):
-            i, c = (r, s) if uw_form else (s, r)
+            i, c = (s, r) if packed else (r, s)
             p_f[r, s] = T.if_then_else(i >= c, p_f[r, s], 0.0)
         T.copy(p_f, p_s)
-        T.copy(p_s, (pbuf if uw_form else mbuf)[cid, h0 + j, :, :])
+        T.copy(p_s, (mbuf if packed else pbuf)[cid, h0 + j, :, :])
 
     @T.macro
     def _kk_blocks(k_s, kk_f, kd_s, koff_s):
@@ -390,9 +397,9 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
     @T.macro
     def _m_tile(j, kd_s, koff_s, kk_f, n_f, t_f, b_s, g2_s, mbuf, dbuf, cid, h0):
         """Form "m": head h0 + j's M in fp16 (stage 2 meets it with fp16 operands; v10 stored
-        U0 = fp16(M) fp16(V) within the budget): its diagonal to dbuf, its strict lower
-        triangle added by a TMA reduce into mbuf's tile, where _p_tile stored P^T with zeros
-        below the diagonal (x + 0 is exact in fp16), so the tile crosses HBM once."""
+        U0 = fp16(M) fp16(V) within the budget), to mbuf. Packed: its diagonal to dbuf, its
+        strict lower triangle added by a TMA reduce into mbuf's tile, where _p_tile stored P^T
+        with zeros below the diagonal (x + 0 is exact in fp16), so the tile crosses HBM once."""
         mo_s = _staging_tile()
         if mma_solve:
             # csrc/block_solve.cuh: the block forward substitution on mma.sync from Db's diagonal
@@ -409,11 +416,14 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
             _solve(j, kd_s, koff_s, kk_f, n_f, t_f, b_s)
             _gated_m(t_f, g2_s, j)
             T.copy(t_f, mo_s)
-        for i in T.Parallel(C):
-            dbuf[cid, h0 + j, i] = mo_s[i, i]
-            mo_s[i, i] = T.cast(0.0, mm_dtype)
-        T.tma_store_wait(0, read=False)  # P^T's store into the tile has completed, not only been read
-        T.atomic_add(mbuf[cid, h0 + j, :, :], mo_s, use_tma=True)
+        if packed:
+            for i in T.Parallel(C):
+                dbuf[cid, h0 + j, i] = mo_s[i, i]
+                mo_s[i, i] = T.cast(0.0, mm_dtype)
+            T.tma_store_wait(0, read=False)  # P^T's store into the tile has completed, not only been read
+            T.atomic_add(mbuf[cid, h0 + j, :, :], mo_s, use_tma=True)
+        else:
+            T.copy(mo_s, mbuf[cid, h0 + j, :, :])
 
     @T.prim_func
     def gdn_prefill_prep(
@@ -429,7 +439,7 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
         mbuf: T.Tensor((nm, Hv, C, C), mm_dtype),
         ubuf: T.Tensor((nuw, Hv, C, DV), mm_dtype),
         wbuf: T.Tensor((nuw, Hv, C, DK), mm_dtype),
-        dbuf: T.Tensor((nm, Hv, C), mm_dtype),
+        dbuf: T.Tensor((nd, Hv, C), mm_dtype),
         qh: qh_type,
         kh: kh_type,
         scale: T.float32,
@@ -514,11 +524,11 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
                 fbuf[cid, h0 + j, 1, i] = T.if_then_else(i < n, T.exp2(g_s[j, C - 1] * _LOG2E - g2), 0.0)
 
             # P = scale * Lower(Gamma) o Q K^T (state-free, so off stage 2's sequential chain):
-            # Q K^T (K Q^T for form "m", which stores P^T) once, then each head's gates.
-            if uw_form:
-                T.gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)
-            else:
+            # Q K^T (K Q^T when packed, which stores P^T) once, then each head's gates.
+            if packed:
                 T.gemm(k_s, q_s, p_f, transpose_B=True, clear_accum=True)
+            else:
+                T.gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)
             _for_each_head(_p_tile, p_f, t_f, prow_s, g2_s, pbuf, mbuf, cid, h0)
 
             # K K^T once; then each head's A diag(beta) = (I + L)^-1 diag(beta) and M.
