@@ -451,7 +451,7 @@ def kernel_variants(num_v_heads: int, num_k_heads: int, target: str = ARCH) -> l
                     out.append(main_variant(num_v_heads, num_k_heads, io, pool, vs, mode, impl))
                 if packed_tiles("plain", impl):  # whole sequences: the packed tile
                     out.append(main_variant(num_v_heads, num_k_heads, io, pool, vs, "output", impl, False, True))
-                if persistent_applies("plain", main_impl_for(vs, target)):
+                if persistent_applies("plain", impl):
                     out.append(persistent_variant(num_v_heads, num_k_heads, io, pool, vs))
     return out
 
@@ -504,7 +504,7 @@ def build(variant: dict, target: str = ARCH):
 
 def _plan_scratch(plan, hv: int, form: str, packed: bool, device):
     """(number of chunks NC, stage 1's outputs in prep_func's argument order: gate factors
-    [NC, Hv, 2, 64] fp32, P [NC, Hv, 64, 64] fp16 (but when packed), M or the packed P^T / M
+    [NC, Hv, 2, 64] fp32, P [NC, Hv, 64, 64] fp16 (not when packed), M or the packed P^T / M
     tile [NC, Hv, 64, 64] fp16 (form "m"), U0 and -Wk [NC, Hv, 64, 128] fp16 (form "uw"), M's
     diagonal [NC, Hv, 64] fp16 (packed)), the outputs not written as 1-row stand-ins; allocated
     once per plan, head count and form (plan.scratch): every GDN layer of a step reuses them
