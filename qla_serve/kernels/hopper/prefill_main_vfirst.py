@@ -85,6 +85,8 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     maps_mode = mode == "maps"
+    if packed and maps_mode:
+        raise ValueError("packed: output mode only (the maps pass reads M alone, apart)")
     Hv, Hk = num_v_heads, num_k_heads
     group = Hv // Hk
     BV = DV // v_split
@@ -108,7 +110,7 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
     mm = "float16"
     acc = "float32"
     load_chunk = _chunk_loader(maps_mode, BV, packed)
-    unpack = _unpacker(maps_mode, consumers + 64)
+    unpack = _unpacker(consumers + 64) if packed else None
     chain_step = _chain_step(maps_mode, BV, packed)
     emit_o, store_o = _output_movers(BV, io_dtype)
     walk_item, pool_load = item_walker(maps_mode, v_split)
@@ -383,12 +385,12 @@ def _ring_barriers(packed: bool):
     return ready, ready
 
 
-def _unpacker(maps_mode: bool, first_thread: int):
+def _unpacker(first_thread: int):
     """Two producer warps' work on each chunk of stage c % 2, between its TMA loads and the
     consumers: stage 1's packed tile (P^T on and above the diagonal, M's strict lower triangle
     below; M's diagonal apart) into the zero-filled M and P^T tiles the chain's GEMMs take,
     by UNPACK_SOURCE's qla_unpack_pm: branch-free, 16-byte pieces, position by position (the
-    three tiles share the 128-byte swizzle)."""
+    three tiles share the 128-byte swizzle). Output mode only, so always with P^T."""
 
     @T.macro
     def unpack(c, pm_s, d_s, m_s, p_s, loaded, ready):
@@ -396,7 +398,7 @@ def _unpacker(maps_mode: bool, first_thread: int):
         t = T.get_thread_binding() - first_thread
         T.barrier_wait(loaded[st], (c // 2) % 2)
         T.call_extern("handle", "qla_unpack_pm", T.address_of(pm_s[st, 0, 0]), T.address_of(d_s[st, 0]),
-                      T.address_of(m_s[st, 0, 0]), T.address_of(p_s[st, 0, 0]), t, 0 if maps_mode else 1)
+                      T.address_of(m_s[st, 0, 0]), T.address_of(p_s[st, 0, 0]), t, 1)
         T.fence_proxy_async()  # generic-proxy writes, read by wgmma
         T.barrier_arrive(ready[st])
 
@@ -436,7 +438,7 @@ def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtyp
     mm = "float16"
     acc = "float32"
     load_chunk = _chunk_loader(False, BV, True)
-    unpack = _unpacker(False, consumers + 64)
+    unpack = _unpacker(consumers + 64)
     chain_step = _chain_step(False, BV, True)
     emit_o, store_o = _output_movers(BV, io_dtype)
     nunits = nitem * Hv * v_split

@@ -53,12 +53,11 @@ Outputs (workspace, chunk-major so stage 2 loads each tile with one TMA copy; al
   pbuf [NC, Hv, 64, 64] fp16 (P; not written when packed);
   form "m": mbuf [NC, Hv, 64, 64] fp16 (M, zero above the diagonal and in columns >= n);
   packed (form "m"): mbuf [NC, Hv, 64, 64] fp16, P and M packed into one tile, both being lower
-       triangular: P^T on and above the diagonal, M's strict lower triangle below it;
-       dbuf [NC, Hv, 64] fp16, M's diagonal. P^T comes
-       from K Q^T and leaves first, by a TMA store (zeros below the diagonal); M's part is added
-       into the same tile by a TMA reduce (x + 0 is exact), so a chunk and head cross HBM as 8 KB
-       where P and M apart took 16 (stage 2 unpacks the tile in shared memory,
-       csrc/unpack_pm.cuh);
+       triangular: P^T on and above the diagonal, M's strict lower triangle below it; dbuf
+       [NC, Hv, 64] fp16, M's diagonal. P^T comes from K Q^T and leaves first, by a TMA store
+       (zeros below the diagonal); M's part is added into the same tile by a TMA reduce (x + 0
+       is exact), so a chunk and head cross HBM as 8 KB where P and M apart took 16 (stage 2
+       unpacks the tile in shared memory, csrc/unpack_pm.cuh);
   form "uw": ubuf (U0) and wbuf (-Wk, negated so stage 2 accumulates onto U0) [NC, Hv, 64, 128],
        fp16;
   for bf16 q/k also qh, kh [T, Hk, 128]: fp16 copies of q and k (exact for unit-norm rows down to
