@@ -45,15 +45,16 @@ from qla_serve.costmodel import CostModel, load_cost_model
 from qla_serve.paths import supported_prefill_strategies
 
 CHUNK = 64
+ENV_CP = "QLA_SERVE_CP"
+V_SPLITS = (1, 2, 4)
+__all__ = ["ALL_STRATEGIES", "CHUNK", "CP_MODES", "ENV_CP", "PrefillPlan", "V_SPLITS", "cp_from_env", "force_plan",
+           "plan_prefill"]
 
 
 def seq_chunks(seq_lens: Iterable[int]) -> list[int]:
     """Each sequence's CHUNK-token chunks, ceil(len / CHUNK) (0 for an empty sequence)."""
     return [-(-int(n) // CHUNK) for n in seq_lens]
-ENV_CP = "QLA_SERVE_CP"
-V_SPLITS = (1, 2, 4)
-__all__ = ["ALL_STRATEGIES", "CHUNK", "CP_MODES", "ENV_CP", "PrefillPlan", "V_SPLITS", "cp_from_env", "force_plan",
-           "plan_prefill"]
+
 
 # Segment table columns.
 SEG_SEQ, SEG_FIRST_CHUNK, SEG_NUM_CHUNKS, SEG_CARRIED = range(4)
