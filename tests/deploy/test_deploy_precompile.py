@@ -54,14 +54,15 @@ def test_config_enumeration_matches_its_heads_dtypes_and_targets(modules):
     # sm_90a only: v8 reads form "uw", which both targets build), each for bf16 q/k and for the
     # fp16 q/k the engine layers hand over beside bf16 v ("_qkfloat16"), and each with 1, 2 and
     # 4 v-heads per CTA ("_heads2", "_heads4": Hv / Hk = 4 at TP8), both form "m"'s stage 1 and
-    # the V-first output pass also packed ("_pm": P^T and M in one tile, plans without a cut)
+    # the V-first output pass at v_split 1 also packed ("_pm": P^T and M in one tile, plans
+    # without a cut; prefill_api.packed_tiles)
     assert len({j.key for j in jobs}) == len(jobs)
     names = {t: sorted(j.name for j in jobs if j.target == t) for t in TARGETS}
     vfirst = [n for n in names["sm_90a"] if "_vfirst" in n]  # (maps passes: "_vfirst_pdl")
     assert vfirst and all(("_vs1" in n or "_vs2" in n) for n in vfirst)
     packed = [n for n in names["sm_90a"] if n.endswith("_pm")]
     assert sorted(n for n in packed if "_main_" in n) == sorted(
-        f"gdn_prefill_main_hv8_hk2_bfloat16_poolfloat32_vs{vs}_vfirst_pm" for vs in (1, 2))
+        ["gdn_prefill_main_hv8_hk2_bfloat16_poolfloat32_vs1_vfirst_pm"])
     form_m = re.compile(r"gdn_prefill_prep_.*_m(_qkfloat16)?(_heads[24])?(_pm)?$")
     prep_m = [n for n in names["sm_90a"] if form_m.match(n)]
     assert prep_m == sorted(f"gdn_prefill_prep_hv8_hk2_bfloat16_m{qk}{heads}{pm}" for qk in ("", "_qkfloat16")

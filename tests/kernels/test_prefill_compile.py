@@ -329,15 +329,14 @@ def test_vfirst_is_chosen_only_where_it_applies(monkeypatch):
     monkeypatch.setattr(P, "PERSISTENT", True)
     mains = [v for v in P.kernel_variants(8, 2) if v["op"] == "prefill_main"]
     # 2 io x 2 pools x 2 modes at each split: V-first at 1 and 2 (no v8 twin), v8 at 4; the
-    # V-first output pass also packed (plans without a cut) and on the persistent grid (plain and
-    # V-split plans) at 1 and 2, 2 io x 2 pools
+    # V-first output pass also packed at 1 (plans without a cut) and on the persistent grid (plain
+    # and V-split plans, always packed) at 1 and 2, 2 io x 2 pools
     persistent = [v for v in mains if v.get("persistent")]
     assert sorted((v["v_split"], v["impl"], v["mode"]) for v in persistent) == sorted(
         [(1, "vfirst", "output")] * 4 + [(2, "vfirst", "output")] * 4)
     assert sorted((v["v_split"], v.get("impl", "v8")) for v in mains if not v.get("persistent")) == sorted(
-        [(1, "vfirst")] * 12 + [(2, "vfirst")] * 12 + [(4, "v8")] * 8)
-    assert sorted((v["v_split"], v["mode"]) for v in mains if v.get("packed")) == sorted(
-        [(1, "output")] * 4 + [(2, "output")] * 4)
+        [(1, "vfirst")] * 12 + [(2, "vfirst")] * 8 + [(4, "v8")] * 8)
+    assert sorted((v["v_split"], v["mode"]) for v in mains if v.get("packed")) == [(1, "output")] * 4
     assert not any(v.get("impl") == "vfirst" for v in blackwell.kernel_variants(8, 2))
     monkeypatch.setattr(P, "MAIN_IMPL", "v8")
     assert not any(n.endswith("_vfirst") for n in (v["name"] for v in P.kernel_variants(8, 2)))

@@ -25,12 +25,12 @@ Warp roles (BV / 64 consumer warpgroups + one producer warpgroup):
   producer   one warp issuing the TMA loads of the next chunk (two stages), one "storer"
              warp issuing the TMA store of each whole chunk's O tile (two tiles: the consumers
              write tile j % 2 once chunk j - 2's store has read it; mbarriers o_full / o_free),
-             and, for whole-sequence plans (packed), two "unpack" warps that turn stage 1's
-             packed tile (P^T above M, prefill_prep's packed form "m") into the zero-filled M
+             and, for whole-sequence plans at v_split 1 (packed), two "unpack" warps that turn
+             stage 1's packed tile (P^T above M, prefill_prep's packed form "m") into the zero-filled M
              and P^T tiles the GEMMs take, in shared memory, once a stage's TMA bytes land
              (mbarrier loaded) and before the consumers may read it (mbarrier ready): stage 1's
              P and M cross HBM as one 8 KB tile per chunk and head. The context-parallel passes
-             read P and M apart (prefill_api.packed_tiles).
+             and V-split plans read P and M apart (prefill_api.packed_tiles).
              A sequence's last, partial chunk is stored by the consumers themselves, row by row
              (TMA clips at T, not at the sequence's end).
 Only v_split 1 (two consumer warpgroups, 384 threads) and 2 (one, 256 threads): a wgmma tile
@@ -78,8 +78,9 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
     prefill_main.main_func (work items, modes "output"/"maps", gate warmup, pdl), v_split 1 or 2.
     packed: stage 1 wrote P^T and M packed (prefill_prep's packed form; the argument `pd` is then
     M's diagonal [NC, Hv, 64], else P [NC, Hv, 64, 64] beside M in mbuf), unpacked by two
-    producer warps; the context-parallel passes take the tiles apart (prefill_api.packed_tiles:
-    their maps pass reads M alone, where the unpack would only add latency)."""
+    producer warps; the context-parallel passes and V-split plans take the tiles apart
+    (prefill_api.packed_tiles: the maps pass reads M alone, where the unpack would only add
+    latency, and a V-split CTA would unpack the whole tile for half the chain's work)."""
     if v_split not in V_SPLITS:
         raise ValueError(f"v_split must be one of {V_SPLITS} for the V-first kernel, got {v_split}")
     if mode not in MODES:

@@ -153,9 +153,10 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
     prefill_main_vfirst.py) writes P and M itself, and the stage-2 kernel forms
     V' = M (V - diag(exp(gc)) K S) on its chain; packed (form "m" only): P^T and M packed into
     mbuf's one tile, M's diagonal into dbuf, instead of P into pbuf and M into mbuf (the
-    whole-sequence plans' stage 2 unpacks it; the context-parallel passes read the tiles apart,
-    prefill_api.packed_tiles). All take the same arguments; the outputs a form does not write
-    have their own symbolic row counts, so the host passes 1-row stand-ins.
+    whole-sequence plans' stage 2 at v_split 1 unpacks it; the context-parallel passes and
+    V-split plans read the tiles apart, prefill_api.packed_tiles). All take the same arguments;
+    the outputs a form does not write have their own symbolic row counts, so the host passes
+    1-row stand-ins.
 
     heads_per_cta (form "m" only; a divisor of Hv / Hk): the v-heads one CTA computes, all of
     one qk-head. The q/k tiles and Q K^T depend on the qk-head alone, so the CTA loads q/k and
