@@ -61,7 +61,8 @@ def test_config_enumeration_matches_its_heads_dtypes_and_targets(modules):
     vfirst = [n for n in names["sm_90a"] if "_vfirst" in n]  # (maps passes: "_vfirst_pdl")
     assert vfirst and all(("_vs1" in n or "_vs2" in n) for n in vfirst)
     packed = [n for n in names["sm_90a"] if n.endswith("_pm")]
-    assert [n for n in packed if "_main_" in n] == ["gdn_prefill_main_hv8_hk2_bfloat16_poolfloat32_vs1_vfirst_pm"]
+    assert [n for n in packed if "_main_" in n and "_persistent" not in n] == [
+        "gdn_prefill_main_hv8_hk2_bfloat16_poolfloat32_vs1_vfirst_pm"]
     form_m = re.compile(r"gdn_prefill_prep_.*_m(_qkfloat16)?(_heads[24])?(_pm)?$")
     prep_m = [n for n in names["sm_90a"] if form_m.match(n)]
     assert prep_m == sorted(f"gdn_prefill_prep_hv8_hk2_bfloat16_m{qk}{heads}{pm}" for qk in ("", "_qkfloat16")
@@ -69,10 +70,11 @@ def test_config_enumeration_matches_its_heads_dtypes_and_targets(modules):
     assert "gdn_prefill_prep_hv8_hk2_bfloat16_qkfloat16" in names["sm_100a"]
     assert "gdn_prefill_inputs_hk2_bfloat16_to-float16_qk-only" in names["sm_100a"]
     assert not any("_vfirst" in n or form_m.match(n) for n in names["sm_100a"])
-    # and the V-first stage 2's persistent grid for plain and V-split plans (sm_90a only)
-    persistent = [n for n in names["sm_90a"] if n.endswith("_vfirst_persistent")]
-    assert sorted(persistent) == sorted(f"gdn_prefill_main_hv8_hk2_bfloat16_poolfloat32_vs{vs}_vfirst_persistent"
-                                        for vs in (1, 2))
+    # and the V-first stage 2's persistent grid for plain and V-split plans (sm_90a only; packed
+    # at v_split 1)
+    persistent = [n for n in names["sm_90a"] if "_vfirst_persistent" in n]
+    assert sorted(persistent) == [f"gdn_prefill_main_hv8_hk2_bfloat16_poolfloat32_vs{vs}_vfirst_persistent{pm}"
+                                  for vs, pm in ((1, "_pm"), (2, ""))]
     assert sorted(n.replace("_vfirst", "") for n in names["sm_90a"]
                   if n not in prep_m and n not in persistent and n not in packed) == names["sm_100a"]
 

@@ -288,7 +288,7 @@ def test_compiles_vfirst_sm90a(v_split, mode, packed):
 WGMMA_KERNELS = ([P.main_variant(8, 2, "bfloat16", "float32", vs, mode, "vfirst")
                   for vs in (1, 2) for mode in ("output", "maps")]
                  + [P.main_variant(8, 2, "bfloat16", "float32", 1, "output", "vfirst", packed=True)]
-                 + [P.persistent_variant(8, 2, "bfloat16", "float32", vs) for vs in (1, 2)]
+                 + [P.persistent_variant(8, 2, "bfloat16", "float32", vs, vs == 1) for vs in (1, 2)]
                  + [P.prep_variant(8, 2, "bfloat16", "m", "float16", heads, packed=pk)
                     for heads in (1, 4) for pk in (False, True)])
 
@@ -303,17 +303,20 @@ def test_wgmma_not_serialized(variant, tmp_path):
     assert not usage["wgmma_serialized"], usage
 
 
-@pytest.mark.parametrize("v_split", [1, 2])
-def test_compiles_persistent_sm90a(v_split):
+@pytest.mark.parametrize("v_split,packed", [(1, True), (2, False), (1, False)])
+def test_compiles_persistent_sm90a(v_split, packed):
     """The V-first stage 2 on the persistent grid: the same chain (A operands from registers, no
     barrier over the consumers, O by TMA store from the storer warp), one grid dimension (the
-    length of ``ctas``), the units' sequences read from ``items``."""
-    kern = P.build(P.persistent_variant(8, 2, "bfloat16", "float32", v_split), "sm_90a")
+    length of ``ctas``), the units' sequences read from ``items``; packed (v_split 1, as
+    prefill_api.packed_tiles takes it) stage 1's tile unpacked by two producer warps, else P and M
+    loaded apart."""
+    kern = P.build(P.persistent_variant(8, 2, "bfloat16", "float32", v_split, packed), "sm_90a")
     src = kern.get_kernel_source()
     assert "gdn_prefill_main_persistent" in src and "wgmma_rs" in src and "wgmma_ss" not in src
     assert "__sync_thread_partial" not in src and src.count("__syncthreads()") == 1
     assert "tma_store(out_desc" in src and "tma_load(mbuf_desc" in src and "items[" in src
-    assert "tma_load(pd_desc" in src and re.search(r"qla_unpack_pm\(\(&.*, 1\);", src)  # packed
+    assert "tma_load(pd_desc" in src  # packed: M's diagonal, else P
+    assert bool(re.search(r"qla_unpack_pm\(\(&.*, 1\);", src)) == packed
     assert "blockIdx.y" not in src and "blockIdx.z" not in src
     assert ("warpgroup_reg_alloc" in src) == (v_split == 1)
 
@@ -330,13 +333,14 @@ def test_vfirst_is_chosen_only_where_it_applies(monkeypatch):
     mains = [v for v in P.kernel_variants(8, 2) if v["op"] == "prefill_main"]
     # 2 io x 2 pools x 2 modes at each split: V-first at 1 and 2 (no v8 twin), v8 at 4; the
     # V-first output pass also packed at 1 (plans without a cut) and on the persistent grid (plain
-    # and V-split plans, always packed) at 1 and 2, 2 io x 2 pools
+    # and V-split plans) at 1 (packed) and 2, 2 io x 2 pools
     persistent = [v for v in mains if v.get("persistent")]
     assert sorted((v["v_split"], v["impl"], v["mode"]) for v in persistent) == sorted(
         [(1, "vfirst", "output")] * 4 + [(2, "vfirst", "output")] * 4)
     assert sorted((v["v_split"], v.get("impl", "v8")) for v in mains if not v.get("persistent")) == sorted(
         [(1, "vfirst")] * 12 + [(2, "vfirst")] * 8 + [(4, "v8")] * 8)
-    assert sorted((v["v_split"], v["mode"]) for v in mains if v.get("packed")) == [(1, "output")] * 4
+    assert sorted((v["v_split"], v["mode"], v.get("persistent", False)) for v in mains if v.get("packed")) == (
+        [(1, "output", False)] * 4 + [(1, "output", True)] * 4)
     assert not any(v.get("impl") == "vfirst" for v in blackwell.kernel_variants(8, 2))
     monkeypatch.setattr(P, "MAIN_IMPL", "v8")
     assert not any(n.endswith("_vfirst") for n in (v["name"] for v in P.kernel_variants(8, 2)))

@@ -180,9 +180,9 @@ def test_main_switch_selects_the_stage2_kernel(launches, monkeypatch, main_impl,
 @pytest.mark.parametrize("main_impl,v_split,segment_chunks", [("vfirst", 1, 0), ("vfirst", 2, 0), ("vfirst", 4, 0),
                                                               ("v8", 1, 0), ("vfirst", 1, 3), ("vfirst", 2, 3)])
 def test_stage1_form_matches_the_stage2_kernel(launches, monkeypatch, main_impl, v_split, segment_chunks):
-    """V-first reads M (prep form "m") and v itself: without a cut at v_split 1 or on the
-    persistent grid packed, P^T and M in one tile with M's diagonal apart (stage 2's `pd`); else
-    (a cut, or V-split CTAs per head) P (`pd`) and M apart, in every pass. v8
+    """V-first reads M (prep form "m") and v itself: without a cut at v_split 1 packed, P^T and M
+    in one tile with M's diagonal apart (stage 2's `pd`), on the persistent grid too; else (a cut,
+    or V-split CTAs per head) P (`pd`) and M apart, in every pass. v8
     reads P, U0 and -Wk (form "uw"). The tiles stage 2 loads are the very tensors stage 1 wrote;
     the outputs not written are 1-row stand-ins."""
     monkeypatch.setattr(P, "MAIN_IMPL", main_impl)
@@ -191,8 +191,7 @@ def test_stage1_form_matches_the_stage2_kernel(launches, monkeypatch, main_impl,
           "exact" if segment_chunks else None, inputs)
     (prep_v, prep), *mains = [(v, a) for v, a in launches if v["op"] in ("prefill_prep", "prefill_main")]
     impl = mains[-1][0].get("impl", "v8")
-    persistent = any(v.get("persistent") for v, _ in mains)
-    packed = impl == "vfirst" and not segment_chunks and (v_split == 1 or persistent)
+    packed = impl == "vfirst" and not segment_chunks and v_split == 1
     assert prep_v.get("form", "uw") == P.PREP_FORM[impl] and prep_v.get("packed", False) == packed
     chunks = 7 if not segment_chunks else 12  # 5 (300 tokens) + 2 (65); 10 + 2 (100)
     if impl == "vfirst":
@@ -205,7 +204,7 @@ def test_stage1_form_matches_the_stage2_kernel(launches, monkeypatch, main_impl,
     for name in unread:
         assert prep[name].shape[0] == 1, name
     for main_v, main in mains:
-        assert main_v.get("packed", False) == (packed and not main_v.get("persistent")), main_v["name"]
+        assert main_v.get("packed", False) == packed, main_v["name"]
         assert main["fbuf"] is prep["fbuf"]
         if impl == "vfirst":
             assert main["mbuf"] is prep["mbuf"] and main["pd"] is prep["dbuf" if packed else "pbuf"]

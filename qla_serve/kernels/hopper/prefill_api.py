@@ -327,23 +327,24 @@ def main_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: 
     return v
 
 
-def packed_tiles(strategy: str, impl: str, v_split: int, persistent: bool) -> bool:
+def packed_tiles(strategy: str, impl: str, v_split: int) -> bool:
     """Whether a plan's stage 1 packs P^T and M into one tile (prefill_prep's packed form "m")
-    for its stage 2 to unpack: V-first plans without a cut, at v_split 1 or on the persistent
-    grid (which always reads it). A chunk and head then cross HBM as 8 KB instead of 16 (H100,
-    packed against apart, v_split 1: 16/64 4 x 8192 -6%, 2048 x 4 -6%, 8 x 1024 -4%, 4/16 8 x 1024
-    -6%, 2/8 64 x 512 -5% per call). Apart elsewhere: the context-parallel maps pass reads M
-    alone, so packing saves it nothing and the unpack only adds latency (2/8 1 x 8192 +6%
-    packed), and at v_split 2 each of a head's two CTAs unpacks the same tile, stage 2 7-10%
-    slower (4/16 4 x 8192 +3.7%, 2048 x 4 +1.5% per call; benchmarks/prefill.md, "P and M
+    for its stage 2 to unpack: V-first plans without a cut at v_split 1 (a CTA per unit or the
+    persistent grid). A chunk and head then cross HBM as 8 KB instead of 16 (H100, packed
+    against apart: 16/64 4 x 8192 -6%, 2048 x 4 -6%, 8 x 1024 -4%, 4/16 8 x 1024 -6%, 2/8
+    64 x 512 -5% per call). Apart elsewhere: the context-parallel maps pass reads M alone, so
+    packing saves it nothing and the unpack only adds latency (2/8 1 x 8192 +6% packed), and at
+    v_split 2 each of a head's two CTAs unpacks the same tile for half the chain's work, stage 2
+    7-10% slower (4/16 4 x 8192 +3.7%, 2048 x 4 +1.5% per call; benchmarks/prefill.md, "P and M
     packed")."""
-    return impl == "vfirst" and strategy != "cp" and (v_split == 1 or persistent)
+    return impl == "vfirst" and strategy != "cp" and v_split == 1
 
 
-def persistent_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str, v_split: int) -> dict:
-    """The V-first stage 2 of plain and V-split plans on a persistent grid (output mode; it
-    reads stage 1's packed tile at any v_split: packed_tiles)."""
-    v = main_variant(num_v_heads, num_k_heads, io_dtype, pool_dtype, v_split, "output", "vfirst", False)
+def persistent_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str, v_split: int,
+                       packed: bool) -> dict:
+    """The V-first stage 2 of plain and V-split plans on a persistent grid (output mode); packed:
+    it reads stage 1's packed tile (packed_tiles)."""
+    v = main_variant(num_v_heads, num_k_heads, io_dtype, pool_dtype, v_split, "output", "vfirst", False, packed)
     v["persistent"] = True
     v["name"] = _variant_name(v)
     return v
@@ -452,10 +453,11 @@ def kernel_variants(num_v_heads: int, num_k_heads: int, target: str = ARCH) -> l
                 impl = main_impl_for(vs, target)
                 for mode in MAIN_MODES:
                     out.append(main_variant(num_v_heads, num_k_heads, io, pool, vs, mode, impl))
-                if packed_tiles("plain", impl, vs, False):  # whole sequences at v_split 1
+                packed = packed_tiles("plain", impl, vs)  # whole sequences at v_split 1
+                if packed:
                     out.append(main_variant(num_v_heads, num_k_heads, io, pool, vs, "output", impl, False, True))
                 if persistent_applies("plain", impl):
-                    out.append(persistent_variant(num_v_heads, num_k_heads, io, pool, vs))
+                    out.append(persistent_variant(num_v_heads, num_k_heads, io, pool, vs, packed))
     return out
 
 
@@ -485,7 +487,8 @@ def build(variant: dict, target: str = ARCH):
                                               variant.get("packed", False))
                 cfg = prefill_prep.PASS_CONFIGS
             elif variant["op"] == "prefill_main" and variant.get("persistent"):
-                func, _ = prefill_main_vfirst.persistent_func(hv, hk, io, variant["pool_dtype"], variant["v_split"])
+                func, _ = prefill_main_vfirst.persistent_func(hv, hk, io, variant["pool_dtype"], variant["v_split"],
+                                                              variant.get("packed", False))
                 cfg = prefill_main_vfirst.PASS_CONFIGS
             elif variant["op"] == "prefill_main":
                 kmod = prefill_main_vfirst if variant.get("impl", "v8") == "vfirst" else prefill_main
@@ -720,8 +723,7 @@ class _Launches:
         impl = main_impl_for(vs, target)
         self.vfirst = impl == "vfirst"
         form = PREP_FORM[impl]
-        persistent = persistent_applies(strategy, impl, plan.seq_lens, hv * vs, plan.sm_count)
-        self.packed = packed = packed_tiles(strategy, impl, vs, persistent)
+        self.packed = packed = packed_tiles(strategy, impl, vs)
         self.ntok = q.shape[0]
         self.all_init = int(all_init)
         self.flags = _dummy(("flags", dev), lambda: torch.ones(1, dtype=torch.uint8, device=dev))
@@ -738,9 +740,9 @@ class _Launches:
         if "main" not in stages:
             return
         self.finder = self.maps_pass = self.scan = None
-        if persistent:
-            self.persistent = _kernel(persistent_variant(hv, hk, io, pool_dt, vs),
-                                      (hv, hk, io, pool_dt, vs, "persistent", target))
+        if persistent_applies(strategy, impl, plan.seq_lens, hv * vs, plan.sm_count):
+            self.persistent = _kernel(persistent_variant(hv, hk, io, pool_dt, vs, packed),
+                                      (hv, hk, io, pool_dt, vs, "persistent", packed, target))
             self.items, self.ctas = _persistent_grid(plan, hv, vs, dev)
             return
         self.output = _kernel(main_variant(hv, hk, io, pool_dt, vs, "output", impl, False, packed),

@@ -406,7 +406,8 @@ def _unpacker(first_thread: int):
     return unpack
 
 
-def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str, v_split: int):
+def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str, v_split: int,
+                    packed: bool = False):
     """The V-first stage 2 for plain and V-split plans (whole sequences, output mode) on a
     persistent grid: CTA b walks work units b, b + G, b + 2 G, ... (G CTAs, the length of
     ``ctas``; unit u = (item u // (Hv v_split), head, value block), items in the host's order,
@@ -416,7 +417,7 @@ def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtyp
     (running chunk counts); each unit's operations are main_func's, so the results are
     bit-identical to a CTA per unit. Measured on the H200: 1.4-3% faster on batches of 8-chunk
     sequences, level or slower on longer ones (benchmarks/prefill.md), so prefill_api takes it
-    only for short sequences dealt evenly enough (persistent_applies)."""
+    only for short sequences dealt evenly enough (persistent_applies). packed: as main_func's."""
     if v_split not in V_SPLITS:
         raise ValueError(f"v_split must be one of {V_SPLITS} for the V-first kernel, got {v_split}")
     Hv, Hk = num_v_heads, num_k_heads
@@ -438,11 +439,12 @@ def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtyp
     sp0 = T.dynamic("sp0")
     mm = "float16"
     acc = "float32"
-    load_chunk = _chunk_loader(False, BV, True)
-    unpack = _unpacker(consumers + 64)
-    chain_step = _chain_step(False, BV, True)
+    load_chunk = _chunk_loader(False, BV, packed)
+    unpack = _unpacker(consumers + 64) if packed else None
+    chain_step = _chain_step(False, BV, packed)
     emit_o, store_o = _output_movers(BV, io_dtype)
     nunits = nitem * Hv * v_split
+    pd_t = T.Tensor((nchunk, Hv, C), mm) if packed else T.Tensor((nchunk, Hv, C, C), mm)
 
     @T.prim_func
     def gdn_prefill_main_persistent(
@@ -450,8 +452,8 @@ def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtyp
         k: T.StridedTensor((ntok, Hk, DK), (sk0, sk1, 1), mm),
         values: T.StridedTensor((ntok, Hv, DV), (sv0, sv1, 1), io_dtype),
         fbuf: T.Tensor((nchunk, Hv, 2, C), "float32"),
-        pd: T.Tensor((nchunk, Hv, C), mm),  # M's diagonal (as main_func's packed)
-        mbuf: T.Tensor((nchunk, Hv, C, C), mm),  # P^T on and above the diagonal, M below it
+        pd: pd_t,  # packed: M's diagonal; else P (as main_func's)
+        mbuf: T.Tensor((nchunk, Hv, C, C), mm),  # packed: P^T on and above the diagonal, M below; else M
         pool: T.StridedTensor((nslot, Hv, DV, DK), (sp0, DV * DK, DK, 1), pool_dtype),
         slot_ids: T.Tensor((nseq,), "int32"),
         has_init: T.Tensor((nhis,), "uint8"),
@@ -468,7 +470,7 @@ def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtyp
     ):
         with T.Kernel(ncta, threads=threads) as bx:
             T.assume(sp0 % _POOL_VEC[pool_dtype] == 0)
-            q_s, k_s, p_s, v_s, m_s, pm_s, d_s, f_s, o_s = _ring_tiles(True, BV, io_dtype)
+            q_s, k_s, p_s, v_s, m_s, pm_s, d_s, f_s, o_s = _ring_tiles(packed, BV, io_dtype)
             x_f = T.alloc_fragment((BV, DK), acc)
             xh_f = T.alloc_fragment((BV, DK), mm)
             vp_f = T.alloc_fragment((BV, C), acc)
@@ -476,7 +478,7 @@ def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtyp
             vph_f = T.alloc_fragment((BV, C), mm)
             vpd_f = T.alloc_fragment((BV, C), mm)
             o_f = T.alloc_fragment((BV, C), acc)
-            loaded, ready = _ring_barriers(True)
+            loaded, ready = _ring_barriers(packed)
             free = T.alloc_barrier([consumers, consumers])
             o_full = T.alloc_barrier([consumers, consumers])
             o_free = T.alloc_barrier([32, 32])
@@ -551,9 +553,10 @@ def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtyp
                         for c in T.serial(nchunks):
                             load_chunk(gdone + c, bos + c * C, chunk_offsets[s] + c, h // group, h, v0, q, k, values,
                                        pd, fbuf, mbuf, q_s, k_s, p_s, f_s, v_s, m_s, pm_s, d_s, loaded, free)
-                    if tx >= consumers + 64:
-                        for c in T.serial(nchunks):
-                            unpack(gdone + c, pm_s, d_s, m_s, p_s, loaded, ready)
+                    if packed:
+                        if tx >= consumers + 64:
+                            for c in T.serial(nchunks):
+                                unpack(gdone + c, pm_s, d_s, m_s, p_s, loaded, ready)
                     gdone = gdone + nchunks
                     jdone = jdone + (eos - bos) // C
 
