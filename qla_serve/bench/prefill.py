@@ -56,11 +56,16 @@ ROWS = {
     "mixed8192": [2048, 1536, 1024, 700, 513, 300, 257, 200, 129, 128, 100, 65, 64, 63, 33, 17, 9, 1, 1, 1, 1, 1, 1, 1, 1]
     + [998],
 }
+# Small batches (not in --rows all): what a chunked-prefill step hands a layer beside a few decodes,
+# one to eight short prompts; at 2/8 and 4/16 most run stage 2 at v_split 2 on the persistent grid.
+SMALL_ROWS = {"1x512": [512], "4x512": [512] * 4, "8x256": [256] * 8, "3x300": [300] * 3, "8x512": [512] * 8}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", default="all", help="qk/v head pairs, e.g. 2/8,16/64 (default: all five)")
-    parser.add_argument("--rows", default="all", help=f"rows among {','.join(ROWS)} (default: all)")
+    parser.add_argument("--rows", default="all",
+                        help=f"rows among {','.join(ROWS)} (default: all) and the small batches "
+                             f"{','.join(SMALL_ROWS)}")
     parser.add_argument("--impls", default="qla,fla,flashqla",
                         help="subset of qla,qla16,qla16_units,qla16_wgmma,fla,flashqla,flashinfer (qla16: qla_serve "
                              "on fp16 q/k, the engine layers' form; qla16_units: the same with stage 2 on a CTA per "
@@ -482,6 +487,11 @@ def run(args) -> int:
     if unknown:
         print(f"bench prefill: --impls: unknown {unknown}; choose from {list(QLA_IMPLS) + list(BASELINES)}")
         return 2
+    named = {**ROWS, **SMALL_ROWS}
+    rows = list(ROWS) if args.rows == "all" else args.rows.split(",")
+    if any(r not in named for r in rows):
+        print(f"bench prefill: --rows: unknown {[r for r in rows if r not in named]}; choose from {list(named)}")
+        return 2
     os.environ.setdefault("FLA_FLASH_QLA", "0")  # FLA's own Triton kernels; FlashQLA is timed directly
     import torch
 
@@ -494,12 +504,11 @@ def run(args) -> int:
             prefill_api.GATE_WARMUP = args.gate_warmup == "on"
         prefill_api.MAIN_IMPL = args.main or prefill_api.MAIN_IMPL
     heads = HEAD_PAIRS if args.heads == "all" else [tuple(int(x) for x in p.split("/")) for p in args.heads.split(",")]
-    rows = list(ROWS) if args.rows == "all" else args.rows.split(",")
     impls = args.impls.split(",")
     results = []
     for hk, hv in heads:
         for row in rows:
-            lens = ROWS[row]
+            lens = named[row]
             data = _inputs(lens, hk, hv)
             rec = {"heads": f"{hk}/{hv}", "row": row, "tokens": sum(lens), "seqs": len(lens)}
             qla_runs = {}  # impl -> (fn, out, pool): rerun from the row's initial states by --check
