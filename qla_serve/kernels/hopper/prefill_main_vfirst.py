@@ -26,8 +26,8 @@ Warp roles (BV / 64 consumer warpgroups + one producer warpgroup):
              warp issuing the TMA store of each whole chunk's O tile (two tiles: the consumers
              write tile j % 2 once chunk j - 2's store has read it; mbarriers o_full / o_free),
              and, for whole-sequence plans at v_split 1 (packed), two "unpack" warps that turn
-             stage 1's packed tile (P^T above M, prefill_prep's packed form "m") into the zero-filled M
-             and P^T tiles the GEMMs take, in shared memory, once a stage's TMA bytes land
+             stage 1's packed tile (P^T above M, prefill_prep's packed form "m") into the
+             zero-filled M and P^T tiles the GEMMs take, in shared memory, once a stage's TMA bytes land
              (mbarrier loaded) and before the consumers may read it (mbarrier ready): stage 1's
              P and M cross HBM as one 8 KB tile per chunk and head. The context-parallel passes
              and V-split plans read P and M apart (prefill_api.packed_tiles).
@@ -115,7 +115,7 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
     chain_step = _chain_step(maps_mode, BV, packed)
     emit_o, store_o = _output_movers(BV, io_dtype)
     walk_item, pool_load = item_walker(maps_mode, v_split)
-    pd_t = T.Tensor((nchunk, Hv, C), mm) if packed else T.Tensor((nchunk, Hv, C, C), mm)
+    pd_t = _pd_type(packed, nchunk, Hv)
 
     @T.prim_func
     def gdn_prefill_main_vfirst(
@@ -353,6 +353,11 @@ def _chunk_loader(maps_mode: bool, BV: int, packed: bool):
     return load_chunk
 
 
+def _pd_type(packed: bool, nchunk, Hv: int):
+    """Stage 2's `pd` argument: M's diagonal [NC, Hv, 64] packed, else P [NC, Hv, 64, 64]."""
+    return T.Tensor((nchunk, Hv, C), "float16") if packed else T.Tensor((nchunk, Hv, C, C), "float16")
+
+
 def _ring_tiles(packed: bool, BV: int, io_dtype: str):
     """The two-stage ring's shared tiles: q, k, P (P^T when packed), v, M, and when packed stage
     1's tile as loaded and M's diagonal (else None), the gate factors, and O on its way out."""
@@ -444,7 +449,7 @@ def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtyp
     chain_step = _chain_step(False, BV, packed)
     emit_o, store_o = _output_movers(BV, io_dtype)
     nunits = nitem * Hv * v_split
-    pd_t = T.Tensor((nchunk, Hv, C), mm) if packed else T.Tensor((nchunk, Hv, C, C), mm)
+    pd_t = _pd_type(packed, nchunk, Hv)
 
     @T.prim_func
     def gdn_prefill_main_persistent(
