@@ -52,7 +52,9 @@
 #   maps       costmodel_maps_vs{1,2}_h200.json (tests/test_plan.py: the CP maps pass at split 1, 2)
 # Knobs: PREFILL_GROUPS (the prefill part's "heads:impls" groups, one bench process each; to split
 # them over calls, run a group per call and merge the earlier calls' JSONs, carried back, with
-# PREFILL_MERGE="path ..."), CP_GROUPS (the cp-sweep part's "heads|rows|v_split:L ..." groups),
+# PREFILL_MERGE="path ..."), FI_GROUPS / FI_IMPLS / FI_DECODE (the flashinfer part's "heads|rows"
+# groups, e.g. FI_GROUPS="16/64|4x8192,2048x4,1024x8 4/16|1024x8", its prefill impls, e.g.
+# qla16,flashinfer without FlashQLA's JIT, and FI_DECODE=0 to skip its decode bench), CP_GROUPS (the cp-sweep part's "heads|rows|v_split:L ..." groups),
 # TIMEOUT (seconds per step, default 560), TLCACHE (compiled-kernel tars, space-separated),
 # PRECOMPILE_HEADS (head pairs, e.g. "2/4 4/8", whose kernels are built on the device first, one
 # process per core: 338 variants of a pair in ~100 s on the lent H200's 16 cores, against
@@ -186,10 +188,10 @@ if want flashinfer; then
   # then this part with site-b.tar.xz + activate.sh on the same warm machine.
   if [[ -f .fibundle/activate.sh ]]; then source .fibundle/activate.sh; fi
   files=()
-  for group in "2/8|1x32768,1x8192,64x512,mixed8192,4x8192" "16/64|4x8192,1x32768,2048x4,1024x8"; do
+  for group in ${FI_GROUPS:-"2/8|1x32768,1x8192,64x512,mixed8192,4x8192" "16/64|4x8192,1x32768,2048x4,1024x8"}; do
     i=${#files[@]}
     step "bench prefill beside FlashInfer ${group%%|*}" $((T / 3)) python -m qla_serve.bench.prefill \
-      --heads "${group%%|*}" --rows "${group#*|}" --impls qla,qla16,flashqla,flashinfer --check --reps 10 \
+      --heads "${group%%|*}" --rows "${group#*|}" --impls "${FI_IMPLS:-qla,qla16,flashqla,flashinfer}" --check --reps 10 \
       --graph-calls 3 --json "/tmp/prefill_fi$i.json" | grep -v '^{'
     files+=("/tmp/prefill_fi$i.json")
   done
@@ -200,9 +202,9 @@ parts = [json.load(open(p)) for p in paths if os.path.exists(p)]
 json.dump({"device": parts[0]["device"] if parts else None,
            "results": [r for d in parts for r in d["results"]]}, open(dest, "w"), indent=1)
 PY
-  step "bench decode beside FlashInfer" $((T / 3)) python -m qla_serve.cli bench decode --heads 2/8,16/32 \
+  [[ ${FI_DECODE:-1} == 1 ]] && step "bench decode beside FlashInfer" $((T / 3)) python -m qla_serve.cli bench decode --heads 2/8,16/32 \
     --batches 1,32,64,256 --impls qla-fused,flashinfer --check --replays 10 --out /tmp/decode_fi
-  cp /tmp/decode_fi/results.json "$out/decode_flashinfer_h200.json"
+  [[ ${FI_DECODE:-1} == 1 ]] && cp /tmp/decode_fi/results.json "$out/decode_flashinfer_h200.json"
   stamp "$out/prefill_flashinfer_h200.json" "$out/decode_flashinfer_h200.json"
 fi
 
