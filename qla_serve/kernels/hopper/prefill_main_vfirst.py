@@ -112,10 +112,8 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
     acc = "float32"
     load_chunk = _chunk_loader(maps_mode, BV, packed)
     unpack = _unpacker(consumers + 64) if packed else None
-    defer_o = _defers_o(maps_mode, v_split)
-    chain_open, chain_close = _chain_step(maps_mode, BV, packed, defer_o)
-    retire = _retire(BV, io_dtype)
-    _, store_o = _output_movers(BV, io_dtype)
+    chain_step = _chain_step(maps_mode, BV, packed)
+    emit_o, store_o = _output_movers(BV, io_dtype)
     walk_item, pool_load = item_walker(maps_mode, v_split)
     pd_t = _pd_type(packed, nchunk, Hv)
 
@@ -164,7 +162,6 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
             o_f = T.alloc_fragment((BV, C), acc)  # O^T
             loaded, ready = _ring_barriers(packed)
             free = T.alloc_barrier([consumers, consumers])  # stage consumed by every consumer
-            pfree = T.alloc_barrier([consumers, consumers])  # its P tile too (O's GEMM done: _retire)
             o_full = T.alloc_barrier([consumers, consumers])  # O tile written by every consumer
             o_free = T.alloc_barrier([32, 32])  # O tile read by its TMA store (the storer warp)
 
@@ -206,31 +203,18 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
                 for c in T.serial(nchunks):
                     st = c % 2
                     t0 = bos + c * C
+                    n = T.min(eos - t0, C)
                     emit = c >= warm_chunks  # warmup chunks: the state only
-                    chain_open(st, (c // 2) % 2, x_f, xh_f, vp_f, k_s, loaded, ready)
-                    if defer_o:
-                        if c > warm_chunks:  # chunk c - 1's O GEMM is done (chain_open)
-                            retire((c - 1) % 2, c - 1 - warm_chunks, T.min(eos - (t0 - C), C), t0 - C, h, v0,
-                                   o_f, o_s, out, o_full, o_free, pfree)
-                    chain_close(st, emit, is_phi, scale, x_f, xh_f, vp_f, rh_f, vph_f, vpd_f, o_f, q_s, k_s, v_s,
-                                m_s, p_s, f_s)
+                    chain_step(st, (c // 2) % 2, emit, is_phi, scale, x_f, xh_f, vp_f, rh_f, vph_f, vpd_f, o_f, q_s,
+                               k_s, v_s, m_s, p_s, f_s, loaded, ready)
                     if not maps_mode:
                         if c == ck:  # the state after the checkpoint's chunk: into its slot
                             for v, d in T.Parallel(BV, DK):
                                 pool[ck_slot, h, v0 + v, d] = T.cast(x_f[v, d], pool_dtype)
                     T.barrier_arrive(free[st])
                     if not maps_mode:
-                        if not defer_o and emit:  # O's GEMM is done (chain_close): out now
-                            retire(st, c - warm_chunks, T.min(eos - t0, C), t0, h, v0, o_f, o_s, out, o_full,
-                                   o_free, pfree)
-                        if not emit:  # no O GEMM read its P tile
-                            T.barrier_arrive(pfree[st])
-                if defer_o:
-                    if nchunks > warm_chunks:  # the last chunk's O GEMM: drained, and its O out
-                        T.wait_wgmma(0)
-                        t_last = bos + (nchunks - 1) * C
-                        retire((nchunks - 1) % 2, nchunks - 1 - warm_chunks, T.min(eos - t_last, C), t_last, h,
-                               v0, o_f, o_s, out, o_full, o_free, pfree)
+                        if emit:
+                            emit_o(c - warm_chunks, n, t0, h, v0, o_f, o_s, out, o_full, o_free)
                 if maps_mode:
                     if nchunks > 0 or init_copy:
                         for v, d in T.Parallel(BV, DK):
@@ -251,66 +235,39 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
                 if tx < consumers + 32:
                     for c in T.serial(nchunks):
                         load_chunk(c, bos + c * C, coff + c, hk, h, v0, q, k, values, pd, fbuf, mbuf,
-                                   q_s, k_s, p_s, f_s, v_s, m_s, pm_s, d_s, loaded, free, pfree)
+                                   q_s, k_s, p_s, f_s, v_s, m_s, pm_s, d_s, loaded, free)
                 if packed:
                     if tx >= consumers + 64:
                         for c in T.serial(nchunks):
-                            unpack(c, pm_s, d_s, m_s, p_s, loaded, ready, pfree)
+                            unpack(c, pm_s, d_s, m_s, p_s, loaded, ready)
 
     return gdn_prefill_main_vfirst, threads
 
 
-def _chain_step(maps_mode: bool, BV: int, packed: bool, defer_o: bool):
+def _chain_step(maps_mode: bool, BV: int, packed: bool):
     """The consumers' work on one chunk in ring stage st (phase: its mbarrier parity): wait for
     the stage, then V', O and the state update (module docstring), shared by main_func and
-    persistent_func, as two macros with the previous chunk's retire between them:
-
-      chain_open   wait for the stage; Xh = fp16(X); issue (K S)^T = Xh K^T; in output mode
-                   wait until at most that GEMM is outstanding, so the previous chunk's O GEMM
-                   (left running by chain_close) is done;
-      (caller)     retire the previous chunk (_retire: its P tile and its O leave) while the
-                   tensor cores run this chunk's first GEMM;
-      chain_close  O^T = Xh Q^T, V', the state update and O += V'^T P^T; returns once X is
-                   updated, with O's last GEMM still running in output mode (emit).
-
-    Why (v34): the chain's tensor work is serial (one warpgroup's wgmma groups run in issue
-    order), so a GEMM off the chain hides ALU work on it only while the work is independent of
-    it. Until v33 every wait was for all outstanding GEMMs: R waited for O^T = Xh Q^T as well as
-    (K S)^T, the next chunk waited for O += V'^T P^T as well as X, and the O tile's stores to
-    shared memory sat between two chunks with the tensor cores idle. Now R overlaps O^T, and
-    the O tile's stores overlap the next chunk's (K S)^T.
-
-    emit (a PrimExpr, or True): the chunk's O is computed (False for warmup chunks: every wait
-    is then for all GEMMs, as before); is_phi (maps mode): the block walks the transition Phi
-    (V = 0). Maps mode computes no O: its waits are all for every outstanding GEMM."""
+    persistent_func. emit (a PrimExpr, or True): the chunk's O is computed (False for warmup
+    chunks); is_phi (maps mode): the block walks the transition Phi (V = 0)."""
     mm, acc = "float16", "float32"
     rows = T.GemmWarpPolicy.FullRow  # value rows split across the consumer warpgroups
 
     @T.macro
-    def chain_open(st, phase, x_f, xh_f, vp_f, k_s, loaded, ready):
+    def chain_step(st, phase, emit, is_phi, scale, x_f, xh_f, vp_f, rh_f, vph_f, vpd_f, o_f, q_s, k_s, v_s,
+                   m_s, p_s, f_s, loaded, ready):
         if packed:
             T.barrier_wait(loaded[st], phase)  # the stage's TMA tiles
         T.barrier_wait(ready[st], phase)  # packed: M and P^T unpacked from them (_unpacker)
         for v, d in T.Parallel(BV, DK):
             xh_f[v, d] = T.cast(x_f[v, d], mm)
-        # (K S)^T = Xh K^T
+        # (K S)^T = Xh K^T and O^T = Xh Q^T; R^T = V^T - (K S)^T diag(exp gc) (V = 0
+        # for the transition Phi); V'^T = R^T M^T.
         T.wgmma_gemm(xh_f, k_s[st, :, :], vp_f, transpose_B=True, clear_accum=True, policy=rows)
-        if defer_o:
-            T.wait_wgmma(1)  # the previous chunk's O GEMM, if any, is done
-
-    @T.macro
-    def chain_close(st, emit, is_phi, scale, x_f, xh_f, vp_f, rh_f, vph_f, vpd_f, o_f, q_s, k_s, v_s,
-                    m_s, p_s, f_s):
-        if maps_mode:
-            T.wait_wgmma(0)
-        else:
+        if not maps_mode:
             if emit:
-                # O^T = Xh Q^T, left running while R is formed
-                T.wgmma_gemm(xh_f, q_s[st, :, :], o_f, transpose_B=True, clear_accum=True, policy=rows)
-                T.wait_wgmma(1)  # (K S)^T is done
-            else:
-                T.wait_wgmma(0)
-        # R^T = V^T - (K S)^T diag(exp gc) (V = 0 for the transition Phi); V'^T = R^T M^T.
+                T.wgmma_gemm(xh_f, q_s[st, :, :], o_f, transpose_B=True, clear_accum=True,
+                             policy=rows)
+        T.wait_wgmma(0)
         if maps_mode:
             for v, i in T.Parallel(BV, C):
                 rh_f[v, i] = T.cast(T.if_then_else(is_phi, 0.0, T.cast(v_s[st, i, v], acc))
@@ -328,46 +285,16 @@ def _chain_step(maps_mode: bool, BV: int, packed: bool, defer_o: bool):
         for v, d in T.Parallel(BV, DK):
             x_f[v, d] = x_f[v, d] * gl
         T.wgmma_gemm(vpd_f, k_s[st, :, :], x_f, policy=rows)
-        if maps_mode:
-            T.wait_wgmma(0)
-        else:
+        if not maps_mode:
             if emit:
                 for v, i in T.Parallel(BV, C):
                     vph_f[v, i] = T.cast(vp_f[v, i], mm)
                     o_f[v, i] = o_f[v, i] * (f_s[st, 0, i] * scale)
                 # packed: p_s holds P^T (_unpacker), else P
                 T.wgmma_gemm(vph_f, p_s[st, :, :], o_f, transpose_B=not packed, policy=rows)
-                if defer_o:
-                    T.wait_wgmma(1)  # X is updated; O's GEMM runs on into the next chunk
-                else:
-                    T.wait_wgmma(0)
-            else:
-                T.wait_wgmma(0)
+        T.wait_wgmma(0)
 
-    return chain_open, chain_close
-
-
-def _defers_o(maps_mode: bool, v_split: int) -> bool:
-    """Whether a chunk's last O GEMM runs on into the next chunk (_chain_step): output mode at
-    v_split 1. At v_split 2 (one consumer warpgroup at the launch's 255 registers) ptxas
-    serializes every wgmma of the kernel when the O tile leaves under the next chunk's first
-    GEMM (its C7518 remark: a compiler-inserted wait in a divergent path), so there the O GEMM
-    is waited for at once and O leaves before the next chunk, as before v34."""
-    return not maps_mode and v_split == 1
-
-
-def _retire(BV: int, io_dtype: str):
-    """retire: a chunk whose O GEMM is done (chain_open's wait, or a drain's wait_wgmma(0)): its
-    stage's P tile is free again (pfree: the producer's P load, or the unpack, of the chunk two
-    later waits for it) and its O leaves (emit_o: the j-th O written, n rows from t0)."""
-    emit_o, _ = _output_movers(BV, io_dtype)
-
-    @T.macro
-    def retire(st, j, n, t0, h, v0, o_f, o_s, out, o_full, o_free, pfree):
-        T.barrier_arrive(pfree[st])
-        emit_o(j, n, t0, h, v0, o_f, o_s, out, o_full, o_free)
-
-    return retire
+    return chain_step
 
 
 def _output_movers(BV: int, io_dtype: str):
@@ -404,16 +331,14 @@ def _output_movers(BV: int, io_dtype: str):
 
 def _chunk_loader(maps_mode: bool, BV: int, packed: bool):
     """The producer's TMA loads of one chunk into stage c % 2 (q only for outputs), after every
-    consumer released that stage (free): q, k, the gate factors, v, and packed stage 1's packed
-    P^T / M tile and M's diagonal (pd), else M and, last, P (pd; outputs only), once the O GEMM
-    two chunks back has read that stage's P (pfree: it runs on past free, _chain_step). v rows
-    past T arrive as zeros (TMA bounds). Unpacked, `loaded` is the stage's `ready`
-    (_ring_barriers)."""
-    load_qk_tiles = qk_tile_loader(maps_mode, with_p=False)
+    consumer released that stage: q, k, the gate factors, v, and packed stage 1's packed P^T / M
+    tile and M's diagonal (pd), else P (pd; outputs only) and M. v rows past T arrive as zeros
+    (TMA bounds). Unpacked, `loaded` is the stage's `ready` (_ring_barriers)."""
+    load_qk_tiles = qk_tile_loader(maps_mode, with_p=not packed)
 
     @T.macro
     def load_chunk(c, t0, cidx, hk, h, v0, q, k, values, pd, fbuf, mbuf, q_s, k_s, p_s, f_s, v_s, m_s, pm_s, d_s,
-                   loaded, free, pfree):
+                   loaded, free):
         st = c % 2
         T.barrier_wait(free[st], (c // 2 + 1) % 2)
         load_qk_tiles(st, t0, cidx, hk, h, q, k, pd, fbuf, q_s, k_s, p_s, f_s, loaded)
@@ -423,9 +348,6 @@ def _chunk_loader(maps_mode: bool, BV: int, packed: bool):
             T.tma_copy(pd[cidx, h, 0:C], d_s[st, :], barrier=loaded[st])
         else:
             T.tma_copy(mbuf[cidx, h, 0:C, 0:C], m_s[st, :, :], barrier=loaded[st])
-            if not maps_mode:
-                T.barrier_wait(pfree[st], (c // 2 + 1) % 2)
-                T.tma_copy(pd[cidx, h, 0:C, 0:C], p_s[st, :, :], barrier=loaded[st])
         T.barrier_arrive(loaded[st])
 
     return load_chunk
@@ -474,15 +396,13 @@ def _unpacker(first_thread: int):
     consumers: stage 1's packed tile (P^T on and above the diagonal, M's strict lower triangle
     below; M's diagonal apart) into the zero-filled M and P^T tiles the chain's GEMMs take,
     by UNPACK_SOURCE's qla_unpack_pm: branch-free, 16-byte pieces, position by position (the
-    three tiles share the 128-byte swizzle). Output mode only, so always with P^T. It writes
-    the stage's P^T once the O GEMM two chunks back has read it (pfree, _chain_step)."""
+    three tiles share the 128-byte swizzle). Output mode only, so always with P^T."""
 
     @T.macro
-    def unpack(c, pm_s, d_s, m_s, p_s, loaded, ready, pfree):
+    def unpack(c, pm_s, d_s, m_s, p_s, loaded, ready):
         st = c % 2
         t = T.get_thread_binding() - first_thread
         T.barrier_wait(loaded[st], (c // 2) % 2)
-        T.barrier_wait(pfree[st], (c // 2 + 1) % 2)
         T.call_extern("handle", "qla_unpack_pm", T.address_of(pm_s[st, 0, 0]), T.address_of(d_s[st, 0]),
                       T.address_of(m_s[st, 0, 0]), T.address_of(p_s[st, 0, 0]), t, 1)
         T.fence_proxy_async()  # generic-proxy writes, read by wgmma
@@ -526,10 +446,8 @@ def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtyp
     acc = "float32"
     load_chunk = _chunk_loader(False, BV, packed)
     unpack = _unpacker(consumers + 64) if packed else None
-    defer_o = _defers_o(False, v_split)
-    chain_open, chain_close = _chain_step(False, BV, packed, defer_o)
-    retire = _retire(BV, io_dtype)
-    _, store_o = _output_movers(BV, io_dtype)
+    chain_step = _chain_step(False, BV, packed)
+    emit_o, store_o = _output_movers(BV, io_dtype)
     nunits = nitem * Hv * v_split
     pd_t = _pd_type(packed, nchunk, Hv)
 
@@ -567,7 +485,6 @@ def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtyp
             o_f = T.alloc_fragment((BV, C), acc)
             loaded, ready = _ring_barriers(packed)
             free = T.alloc_barrier([consumers, consumers])
-            pfree = T.alloc_barrier([consumers, consumers])
             o_full = T.alloc_barrier([consumers, consumers])
             o_free = T.alloc_barrier([32, 32])
             tx = T.get_thread_binding()
@@ -607,25 +524,14 @@ def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtyp
                         g = gdone + c
                         st = g % 2
                         t0 = bos + c * C
-                        chain_open(st, (g // 2) % 2, x_f, xh_f, vp_f, k_s, loaded, ready)
-                        if defer_o:
-                            if c > 0:  # chunk c - 1's O GEMM is done (chain_open); j counts whole chunks
-                                retire((g - 1) % 2, jdone + c - 1, T.min(eos - (t0 - C), C), t0 - C, h, v0, o_f,
-                                       o_s, out, o_full, o_free, pfree)
-                        chain_close(st, True, False, scale, x_f, xh_f, vp_f, rh_f, vph_f, vpd_f, o_f, q_s, k_s,
-                                    v_s, m_s, p_s, f_s)
+                        n = T.min(eos - t0, C)
+                        chain_step(st, (g // 2) % 2, True, False, scale, x_f, xh_f, vp_f, rh_f, vph_f, vpd_f, o_f,
+                                   q_s, k_s, v_s, m_s, p_s, f_s, loaded, ready)
                         if c == ck:
                             for v, d in T.Parallel(BV, DK):
                                 pool[ck_slot, h, v0 + v, d] = T.cast(x_f[v, d], pool_dtype)
                         T.barrier_arrive(free[st])
-                        if not defer_o:  # O's GEMM is done (chain_close): out now
-                            retire(st, jdone + c, T.min(eos - t0, C), t0, h, v0, o_f, o_s, out, o_full, o_free,
-                                   pfree)
-                    if defer_o and nchunks > 0:  # the unit's last O GEMM: drained, and its O out
-                        T.wait_wgmma(0)
-                        t_last = bos + (nchunks - 1) * C
-                        retire((gdone + nchunks - 1) % 2, jdone + nchunks - 1, T.min(eos - t_last, C), t_last, h,
-                               v0, o_f, o_s, out, o_full, o_free, pfree)
+                        emit_o(jdone + c, n, t0, h, v0, o_f, o_s, out, o_full, o_free)  # (whole chunks: j)
                     if slot >= 0:
                         for v, d in T.Parallel(BV, DK):
                             pool[slot, h, v0 + v, d] = T.cast(x_f[v, d], pool_dtype)
@@ -651,11 +557,11 @@ def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtyp
                     if tx < consumers + 32:
                         for c in T.serial(nchunks):
                             load_chunk(gdone + c, bos + c * C, chunk_offsets[s] + c, h // group, h, v0, q, k, values,
-                                       pd, fbuf, mbuf, q_s, k_s, p_s, f_s, v_s, m_s, pm_s, d_s, loaded, free, pfree)
+                                       pd, fbuf, mbuf, q_s, k_s, p_s, f_s, v_s, m_s, pm_s, d_s, loaded, free)
                     if packed:
                         if tx >= consumers + 64:
                             for c in T.serial(nchunks):
-                                unpack(gdone + c, pm_s, d_s, m_s, p_s, loaded, ready, pfree)
+                                unpack(gdone + c, pm_s, d_s, m_s, p_s, loaded, ready)
                     gdone = gdone + nchunks
                     jdone = jdone + (eos - bos) // C
 
