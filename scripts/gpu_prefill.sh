@@ -15,17 +15,22 @@
 # memcheck and racecheck on test_sanitizer_case, SAVE_JIT=1 tars every TileLang cache file this run
 # created (FlashQLA's JIT kernels: ~2.5 min of compiling per head pair) into
 # $OUT/flashqla_tlcache.tar.xz; carried back as .gpucache/flashqla_tlcache.tar.xz it is unpacked
-# beside tlcache. The tests append every case's o / state errors to $OUT/prefill_errors.jsonl. The
-# device returns at most 8 files from $OUT.
+# beside tlcache. AB_TREE=DIR (another tree's package, e.g. `git archive REV qla_serve | tar -x -C
+# .ab/REV` here, carried) makes the bench an A/B: this tree and DIR's in alternating processes,
+# AB_ROUNDS rounds (default 2), their stage 1 / stage 2 / call GPU ms side by side in
+# $OUT/ab.txt (the carried TLCACHE tars must hold both trees' kernels: precompile each with
+# PYTHONPATH=DIR for the other). The tests append every case's o / state errors to
+# $OUT/prefill_errors.jsonl. The device returns at most 8 files from $OUT.
 set -uo pipefail
 out=${OUT:-/tmp/gpu_prefill}; mkdir -p "$out"
 mkdir -p /tmp/tlall
-# TLCACHE: the compiled-kernel tar to unpack (default .gpucache/tlcache.tar.xz, written by `qla-serve
+# TLCACHE: the compiled-kernel tars to unpack, space-separated (default .gpucache/tlcache.tar.xz, written by `qla-serve
 # precompile --heads ... --arch sm_90a --pack .gpucache/tlcache.tar.xz`; a branch's own,
 # e.g. .gpucache/tlcache_next.tar.xz, when that file is carried instead). A missing file is an error.
-tlcache=${TLCACHE:-.gpucache/tlcache.tar.xz}
-if [[ -n ${TLCACHE:-} && ! -f $tlcache ]]; then echo "TLCACHE=$tlcache: no such file (carry it)"; exit 2; fi
-[[ -f $tlcache ]] && tar -xJf "$tlcache" -C /tmp/tlall
+for tlcache in ${TLCACHE:-.gpucache/tlcache.tar.xz}; do  # space-separated tars
+  if [[ -n ${TLCACHE:-} && ! -f $tlcache ]]; then echo "TLCACHE: $tlcache: no such file (carry it)"; exit 2; fi
+  [[ -f $tlcache ]] && tar -xJf "$tlcache" -C /tmp/tlall
+done
 # FlashQLA's own TileLang kernels, saved by an earlier SAVE_JIT=1 run (see below), if carried.
 [[ -f .gpucache/flashqla_tlcache.tar.xz ]] && tar -xJf .gpucache/flashqla_tlcache.tar.xz -C /tmp/tlall
 touch /tmp/tlall.mark
@@ -39,7 +44,32 @@ if [[ ${TESTS:-} != none ]]; then
   step "prefill gpu tests" ${TEST_TIMEOUT:-240} python -m pytest -m gpu -q -x tests/kernels/test_prefill_gpu.py \
     -p no:cacheprovider ${TESTS:+-k "$TESTS"} 2>&1 | tee "$out/prefill_tests.log" | tail -25
 fi
-if [[ ${BENCH:-1} == 1 ]]; then
+if [[ ${BENCH:-1} == 1 && -n ${AB_TREE:-} ]]; then
+  [[ -d $AB_TREE/qla_serve ]] || { echo "AB_TREE=$AB_TREE: no qla_serve package there (carry it)"; exit 2; }
+  for r in $(seq "${AB_ROUNDS:-2}"); do
+    for tree in this "$AB_TREE"; do
+      pp=$PWD; [[ $tree == this ]] || pp=$(cd "$tree" && pwd)
+      tag=$([[ $tree == this ]] && echo this || echo ab)
+      PYTHONPATH=$pp:$PYTHONPATH step "bench prefill A/B: $tag, round $r" ${BENCH_TIMEOUT:-300} python -m qla_serve.bench.prefill \
+        --impls "${IMPLS:-qla16}" --heads "${HEADS:-all}" --rows "${ROWS:-all}" --breakdown --reps 10 --graph-calls 3 \
+        --json "$out/prefill_${tag}_$r.json" >> "$out/bench_ab.log" 2>&1
+    done
+  done
+  python - "$out" "${IMPLS:-qla16}" <<'PY' | tee "$out/ab.txt"
+import glob, json, sys
+out, impl = sys.argv[1], sys.argv[2].split(",")[0]
+rows = {}
+for path in sorted(glob.glob(f"{out}/prefill_*_*.json")):
+    tag = path.rsplit("/", 1)[1].split("_")[1]
+    for x in json.load(open(path))["results"]:
+        cell = "/".join(f"{x.get(f'{impl}_{k}gpu_ms', float('nan')):.4f}" for k in ("prep_", "main_", ""))
+        rows.setdefault((x["heads"], x["row"], x.get("qla_plan")), {}).setdefault(tag, []).append(cell)
+print(f"| heads | row | plan | this tree ({impl} stage 1 / stage 2 / call GPU ms, per round) | AB_TREE |")
+print("|---|---|---|---|---|")
+for (heads, row, plan), v in rows.items():
+    print(f"| {heads} | {row} | {plan} | {' ; '.join(v.get('this', []))} | {' ; '.join(v.get('ab', []))} |")
+PY
+elif [[ ${BENCH:-1} == 1 ]]; then
   step "bench prefill (${IMPLS:-qla})" ${BENCH_TIMEOUT:-300} python -m qla_serve.bench.prefill --impls "${IMPLS:-qla}" \
     --heads "${HEADS:-all}" --rows "${ROWS:-all}" ${WARMUP:+--gate-warmup $WARMUP} ${MAIN:+--main $MAIN} --breakdown $([[ ${KERNELS:-0} == 1 ]] && echo --kernels) --json "$out/prefill.json" --md "$out/prefill.md" \
     --png "$out/prefill.png" 2>&1 | tee "$out/bench.log" | grep -v '^{' | tail -60
