@@ -54,7 +54,8 @@
 # them over calls, run a group per call and merge the earlier calls' JSONs, carried back, with
 # PREFILL_MERGE="path ..."), FI_GROUPS / FI_IMPLS / FI_DECODE (the flashinfer part's "heads|rows"
 # groups, e.g. FI_GROUPS="16/64|4x8192,2048x4,1024x8 4/16|1024x8", its prefill impls, e.g.
-# qla16,flashinfer without FlashQLA's JIT, and FI_DECODE=0 to skip its decode bench), CP_GROUPS (the cp-sweep part's "heads|rows|v_split:L ..." groups),
+# qla16,flashinfer without FlashQLA's JIT, and FI_DECODE=0 to skip its decode bench), CP_GROUPS
+# (the cp-sweep part's "heads|rows|v_split:L ..." groups),
 # TIMEOUT (seconds per step, default 560), TLCACHE (compiled-kernel tars, space-separated),
 # PRECOMPILE_HEADS (head pairs, e.g. "2/4 4/8", whose kernels are built on the device first, one
 # process per core: 338 variants of a pair in ~100 s on the lent H200's 16 cores, against
@@ -202,10 +203,13 @@ parts = [json.load(open(p)) for p in paths if os.path.exists(p)]
 json.dump({"device": parts[0]["device"] if parts else None,
            "results": [r for d in parts for r in d["results"]]}, open(dest, "w"), indent=1)
 PY
-  [[ ${FI_DECODE:-1} == 1 ]] && step "bench decode beside FlashInfer" $((T / 3)) python -m qla_serve.cli bench decode --heads 2/8,16/32 \
-    --batches 1,32,64,256 --impls qla-fused,flashinfer --check --replays 10 --out /tmp/decode_fi
-  [[ ${FI_DECODE:-1} == 1 ]] && cp /tmp/decode_fi/results.json "$out/decode_flashinfer_h200.json"
-  stamp "$out/prefill_flashinfer_h200.json" "$out/decode_flashinfer_h200.json"
+  if [[ ${FI_DECODE:-1} == 1 ]]; then
+    step "bench decode beside FlashInfer" $((T / 3)) python -m qla_serve.cli bench decode --heads 2/8,16/32 \
+      --batches 1,32,64,256 --impls qla-fused,flashinfer --check --replays 10 --out /tmp/decode_fi
+    cp /tmp/decode_fi/results.json "$out/decode_flashinfer_h200.json"
+    stamp "$out/decode_flashinfer_h200.json"
+  fi
+  stamp "$out/prefill_flashinfer_h200.json"
 fi
 
 if want layer; then
