@@ -115,7 +115,7 @@ FORMS = ("uw", "m")
 # default), the block forward substitution on mma.sync with its operands in registers
 # (csrc/block_solve.cuh); "wgmma" (form "uw"'s only), three 64x64 products through shared memory
 # ((I + N^2)(I - N) Db, _solve).
-PERSIST_CTAS = {1: 4, 2: 4, 4: 3}
+PERSIST_CTAS = {1: 4, 2: 4, 4: 4}
 SOLVES = ("wgmma", "mma")
 DEFAULT_SOLVE = {"m": "mma", "uw": "wgmma"}
 SOLVE_SOURCE = FAST_MATH_SOURCE + (Path(__file__).with_name("csrc") / "block_solve.cuh").read_text()
@@ -295,8 +295,13 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
         CTA, else in a spare fragment (the product serves the next head too)."""
         return product_f if hpc == 1 else spare_f
 
+    def _row_term(prow_s, g2_s, j, i, log2_scale):
+        """P's row exponent g2_i + log2(scale): stored in prow_s, or (prow_s None, the persistent
+        kernel) formed here, the same fp32 sum."""
+        return prow_s[j, i] if prow_s is not None else g2_s[j, i] + log2_scale
+
     @T.macro
-    def _p_tile(j, qk_f, spare_f, prow_s, g2_s, pbuf, mbuf, cid, h0, tile=None):
+    def _p_tile(j, qk_f, spare_f, prow_s, g2_s, pbuf, mbuf, cid, h0, tile=None, log2_scale=None):
         """Head h0 + j's P = scale * Lower(Gamma) o (Q K^T), P[i, c] = (Q K^T)[i, c]
         exp2(g2_i + log2(scale) - g2_c) for i >= c (every element, then masked: see _gated_m).
         From Q K^T in qk_f, to pbuf; packed: P^T from K Q^T in qk_f, to mbuf's tile (its upper
@@ -305,7 +310,7 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
         p_f = _scratch(qk_f, spare_f)
         for r, s in T.Parallel(C, C):  # (r, s) = (i, c) for P, (c, i) for P^T
             i, c = (s, r) if packed else (r, s)
-            p_f[r, s] = qk_f[r, s] * T.exp2(prow_s[j, i] - g2_s[j, c])
+            p_f[r, s] = qk_f[r, s] * T.exp2(_row_term(prow_s, g2_s, j, i, log2_scale) - g2_s[j, c])
         for r, s in T.Parallel(C, C):
             i, c = (s, r) if packed else (r, s)
             p_f[r, s] = T.if_then_else(i >= c, p_f[r, s], 0.0)
@@ -576,7 +581,8 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
         # operations are gdn_prefill_prep's; the next item's q/k tiles, g and beta are loaded
         # (and its chunk found) while the current one is solved and stored.
         with T.Kernel(ncta, threads=128) as bx:
-            T.annotate_min_blocks_per_sm(PERSIST_CTAS.get(hpc, 4))
+            # (registers for five at one and two heads: <= 102, no spills; shared memory holds four)
+            T.annotate_min_blocks_per_sm(5 if hpc < 4 else 4)
             if mma_solve:
                 T.import_source(SOLVE_SOURCE)
             k_s = T.alloc_shared((C, DK), qk_dtype)
@@ -588,9 +594,7 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
             nreg = max(1, hpc * C // 128)
             gb_r = T.alloc_local((2 * nreg,), acc)  # the next item's g and beta, as loaded
             tx = T.get_thread_binding()
-            eg_s = T.alloc_shared((hpc, C), acc)
             g2_s = T.alloc_shared((hpc, C), acc)
-            prow_s = T.alloc_shared((hpc, C), acc)
             kk_f = T.alloc_fragment((C, C), acc)
             t_f = T.alloc_fragment((C, C), acc)
             n_f = T.alloc_fragment((C, C), acc)
@@ -632,21 +636,6 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
                 h0 = (item % ngroups) * hpc
                 hk = h0 // group
                 nxt = item + ncta
-                # The next item's chunk (its binary search's loads overlap this item's q/k wait).
-                t0n = 0
-                nn = 0
-                if nxt < nwork:
-                    lo = 0
-                    hi = nseq
-                    for _ in T.serial(32 - T.clz(nseq)):
-                        if hi - lo > 1:
-                            mid = (lo + hi) // 2
-                            if chunk_offsets[mid] <= nxt // ngroups:
-                                lo = mid
-                            else:
-                                hi = mid
-                    t0n = cu_seqlens[lo] + (nxt // ngroups - chunk_offsets[lo]) * C
-                    nn = T.min(cu_seqlens[lo + 1] - t0n, C)
                 T.barrier_wait(qk_bar, w % 2)
                 if copy_qk:
                     if h0 % group == 0:
@@ -661,6 +650,21 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
                 else:
                     T.wgmma_gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)
                 T.wgmma_gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
+                # The next item's chunk, found while the tensor cores run.
+                t0n = 0
+                nn = 0
+                if nxt < nwork:
+                    lo = 0
+                    hi = nseq
+                    for _ in T.serial(32 - T.clz(nseq)):
+                        if hi - lo > 1:
+                            mid = (lo + hi) // 2
+                            if chunk_offsets[mid] <= nxt // ngroups:
+                                lo = mid
+                            else:
+                                hi = mid
+                    t0n = cu_seqlens[lo] + (nxt // ngroups - chunk_offsets[lo]) * C
+                    nn = T.min(cu_seqlens[lo + 1] - t0n, C)
                 T.wait_wgmma(0)
                 _kk_split(kk_f, kd_s, koff_s)
                 T.sync_threads()
@@ -679,11 +683,9 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
                 for j, i in T.Parallel(hpc, C):
                     g2 = g_s[j, i] * _LOG2E
                     g2_s[j, i] = g2
-                    prow_s[j, i] = g2 + T.log2(scale)
-                    eg_s[j, i] = T.exp2(g2)
-                    fbuf[cid, h0 + j, 0, i] = eg_s[j, i]
+                    fbuf[cid, h0 + j, 0, i] = T.exp2(g2)
                     fbuf[cid, h0 + j, 1, i] = T.if_then_else(i < n, T.exp2(g_s[j, C - 1] * _LOG2E - g2), 0.0)
-                _for_each_head(_p_tile, p_f, t_f, prow_s, g2_s, pbuf, mbuf, cid, h0, out_s)
+                _for_each_head(_p_tile, p_f, t_f, None, g2_s, pbuf, mbuf, cid, h0, out_s, T.log2(scale))
                 _for_each_head(_m_tile, kd_s, koff_s, kk_f, n_f, t_f, b_s, g2_s, mbuf, dbuf, cid, h0, out_s)
                 T.sync_threads()
                 for r in T.unroll(nreg):
