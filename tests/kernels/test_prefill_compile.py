@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from qla_serve.kernels.hopper import prefill_api as P
-from qla_serve.kernels.hopper import prefill_prep
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import kernel_report  # noqa: E402  (benchmarks/kernel_report.py: the offline resource report)
@@ -170,37 +169,6 @@ def test_prep_heads_per_cta(tmp_path, heads, packed):
 
 # ptxas spill stores of the grouped prep at four CTAs per SM (<= 128 registers).
 PREP_HEADS_SPILL_BYTES = {2: 0, 4: 48}
-
-# ptxas spill stores of the persistent stage 1 (one head: at <= 102 registers).
-PREP_PERSISTENT_SPILL_BYTES = {1: 8, 2: 0, 4: 0}
-
-
-@pytest.mark.parametrize("heads,packed", [(1, False), (2, True), (4, True)])
-def test_prep_persistent(tmp_path, heads, packed, monkeypatch):
-    """Stage 1 on the persistent grid (prefill_prep.prep_func(persistent=True)): one grid
-    dimension (the length of ``ctas``), the q/k tiles loaded for the first item and then for each
-    next one (two 64-column boxes per tile and site), PERSIST_CTAS per SM by shared memory (with
-    the driver's 1 KB per CTA and the 1 KB the static barrier's alignment takes) and registers
-    (launch bounds for five at one and two heads), no more spilled than recorded, wgmma kept
-    asynchronous; listed only under QLA_SERVE_PREP_PERSISTENT."""
-    variant = P.prep_variant(8, 2, "bfloat16", "m", "float16", heads, packed=packed, persistent=True)
-    assert variant["name"].endswith("_persistent")
-    assert variant not in P.kernel_variants(8, 2)
-    monkeypatch.setattr(P, "PREP_PERSISTENT", True)
-    assert variant in P.kernel_variants(8, 2)
-    kern = P.build(variant, "sm_90a")
-    src = kern.get_kernel_source()
-    assert "blockIdx.y" not in src
-    assert src.count("tma_load(q_desc") == 4 and src.count("tma_load(k_desc") == 4
-    ctas = prefill_prep.PERSIST_CTAS[heads]
-    smem = kernel_report.launch_dynamic_smem(kern.get_host_source(), threads=128)
-    assert smem is not None and ctas * (smem + 2048) <= 228 * 1024, smem
-    usage, _ = kernel_report.ptxas(src, "sm_90a", tmp_path)
-    assert usage["registers"] * 128 * ctas <= 65536, usage
-    assert usage["spill_store_bytes"] <= PREP_PERSISTENT_SPILL_BYTES[heads], usage
-    assert not usage["wgmma_serialized"], usage
-    with pytest.raises(ValueError, match="persistent"):
-        P.prep_variant(8, 2, "bfloat16", "uw", persistent=True)
 
 
 @pytest.mark.parametrize("heads", [1, 4])

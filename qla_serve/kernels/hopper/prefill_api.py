@@ -83,9 +83,9 @@ QK_V_DTYPES = (("bfloat16", "bfloat16"), ("float16", "float16"), ("float16", "bf
 POOL_DTYPES = ("float32", "bfloat16")
 
 
-def _switch_from_env(name: str, default: str = "1") -> bool:
-    """An on/off module switch from environment variable `name`: "1" or "0" (default: default)."""
-    flag = os.environ.get(name, default).strip()
+def _switch_from_env(name: str) -> bool:
+    """An on/off module switch from environment variable `name`: "1" (the default) or "0"."""
+    flag = os.environ.get(name, "1").strip()
     if flag not in ("0", "1"):
         raise ValueError(f"{name}: expected 0 or 1, got {flag!r}")
     return flag == "1"
@@ -183,11 +183,6 @@ CP_PDL = True
 # tests and benchmarks set it.
 PERSISTENT = _switch_from_env("QLA_SERVE_PREFILL_PERSISTENT")
 PERSISTENT_MAX_MEAN_CHUNKS = 8
-
-# Stage 1 on a persistent grid (prefill_prep.prep_func(persistent=True): PERSIST_CTAS per SM walk
-# the work items, each loading the next item's q/k tiles, g and beta while it solves the current
-# one) instead of a CTA per item. Read once at import from QLA_SERVE_PREP_PERSISTENT.
-PREP_PERSISTENT = _switch_from_env("QLA_SERVE_PREP_PERSISTENT", "0")
 # The persistent grid deals the units (longest sequences first) to its CTAs in turn, statically:
 # on a ragged batch the CTA that takes the longest unit also takes one of each later round, where
 # a CTA per unit lets the hardware fill in around it. So the persistent grid also needs the
@@ -213,7 +208,7 @@ def _variant_name(v: dict) -> str:
                 + (f"_qk{v['qk_dtype']}" if "qk_dtype" in v else "")
                 + (f"_heads{v['heads_per_cta']}" if "heads_per_cta" in v else "")
                 + (f"_{v['solve']}" if "solve" in v else "")  # form "m" on the wgmma solve
-                + ("_pm" if v.get("packed") else "") + ("_persistent" if v.get("persistent") else ""))
+                + ("_pm" if v.get("packed") else ""))
     pdl = "_pdl" if v.get("pdl", False) else ""
     return (
         f"gdn_prefill_main_hv{v['num_v_heads']}_hk{v['num_k_heads']}_{v['io_dtype']}"
@@ -233,13 +228,12 @@ def _chain(v: dict, pdl: bool) -> dict:
 
 def prep_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw",
                  qk_dtype: str | None = None, heads_per_cta: int = 1, solve: str | None = None,
-                 packed: bool = False, persistent: bool = False) -> dict:
+                 packed: bool = False) -> dict:
     """Stage 1; form "uw" (U0 and -Wk, for the v8 stage 2) or "m" (M, for V-first): the form
     a stage-2 kernel reads is PREP_FORM[impl]. io_dtype is v's; qk_dtype q/k's (None: v's);
     heads_per_cta the v-heads of one CTA (form "m": a divisor of Hv / Hk); solve form "m"'s
     (prefill_prep.SOLVES; None: PREP_SOLVE; form "uw" has only "wgmma"); packed (form "m"):
-    P^T and M in one tile (packed_tiles); persistent (form "m"): a grid of
-    prefill_prep.PERSIST_CTAS[heads_per_cta] CTAs per SM walking the work items."""
+    P^T and M in one tile (packed_tiles)."""
     if form not in prefill_prep.FORMS:
         raise ValueError(f"form: expected one of {prefill_prep.FORMS}, got {form!r}")
     if packed and form != "m":
@@ -263,10 +257,6 @@ def prep_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = 
         v["solve"] = solve
     if packed:
         v["packed"] = True
-    if persistent:
-        if form != "m":
-            raise ValueError(f"persistent: form 'm' only, got form {form!r}")
-        v["persistent"] = True
     v["name"] = _variant_name(v)
     return v
 
@@ -453,8 +443,7 @@ def kernel_variants(num_v_heads: int, num_k_heads: int, target: str = ARCH) -> l
         raise ValueError(f"num_v_heads ({num_v_heads}) must be a positive multiple of num_k_heads ({num_k_heads})")
     forms = sorted({PREP_FORM[main_impl_for(vs, target)] for vs in V_SPLITS}, reverse=True)
     group = num_v_heads // num_k_heads
-    out = [prep_variant(num_v_heads, num_k_heads, io, form, qk, n, packed=packed,
-                        persistent=PREP_PERSISTENT and form == "m")
+    out = [prep_variant(num_v_heads, num_k_heads, io, form, qk, n, packed=packed)
            for qk, io in QK_V_DTYPES for form in forms for packed in ((False, True) if form == "m" else (False,))
            for n in PREP_HEADS_CHOICES if n == 1 or (form == "m" and group % n == 0)]
     out += [scan_variant(num_v_heads), warmup_variant(num_v_heads)]
@@ -495,7 +484,7 @@ def build(variant: dict, target: str = ARCH):
             elif variant["op"] == "prefill_prep":
                 func = prefill_prep.prep_func(hv, hk, io, variant.get("form", "uw"), variant.get("qk_dtype"),
                                               variant.get("heads_per_cta", 1), variant.get("solve"),
-                                              variant.get("packed", False), variant.get("persistent", False))
+                                              variant.get("packed", False))
                 cfg = prefill_prep.PASS_CONFIGS
             elif variant["op"] == "prefill_main" and variant.get("persistent"):
                 func, _ = prefill_main_vfirst.persistent_func(hv, hk, io, variant["pool_dtype"], variant["v_split"],
@@ -609,14 +598,6 @@ def _persistent_grid(plan, hv: int, vs: int, device) -> tuple[torch.Tensor, torc
     return plan.scratch(("hopper_prefill_persistent", hv, vs, device), make)
 
 
-def _prep_grid(plan, nwork: int, heads_per_cta: int, device) -> torch.Tensor:
-    """The persistent stage 1's grid: an unread int32 tensor of one element per CTA,
-    prefill_prep.PERSIST_CTAS[heads_per_cta] per SM or one per work item where there are fewer."""
-    ncta = max(1, min(nwork, prefill_prep.PERSIST_CTAS[heads_per_cta] * plan.sm_count))
-    return plan.scratch(("hopper_prep_grid", ncta, device),
-                        lambda: torch.empty(ncta, dtype=torch.int32, device=device))
-
-
 def _whole_sequence_items(plan, device) -> torch.Tensor:
     """The items argument of a call without CP: [N, 4], never read (use_items = 0: item i is
     sequence i, whole); its shape gives the grid."""
@@ -708,7 +689,7 @@ def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale,
     """
     key = ("hopper_prefill_launches", q.shape[0], k.shape[1], v.shape[1], q.dtype, v.dtype, pool.dtype,
            has_initial_state is None, q.device, _stages, _target, GATE_WARMUP, MAIN_IMPL, PREP_HEADS, PREP_SOLVE,
-           CP_PDL, PERSISTENT, PERSISTENT_MAX_MEAN_CHUNKS, PREP_PERSISTENT)
+           CP_PDL, PERSISTENT, PERSISTENT_MAX_MEAN_CHUNKS)
     launches = plan.kernel_cache.get(key)
     if launches is None:
         launches = plan.kernel_cache[key] = _Launches(plan, q, k, v, pool, has_initial_state is None, _stages,
@@ -752,10 +733,8 @@ class _Launches:
         self.half_qk = _half_qk(plan, max(self.ntok, 1), hk, dev) if qk == "bfloat16" else None
         hpc = plan_prep_heads(plan, hv, hk, form)
         solve = _prep_solve(form, None)
-        persist = PREP_PERSISTENT and form == "m"
-        kp = _kernel(prep_variant(hv, hk, io, form, qk, hpc, solve, packed, persist),
-                     (hv, hk, io, form, qk, hpc, solve, packed, persist, target))
-        self.prep_grid = (_prep_grid(plan, nchunks * (hv // hpc), hpc, dev),) if persist else ()
+        kp = _kernel(prep_variant(hv, hk, io, form, qk, hpc, solve, packed),
+                     (hv, hk, io, form, qk, hpc, solve, packed, target))
         self.prep = kp if nchunks > 0 and "prep" in stages else None  # stages: benchmarks time them apart
         self.output = self.persistent = None
         if "main" not in stages:
@@ -809,8 +788,7 @@ class _Launches:
         scale = 128**-0.5 if scale is None else float(scale)
         qh, kh = self.half_qk or (q, k)
         if self.prep is not None:
-            self.prep(q, k, v, g, beta, self.cu_seqlens, self.chunk_offsets, *self.stage1, qh, kh, *self.prep_grid,
-                      scale)
+            self.prep(q, k, v, g, beta, self.cu_seqlens, self.chunk_offsets, *self.stage1, qh, kh, scale)
         if self.output is None and self.persistent is None:
             return
         fbuf, pbuf, mbuf, ubuf, wbuf, dbuf = self.stage1

@@ -115,7 +115,6 @@ FORMS = ("uw", "m")
 # default), the block forward substitution on mma.sync with its operands in registers
 # (csrc/block_solve.cuh); "wgmma" (form "uw"'s only), three 64x64 products through shared memory
 # ((I + N^2)(I - N) Db, _solve).
-PERSIST_CTAS = {1: 4, 2: 4, 4: 4}
 SOLVES = ("wgmma", "mma")
 DEFAULT_SOLVE = {"m": "mma", "uw": "wgmma"}
 SOLVE_SOURCE = FAST_MATH_SOURCE + (Path(__file__).with_name("csrc") / "block_solve.cuh").read_text()
@@ -140,7 +139,7 @@ def ctas_per_sm(form: str, heads_per_cta: int = 1) -> int:
 
 def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw",
               qk_dtype: str | None = None, heads_per_cta: int = 1, solve: str | None = None,
-              packed: bool = False, persistent: bool = False):
+              packed: bool = False):
     """Build the stage-1 PrimFunc for (Hv, Hk, io dtype, form, q/k dtype, solve); T (tokens), N
     (sequences) and the number of chunks are symbolic, so one compile serves every batch. solve
     (SOLVES): form "m"'s "mma" (its default) or "wgmma"; form "uw" takes "wgmma" only.
@@ -169,8 +168,6 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
     uw_form = form == "uw"
     if packed and uw_form:
         raise ValueError("packed: form 'm' only (form 'uw' writes U0 and -Wk, no M)")
-    if persistent and uw_form:
-        raise ValueError("persistent: form 'm' only")
     qk_dtype = qk_dtype or io_dtype
     Hv, Hk = num_v_heads, num_k_heads
     group = Hv // Hk
@@ -190,7 +187,6 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
     nm = T.dynamic("nm") if uw_form else nchunk
     np_ = T.dynamic("np") if packed else nchunk  # packed: P^T in mbuf's tile
     nd = nchunk if packed else T.dynamic("nd")  # M's diagonal, packed only
-    ncta = T.dynamic("ncta")
     mm_dtype = "float16"
     acc = "float32"
     copy_qk = qk_dtype != mm_dtype  # stage 2 wants fp16 q/k
@@ -295,37 +291,22 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
         CTA, else in a spare fragment (the product serves the next head too)."""
         return product_f if hpc == 1 else spare_f
 
-    def _row_term(prow_s, g2_s, j, i, log2_scale):
-        """P's row exponent g2_i + log2(scale): stored in prow_s, or (prow_s None, the persistent
-        kernel) formed here, the same fp32 sum."""
-        return prow_s[j, i] if prow_s is not None else g2_s[j, i] + log2_scale
-
     @T.macro
-    def _p_tile(j, qk_f, spare_f, prow_s, g2_s, pbuf, mbuf, cid, h0, tile=None, log2_scale=None):
+    def _p_tile(j, qk_f, spare_f, prow_s, g2_s, pbuf, mbuf, cid, h0):
         """Head h0 + j's P = scale * Lower(Gamma) o (Q K^T), P[i, c] = (Q K^T)[i, c]
         exp2(g2_i + log2(scale) - g2_c) for i >= c (every element, then masked: see _gated_m).
         From Q K^T in qk_f, to pbuf; packed: P^T from K Q^T in qk_f, to mbuf's tile (its upper
         triangle with the diagonal; zeros below, where _m_tile adds M)."""
-        p_s = _staging_tile() if tile is None else tile
+        p_s = _staging_tile()
         p_f = _scratch(qk_f, spare_f)
         for r, s in T.Parallel(C, C):  # (r, s) = (i, c) for P, (c, i) for P^T
             i, c = (s, r) if packed else (r, s)
-            p_f[r, s] = qk_f[r, s] * T.exp2(_row_term(prow_s, g2_s, j, i, log2_scale) - g2_s[j, c])
+            p_f[r, s] = qk_f[r, s] * T.exp2(prow_s[j, i] - g2_s[j, c])
         for r, s in T.Parallel(C, C):
             i, c = (s, r) if packed else (r, s)
             p_f[r, s] = T.if_then_else(i >= c, p_f[r, s], 0.0)
         T.copy(p_f, p_s)
         T.copy(p_s, (mbuf if packed else pbuf)[cid, h0 + j, :, :])
-
-    @T.macro
-    def _kk_split(kk_f, kd_s, koff_s):
-        """K K^T in kk_f -> its diagonal blocks to kd_s (fp32), the blocks below them to koff_s."""
-        for i, c in T.Parallel(C, C):
-            if i // 16 == c // 16:
-                kd_s[i // 16, i % 16, c % 16] = kk_f[i, c]
-        for i, c in T.Parallel(C, C):
-            kk_f[i, c] = T.if_then_else(i // 16 > c // 16, kk_f[i, c], 0.0)
-        T.copy(kk_f, koff_s)
 
     @T.macro
     def _kk_blocks(k_s, kk_f, kd_s, koff_s):
@@ -336,7 +317,12 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
         substitution reads only their strict upper triangle (row m, columns r > m), which is the
         lower one by symmetry."""
         T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
-        _kk_split(kk_f, kd_s, koff_s)
+        for i, c in T.Parallel(C, C):
+            if i // 16 == c // 16:
+                kd_s[i // 16, i % 16, c % 16] = kk_f[i, c]
+        for i, c in T.Parallel(C, C):
+            kk_f[i, c] = T.if_then_else(i // 16 > c // 16, kk_f[i, c], 0.0)
+        T.copy(kk_f, koff_s)
 
     @T.macro
     def _diag_blocks(j, kd_s, b_s, db_s, zero_off_diagonal):
@@ -409,19 +395,18 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
         T.gemm(n2_s, b_mm_s, t_f, clear_accum=True)  # (I + N^2) B
 
     @T.macro
-    def _m_tile(j, kd_s, koff_s, kk_f, n_f, t_f, b_s, g2_s, mbuf, dbuf, cid, h0, tile=None):
+    def _m_tile(j, kd_s, koff_s, kk_f, n_f, t_f, b_s, g2_s, mbuf, dbuf, cid, h0):
         """Form "m": head h0 + j's M in fp16 (stage 2 meets it with fp16 operands; v10 stored
         U0 = fp16(M) fp16(V) within the budget), to mbuf. Packed: its diagonal to dbuf, its
         strict lower triangle added by a TMA reduce into mbuf's tile, where _p_tile stored P^T
         with zeros below the diagonal (x + 0 is exact in fp16), so the tile crosses HBM once."""
-        mo_s = _staging_tile() if tile is None else tile
+        mo_s = _staging_tile()
         if mma_solve:
             # csrc/block_solve.cuh: the block forward substitution on mma.sync from Db's diagonal
             # blocks and koff_s, gated into mo_s by stmatrix; its ldmatrix reads and stores go
             # through raw pointers, which TileLang's barrier placement does not see: hence the
             # explicit barriers around it.
-            # (persistent: Db in koff_s's diagonal blocks, which the solve does not read of koff)
-            db_s = _staging_tile() if tile is None else koff_s
+            db_s = _staging_tile()
             _diag_blocks(j, kd_s, b_s, db_s, False)
             T.sync_threads()
             T.call_extern("handle", "qla_block_solve_m", T.address_of(koff_s[0, 0]), T.address_of(db_s[0, 0]),
@@ -556,144 +541,4 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
             else:
                 _for_each_head(_m_tile, kd_s, koff_s, kk_f, n_f, t_f, b_s, g2_s, mbuf, dbuf, cid, h0)
 
-    @T.prim_func
-    def gdn_prefill_prep_persistent(
-        q: T.StridedTensor((ntok, Hk, DK), (sq0, sq1, 1), qk_dtype),
-        k: T.StridedTensor((ntok, Hk, DK), (sk0, sk1, 1), qk_dtype),
-        v: T.StridedTensor((ntok, Hv, DV), (sv0, sv1, 1), io_dtype),
-        g: T.Tensor((ntok, Hv), "float32"),
-        beta: T.Tensor((ntok, Hv), "float32"),
-        cu_seqlens: T.Tensor((nseq + 1,), "int32"),
-        chunk_offsets: T.Tensor((nseq + 1,), "int32"),
-        fbuf: T.Tensor((nchunk, Hv, 2, C), "float32"),
-        pbuf: T.Tensor((np_, Hv, C, C), mm_dtype),
-        mbuf: T.Tensor((nm, Hv, C, C), mm_dtype),
-        ubuf: T.Tensor((nuw, Hv, C, DV), mm_dtype),
-        wbuf: T.Tensor((nuw, Hv, C, DK), mm_dtype),
-        dbuf: T.Tensor((nd, Hv, C), mm_dtype),
-        qh: qh_type,
-        kh: kh_type,
-        ctas: T.Tensor((ncta,), "int32"),  # unread: its length is the grid
-        scale: T.float32,
-    ):
-        # CTA b takes the work items (v-head group, chunk) b, b + G, b + 2 G, ... (G = ncta, at
-        # most ctas_per_sm per SM), v-head groups fastest as in the grid above. Each item's
-        # operations are gdn_prefill_prep's; the next item's q/k tiles, g and beta are loaded
-        # (and its chunk found) while the current one is solved and stored.
-        with T.Kernel(ncta, threads=128) as bx:
-            # (registers for five at one and two heads: <= 102, no spills; shared memory holds four)
-            T.annotate_min_blocks_per_sm(5 if hpc < 4 else 4)
-            if mma_solve:
-                T.import_source(SOLVE_SOURCE)
-            k_s = T.alloc_shared((C, DK), qk_dtype)
-            q_s = T.alloc_shared((C, DK), qk_dtype)
-            qk_bar = T.alloc_barrier(128)
-            p_f = T.alloc_fragment((C, C), acc)
-            g_s = T.alloc_shared((hpc, C), acc)
-            b_s = T.alloc_shared((hpc, C), acc)
-            nreg = max(1, hpc * C // 128)
-            gb_r = T.alloc_local((2 * nreg,), acc)  # the next item's g and beta, as loaded
-            tx = T.get_thread_binding()
-            g2_s = T.alloc_shared((hpc, C), acc)
-            kk_f = T.alloc_fragment((C, C), acc)
-            t_f = T.alloc_fragment((C, C), acc)
-            n_f = T.alloc_fragment((C, C), acc)
-            kd_s = T.alloc_shared((4, 16, 16), acc)
-            koff_s = _staging_tile()
-            out_s = _staging_tile()  # each P^T and M tile on its way out, in turn
-            ngroups = Hv // hpc
-            nwork = ngroups * nchunk
-            nmine = T.ceildiv(nwork - bx, ncta)
-            lo = T.alloc_var("int32")
-            hi = T.alloc_var("int32")
-            t0 = T.alloc_var("int32")  # the current item's first token and length
-            n = T.alloc_var("int32")
-            t0n = T.alloc_var("int32")  # the next item's
-            nn = T.alloc_var("int32")
-
-            # The first item: located, its loads issued.
-            lo = 0
-            hi = nseq
-            for _ in T.serial(32 - T.clz(nseq)):
-                if hi - lo > 1:
-                    mid = (lo + hi) // 2
-                    if chunk_offsets[mid] <= bx // ngroups:
-                        lo = mid
-                    else:
-                        hi = mid
-            t0 = cu_seqlens[lo] + (bx // ngroups - chunk_offsets[lo]) * C
-            n = T.min(cu_seqlens[lo + 1] - t0, C)
-            T.tma_copy(k[t0:t0 + C, (bx % ngroups) * hpc // group, 0:DK], k_s, barrier=qk_bar)
-            T.tma_copy(q[t0:t0 + C, (bx % ngroups) * hpc // group, 0:DK], q_s, barrier=qk_bar)
-            T.barrier_arrive(qk_bar)
-            for j, i in T.Parallel(hpc, C):
-                g_s[j, i] = T.if_then_else(i < n, g[t0 + i, (bx % ngroups) * hpc + j], 0.0)
-                b_s[j, i] = T.if_then_else(i < n, beta[t0 + i, (bx % ngroups) * hpc + j], 0.0)
-
-            for w in T.serial(nmine):
-                item = bx + w * ncta
-                cid = item // ngroups
-                h0 = (item % ngroups) * hpc
-                hk = h0 // group
-                nxt = item + ncta
-                T.barrier_wait(qk_bar, w % 2)
-                if copy_qk:
-                    if h0 % group == 0:
-                        for i, d in T.Parallel(C, DK):
-                            if t0 + i < ntok:
-                                qh[t0 + i, hk, d] = T.cast(q_s[i, d], mm_dtype)
-                                kh[t0 + i, hk, d] = T.cast(k_s[i, d], mm_dtype)
-                # Q K^T (K Q^T when packed) and K K^T, the only reads of q_s / k_s: then the next
-                # item's tiles may land there.
-                if packed:
-                    T.wgmma_gemm(k_s, q_s, p_f, transpose_B=True, clear_accum=True)
-                else:
-                    T.wgmma_gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)
-                T.wgmma_gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
-                # The next item's chunk, found while the tensor cores run.
-                t0n = 0
-                nn = 0
-                if nxt < nwork:
-                    lo = 0
-                    hi = nseq
-                    for _ in T.serial(32 - T.clz(nseq)):
-                        if hi - lo > 1:
-                            mid = (lo + hi) // 2
-                            if chunk_offsets[mid] <= nxt // ngroups:
-                                lo = mid
-                            else:
-                                hi = mid
-                    t0n = cu_seqlens[lo] + (nxt // ngroups - chunk_offsets[lo]) * C
-                    nn = T.min(cu_seqlens[lo + 1] - t0n, C)
-                T.wait_wgmma(0)
-                _kk_split(kk_f, kd_s, koff_s)
-                T.sync_threads()
-                if nxt < nwork:
-                    T.tma_copy(k[t0n:t0n + C, (nxt % ngroups) * hpc // group, 0:DK], k_s, barrier=qk_bar)
-                    T.tma_copy(q[t0n:t0n + C, (nxt % ngroups) * hpc // group, 0:DK], q_s, barrier=qk_bar)
-                    T.barrier_arrive(qk_bar)
-                    # g and beta into registers, stored at the item's end: their latency overlaps it
-                    for r in T.unroll(nreg):
-                        e = tx + 128 * r
-                        if e < hpc * C:
-                            gb_r[r] = T.if_then_else(e % C < nn, g[t0n + e % C, (nxt % ngroups) * hpc + e // C], 0.0)
-                            gb_r[nreg + r] = T.if_then_else(e % C < nn,
-                                                            beta[t0n + e % C, (nxt % ngroups) * hpc + e // C], 0.0)
-                T.cumsum(src=g_s, dim=1)
-                for j, i in T.Parallel(hpc, C):
-                    g2 = g_s[j, i] * _LOG2E
-                    g2_s[j, i] = g2
-                    fbuf[cid, h0 + j, 0, i] = T.exp2(g2)
-                    fbuf[cid, h0 + j, 1, i] = T.if_then_else(i < n, T.exp2(g_s[j, C - 1] * _LOG2E - g2), 0.0)
-                _for_each_head(_p_tile, p_f, t_f, None, g2_s, pbuf, mbuf, cid, h0, out_s, T.log2(scale))
-                _for_each_head(_m_tile, kd_s, koff_s, kk_f, n_f, t_f, b_s, g2_s, mbuf, dbuf, cid, h0, out_s)
-                T.sync_threads()
-                for r in T.unroll(nreg):
-                    e = tx + 128 * r
-                    if e < hpc * C:
-                        g_s[e // C, e % C] = gb_r[r]
-                        b_s[e // C, e % C] = gb_r[nreg + r]
-                t0 = t0n
-                n = nn
-
-    return gdn_prefill_prep_persistent if persistent else gdn_prefill_prep
+    return gdn_prefill_prep
