@@ -289,6 +289,11 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
         for j in range(hpc):
             macro(j, *args)
 
+    def _for_each_pair(macro, *args):
+        """macro(jp, *args) for each pair jp of the CTA's heads (2 jp, 2 jp + 1; unrolled)."""
+        for jp in range(hpc // 2):
+            macro(jp, *args)
+
     def _scratch(product_f, spare_f):
         """Where a head's P is built from Q K^T: in the product's own registers with one head per
         CTA, else in a spare fragment (the product serves the next head too)."""
@@ -596,8 +601,7 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
                 _write_u0_wk(v, ubuf, wbuf, t0, h0, cid, k_s, g2_s, eg_s, t_f)
             else:
                 if pair_solve:
-                    for jp in range(hpc // 2):  # unrolled as the kernel is traced
-                        _m_tile_pair(jp, kd_s, koff_s, b_s, g2_s, mbuf, dbuf, cid, h0)
+                    _for_each_pair(_m_tile_pair, kd_s, koff_s, b_s, g2_s, mbuf, dbuf, cid, h0)
                 else:
                     _for_each_head(_m_tile, kd_s, koff_s, kk_f, n_f, t_f, b_s, g2_s, mbuf, dbuf, cid, h0)
 
