@@ -171,32 +171,6 @@ def test_prep_heads_per_cta(tmp_path, heads, packed):
 PREP_HEADS_SPILL_BYTES = {2: 0, 4: 48}
 
 
-@pytest.mark.parametrize("heads,packed", [(2, True), (4, False)])
-def test_prep_pair_solve(tmp_path, heads, packed, monkeypatch):
-    """Stage 1 solving two heads at once (pair_solve): one qla_block_solve_m_pair call per pair of
-    heads and no single-head solve, csrc/block_solve_pair.cuh imported only there (the other
-    variants' sources, and so their compile caches, unchanged), the CTAs per SM the grouped prep
-    claims (five at two heads: <= 102 registers and <= 44 KB of shared memory; four at four), no
-    spills, wgmma kept asynchronous; listed only under QLA_SERVE_PREP_PAIR, refused with one head."""
-    variant = P.prep_variant(8, 2, "bfloat16", "m", "float16", heads, packed=packed, pair_solve=True)
-    assert variant["name"].endswith("_pair") and variant not in P.kernel_variants(8, 2)
-    monkeypatch.setattr(P, "PREP_PAIR", True)
-    assert variant in P.kernel_variants(8, 2)
-    kern = P.build(variant, "sm_90a")
-    src = kern.get_kernel_source()
-    assert src.count("qla_block_solve_m_pair((") == heads // 2 and "qla_block_solve_m((" not in src
-    plain = P.build(P.prep_variant(8, 2, "bfloat16", "m", "float16", heads, packed=packed), "sm_90a")
-    assert "qla_block_solve_m_pair" not in plain.get_kernel_source()
-    ctas = 5 if heads == 2 else 4
-    smem = kernel_report.launch_dynamic_smem(kern.get_host_source(), threads=128)
-    assert smem is not None and ctas * (smem + 2048) <= 228 * 1024, smem
-    usage, _ = kernel_report.ptxas(src, "sm_90a", tmp_path)
-    assert usage["registers"] * 128 * ctas <= 65536 and usage["spill_store_bytes"] == 0, usage
-    assert not usage["wgmma_serialized"], usage
-    with pytest.raises(ValueError, match="pair_solve"):
-        P.prep_variant(8, 2, "bfloat16", "m", "float16", 1, pair_solve=True)
-
-
 @pytest.mark.parametrize("heads", [1, 4])
 def test_prep_mma_solve(tmp_path, heads, monkeypatch):
     """Stage 1's two solves (PREP_SOLVE): form "m" runs the mma.sync one (csrc/block_solve.cuh)

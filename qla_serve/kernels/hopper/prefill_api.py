@@ -83,9 +83,9 @@ QK_V_DTYPES = (("bfloat16", "bfloat16"), ("float16", "float16"), ("float16", "bf
 POOL_DTYPES = ("float32", "bfloat16")
 
 
-def _switch_from_env(name: str, default: str = "1") -> bool:
-    """An on/off module switch from environment variable `name`: "1" or "0" (default: default)."""
-    flag = os.environ.get(name, default).strip()
+def _switch_from_env(name: str) -> bool:
+    """An on/off module switch from environment variable `name`: "1" (the default) or "0"."""
+    flag = os.environ.get(name, "1").strip()
     if flag not in ("0", "1"):
         raise ValueError(f"{name}: expected 0 or 1, got {flag!r}")
     return flag == "1"
@@ -183,11 +183,6 @@ CP_PDL = True
 # tests and benchmarks set it.
 PERSISTENT = _switch_from_env("QLA_SERVE_PREFILL_PERSISTENT")
 PERSISTENT_MAX_MEAN_CHUNKS = 8
-
-# Stage 1 with two or four heads per CTA solves two heads at once (prefill_prep's pair_solve:
-# warps 0-1 one head, 2-3 the other) instead of one after the other. Read once at import from
-# QLA_SERVE_PREP_PAIR.
-PREP_PAIR = _switch_from_env("QLA_SERVE_PREP_PAIR", "0")
 # The persistent grid deals the units (longest sequences first) to its CTAs in turn, statically:
 # on a ragged batch the CTA that takes the longest unit also takes one of each later round, where
 # a CTA per unit lets the hardware fill in around it. So the persistent grid also needs the
@@ -213,7 +208,7 @@ def _variant_name(v: dict) -> str:
                 + (f"_qk{v['qk_dtype']}" if "qk_dtype" in v else "")
                 + (f"_heads{v['heads_per_cta']}" if "heads_per_cta" in v else "")
                 + (f"_{v['solve']}" if "solve" in v else "")  # form "m" on the wgmma solve
-                + ("_pm" if v.get("packed") else "") + ("_pair" if v.get("pair_solve") else ""))
+                + ("_pm" if v.get("packed") else ""))
     pdl = "_pdl" if v.get("pdl", False) else ""
     return (
         f"gdn_prefill_main_hv{v['num_v_heads']}_hk{v['num_k_heads']}_{v['io_dtype']}"
@@ -233,7 +228,7 @@ def _chain(v: dict, pdl: bool) -> dict:
 
 def prep_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw",
                  qk_dtype: str | None = None, heads_per_cta: int = 1, solve: str | None = None,
-                 packed: bool = False, pair_solve: bool = False) -> dict:
+                 packed: bool = False) -> dict:
     """Stage 1; form "uw" (U0 and -Wk, for the v8 stage 2) or "m" (M, for V-first): the form
     a stage-2 kernel reads is PREP_FORM[impl]. io_dtype is v's; qk_dtype q/k's (None: v's);
     heads_per_cta the v-heads of one CTA (form "m": a divisor of Hv / Hk); solve form "m"'s
@@ -262,10 +257,6 @@ def prep_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = 
         v["solve"] = solve
     if packed:
         v["packed"] = True
-    if pair_solve:
-        if form != "m" or solve != "mma" or heads_per_cta < 2:
-            raise ValueError("pair_solve: form 'm' on the mma solve with two or four heads per CTA only")
-        v["pair_solve"] = True
     v["name"] = _variant_name(v)
     return v
 
@@ -302,11 +293,6 @@ def prep_heads_per_cta(num_v_heads: int, num_k_heads: int, num_chunks: int, form
 def plan_chunks(plan) -> int:
     """The plan's 64-token chunks: ceil(len / CHUNK) summed over its sequences (host metadata)."""
     return sum((int(L) + CHUNK - 1) // CHUNK for L in plan.seq_lens)
-
-
-def _pair_solve(form: str, solve: str, heads_per_cta: int) -> bool:
-    """Whether stage 1 solves its heads two at a time (PREP_PAIR, the mma solve, >= 2 heads)."""
-    return PREP_PAIR and form == "m" and solve == "mma" and heads_per_cta >= 2
 
 
 def plan_prep_heads(plan, num_v_heads: int, num_k_heads: int, form: str) -> int:
@@ -457,8 +443,7 @@ def kernel_variants(num_v_heads: int, num_k_heads: int, target: str = ARCH) -> l
         raise ValueError(f"num_v_heads ({num_v_heads}) must be a positive multiple of num_k_heads ({num_k_heads})")
     forms = sorted({PREP_FORM[main_impl_for(vs, target)] for vs in V_SPLITS}, reverse=True)
     group = num_v_heads // num_k_heads
-    out = [prep_variant(num_v_heads, num_k_heads, io, form, qk, n, packed=packed,
-                        pair_solve=_pair_solve(form, _prep_solve(form, None), n))
+    out = [prep_variant(num_v_heads, num_k_heads, io, form, qk, n, packed=packed)
            for qk, io in QK_V_DTYPES for form in forms for packed in ((False, True) if form == "m" else (False,))
            for n in PREP_HEADS_CHOICES if n == 1 or (form == "m" and group % n == 0)]
     out += [scan_variant(num_v_heads), warmup_variant(num_v_heads)]
@@ -499,7 +484,7 @@ def build(variant: dict, target: str = ARCH):
             elif variant["op"] == "prefill_prep":
                 func = prefill_prep.prep_func(hv, hk, io, variant.get("form", "uw"), variant.get("qk_dtype"),
                                               variant.get("heads_per_cta", 1), variant.get("solve"),
-                                              variant.get("packed", False), variant.get("pair_solve", False))
+                                              variant.get("packed", False))
                 cfg = prefill_prep.PASS_CONFIGS
             elif variant["op"] == "prefill_main" and variant.get("persistent"):
                 func, _ = prefill_main_vfirst.persistent_func(hv, hk, io, variant["pool_dtype"], variant["v_split"],
@@ -704,7 +689,7 @@ def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale,
     """
     key = ("hopper_prefill_launches", q.shape[0], k.shape[1], v.shape[1], q.dtype, v.dtype, pool.dtype,
            has_initial_state is None, q.device, _stages, _target, GATE_WARMUP, MAIN_IMPL, PREP_HEADS, PREP_SOLVE,
-           CP_PDL, PERSISTENT, PERSISTENT_MAX_MEAN_CHUNKS, PREP_PAIR)
+           CP_PDL, PERSISTENT, PERSISTENT_MAX_MEAN_CHUNKS)
     launches = plan.kernel_cache.get(key)
     if launches is None:
         launches = plan.kernel_cache[key] = _Launches(plan, q, k, v, pool, has_initial_state is None, _stages,
@@ -748,9 +733,8 @@ class _Launches:
         self.half_qk = _half_qk(plan, max(self.ntok, 1), hk, dev) if qk == "bfloat16" else None
         hpc = plan_prep_heads(plan, hv, hk, form)
         solve = _prep_solve(form, None)
-        pair = _pair_solve(form, solve, hpc)
-        kp = _kernel(prep_variant(hv, hk, io, form, qk, hpc, solve, packed, pair),
-                     (hv, hk, io, form, qk, hpc, solve, packed, pair, target))
+        kp = _kernel(prep_variant(hv, hk, io, form, qk, hpc, solve, packed),
+                     (hv, hk, io, form, qk, hpc, solve, packed, target))
         self.prep = kp if nchunks > 0 and "prep" in stages else None  # stages: benchmarks time them apart
         self.output = self.persistent = None
         if "main" not in stages:
