@@ -73,19 +73,11 @@ export QLA_SERVE_COMMIT=$commit        # bench layer records it itself
 run_date=$(date -u +%Y-%m-%dT%H:%M:%SZ)
 echo "gpu_benchmarks: PART=$part, commit $commit, $run_date"
 
-mkdir -p /tmp/tlall /tmp/tl_tp8
-# TLCACHE: the compiled-kernel tars to unpack (space-separated; default .gpucache/tlcache.tar.xz).
-for tlcache in ${TLCACHE:-.gpucache/tlcache.tar.xz}; do
-  if [[ -n ${TLCACHE:-} && ! -f $tlcache ]]; then echo "TLCACHE: $tlcache: no such file (carry it)"; exit 2; fi
-  [[ -f $tlcache ]] && tar -xJf "$tlcache" -C /tmp/tlall
-done
-[[ -f .gpucache/flashqla_tlcache.tar.xz ]] && tar -xJf .gpucache/flashqla_tlcache.tar.xz -C /tmp/tlall
+source scripts/gpu_lib.sh
+unpack_kernel_tars  # TLCACHE (gpu_lib.sh)
+mkdir -p /tmp/tl_tp8
 [[ -f .gpucache/tl_tp8.tar.xz ]] && tar -xJf .gpucache/tl_tp8.tar.xz -C /tmp/tl_tp8
-export TILELANG_CACHE_DIR=/tmp/tlall
-source .devbundle/activate.sh
-for w in .gpucache/whl/*.whl; do [[ -f $w ]] && python -m zipfile -e "$w" /tmp/whlsite; done
-export PYTHONPATH=${PYTHONPATH:-}:/tmp/whlsite
-export PYTHONUNBUFFERED=1
+activate_device_env
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 T=${TIMEOUT:-560}
 step() { echo "== $1" >&2; shift; timeout "$@"; echo "rc=$?" >&2; }   # notes on stderr: not in the data files

@@ -23,21 +23,12 @@
 # $OUT/prefill_errors.jsonl. The device returns at most 8 files from $OUT.
 set -uo pipefail
 out=${OUT:-/tmp/gpu_prefill}; mkdir -p "$out"
-mkdir -p /tmp/tlall
-# TLCACHE: the compiled-kernel tars to unpack, space-separated (default .gpucache/tlcache.tar.xz, written by `qla-serve
-# precompile --heads ... --arch sm_90a --pack .gpucache/tlcache.tar.xz`; a branch's own,
-# e.g. .gpucache/tlcache_next.tar.xz, when that file is carried instead). A missing file is an error.
-for tlcache in ${TLCACHE:-.gpucache/tlcache.tar.xz}; do  # space-separated tars
-  if [[ -n ${TLCACHE:-} && ! -f $tlcache ]]; then echo "TLCACHE: $tlcache: no such file (carry it)"; exit 2; fi
-  [[ -f $tlcache ]] && tar -xJf "$tlcache" -C /tmp/tlall
-done
-# FlashQLA's own TileLang kernels, saved by an earlier SAVE_JIT=1 run (see below), if carried.
-[[ -f .gpucache/flashqla_tlcache.tar.xz ]] && tar -xJf .gpucache/flashqla_tlcache.tar.xz -C /tmp/tlall
-touch /tmp/tlall.mark
-export TILELANG_CACHE_DIR=/tmp/tlall
-source .devbundle/activate.sh
-for w in .gpucache/whl/*.whl; do [[ -f $w ]] && python -m zipfile -e "$w" /tmp/whlsite; done
-export PYTHONPATH=$PYTHONPATH:/tmp/whlsite
+source scripts/gpu_lib.sh
+# TLCACHE: the compiled-kernel tars (gpu_lib.sh; a branch's own, e.g. .gpucache/tlcache_next.tar.xz,
+# when that file is carried instead of .gpucache/tlcache.tar.xz).
+unpack_kernel_tars
+touch /tmp/tlall.mark  # SAVE_JIT: the cache files this run creates are newer
+activate_device_env
 step() { echo "== $1"; shift; timeout "$@"; echo "rc=$?"; }
 if [[ ${TESTS:-} != none ]]; then
   export QLA_ERRORS_JSONL="$out/prefill_errors.jsonl"  # every case's o / state errors
