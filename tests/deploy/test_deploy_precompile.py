@@ -55,7 +55,8 @@ def test_config_enumeration_matches_its_heads_dtypes_and_targets(modules):
     # fp16 q/k the engine layers hand over beside bf16 v ("_qkfloat16"), and each with 1, 2 and
     # 4 v-heads per CTA ("_heads2", "_heads4": Hv / Hk = 4 at TP8), both form "m"'s stage 1 and
     # the V-first output pass at v_split 1 also packed ("_pm": P^T and M in one tile, plans
-    # without a cut; prefill_api.packed_tiles)
+    # without a cut; prefill_api.packed_tiles); with 2 and 4 heads solved two at a time ("_pair":
+    # prefill_api.PREP_PAIR, the default)
     assert len({j.key for j in jobs}) == len(jobs)
     names = {t: sorted(j.name for j in jobs if j.target == t) for t in TARGETS}
     vfirst = [n for n in names["sm_90a"] if "_vfirst" in n]  # (maps passes: "_vfirst_pdl")
@@ -63,10 +64,10 @@ def test_config_enumeration_matches_its_heads_dtypes_and_targets(modules):
     packed = [n for n in names["sm_90a"] if n.endswith("_pm")]
     assert [n for n in packed if "_main_" in n and "_persistent" not in n] == [
         "gdn_prefill_main_hv8_hk2_bfloat16_poolfloat32_vs1_vfirst_pm"]
-    form_m = re.compile(r"gdn_prefill_prep_.*_m(_qkfloat16)?(_heads[24])?(_pm)?$")
+    form_m = re.compile(r"gdn_prefill_prep_.*_m(_qkfloat16)?(_heads[24])?(_pm)?(_pair)?$")
     prep_m = [n for n in names["sm_90a"] if form_m.match(n)]
-    assert prep_m == sorted(f"gdn_prefill_prep_hv8_hk2_bfloat16_m{qk}{heads}{pm}" for qk in ("", "_qkfloat16")
-                            for heads in ("", "_heads2", "_heads4") for pm in ("", "_pm"))
+    assert prep_m == sorted(f"gdn_prefill_prep_hv8_hk2_bfloat16_m{qk}{heads}{pm}{'_pair' if heads else ''}"
+                            for qk in ("", "_qkfloat16") for heads in ("", "_heads2", "_heads4") for pm in ("", "_pm"))
     assert "gdn_prefill_prep_hv8_hk2_bfloat16_qkfloat16" in names["sm_100a"]
     assert "gdn_prefill_inputs_hk2_bfloat16_to-float16_qk-only" in names["sm_100a"]
     assert not any("_vfirst" in n or form_m.match(n) for n in names["sm_100a"])

@@ -136,12 +136,14 @@ def test_prep_fits_its_ctas_per_sm(tmp_path, form):
 
 
 @pytest.mark.parametrize("heads,packed", [(2, False), (4, True)])
-def test_prep_heads_per_cta(tmp_path, heads, packed):
+def test_prep_heads_per_cta(tmp_path, heads, packed, monkeypatch):
     """Stage 1 with several v-heads per CTA (form "m"): Q K^T (K Q^T packed) once per CTA, each
     head's P and M stored (one TMA store per head and tile; packed: P^T's store and M's TMA
     reduce into one tile per head), four CTAs per SM (registers and shared memory: each head's
     tiles are allocated per head, so their lifetimes do not stack), named apart, listed where
-    Hv / Hk allows them and refused where not."""
+    Hv / Hk allows them (this form, one head solved at a time, with PREP_PAIR off; test_prep_pair_solve
+    has the pair's) and refused where not."""
+    monkeypatch.setattr(P, "PREP_PAIR", False)
     variant = P.prep_variant(8, 2, "bfloat16", "m", "float16", heads, packed=packed)
     assert variant["name"].endswith(f"_qkfloat16_heads{heads}" + ("_pm" if packed else ""))
     assert variant in P.kernel_variants(8, 2)
@@ -171,6 +173,36 @@ def test_prep_heads_per_cta(tmp_path, heads, packed):
 PREP_HEADS_SPILL_BYTES = {2: 0, 4: 48}
 
 
+@pytest.mark.parametrize("heads,packed", [(2, True), (4, False)])
+def test_prep_pair_solve(tmp_path, heads, packed, monkeypatch):
+    """Stage 1 solving two heads at once (pair_solve): one qla_block_solve_m_pair call per pair of
+    heads and no single-head solve, csrc/block_solve_pair.cuh imported only there (the other
+    variants' sources, and so their compile caches, unchanged), the CTAs per SM the grouped prep
+    claims (five at two heads: <= 102 registers and <= 44 KB of shared memory; four at four), no
+    spills, wgmma kept asynchronous; listed (for precompile) in place of the one-head-at-a-time
+    variant while PREP_PAIR is on (the default), not when it is off; refused with one head."""
+    variant = P.prep_variant(8, 2, "bfloat16", "m", "float16", heads, packed=packed, pair_solve=True)
+    plain_variant = P.prep_variant(8, 2, "bfloat16", "m", "float16", heads, packed=packed)
+    assert variant["name"] == plain_variant["name"] + "_pair"
+    monkeypatch.setattr(P, "PREP_PAIR", False)
+    assert variant not in P.kernel_variants(8, 2) and plain_variant in P.kernel_variants(8, 2)
+    monkeypatch.setattr(P, "PREP_PAIR", True)
+    assert variant in P.kernel_variants(8, 2) and plain_variant not in P.kernel_variants(8, 2)
+    kern = P.build(variant, "sm_90a")
+    src = kern.get_kernel_source()
+    assert src.count("qla_block_solve_m_pair((") == heads // 2 and "qla_block_solve_m((" not in src
+    plain = P.build(plain_variant, "sm_90a")
+    assert "qla_block_solve_m_pair" not in plain.get_kernel_source()
+    ctas = 5 if heads == 2 else 4
+    smem = kernel_report.launch_dynamic_smem(kern.get_host_source(), threads=128)
+    assert smem is not None and ctas * (smem + 2048) <= 228 * 1024, smem
+    usage, _ = kernel_report.ptxas(src, "sm_90a", tmp_path)
+    assert usage["registers"] * 128 * ctas <= 65536 and usage["spill_store_bytes"] == 0, usage
+    assert not usage["wgmma_serialized"], usage
+    with pytest.raises(ValueError, match="pair_solve"):
+        P.prep_variant(8, 2, "bfloat16", "m", "float16", 1, pair_solve=True)
+
+
 @pytest.mark.parametrize("heads", [1, 4])
 def test_prep_mma_solve(tmp_path, heads, monkeypatch):
     """Stage 1's two solves (PREP_SOLVE): form "m" runs the mma.sync one (csrc/block_solve.cuh)
@@ -179,7 +211,9 @@ def test_prep_mma_solve(tmp_path, heads, monkeypatch):
     its names. The mma variant's source calls the helper and holds m16n8k16 products beside the
     Q K^T / K K^T wgmma (not serialized); it fits the CTAs per SM without spills and asks for no
     more shared memory than the wgmma one (it has no N, I - N, N^2 or B tiles; at one head the
-    allocator overlaps those with others)."""
+    allocator overlaps those with others). With PREP_PAIR off, so that the four-head variant
+    listed is this one-head-at-a-time form (test_prep_pair_solve has the pair's listing)."""
+    monkeypatch.setattr(P, "PREP_PAIR", False)
     variant = P.prep_variant(8, 2, "bfloat16", "m", "float16", heads)
     assert variant == P.prep_variant(8, 2, "bfloat16", "m", "float16", heads, "mma")
     assert "solve" not in variant and variant in P.kernel_variants(8, 2)

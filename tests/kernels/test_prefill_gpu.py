@@ -42,7 +42,8 @@ def _kernel_switches(monkeypatch):
     """The package defaults, whatever the environment says: gate warmup on (plans with
     cp="auto" take it, cp="exact" plans never do), the V-first stage 2 at v_split 1 and 2
     (v_split 4 runs v8), stage 1's heads per CTA by its rule and its default solve (mma.sync;
-    test_prep_solves runs both). The CP passes' launch form
+    test_prep_solves runs both), two heads solved at once where a CTA has two or four (PREP_PAIR;
+    test_prep_pair_solve_matches_one_head_at_a_time runs both). The CP passes' launch form
     (CP_PDL) is read from no environment: the package's. test_v8_main and the sanitizer case
     switch to v8 themselves, test_prep_heads_per_cta forces the heads,
     test_cp_pdl_matches_plain_launches runs both launch forms. Plain and V-split plans run their
@@ -53,6 +54,7 @@ def _kernel_switches(monkeypatch):
     monkeypatch.setattr(_mod(), "MAIN_IMPL", "vfirst")
     monkeypatch.setattr(_mod(), "PREP_HEADS", 0)
     monkeypatch.setattr(_mod(), "PREP_SOLVE", _mod().PREP_SOLVE_DEFAULT)
+    monkeypatch.setattr(_mod(), "PREP_PAIR", True)
 
 
 def make_case(lens, Hk, Hv, *, io=torch.bfloat16, qk=None, gen, dev="cuda"):
@@ -255,6 +257,40 @@ def test_prep_solves(Hk, Hv, heads, monkeypatch):
             monkeypatch.setattr(_mod(), "PREP_SOLVE", solve)
             e = run_case(lens, Hk, Hv, seed=1300 + i + Hv, **dict(case))
             print(f"{Hk}/{Hv} heads per CTA {heads}, case {i}, solve {solve}: o {e[0]:.2e} state {e[1]:.2e}")
+
+
+PREP_PAIR_CASES = [  # (lens, Hk, Hv, heads per CTA, v_split, q/k dtype, segment chunks)
+    (EDGE_LENS, 2, 8, 2, 1, torch.float16, 0),
+    (EDGE_LENS, 2, 8, 4, 2, None, 0),  # bf16 q/k: the fp16 copies written on the way
+    ([512] * 40, 16, 64, 4, 1, torch.float16, 0),
+    ([64 * 29 + 17, 0, 64 * 3, 1, 64 * 7, 200], 4, 16, 2, 1, torch.float16, 3),  # CP: P and M apart
+]
+
+
+@pytest.mark.parametrize("case", PREP_PAIR_CASES,
+                         ids=lambda c: f"{len(c[0])}seq-{c[1]}-{c[2]}-h{c[3]}-vs{c[4]}-cp{c[6]}")
+def test_prep_pair_solve_matches_one_head_at_a_time(case, monkeypatch):
+    """Stage 1 solving two heads at once (prefill_api.PREP_PAIR: warps 0-1 one head, 2-3 the
+    other, csrc/block_solve_pair.cuh) writes every stage-1 output bit for bit as solving them one
+    after the other does (the same operations per head), on edge lengths with padding, bf16 and
+    fp16 q/k, two and four heads per CTA, packed and apart (a CP plan); and the call meets the
+    float64 recurrence."""
+    lens, Hk, Hv, heads, v_split, qk, segment_chunks = case
+    monkeypatch.setattr(_mod(), "PREP_HEADS", heads)
+    cp = "exact" if segment_chunks else None
+    outputs = {}
+    for pair in (False, True):
+        monkeypatch.setattr(_mod(), "PREP_PAIR", pair)
+        e = run_case(lens, Hk, Hv, qk=qk, v_split=v_split, seed=1500 + Hv + heads, pad_frac=0.2,
+                     segment_chunks=segment_chunks, cp=cp)
+        plan = e[2]
+        packed = _mod().packed_tiles(plan.strategy, "vfirst", plan.v_split)
+        nchunks, stage1 = _mod()._plan_scratch(plan, Hv, "m", packed, torch.device("cuda"))
+        outputs[pair] = [t[:nchunks].clone() for t in stage1 if t.shape[0] == max(nchunks, 1)]
+        print(f"{Hk}/{Hv} heads {heads} pair {pair}: o {e[0]:.2e} state {e[1]:.2e}")
+    for a, b in zip(outputs[False], outputs[True], strict=True):
+        assert torch.equal(a.view(torch.int16 if a.element_size() == 2 else torch.int32),
+                           b.view(torch.int16 if b.element_size() == 2 else torch.int32))
 
 
 PERSISTENT_CASES = [  # (lens, Hk, Hv, v_split, q/k dtype, pool dtype, padding, checkpoints)

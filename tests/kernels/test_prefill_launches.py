@@ -279,28 +279,30 @@ def test_misaligned_pool_rejected_before_any_launch(launches):
     assert launches == []
 
 
-@pytest.mark.parametrize("lens,heads", [([64 * 128], 2), ([64 * 128] * 4, 2), ([64 * 144], 2), ([300, 0, 65], 1)])
+@pytest.mark.parametrize("lens,heads", [([64 * 100], 2), ([64 * 128], 4), ([64 * 128] * 4, 4), ([64 * 144], 4),
+                                        ([300, 0, 65], 1)])
 def test_stage1_heads_per_cta_by_the_rule(launches, lens, heads):
     """The prep variant a call launches takes prep_heads_per_cta's choice for its chunk count
-    (2/8 heads: two-head CTAs at 128, 144 and 512 chunks; one head where one wave of one-head
-    CTAs holds the call, 7 chunks here)."""
+    (2/8 heads: two-head CTAs at 100 chunks, four-head ones at 128, 144 and 512; one head where
+    one wave of one-head CTAs holds the call, 7 chunks here), solving two heads at a time where
+    it has two or four (PREP_PAIR, the default)."""
     _call(lens, 2, 0, None)
     prep = launches[0][0]
     assert prep["op"] == "prefill_prep" and prep.get("heads_per_cta", 1) == heads
+    assert prep.get("pair_solve", False) == (heads >= 2)
 
 
 def test_heads_per_cta_rule():
-    """The rule against the H200's measurements (benchmarks/prefill.md, "Stage 1's heads per
-    CTA, refit on v31", session 58): the heads per CTA that measured fastest, or within 0.5% of
-    it, for 2/8 and 16/64 at the bench's chunk counts (2/8 512 chunks: two heads 0.0410 ms, four
-    0.0411; 16/64 at 128-144 chunks: two heads faster on three rows of four, 0.5% slower on
-    1024x8), one head in a single wave of one-head CTAs, four heads at 16/64 512 chunks (the
-    fit's extrapolation; four measured fastest there on v29), 1 where Hv / Hk has no other
-    divisor among the choices or the form is "uw", and a forced PREP_HEADS clipped to a divisor
-    of Hv / Hk."""
+    """The rule against session 65's H100 measurements with the pair solve (benchmarks/prefill.md,
+    "Stage 1's pair solve"): four heads per CTA measured fastest in stage 1 at 2/8 512 chunks,
+    4/16 128 and 512, 16/64 128 and 512 (by 2-16%); at 2/8 128 chunks two heads led by 5% in
+    stage 1 and 1% in the call, where the fit's lines cross (x 7.1 against 7.8) and it takes four;
+    two heads below that, one head in a single wave of one-head CTAs, 1 where Hv / Hk has no
+    other divisor among the choices or the form is "uw", and a forced PREP_HEADS clipped to a
+    divisor of Hv / Hk."""
     rule = P.prep_heads_per_cta
-    assert [rule(8, 2, n, "m", 132) for n in (1, 82, 83, 128, 144, 512)] == [1, 1, 2, 2, 2, 2]
-    assert [rule(64, 16, n, "m", 132) for n in (10, 11, 128, 144, 512)] == [1, 2, 2, 2, 4]
+    assert [rule(8, 2, n, "m", 132) for n in (1, 82, 83, 112, 113, 128, 144, 512)] == [1, 1, 2, 2, 2, 4, 4, 4]
+    assert [rule(64, 16, n, "m", 132) for n in (10, 11, 14, 15, 128, 144, 512)] == [1, 2, 2, 4, 4, 4, 4]
     assert {rule(24, 8, n, "m", 132) for n in (1, 128, 512, 4096)} == {1}
     assert rule(64, 16, 512, "uw", 132) == 1
 

@@ -122,15 +122,15 @@ MAIN_IMPL = _main_impl_from_env()
 # divides Hv / Hk (else the largest that does). Read once at import from QLA_SERVE_PREP_HEADS;
 # the GPU tests and benchmarks set it instead.
 PREP_HEADS_CHOICES = (1, 2, 4)
-# The rule's figures, measured on the H200 with stage 1 v31/v32 (session 58; benchmarks/prefill.md,
-# "Stage 1's heads per CTA, refit on v31"): stage 1's GPU us for a call as a line in its
-# chunk-heads per SM x, a + b x, per heads per CTA (least squares over 2/8 and 16/64 at 128-512
-# chunks, x 7.8-70; the largest residual 3.9 us). Two heads lead from 128 chunks at 2/8 to ~95
-# chunk-heads per SM, four above; one head only where its grid is a single wave (the call then
-# takes one CTA's latency, the shortest). v29's wave-count rule (1 / 1.4 / 2.5 per whole wave)
-# kept one head at 2/8 mixed8192 (144 chunks), 35% slower in stage 1 than two heads on v31.
-# Refit: benchmarks/fit_prep_heads.py (data/prep_heads_v31_h200.jsonl --by-order 1,2,4 gives these).
-_PREP_COST_US = {1: (5.3, 1.31), 2: (3.1, 1.13), 4: (5.0, 1.11)}
+# The rule's figures: stage 1's GPU us for a call as a line in its chunk-heads per SM x, a + b x,
+# per heads per CTA (least squares over 2/8, 4/16 and 16/64 at 128-512 chunks, x 7.8-248; the
+# largest residual 17 us at x 248, 4 us below 100), measured with the pair solve (PREP_PAIR) on
+# stage 1 v33 (P and M packed) on an H100 (session 65; benchmarks/prefill.md, "Stage 1's pair
+# solve"): four heads lead from ~7 chunk-heads per SM, two below; one head only where its grid
+# is a single wave (the call then takes one CTA's latency, the shortest). The H200 fit of session
+# 58 (v31/v32, no pair) had two heads lead up to ~95; on the H100 without the pair the crossover
+# was already ~28. Refit: benchmarks/fit_prep_heads.py data/prep_heads_pair_h100.jsonl.
+_PREP_COST_US = {1: (8.7, 1.32), 2: (5.4, 1.19), 4: (6.6, 1.02)}
 
 
 def _prep_heads_from_env() -> int:
@@ -195,6 +195,15 @@ PERSISTENT_MAX_MEAN_CHUNKS = 8
 # persistent).
 PERSISTENT_UNIT_SAVING = 0.8
 
+# Stage 1 with two or four heads per CTA solves two heads at once (prefill_prep's pair_solve:
+# the two diagonal-block substitutions side by side, then warps 0-1 one head's block solve and
+# 2-3 the other's) instead of one after the other with most warps idle: the same operations per
+# head, so the same bits. Session 65, H100, stage 1 GPU ms one head at a time / pair: four heads
+# 16/64 4x8192 0.264 -> 0.250, 2048x4 0.082 -> 0.072, 4/16 1024x8 0.0200 -> 0.0183, 2/8 64x512
+# 0.0436 -> 0.0400; two heads 2/8 and 4/16 rows -2..-8%, 16/64 rows +1..+4% (where the rule now
+# takes four). Read once at import from QLA_SERVE_PREP_PAIR ("0" turns it off).
+PREP_PAIR = _switch_from_env("QLA_SERVE_PREP_PAIR")
+
 _kernels: dict = {}
 _lock = threading.Lock()
 _fns: dict = {}  # short key -> the compiled kernel's raw launch function (raw_launch.py)
@@ -208,7 +217,7 @@ def _variant_name(v: dict) -> str:
                 + (f"_qk{v['qk_dtype']}" if "qk_dtype" in v else "")
                 + (f"_heads{v['heads_per_cta']}" if "heads_per_cta" in v else "")
                 + (f"_{v['solve']}" if "solve" in v else "")  # form "m" on the wgmma solve
-                + ("_pm" if v.get("packed") else ""))
+                + ("_pm" if v.get("packed") else "") + ("_pair" if v.get("pair_solve") else ""))
     pdl = "_pdl" if v.get("pdl", False) else ""
     return (
         f"gdn_prefill_main_hv{v['num_v_heads']}_hk{v['num_k_heads']}_{v['io_dtype']}"
@@ -228,7 +237,7 @@ def _chain(v: dict, pdl: bool) -> dict:
 
 def prep_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw",
                  qk_dtype: str | None = None, heads_per_cta: int = 1, solve: str | None = None,
-                 packed: bool = False) -> dict:
+                 packed: bool = False, pair_solve: bool = False) -> dict:
     """Stage 1; form "uw" (U0 and -Wk, for the v8 stage 2) or "m" (M, for V-first): the form
     a stage-2 kernel reads is PREP_FORM[impl]. io_dtype is v's; qk_dtype q/k's (None: v's);
     heads_per_cta the v-heads of one CTA (form "m": a divisor of Hv / Hk); solve form "m"'s
@@ -257,6 +266,10 @@ def prep_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = 
         v["solve"] = solve
     if packed:
         v["packed"] = True
+    if pair_solve:
+        if form != "m" or solve != "mma" or heads_per_cta < 2:
+            raise ValueError("pair_solve: form 'm' on the mma solve with two or four heads per CTA only")
+        v["pair_solve"] = True
     v["name"] = _variant_name(v)
     return v
 
@@ -293,6 +306,11 @@ def prep_heads_per_cta(num_v_heads: int, num_k_heads: int, num_chunks: int, form
 def plan_chunks(plan) -> int:
     """The plan's 64-token chunks: ceil(len / CHUNK) summed over its sequences (host metadata)."""
     return sum((int(L) + CHUNK - 1) // CHUNK for L in plan.seq_lens)
+
+
+def _pair_solve(form: str, solve: str, heads_per_cta: int) -> bool:
+    """Whether stage 1 solves its heads two at a time (PREP_PAIR, the mma solve, >= 2 heads)."""
+    return PREP_PAIR and form == "m" and solve == "mma" and heads_per_cta >= 2
 
 
 def plan_prep_heads(plan, num_v_heads: int, num_k_heads: int, form: str) -> int:
@@ -443,7 +461,8 @@ def kernel_variants(num_v_heads: int, num_k_heads: int, target: str = ARCH) -> l
         raise ValueError(f"num_v_heads ({num_v_heads}) must be a positive multiple of num_k_heads ({num_k_heads})")
     forms = sorted({PREP_FORM[main_impl_for(vs, target)] for vs in V_SPLITS}, reverse=True)
     group = num_v_heads // num_k_heads
-    out = [prep_variant(num_v_heads, num_k_heads, io, form, qk, n, packed=packed)
+    out = [prep_variant(num_v_heads, num_k_heads, io, form, qk, n, packed=packed,
+                        pair_solve=_pair_solve(form, _prep_solve(form, None), n))
            for qk, io in QK_V_DTYPES for form in forms for packed in ((False, True) if form == "m" else (False,))
            for n in PREP_HEADS_CHOICES if n == 1 or (form == "m" and group % n == 0)]
     out += [scan_variant(num_v_heads), warmup_variant(num_v_heads)]
@@ -484,7 +503,7 @@ def build(variant: dict, target: str = ARCH):
             elif variant["op"] == "prefill_prep":
                 func = prefill_prep.prep_func(hv, hk, io, variant.get("form", "uw"), variant.get("qk_dtype"),
                                               variant.get("heads_per_cta", 1), variant.get("solve"),
-                                              variant.get("packed", False))
+                                              variant.get("packed", False), variant.get("pair_solve", False))
                 cfg = prefill_prep.PASS_CONFIGS
             elif variant["op"] == "prefill_main" and variant.get("persistent"):
                 func, _ = prefill_main_vfirst.persistent_func(hv, hk, io, variant["pool_dtype"], variant["v_split"],
@@ -689,7 +708,7 @@ def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale,
     """
     key = ("hopper_prefill_launches", q.shape[0], k.shape[1], v.shape[1], q.dtype, v.dtype, pool.dtype,
            has_initial_state is None, q.device, _stages, _target, GATE_WARMUP, MAIN_IMPL, PREP_HEADS, PREP_SOLVE,
-           CP_PDL, PERSISTENT, PERSISTENT_MAX_MEAN_CHUNKS)
+           CP_PDL, PERSISTENT, PERSISTENT_MAX_MEAN_CHUNKS, PREP_PAIR)
     launches = plan.kernel_cache.get(key)
     if launches is None:
         launches = plan.kernel_cache[key] = _Launches(plan, q, k, v, pool, has_initial_state is None, _stages,
@@ -733,8 +752,9 @@ class _Launches:
         self.half_qk = _half_qk(plan, max(self.ntok, 1), hk, dev) if qk == "bfloat16" else None
         hpc = plan_prep_heads(plan, hv, hk, form)
         solve = _prep_solve(form, None)
-        kp = _kernel(prep_variant(hv, hk, io, form, qk, hpc, solve, packed),
-                     (hv, hk, io, form, qk, hpc, solve, packed, target))
+        pair = _pair_solve(form, solve, hpc)
+        kp = _kernel(prep_variant(hv, hk, io, form, qk, hpc, solve, packed, pair),
+                     (hv, hk, io, form, qk, hpc, solve, packed, pair, target))
         self.prep = kp if nchunks > 0 and "prep" in stages else None  # stages: benchmarks time them apart
         self.output = self.persistent = None
         if "main" not in stages:

@@ -118,6 +118,7 @@ FORMS = ("uw", "m")
 SOLVES = ("wgmma", "mma")
 DEFAULT_SOLVE = {"m": "mma", "uw": "wgmma"}
 SOLVE_SOURCE = FAST_MATH_SOURCE + (Path(__file__).with_name("csrc") / "block_solve.cuh").read_text()
+PAIR_SOLVE_SOURCE = SOLVE_SOURCE + (Path(__file__).with_name("csrc") / "block_solve_pair.cuh").read_text()
 
 
 def resolve_solve(form: str, solve: str | None = None) -> str:
@@ -139,7 +140,7 @@ def ctas_per_sm(form: str, heads_per_cta: int = 1) -> int:
 
 def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw",
               qk_dtype: str | None = None, heads_per_cta: int = 1, solve: str | None = None,
-              packed: bool = False):
+              packed: bool = False, pair_solve: bool = False):
     """Build the stage-1 PrimFunc for (Hv, Hk, io dtype, form, q/k dtype, solve); T (tokens), N
     (sequences) and the number of chunks are symbolic, so one compile serves every batch. solve
     (SOLVES): form "m"'s "mma" (its default) or "wgmma"; form "uw" takes "wgmma" only.
@@ -168,6 +169,8 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
     uw_form = form == "uw"
     if packed and uw_form:
         raise ValueError("packed: form 'm' only (form 'uw' writes U0 and -Wk, no M)")
+    if pair_solve and not (mma_solve and heads_per_cta >= 2):
+        raise ValueError("pair_solve: form 'm' on the mma solve with two or four heads per CTA only")
     qk_dtype = qk_dtype or io_dtype
     Hv, Hk = num_v_heads, num_k_heads
     group = Hv // Hk
@@ -286,6 +289,11 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
         for j in range(hpc):
             macro(j, *args)
 
+    def _for_each_pair(macro, *args):
+        """macro(jp, *args) for each pair jp of the CTA's heads (2 jp, 2 jp + 1; unrolled)."""
+        for jp in range(hpc // 2):
+            macro(jp, *args)
+
     def _scratch(product_f, spare_f):
         """Where a head's P is built from Q K^T: in the product's own registers with one head per
         CTA, else in a spare fragment (the product serves the next head too)."""
@@ -395,6 +403,59 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
         T.gemm(n2_s, b_mm_s, t_f, clear_accum=True)  # (I + N^2) B
 
     @T.macro
+    def _diag_blocks_pair(j0, kd_s, b_s, db0_s, db1_s):
+        """_diag_blocks for heads j0 (threads 0-63, into db0_s) and j0 + 1 (threads 64-127, into
+        db1_s) at once: the same operations per head."""
+        tx = T.get_thread_binding()
+        hj = tx // 64
+        blk = (tx % 64) // 16
+        col = tx % 16
+        dcol = T.alloc_local((16,), acc)
+        for r in T.unroll(16):
+            dcol[r] = 0.0
+        for m in T.unroll(16):
+            dcol[m] = T.if_then_else(col == m, 1.0, 0.0) - b_s[j0 + hj, blk * 16 + m] * dcol[m]
+            for r in T.unroll(m + 1, 16):
+                dcol[r] = dcol[r] + kd_s[blk, m, r] * dcol[m]
+        beta_col = b_s[j0 + hj, blk * 16 + col]
+        if tx < 64:
+            for r in T.unroll(16):
+                db0_s[blk * 16 + r, blk * 16 + col] = T.cast(dcol[r] * beta_col, mm_dtype)
+        else:
+            for r in T.unroll(16):
+                db1_s[blk * 16 + r, blk * 16 + col] = T.cast(dcol[r] * beta_col, mm_dtype)
+
+    @T.macro
+    def _m_tile_pair(jp, kd_s, koff_s, b_s, g2_s, mbuf, dbuf, cid, h0):
+        """Heads 2 jp and 2 jp + 1 of the CTA at once (pair_solve, the mma solve): their diagonal
+        blocks' substitutions side by side (_diag_blocks_pair; the first head's Db in koff_s's
+        diagonal blocks, which the solve does not read of koff), then
+        csrc/block_solve.cuh's qla_block_solve_m_pair (warps 0-1 the first head, 2-3 the second),
+        then each head's M out as _m_tile stores it: the same M, bit for bit."""
+        j0 = 2 * jp
+        mo0_s = _staging_tile()
+        mo1_s = _staging_tile()
+        db1_s = _staging_tile()
+        _diag_blocks_pair(j0, kd_s, b_s, koff_s, db1_s)
+        T.sync_threads()
+        T.call_extern("handle", "qla_block_solve_m_pair", T.address_of(koff_s[0, 0]), T.address_of(koff_s[0, 0]),
+                      T.address_of(g2_s[j0, 0]), T.address_of(mo0_s[0, 0]), T.address_of(db1_s[0, 0]),
+                      T.address_of(g2_s[j0 + 1, 0]), T.address_of(mo1_s[0, 0]))
+        T.sync_threads()
+        if packed:
+            for i in T.Parallel(C):
+                dbuf[cid, h0 + j0, i] = mo0_s[i, i]
+                mo0_s[i, i] = T.cast(0.0, mm_dtype)
+                dbuf[cid, h0 + j0 + 1, i] = mo1_s[i, i]
+                mo1_s[i, i] = T.cast(0.0, mm_dtype)
+            T.tma_store_wait(0, read=False)  # P^T's stores into the tiles have completed
+            T.atomic_add(mbuf[cid, h0 + j0, :, :], mo0_s, use_tma=True)
+            T.atomic_add(mbuf[cid, h0 + j0 + 1, :, :], mo1_s, use_tma=True)
+        else:
+            T.copy(mo0_s, mbuf[cid, h0 + j0, :, :])
+            T.copy(mo1_s, mbuf[cid, h0 + j0 + 1, :, :])
+
+    @T.macro
     def _m_tile(j, kd_s, koff_s, kk_f, n_f, t_f, b_s, g2_s, mbuf, dbuf, cid, h0):
         """Form "m": head h0 + j's M in fp16 (stage 2 meets it with fp16 operands; v10 stored
         U0 = fp16(M) fp16(V) within the budget), to mbuf. Packed: its diagonal to dbuf, its
@@ -452,7 +513,7 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
             # substitution), so other CTAs fill the gaps. Several heads per CTA: four.
             T.annotate_min_blocks_per_sm(ctas_per_sm(form, hpc))
             if mma_solve:
-                T.import_source(SOLVE_SOURCE)
+                T.import_source(PAIR_SOLVE_SOURCE if pair_solve else SOLVE_SOURCE)
             h0 = hb * hpc  # the CTA's first v-head; its heads h0 .. h0 + hpc - 1 share qk-head hk
             hk = h0 // group
             # q, k, v stay in their dtypes: Q K^T and K K^T take them as they are (exact
@@ -539,6 +600,9 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
                 _solve(0, kd_s, koff_s, kk_f, n_f, t_f, b_s)
                 _write_u0_wk(v, ubuf, wbuf, t0, h0, cid, k_s, g2_s, eg_s, t_f)
             else:
-                _for_each_head(_m_tile, kd_s, koff_s, kk_f, n_f, t_f, b_s, g2_s, mbuf, dbuf, cid, h0)
+                if pair_solve:
+                    _for_each_pair(_m_tile_pair, kd_s, koff_s, b_s, g2_s, mbuf, dbuf, cid, h0)
+                else:
+                    _for_each_head(_m_tile, kd_s, koff_s, kk_f, n_f, t_f, b_s, g2_s, mbuf, dbuf, cid, h0)
 
     return gdn_prefill_prep
