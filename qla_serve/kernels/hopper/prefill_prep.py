@@ -6,7 +6,10 @@ Grid: one CTA of 128 threads per (group of heads_per_cta v-heads, chunk c), v-he
 chunks are numbered through the plan's ``chunk_offsets`` (chunk c belongs to the sequence s with
 chunk_offsets[s] <= c < chunk_offsets[s+1], found by a binary search in the kernel, so no
 per-chunk index tensor is needed). A CTA's heads share one qk-head: it loads q/k and computes
-Q K^T and K K^T once (v27, v28), then runs each head's gates, P, solve and M in turn.
+Q K^T and K K^T once (v27, v28), then runs each head's gates, P, solve and M in turn; with
+pair_solve (v35, two or four heads on the "mma" solve) two heads' solves at once: their Dinv
+substitutions on threads 0-63 / 64-127, their block substitutions on warps 0-1 / 2-3
+(csrc/block_solve_pair.cuh), the same operations per head as one after the other.
 
 For a chunk of n <= 64 tokens t0..t0+n-1 of head h (qk-head h // (Hv // Hk)):
   gc[i]   = sum_{j<=i} g[t0+j, h]                           (chunk-local cumsum, fp32)
@@ -430,7 +433,7 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
         """Heads 2 jp and 2 jp + 1 of the CTA at once (pair_solve, the mma solve): their diagonal
         blocks' substitutions side by side (_diag_blocks_pair; the first head's Db in koff_s's
         diagonal blocks, which the solve does not read of koff), then
-        csrc/block_solve.cuh's qla_block_solve_m_pair (warps 0-1 the first head, 2-3 the second),
+        csrc/block_solve_pair.cuh's qla_block_solve_m_pair (warps 0-1 the first head, 2-3 the second),
         then each head's M out as _m_tile stores it: the same M, bit for bit."""
         j0 = 2 * jp
         mo0_s = _staging_tile()
