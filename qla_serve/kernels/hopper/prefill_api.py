@@ -126,8 +126,10 @@ PREP_HEADS_CHOICES = (1, 2, 4)
 # per heads per CTA (least squares over 2/8, 4/16 and 16/64 at 128-512 chunks, x 7.8-248; the
 # largest residual 17 us at x 248, 4 us below 100), measured with the pair solve (PREP_PAIR) on
 # stage 1 v33 (P and M packed) on an H100 (session 65; benchmarks/prefill.md, "Stage 1's pair
-# solve"): four heads lead from ~7 chunk-heads per SM, two below; one head only where its grid
-# is a single wave (the call then takes one CTA's latency, the shortest). The H200 fit of session
+# solve"): four heads lead from ~7 chunk-heads per SM, two below. Before the lines, the fewest
+# heads whose grid is a single wave (the call then takes one CTA's latency, shorter with fewer
+# heads: at 2/8 x 128 chunks, one wave of two-head CTAs, two heads measured 5% faster in stage
+# 1 and ~1% in the call than four, where the lines alone take four). The H200 fit of session
 # 58 (v31/v32, no pair) had two heads lead up to ~95; on the H100 without the pair the crossover
 # was already ~28. Refit: benchmarks/fit_prep_heads.py data/prep_heads_pair_h100.jsonl.
 _PREP_COST_US = {1: (8.7, 1.32), 2: (5.4, 1.19), 4: (6.6, 1.02)}
@@ -282,9 +284,10 @@ def _prep_solve(form: str, solve: str | None) -> str:
 
 def prep_heads_per_cta(num_v_heads: int, num_k_heads: int, num_chunks: int, form: str, sm_count: int) -> int:
     """Stage 1's v-heads per CTA for a call of num_chunks chunks (form "m"; "uw" always 1):
-    PREP_HEADS where set (the largest choice dividing Hv / Hk that is not above it); else one head
-    where one wave of one-head CTAs holds the call, and otherwise the choice of least expected
-    time by _PREP_COST_US. Ties go to more heads."""
+    PREP_HEADS where set (the largest choice dividing Hv / Hk that is not above it); else the
+    fewest heads whose CTAs all fit one wave (at the CTAs per SM their launch bounds claim: the
+    call then takes one CTA's latency, shorter with fewer heads), and otherwise the choice of
+    least expected time by _PREP_COST_US. Ties go to more heads."""
     if form != "m":
         return 1
     group = num_v_heads // num_k_heads
@@ -292,8 +295,9 @@ def prep_heads_per_cta(num_v_heads: int, num_k_heads: int, num_chunks: int, form
     if PREP_HEADS:
         return max(n for n in choices if n <= PREP_HEADS)
     chunk_heads = num_chunks * num_v_heads
-    if chunk_heads <= prefill_prep.ctas_per_sm(form, 1) * sm_count:
-        return 1
+    for n in choices:
+        if chunk_heads <= n * prefill_prep.ctas_per_sm(form, n) * sm_count:
+            return n
     per_sm = chunk_heads / sm_count
 
     def cost(n):

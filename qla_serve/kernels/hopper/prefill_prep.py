@@ -78,10 +78,10 @@ share the latency of each CTA's serial phases (v10: 65 KB, 3 CTAs); form "m" tak
 registers at one, two and four heads, no spills; v27 spilled 24-148 bytes). v31's mma solve
 takes 87, 93 and 107 registers at one, two and four heads (91, 94 and 111 with the packed P^T / M
 tile): five, five and four CTAs per SM by their registers (the launch bounds ask for five, four
-and four). Which heads per CTA a call
-takes (prefill_api.prep_heads_per_cta) is fit on the H200: since v31 two heads per CTA are
-fastest from one full wave up, four at the largest calls, one within a single wave
-(benchmarks/prefill.md "Stage 1's heads per CTA, refit on v31").
+and four); v35's pair solve 93 and 126 at two and four heads (five and four CTAs). Which heads
+per CTA a call takes (prefill_api.prep_heads_per_cta) is fit on v35 on an H100: four heads from
+~7 chunk-heads per SM, else the fewest whose CTAs fit one wave (benchmarks/prefill.md "Stage 1's
+pair solve").
 Where the time goes (ncu, v32, 2/8 64x512, four heads per CTA): latency, not issue: 1.3
 instructions per SM cycle, 0.48 eligible warps per scheduler; a third of the stall samples wait
 on the CTA's first loads (the q/k TMA 16%, g and beta 8%, the chunk's binary search 6%) and a
