@@ -406,9 +406,33 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
         T.gemm(n2_s, b_mm_s, t_f, clear_accum=True)  # (I + N^2) B
 
     @T.macro
+    def _store_m(mo_s, j, mbuf, dbuf, cid, h0, mo1_s=None):
+        """Head h0 + j's M from mo_s to mbuf (and with mo1_s, head h0 + j + 1's from it). Packed:
+        the diagonal to dbuf, the strict lower triangle added by a TMA reduce into mbuf's tile,
+        where _p_tile stored P^T with zeros below the diagonal (x + 0 is exact in fp16), so the
+        tile crosses HBM once."""
+        if packed:
+            for i in T.Parallel(C):
+                dbuf[cid, h0 + j, i] = mo_s[i, i]
+                mo_s[i, i] = T.cast(0.0, mm_dtype)
+                if mo1_s is not None:
+                    dbuf[cid, h0 + j + 1, i] = mo1_s[i, i]
+                    mo1_s[i, i] = T.cast(0.0, mm_dtype)
+            T.tma_store_wait(0, read=False)  # P^T's store into the tile has completed, not only been read
+            T.atomic_add(mbuf[cid, h0 + j, :, :], mo_s, use_tma=True)
+            if mo1_s is not None:
+                T.atomic_add(mbuf[cid, h0 + j + 1, :, :], mo1_s, use_tma=True)
+        else:
+            T.copy(mo_s, mbuf[cid, h0 + j, :, :])
+            if mo1_s is not None:
+                T.copy(mo1_s, mbuf[cid, h0 + j + 1, :, :])
+
+    @T.macro
     def _diag_blocks_pair(j0, kd_s, b_s, db0_s, db1_s):
         """_diag_blocks for heads j0 (threads 0-63, into db0_s) and j0 + 1 (threads 64-127, into
-        db1_s) at once: the same operations per head."""
+        db1_s) at once: the same operations per head. (Its substitution loop is _diag_blocks'
+        written again: as one macro shared by both, TileLang placed an extra block barrier in
+        this kernel.)"""
         tx = T.get_thread_binding()
         hj = tx // 64
         blk = (tx % 64) // 16
@@ -445,25 +469,13 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
                       T.address_of(g2_s[j0, 0]), T.address_of(mo0_s[0, 0]), T.address_of(db1_s[0, 0]),
                       T.address_of(g2_s[j0 + 1, 0]), T.address_of(mo1_s[0, 0]))
         T.sync_threads()
-        if packed:
-            for i in T.Parallel(C):
-                dbuf[cid, h0 + j0, i] = mo0_s[i, i]
-                mo0_s[i, i] = T.cast(0.0, mm_dtype)
-                dbuf[cid, h0 + j0 + 1, i] = mo1_s[i, i]
-                mo1_s[i, i] = T.cast(0.0, mm_dtype)
-            T.tma_store_wait(0, read=False)  # P^T's stores into the tiles have completed
-            T.atomic_add(mbuf[cid, h0 + j0, :, :], mo0_s, use_tma=True)
-            T.atomic_add(mbuf[cid, h0 + j0 + 1, :, :], mo1_s, use_tma=True)
-        else:
-            T.copy(mo0_s, mbuf[cid, h0 + j0, :, :])
-            T.copy(mo1_s, mbuf[cid, h0 + j0 + 1, :, :])
+        _store_m(mo0_s, j0, mbuf, dbuf, cid, h0, mo1_s)
 
     @T.macro
     def _m_tile(j, kd_s, koff_s, kk_f, n_f, t_f, b_s, g2_s, mbuf, dbuf, cid, h0):
         """Form "m": head h0 + j's M in fp16 (stage 2 meets it with fp16 operands; v10 stored
-        U0 = fp16(M) fp16(V) within the budget), to mbuf. Packed: its diagonal to dbuf, its
-        strict lower triangle added by a TMA reduce into mbuf's tile, where _p_tile stored P^T
-        with zeros below the diagonal (x + 0 is exact in fp16), so the tile crosses HBM once."""
+        U0 = fp16(M) fp16(V) within the budget), to mbuf by _store_m (packed: its diagonal to
+        dbuf, its strict lower triangle into P^T's tile)."""
         mo_s = _staging_tile()
         if mma_solve:
             # csrc/block_solve.cuh: the block forward substitution on mma.sync from Db's diagonal
@@ -480,14 +492,7 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
             _solve(j, kd_s, koff_s, kk_f, n_f, t_f, b_s)
             _gated_m(t_f, g2_s, j)
             T.copy(t_f, mo_s)
-        if packed:
-            for i in T.Parallel(C):
-                dbuf[cid, h0 + j, i] = mo_s[i, i]
-                mo_s[i, i] = T.cast(0.0, mm_dtype)
-            T.tma_store_wait(0, read=False)  # P^T's store into the tile has completed, not only been read
-            T.atomic_add(mbuf[cid, h0 + j, :, :], mo_s, use_tma=True)
-        else:
-            T.copy(mo_s, mbuf[cid, h0 + j, :, :])
+        _store_m(mo_s, j, mbuf, dbuf, cid, h0)
 
     @T.prim_func
     def gdn_prefill_prep(
