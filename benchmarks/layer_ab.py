@@ -4,7 +4,7 @@ a CUDA-graph replay per decode row, bench prefill's graph of several calls per p
 Two rounds, the values interleaved, so that drift shows.
 
     # the prefill's launch chain as programmatic dependent launches, off / on
-    python benchmarks/layer_ab.py --switch prefill_api.CHAIN_PDL=False,True \
+    python benchmarks/layer_ab.py --switch prefill_api.CP_PDL=False,True \
         --heads 2/8,16/64 --rows 1x32768,16x512,4x8192 --states fp32
     # the decode as the conv's programmatic dependent, never / always
     python benchmarks/layer_ab.py --switch gdn_layer.DECODE_AFTER_CONV_MAX_ROWS=0,1073741824 \
