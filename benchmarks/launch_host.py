@@ -3,7 +3,7 @@ adapter callable.
 
     python benchmarks/launch_host.py        # on the H200, with the TileLang kernels cached
 
-For each case, the kernel-module call (prefill_api.prefill, plan built once) is timed with the
+For each case, the kernel-module call (prefill_launch.prefill, plan built once) is timed with the
 kernels launched through their raw host functions (raw_launch.py, the default) and through
 TileLang's adapter callable (``JITKernel.torch_function``, the path before raw_launch.py), and
 raw with the TMA descriptor memo (host_cache.py) switched off. Each
@@ -20,6 +20,7 @@ import torch
 import qla_serve
 from qla_serve.kernels.hopper import host_cache
 from qla_serve.kernels.hopper import prefill_api as P
+from qla_serve.kernels.hopper import prefill_launch as PL
 from qla_serve.plan import force_plan
 
 CASES = {  # name: (lengths, Hk, Hv, forced (strategy, v_split, segment_chunks) or None)
@@ -63,18 +64,18 @@ def _measure(case, adapter: bool, per_launch: bool):
     if forced:
         plan = force_plan(plan, *forced)
     totals = {}
-    real_fn = P._fn
+    real_fn = PL._fn
 
-    def fn_for(variant, short_key):
-        kern = P.build(variant, short_key[-1])
-        fn = kern.torch_function if adapter else real_fn(variant, short_key)
+    def fn_for(variant, target):
+        kern = P.build(variant, target)
+        fn = kern.torch_function if adapter else real_fn(variant, target)
         return _Timed(fn, variant["name"], totals) if per_launch else fn
 
-    P._fns.clear()
-    P._fn = fn_for
+    PL._fns.clear()
+    PL._fn = fn_for
     try:
         def call():
-            P.prefill(q, k, v, g, beta, pool, slots, plan, has_initial_state=None, scale=None, out=out)
+            PL.prefill(q, k, v, g, beta, pool, slots, plan, has_initial_state=None, scale=None, out=out)
         for _ in range(20):
             call()
         torch.cuda.synchronize()
@@ -88,8 +89,8 @@ def _measure(case, adapter: bool, per_launch: bool):
             calls += 100
             torch.cuda.synchronize()
     finally:
-        P._fn = real_fn
-        P._fns.clear()
+        PL._fn = real_fn
+        PL._fns.clear()
     return statistics.median(rounds), {name: s / calls * 1e6 for name, s in totals.items()}
 
 

@@ -5,7 +5,7 @@ step launches, so that the step's remaining layers can make the same launches on
 tensors without running the ops' host code again. Two hooks feed the record:
 
 * :func:`recordable` wraps every raw TileLang launch function (kernels/hopper/common.py and
-  prefill_api.py wrap what raw_launch.raw_function returns): ``("launch", fn, args)``;
+  prefill_launch.py wrap what raw_launch.raw_function returns): ``("launch", fn, args)``;
 * :func:`note_dispatch` is called by ops._run / layer_ops._run with the path an op took:
   ``("dispatch", op, path)`` (a replay needs every op on the TileLang path: the reference and
   FLA paths launch through torch and Triton, which no raw launch records).

@@ -56,7 +56,7 @@ def test_whole_call_and_stage_one_alone_run_nothing_ahead(monkeypatch):
 
 
 def test_rows_record_stage_one_heads_per_cta(monkeypatch):
-    """The JSON's qla_prep_heads is what prefill_api._Launches would pick for the plan: the rule
+    """The JSON's qla_prep_heads is what prefill_launch._Launches would pick for the plan: the rule
     (one head while one wave of one-head CTAs holds the call) or QLA_SERVE_PREP_HEADS's choice."""
     from qla_serve.kernels.hopper import prefill_api
     _as_hopper(monkeypatch, [])

@@ -24,9 +24,9 @@ from typing import NamedTuple
 import torch
 
 # the modules (the package's names conv, decode, ... are its functions)
-common, conv, decode, prefill_api, prefill_inputs, slot_ids = (
+common, conv, decode, prefill_api, prefill_launch, prefill_inputs, slot_ids = (
     importlib.import_module(f"qla_serve.kernels.hopper.{m}")
-    for m in ("common", "conv", "decode", "prefill_api", "prefill_inputs", "slot_ids"))
+    for m in ("common", "conv", "decode", "prefill_api", "prefill_launch", "prefill_inputs", "slot_ids"))
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
            torch.int32: "int32", torch.int64: "int64", torch.int8: "int8", torch.uint8: "uint8",
@@ -143,14 +143,14 @@ def record_launches(monkeypatch, target: str = "sm_90a") -> list[Launch]:
         return launch
 
     monkeypatch.setattr(tilelang, "compile", lambda func, *a, **k: _Program(func))
-    for mod in (common, prefill_api):
+    for mod in (common, prefill_launch):
         monkeypatch.setattr(mod, "raw_function", raw_function)
     monkeypatch.setattr(common, "_device_target", lambda idx: target)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     # the process-wide caches of compiled kernels and launch functions start empty and stay unshared
     for mod in (conv, decode, prefill_inputs, slot_ids):
         monkeypatch.setattr(mod, "_FAST", {})
-    monkeypatch.setattr(prefill_api, "_fns", {})
+    monkeypatch.setattr(prefill_launch, "_fns", {})
     monkeypatch.setattr(prefill_api, "_kernels", {})
     return calls
 

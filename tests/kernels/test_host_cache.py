@@ -154,7 +154,7 @@ def test_prefill_with_memo_matches_encoding_every_launch():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     import qla_serve
-    from qla_serve.kernels.hopper import prefill_api
+    from qla_serve.kernels.hopper import prefill_launch
 
     assert host_cache.install() == "installed"
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -173,7 +173,7 @@ def test_prefill_with_memo_matches_encoding_every_launch():
         pool, out = init.clone(), torch.empty_like(v)
         for _ in range(2):
             pool.copy_(init)
-            prefill_api.prefill(q, k, v, g, beta, pool, slots, plan, has_initial_state=None,
+            prefill_launch.prefill(q, k, v, g, beta, pool, slots, plan, has_initial_state=None,
                                 scale=None, out=out)
         torch.cuda.synchronize()
         return out, pool

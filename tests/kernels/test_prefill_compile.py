@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from qla_serve.kernels.hopper import prefill_api as P
+from qla_serve.kernels.hopper import prefill_launch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import kernel_report  # noqa: E402  (benchmarks/kernel_report.py: the offline resource report)
@@ -287,7 +288,7 @@ def test_launches_go_to_the_kernels_host_function():
     import torch
     import tvm_ffi
 
-    fn = P._kernel(P.warmup_variant(8), (8, "warmup", "sm_90a"))
+    fn = prefill_launch._kernel(P.warmup_variant(8), "sm_90a")
     assert isinstance(fn.raw, tvm_ffi.Function)
     fbuf = torch.zeros(4, 8, 2, 64)
     offsets, cuts = torch.tensor([0, 4], dtype=torch.int32), torch.tensor([[0, 2, 0]], dtype=torch.int32)

@@ -1,4 +1,4 @@
-"""Host side of the Hopper prefill's exact context parallelism (kernels/hopper/prefill_api.py):
+"""Host side of the Hopper prefill's exact context parallelism (kernels/hopper/prefill_launch.py):
 the segment work tables and the map-index contract the three CP kernels share. CPU only; the
 kernels themselves run in tests/kernels/test_prefill_gpu.py (test_cp_exact*) on the H200.
 
@@ -16,6 +16,7 @@ import torch
 import qla_serve
 from qla_serve.kernels import reference
 from qla_serve.kernels.hopper import prefill_api as P
+from qla_serve.kernels.hopper import prefill_launch as PL
 from qla_serve.plan import force_plan
 
 
@@ -28,7 +29,7 @@ def _plan(lens, L, hv=4, hk=2):
 def test_tables_tile_every_sequence_once():
     lens = [64 * 9 + 5, 0, 64 * 3, 64 * 4 + 1, 1]
     L = 3
-    cp = P._CPTables(_plan(lens, L), torch.device("cpu"))
+    cp = PL._CPTables(_plan(lens, L), torch.device("cpu"))
     chunks = [math.ceil(n / 64) for n in lens]
     cut = [s for s, c in enumerate(chunks) if c > L]  # 0 (10 chunks) and 3 (5 chunks)
     assert cp.num_cut == len(cut) == 2 and cp.levels == 3 and cp.cut_levels.tolist() == [3, 1]
@@ -64,7 +65,7 @@ def test_warmup_tables_index_what_the_passes_read():
     lens = [64 * 9 + 5, 0, 64 * 3, 64 * 4 + 1, 1, 64 * 12]
     L = 3
     plan = _plan(lens, L)
-    cp = P._CPTables(plan, torch.device("cpu"))
+    cp = PL._CPTables(plan, torch.device("cpu"))
     cut = [s for s, n in enumerate(lens) if math.ceil(n / 64) > L]
     out = cp.out_items.tolist()
     written = set()
@@ -94,7 +95,7 @@ def test_scan_gives_the_true_segment_end_states():
     beta = torch.rand(T, hv, dtype=torch.float64)
     init = torch.randn(len(lens), hv, 128, 128, dtype=torch.float64) * 0.1
     plan = _plan(lens, L, hv, hk)
-    cp = P._CPTables(plan, torch.device("cpu"))
+    cp = PL._CPTables(plan, torch.device("cpu"))
     maps = cp.maps(hv, torch.device("cpu")).double().fill_(float("nan"))
     cu = plan.cu_seqlens_cpu
     qe, ke, ve = reference._expand_heads(q, hv), reference._expand_heads(k, hv), v

@@ -285,7 +285,8 @@ def test_prep_pair_solve_matches_one_head_at_a_time(case, monkeypatch):
                      segment_chunks=segment_chunks, cp=cp)
         plan = e[2]
         packed = _mod().packed_tiles(plan.strategy, "vfirst", plan.v_split)
-        nchunks, stage1 = _mod()._plan_scratch(plan, Hv, "m", packed, torch.device("cuda"))
+        from qla_serve.kernels.hopper import prefill_launch
+        nchunks, stage1 = prefill_launch._plan_scratch(plan, Hv, "m", packed, torch.device("cuda"))
         outputs[pair] = [t[:nchunks].clone() for t in stage1 if t.shape[0] == max(nchunks, 1)]
         print(f"{Hk}/{Hv} heads {heads} pair {pair}: o {e[0]:.2e} state {e[1]:.2e}")
     for a, b in zip(outputs[False], outputs[True], strict=True):

@@ -1,5 +1,5 @@
 """Host side of the Hopper prefill: which kernels one call launches, in which order, with which
-arguments (kernels/hopper/prefill_api.prefill). CPU only.
+arguments (kernels/hopper/prefill_launch.prefill). CPU only.
 
 The compiled kernels cannot run without a GPU, so here each launch goes to a recording stand-in
 (launch_check.record_launches: the only stand-in in this file) instead of the TileLang kernel;
@@ -17,6 +17,7 @@ import torch
 import qla_serve
 from qla_serve.bench.prefill import ROWS
 from qla_serve.kernels.hopper import prefill_api as P
+from qla_serve.kernels.hopper import prefill_launch as PL
 from qla_serve.plan import force_plan
 
 from launch_check import check_arguments, record_launches  # tests/kernels/launch_check.py
@@ -31,14 +32,14 @@ def launches(monkeypatch):
     record_launches(monkeypatch)   # tilelang.compile returns the program; caches start empty
     calls = []
 
-    def fake_fn(variant, short_key):
-        program = P.build(variant, short_key[-1]).func
+    def fake_fn(variant, target):
+        program = P.build(variant, target).func
 
         def launch(*args):
             calls.append((variant, check_arguments(program, args, variant["name"])))
         return launch
 
-    monkeypatch.setattr(P, "_fn", fake_fn)
+    monkeypatch.setattr(PL, "_fn", fake_fn)
     # the package defaults, whatever the environment says; tests that need v8 switch to it
     monkeypatch.setattr(P, "GATE_WARMUP", True)
     monkeypatch.setattr(P, "MAIN_IMPL", "vfirst")
@@ -64,7 +65,7 @@ def _call(lens, v_split, segment_chunks, cp, inputs=None, maps_v_split=None, che
                       maps_v_split=(maps_v_split or v_split) if segment_chunks else None)
     if inputs is not None:
         inputs.update(q=q, k=k, v=v)
-    P.prefill(q, k, v, g, beta, pool, slots, plan, has_initial_state=None, scale=None, out=out,
+    PL.prefill(q, k, v, g, beta, pool, slots, plan, has_initial_state=None, scale=None, out=out,
               checkpoints=checkpoints)
     return plan
 
@@ -233,7 +234,7 @@ def _resolved(plan):
 
 
 def test_a_plans_later_calls_bind_their_own_tensors(launches, monkeypatch):
-    """prefill_api._Launches: a plan's launches are resolved on its first call and reused (every
+    """prefill_launch._Launches: a plan's launches are resolved on its first call and reused (every
     GDN layer of a step), but each call launches with its own tensors and flags; a call of
     another shape (has_initial_state given instead of None) or under another switch
     (GATE_WARMUP) gets launches of its own."""
@@ -249,7 +250,7 @@ def test_a_plans_later_calls_bind_their_own_tensors(launches, monkeypatch):
 
     def call():
         launches.clear()
-        P.prefill(q2, k2, v2, g, beta, pool2, slots, plan, has_initial_state=flags, scale=0.5, out=out2)
+        PL.prefill(q2, k2, v2, g, beta, pool2, slots, plan, has_initial_state=flags, scale=0.5, out=out2)
 
     call()
     assert _sequence(launches) == _sequence(first) and len(_resolved(plan)) == 2
@@ -274,7 +275,7 @@ def test_misaligned_pool_rejected_before_any_launch(launches):
     plan = qla_serve.plan_prefill(lens, HV, HK, device="cpu", cp="off", arch="sm90",
                                   supported_strategies={"plain", "vsplit"})
     with pytest.raises(ValueError, match=r"pool: expected a 16-byte aligned base and a slot stride"):
-        P.prefill(q, k, v, torch.zeros(T, HV), torch.ones(T, HV), pool, torch.arange(2, dtype=torch.int32),
+        PL.prefill(q, k, v, torch.zeros(T, HV), torch.ones(T, HV), pool, torch.arange(2, dtype=torch.int32),
                   plan, has_initial_state=None, scale=None, out=torch.empty_like(v))
     assert launches == []
 

@@ -12,10 +12,11 @@ import functools
 
 from qla_serve.kernels import hopper as _hopper
 from qla_serve.kernels.hopper import prefill_api as _prefill
+from qla_serve.kernels.hopper import prefill_launch as _prefill_launch
 
 ARCH = "sm_100a"
 SUPPORTED_STRATEGIES = _prefill.SUPPORTED_STRATEGIES
-prefill = functools.partial(_prefill.prefill, _target=ARCH)
+prefill = functools.partial(_prefill_launch.prefill, _target=ARCH)
 prefill_inputs = _hopper.prefill_inputs
 decode = _hopper.decode
 verify = _hopper.verify

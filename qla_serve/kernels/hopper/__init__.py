@@ -1,7 +1,8 @@
 """TileLang GDN kernels for Hopper (sm_90a).
 
-* prefill (prefill_api.py -> prefill_prep.py, prefill_main.py, prefill_scan.py): chunked prefill; the
-  strategies it implements are in ``SUPPORTED_STRATEGIES`` (the planner picks only those).
+* prefill (prefill_launch.py runs what prefill_api.py defines -> prefill_prep.py, prefill_main.py,
+  prefill_scan.py): chunked prefill; the strategies it implements are in ``SUPPORTED_STRATEGIES``
+  (the planner picks only those).
 * prefill_inputs (prefill_inputs.py): a prefill step's L2-normalised q/k and gates from raw
   a, b in one launch (what the engines' layers hand over, made into what prefill takes).
 * decode / verify / verify_slots / commit_verified (decode.py; its tiles in decode_tiles.py):
@@ -25,7 +26,8 @@ from . import prefill_inputs as _inputs
 from . import slot_ids as _slot_ids
 from .conv import conv_decode, conv_prefill, conv_spec, conv_verify, conv_window
 from .decode import commit_verified, decode, verify, verify_slots
-from .prefill_api import SUPPORTED_STRATEGIES, prefill
+from .prefill_api import SUPPORTED_STRATEGIES
+from .prefill_launch import prefill
 from .prefill_inputs import prefill_inputs
 from .slot_ids import slot_ids
 
