@@ -37,6 +37,11 @@ def _mod():
     return mod
 
 
+def _launch():
+    from qla_serve.kernels.hopper import prefill_launch
+    return prefill_launch
+
+
 @pytest.fixture(autouse=True)
 def _kernel_switches(monkeypatch):
     """The package defaults, whatever the environment says: gate warmup on (plans with
@@ -133,7 +138,7 @@ def run_case(lens, Hk, Hv, *, pool_dtype=torch.float32, v_split=2, io=torch.bflo
     T = sum(lens)
     out = torch.full((T, Hv, HD), float("nan"), dtype=io, device="cuda")
     plan = make_plan(lens, Hv, Hk, v_split, segment_chunks, cp, maps_v_split)
-    _mod().prefill(q, k, v, g, beta, pool, slot_t, plan, has_initial_state=has_t,
+    _launch().prefill(q, k, v, g, beta, pool, slot_t, plan, has_initial_state=has_t,
                    scale=HD ** -0.5, out=out)
     cu = [0]
     for n in lens:
@@ -333,7 +338,7 @@ def test_persistent_matches_unit_grid(case, monkeypatch):
         pool = pool0.clone()
         out = torch.full((sum(lens), Hv, HD), float("nan"), dtype=v.dtype, device="cuda")
         plan = make_plan(lens, Hv, Hk, vs)
-        _mod().prefill(q, k, v, g, beta, pool, torch.tensor(slot_ids, **dev), plan, has_initial_state=has,
+        _launch().prefill(q, k, v, g, beta, pool, torch.tensor(slot_ids, **dev), plan, has_initial_state=has,
                        scale=HD ** -0.5, out=out, checkpoints=checkpoints)
         assert not torch.isnan(out).any(), "output rows left unwritten or NaN"
         results[persistent] = (out, pool)
@@ -633,7 +638,7 @@ def test_checkpoints(v_split, segment_chunks, cp, impl, pool_dtype, monkeypatch)
     dev = dict(dtype=torch.int32, device="cuda")
     out = torch.full((sum(lens), Hv, HD), float("nan"), dtype=v.dtype, device="cuda")
     plan = make_plan(lens, Hv, Hk, v_split, segment_chunks, cp)
-    _mod().prefill(q, k, v, g, beta, pool, torch.tensor(slot_ids, **dev), plan,
+    _launch().prefill(q, k, v, g, beta, pool, torch.tensor(slot_ids, **dev), plan,
                    has_initial_state=torch.tensor(has, device="cuda"), scale=HD ** -0.5, out=out,
                    checkpoints=(torch.tensor(chunks, **dev), torch.tensor(ck_slots, **dev)))
     cu = [0]
@@ -693,7 +698,7 @@ def test_cp_pdl_matches_plain_launches(case, pool_dtype, monkeypatch):
     plan = make_plan(lens, Hv, Hk, vs, L, cp)
 
     def call(pool, out):
-        mod.prefill(q, k, v, g, beta, pool, slots, plan, has_initial_state=has, scale=HD ** -0.5, out=out)
+        _launch().prefill(q, k, v, g, beta, pool, slots, plan, has_initial_state=has, scale=HD ** -0.5, out=out)
 
     def fresh():
         return pool0.clone(), torch.full((sum(lens), Hv, HD), float("nan"), dtype=v.dtype, device="cuda")
