@@ -54,7 +54,8 @@
 # them over calls, run a group per call and merge the earlier calls' JSONs, carried back, with
 # PREFILL_MERGE="path ..."), FI_GROUPS / FI_IMPLS / FI_DECODE (the flashinfer part's "heads|rows"
 # groups, e.g. FI_GROUPS="16/64|4x8192,2048x4,1024x8 4/16|1024x8", its prefill impls, e.g.
-# qla16,flashinfer without FlashQLA's JIT, and FI_DECODE=0 to skip its decode bench), CP_GROUPS
+# qla16,flashinfer without FlashQLA's JIT, FI_ROUNDS each group's process that many times (default 1;
+# results carry their round), and FI_DECODE=0 to skip its decode bench), CP_GROUPS
 # (the cp-sweep part's "heads|rows|v_split:L ..." groups),
 # TIMEOUT (seconds per step, default 560), TLCACHE (compiled-kernel tars, space-separated),
 # PRECOMPILE_HEADS (head pairs, e.g. "2/4 4/8", whose kernels are built on the device first, one
@@ -180,20 +181,25 @@ if want flashinfer; then
   # FlashInfer from .fibundle (make-fibundle.sh): carry site-a.tar.xz + activate.sh in one call,
   # then this part with site-b.tar.xz + activate.sh on the same warm machine.
   if [[ -f .fibundle/activate.sh ]]; then source .fibundle/activate.sh; fi
+  # FI_ROUNDS: each group's process that many times (FlashInfer's and qla's figures moved 6-8%
+  # between H100 machines, sessions 62 and 66; rounds show the spread within one machine)
   files=()
-  for group in ${FI_GROUPS:-"2/8|1x32768,1x8192,64x512,mixed8192,4x8192" "16/64|4x8192,1x32768,2048x4,1024x8"}; do
-    i=${#files[@]}
-    step "bench prefill beside FlashInfer ${group%%|*}" $((T / 3)) python -m qla_serve.bench.prefill \
-      --heads "${group%%|*}" --rows "${group#*|}" --impls "${FI_IMPLS:-qla,qla16,flashqla,flashinfer}" --check --reps 10 \
-      --graph-calls 3 --json "/tmp/prefill_fi$i.json" | grep -v '^{'
-    files+=("/tmp/prefill_fi$i.json")
+  for round in $(seq "${FI_ROUNDS:-1}"); do
+    for group in ${FI_GROUPS:-"2/8|1x32768,1x8192,64x512,mixed8192,4x8192" "16/64|4x8192,1x32768,2048x4,1024x8"}; do
+      i=${#files[@]}
+      step "bench prefill beside FlashInfer ${group%%|*}, round $round" $((T / 3)) python -m qla_serve.bench.prefill \
+        --heads "${group%%|*}" --rows "${group#*|}" --impls "${FI_IMPLS:-qla,qla16,flashqla,flashinfer}" --check --reps 10 \
+        --graph-calls 3 --json "/tmp/prefill_fi$i.json" | grep -v '^{'
+      files+=("$round:/tmp/prefill_fi$i.json")
+    done
   done
   python - "$out/prefill_flashinfer_h200.json" "${files[@]}" <<'PY'
 import json, os, sys
-dest, *paths = sys.argv[1:]
-parts = [json.load(open(p)) for p in paths if os.path.exists(p)]
-json.dump({"device": parts[0]["device"] if parts else None,
-           "results": [r for d in parts for r in d["results"]]}, open(dest, "w"), indent=1)
+dest, *tagged = sys.argv[1:]
+parts = [(int(t.split(":", 1)[0]), json.load(open(t.split(":", 1)[1])))
+         for t in tagged if os.path.exists(t.split(":", 1)[1])]
+json.dump({"device": parts[0][1]["device"] if parts else None,
+           "results": [dict(r, round=k) for k, d in parts for r in d["results"]]}, open(dest, "w"), indent=1)
 PY
   if [[ ${FI_DECODE:-1} == 1 ]]; then
     step "bench decode beside FlashInfer" $((T / 3)) python -m qla_serve.cli bench decode --heads 2/8,16/32 \
