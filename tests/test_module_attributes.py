@@ -23,8 +23,7 @@ import sys
 
 import qla_serve
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-TREES = ("qla_serve", "benchmarks", "scripts", "tests", "docker")
+from source_tree import ROOT, python_files
 MODULES = {m.name for m in pkgutil.walk_packages(qla_serve.__path__, "qla_serve.")} | {"qla_serve"}
 
 
@@ -119,9 +118,7 @@ def missing_attributes(path: pathlib.Path) -> list[str]:
 
 
 def test_no_missing_module_attributes():
-    files = sorted(p for tree in TREES if (ROOT / tree).is_dir() for p in (ROOT / tree).rglob("*.py"))
-    assert len(files) > 50
-    problems = [line for f in files for line in missing_attributes(f)]
+    problems = [line for f in python_files() for line in missing_attributes(f)]
     assert problems == []
 
 

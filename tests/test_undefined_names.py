@@ -14,8 +14,7 @@ import sys
 from pyflakes import checker as pyflakes_checker   # the dev extra
 from pyflakes import messages
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-TREES = ("qla_serve", "benchmarks", "scripts", "tests", "docker")
+from source_tree import ROOT, python_files
 
 
 def _undefined(path: pathlib.Path) -> list[str]:
@@ -34,9 +33,7 @@ def _undefined(path: pathlib.Path) -> list[str]:
 
 
 def test_no_undefined_names():
-    files = sorted(p for tree in TREES if (ROOT / tree).is_dir() for p in (ROOT / tree).rglob("*.py"))
-    assert len(files) > 50
-    problems = [line for f in files for line in _undefined(f)]
+    problems = [line for f in python_files() for line in _undefined(f)]
     assert problems == []
 
 
