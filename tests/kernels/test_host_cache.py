@@ -174,7 +174,7 @@ def test_prefill_with_memo_matches_encoding_every_launch():
         for _ in range(2):
             pool.copy_(init)
             prefill_launch.prefill(q, k, v, g, beta, pool, slots, plan, has_initial_state=None,
-                                scale=None, out=out)
+                                   scale=None, out=out)
         torch.cuda.synchronize()
         return out, pool
 

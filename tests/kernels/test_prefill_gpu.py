@@ -139,7 +139,7 @@ def run_case(lens, Hk, Hv, *, pool_dtype=torch.float32, v_split=2, io=torch.bflo
     out = torch.full((T, Hv, HD), float("nan"), dtype=io, device="cuda")
     plan = make_plan(lens, Hv, Hk, v_split, segment_chunks, cp, maps_v_split)
     _launch().prefill(q, k, v, g, beta, pool, slot_t, plan, has_initial_state=has_t,
-                   scale=HD ** -0.5, out=out)
+                      scale=HD ** -0.5, out=out)
     cu = [0]
     for n in lens:
         cu.append(cu[-1] + n)
@@ -290,8 +290,7 @@ def test_prep_pair_solve_matches_one_head_at_a_time(case, monkeypatch):
                      segment_chunks=segment_chunks, cp=cp)
         plan = e[2]
         packed = _mod().packed_tiles(plan.strategy, "vfirst", plan.v_split)
-        from qla_serve.kernels.hopper import prefill_launch
-        nchunks, stage1 = prefill_launch._plan_scratch(plan, Hv, "m", packed, torch.device("cuda"))
+        nchunks, stage1 = _launch()._plan_scratch(plan, Hv, "m", packed, torch.device("cuda"))
         outputs[pair] = [t[:nchunks].clone() for t in stage1 if t.shape[0] == max(nchunks, 1)]
         print(f"{Hk}/{Hv} heads {heads} pair {pair}: o {e[0]:.2e} state {e[1]:.2e}")
     for a, b in zip(outputs[False], outputs[True], strict=True):
@@ -339,7 +338,7 @@ def test_persistent_matches_unit_grid(case, monkeypatch):
         out = torch.full((sum(lens), Hv, HD), float("nan"), dtype=v.dtype, device="cuda")
         plan = make_plan(lens, Hv, Hk, vs)
         _launch().prefill(q, k, v, g, beta, pool, torch.tensor(slot_ids, **dev), plan, has_initial_state=has,
-                       scale=HD ** -0.5, out=out, checkpoints=checkpoints)
+                          scale=HD ** -0.5, out=out, checkpoints=checkpoints)
         assert not torch.isnan(out).any(), "output rows left unwritten or NaN"
         results[persistent] = (out, pool)
     bits = torch.int16 if pool_dtype == torch.bfloat16 else torch.int32
@@ -639,8 +638,8 @@ def test_checkpoints(v_split, segment_chunks, cp, impl, pool_dtype, monkeypatch)
     out = torch.full((sum(lens), Hv, HD), float("nan"), dtype=v.dtype, device="cuda")
     plan = make_plan(lens, Hv, Hk, v_split, segment_chunks, cp)
     _launch().prefill(q, k, v, g, beta, pool, torch.tensor(slot_ids, **dev), plan,
-                   has_initial_state=torch.tensor(has, device="cuda"), scale=HD ** -0.5, out=out,
-                   checkpoints=(torch.tensor(chunks, **dev), torch.tensor(ck_slots, **dev)))
+                      has_initial_state=torch.tensor(has, device="cuda"), scale=HD ** -0.5, out=out,
+                      checkpoints=(torch.tensor(chunks, **dev), torch.tensor(ck_slots, **dev)))
     cu = [0]
     for n in lens:
         cu.append(cu[-1] + n)

@@ -66,7 +66,7 @@ def _call(lens, v_split, segment_chunks, cp, inputs=None, maps_v_split=None, che
     if inputs is not None:
         inputs.update(q=q, k=k, v=v)
     PL.prefill(q, k, v, g, beta, pool, slots, plan, has_initial_state=None, scale=None, out=out,
-              checkpoints=checkpoints)
+               checkpoints=checkpoints)
     return plan
 
 
@@ -276,7 +276,7 @@ def test_misaligned_pool_rejected_before_any_launch(launches):
                                   supported_strategies={"plain", "vsplit"})
     with pytest.raises(ValueError, match=r"pool: expected a 16-byte aligned base and a slot stride"):
         PL.prefill(q, k, v, torch.zeros(T, HV), torch.ones(T, HV), pool, torch.arange(2, dtype=torch.int32),
-                  plan, has_initial_state=None, scale=None, out=torch.empty_like(v))
+                   plan, has_initial_state=None, scale=None, out=torch.empty_like(v))
     assert launches == []
 
 
