@@ -259,7 +259,7 @@ def prep_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = 
     if packed:
         v["packed"] = True
     if pair_solve:
-        if form != "m" or solve != "mma" or heads_per_cta < 2:
+        if not prefill_prep.pair_solve_fits(form, solve, heads_per_cta):
             raise ValueError("pair_solve: form 'm' on the mma solve with two or four heads per CTA only")
         v["pair_solve"] = True
     v["name"] = _variant_name(v)
@@ -304,7 +304,7 @@ def plan_chunks(plan) -> int:
 
 def _pair_solve(form: str, solve: str, heads_per_cta: int) -> bool:
     """Whether stage 1 solves its heads two at a time (PREP_PAIR, the mma solve, >= 2 heads)."""
-    return PREP_PAIR and form == "m" and solve == "mma" and heads_per_cta >= 2
+    return PREP_PAIR and prefill_prep.pair_solve_fits(form, solve, heads_per_cta)
 
 
 def plan_prep_heads(plan, num_v_heads: int, num_k_heads: int, form: str) -> int:

@@ -133,6 +133,12 @@ def resolve_solve(form: str, solve: str | None = None) -> str:
     return solve
 
 
+def pair_solve_fits(form: str, solve: str | None, heads_per_cta: int) -> bool:
+    """Whether a prep of this form, solve (None: the form's default) and heads per CTA can solve
+    its heads two at a time (pair_solve): form "m" on the mma solve with two or four heads."""
+    return form == "m" and resolve_solve(form, solve) == "mma" and heads_per_cta >= 2
+
+
 def ctas_per_sm(form: str, heads_per_cta: int = 1) -> int:
     """The CTAs per SM prep's launch bounds claim: five for form "m" with one head per CTA
     (<= 102 registers, 34 KB), else four (form "uw": <= 128 registers, 49 KB; several heads:
@@ -172,7 +178,7 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
     uw_form = form == "uw"
     if packed and uw_form:
         raise ValueError("packed: form 'm' only (form 'uw' writes U0 and -Wk, no M)")
-    if pair_solve and not (mma_solve and heads_per_cta >= 2):
+    if pair_solve and not pair_solve_fits(form, solve, heads_per_cta):
         raise ValueError("pair_solve: form 'm' on the mma solve with two or four heads per CTA only")
     qk_dtype = qk_dtype or io_dtype
     Hv, Hk = num_v_heads, num_k_heads
