@@ -196,8 +196,8 @@ if want flashinfer; then
   python - "$out/prefill_flashinfer_h200.json" "${files[@]}" <<'PY'
 import json, os, sys
 dest, *tagged = sys.argv[1:]
-parts = [(int(t.split(":", 1)[0]), json.load(open(t.split(":", 1)[1])))
-         for t in tagged if os.path.exists(t.split(":", 1)[1])]
+rounds_paths = [t.split(":", 1) for t in tagged]   # "round:path"
+parts = [(int(k), json.load(open(p))) for k, p in rounds_paths if os.path.exists(p)]
 json.dump({"device": parts[0][1]["device"] if parts else None,
            "results": [dict(r, round=k) for k, d in parts for r in d["results"]]}, open(dest, "w"), indent=1)
 PY
