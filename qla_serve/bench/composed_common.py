@@ -52,8 +52,8 @@ class ComposedStep:
     (slots of prefills without an initial state, for FlashInfer to zero; None if none).
     vllm only (what vLLM's GDN metadata builder hands its layer, v1/attention/backends/gdn_attn.py):
     rows_ids32 [D+Np] int32 slots, rows_has_init [D+Np] bool, rows_qsl [D+Np+1] int32 (decodes
-    1 token each), conv_meta (its causal-conv metadata, :func:`vllm_conv_metadata`), prefill_qsl32
-    [Np+1] int32, prefill_has_init [Np] bool."""
+    1 token each), conv_meta (its causal-conv metadata, composed_vllm.vllm_conv_metadata),
+    prefill_qsl32 [Np+1] int32, prefill_has_init [Np] bool."""
 
     num_decodes: int
     num_prefill_tokens: int
@@ -92,7 +92,7 @@ def split_qkv(y, hk, hv, lead=()):
 
 
 def packed_decode_step(ops, step, x, a, b, conv_state, conv_weight, conv_bias, ssm_state, A_log, dt_bias, out,
-                        scale) -> None:
+                       scale) -> None:
     """A decode-only step as vLLM 0.33 (qwen_gdn_linear_attn.py ~1981-2031) and SGLang 0.5.23
     (gdn_backend.py forward_decode, :854-862 and :866-887) both run it: the Triton
     ``causal_conv1d_update`` on the conv state, then ``fused_recurrent_gated_delta_rule_packed_decode``

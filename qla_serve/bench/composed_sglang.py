@@ -147,7 +147,7 @@ def sglang_layer_forward(step: ComposedStep, mixed_qkv, a, b, *, ops: ComposedOp
         return
     D = step.num_decodes
     packed_decode_step(ops, step, mixed_qkv[:D], a[:D], b[:D], conv_state, conv_weight, conv_bias, ssm_state,
-                        A_log, dt_bias, out[:D], scale)
+                       A_log, dt_bias, out[:D], scale)
 
 
 def _sglang_flashinfer_extend(step: ComposedStep, ops: ComposedOps, q, k, v, g, beta, ssm_state, out) -> None:

@@ -134,7 +134,7 @@ def vllm_layer_forward(step: ComposedStep, mixed_qkv, a, b, *, ops: ComposedOps,
         _vllm_spec(ops, step, x, a, b, out, **layer)
     elif not Tp:
         packed_decode_step(ops, step, x, a, b, conv_state, conv_weight, conv_bias, ssm_state, A_log, dt_bias,
-                            out[:T], scale)
+                           out[:T], scale)
     else:
         out[:T] = _vllm_non_spec(ops, step, x, a, b, **layer).squeeze(0)                     # ~1911-1912
 
