@@ -55,7 +55,8 @@ def spec_step_fields(step: ComposedStep, case, ids, up) -> None:
     """The fields of a spec step that vLLM's metadata builder makes (gdn_attn.py ~395-470): the
     spec rows' slots [N, 1 + drafts], their query_start_loc and num_accepted_tokens; beside
     prefills, the token indices of both kinds (a stable argsort of the spec-token mask: the spec
-    tokens lead the row, so [0, Ts) and [Ts, T)) and the prefills' fields (:func:`prefill_step_fields`)."""
+    tokens lead the row, so [0, Ts) and [Ts, T)) and the prefills' fields
+    (:func:`prefill_step_fields`)."""
     import torch
 
     row = case.row
