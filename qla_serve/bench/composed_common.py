@@ -1,7 +1,7 @@
 """What the compositions of `qla-serve bench layer` share (bench/layer_composed.py lists them):
 the ops a composition calls (:class:`ComposedOps`), the step metadata built once per step
 (:class:`ComposedStep`), and the pieces more than one engine's composition runs (the q/k/v views
-of a conv output, the packed decode step vLLM and SGLang both run, the decode-only guard)."""
+of a conv output, the packed decode step vLLM and SGLang both run)."""
 
 from __future__ import annotations
 
@@ -102,10 +102,3 @@ def packed_decode_step(ops, step, x, a, b, conv_state, conv_weight, conv_bias, s
     ops.packed_decode(mixed_qkv=y, a=a, b=b, A_log=A_log, dt_bias=dt_bias,
                       scale=HD ** -0.5 if scale is None else scale, initial_state=ssm_state,
                       out=out.unsqueeze(1), ssm_state_indices=step.decode_ids32, use_qk_l2norm_in_kernel=True)
-
-
-def decode_only(step: ComposedStep, impl: str) -> int:
-    """The step's decode count; a step with prefills is refused (``impl`` composes decodes only)."""
-    if step.num_prefill_tokens:
-        raise NotImplementedError(f"{impl}: decode-only rows (SGLang's prefill is not composed here)")
-    return step.num_decodes

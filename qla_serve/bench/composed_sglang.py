@@ -35,7 +35,7 @@
 
 from __future__ import annotations
 
-from .composed_common import HD, ComposedOps, ComposedStep, decode_only, packed_decode_step, split_qkv
+from .composed_common import HD, ComposedOps, ComposedStep, packed_decode_step, split_qkv
 
 
 def sglang_ops() -> ComposedOps:
@@ -244,11 +244,18 @@ def _proj_conv(ops, step, proj, conv_state, conv_weight, conv_bias, hv):
                          activation="silu")
 
 
+def _decode_only(step: ComposedStep, impl: str) -> int:
+    """The step's decode count; a step with prefills is refused (``impl`` composes decodes only)."""
+    if step.num_prefill_tokens:
+        raise NotImplementedError(f"{impl}: decode-only rows (SGLang's prefill is not composed here)")
+    return step.num_decodes
+
+
 def sglang_fused_layer_forward(step: ComposedStep, proj, _a, _b, *, ops: ComposedOps, conv_weight, conv_bias,
                                conv_state, ssm_state, A_log, dt_bias, num_k_heads, out, scale=None) -> None:
     """SGLang 0.5.23's own Qwen3.5 decode step: the fused split + conv, then its packed decode.
     ``proj``: (qkvz, ba) (a and b come out of the split)."""
-    D = decode_only(step, "sglang_fused")
+    D = _decode_only(step, "sglang_fused")
     y, _z, b, a = _proj_conv(ops, step, proj, conv_state, conv_weight, conv_bias, ssm_state.shape[1])
     ops.packed_decode(mixed_qkv=y, a=a, b=b, A_log=A_log, dt_bias=dt_bias, scale=HD ** -0.5 if scale is None else scale,
                       initial_state=ssm_state, out=out[:D].unsqueeze(1), ssm_state_indices=step.decode_ids32,
@@ -260,7 +267,7 @@ def sglang_fused_qla_layer_forward(step: ComposedStep, proj, _a, _b, *, ops: Com
     """SGLang's Qwen3.5 decode step with flashqla: the fused split + conv, then qla_serve's SGLang
     kernel ``decode`` on the conv output's views, the step's slot ids bound once (the route
     backends/sglang/decode_layer.py leaves to SGLang)."""
-    D = decode_only(step, "sglang_fused_qla")
+    D = _decode_only(step, "sglang_fused_qla")
     y, _z, b, a = _proj_conv(ops, step, proj, conv_state, conv_weight, conv_bias, ssm_state.shape[1])
     q, k, v = split_qkv(y, num_k_heads, ssm_state.shape[1])
     o = step.kernel.decode(q[None], k[None], v[None], a, b, A_log=A_log, dt_bias=dt_bias, ssm_states=ssm_state,
@@ -274,7 +281,7 @@ def qla_split_layer_forward(step: ComposedStep, proj, _a, _b, *, ops: ComposedOp
     (gdn_layer_forward: conv, then the dependent decode) on the step's plan."""
     from qla_serve.backends import gdn_layer
 
-    D = decode_only(step, "qla_split")
+    D = _decode_only(step, "qla_split")
     qkvz, ba = proj
     hv = ssm_state.shape[1]
     y, _z, b, a = ops.proj_split(qkvz[:D], ba[:D], num_k_heads, hv, HD, HD)
