@@ -37,6 +37,7 @@ import torch
 from qla_serve.backends.sglang import verify_layer
 from qla_serve.backends.sglang.kernel import FlashQLAGDNKernel
 from qla_serve.bench import decode as bdec
+from qla_serve.bench import source_commit
 from qla_serve.kernels.reference import rel_l2
 
 HD, W = 128, 4
@@ -211,13 +212,8 @@ def main() -> int:
                           flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(0), "commit": _commit(), "rows": rows}, f, indent=1)
+            json.dump({"gpu": torch.cuda.get_device_name(0), "commit": source_commit(), "rows": rows}, f, indent=1)
     return 0
-
-
-def _commit():
-    from qla_serve.bench.layer import _commit as commit
-    return commit()
 
 
 if __name__ == "__main__":

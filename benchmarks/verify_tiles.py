@@ -146,9 +146,9 @@ def main() -> int:
                               + " | ".join(f"{rec[t]['gpu_us']:.1f}" for t in tiles)
                               + f" | {best} | {worst[0]:.1e} / {worst[1]:.1e} |", flush=True)
     if args.json:
-        from qla_serve.bench.layer import _commit
+        from qla_serve.bench import source_commit
         with open(args.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(0), "commit": _commit(), "rows": rows}, f, indent=1)
+            json.dump({"gpu": torch.cuda.get_device_name(0), "commit": source_commit(), "rows": rows}, f, indent=1)
     return 0
 
 

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from qla_serve.bench import layer as L
+from qla_serve.bench import source_commit
 from qla_serve.bench import layer_composed as C
 from qla_serve.cli import main
 
@@ -901,7 +902,7 @@ def test_report_writes_json_and_says_why_no_plot(tmp_path, capsys, stub_gpu):
 
     rec = L.run_point(2, 4, L.parse_row("9"), "fp32", _args(), {"fla": standin_ops("fla")}, {}, device="cpu")
     args = _args("--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png"), "--impls", "qla,fla")
-    meta = {"commit": L._commit(), "date": "now", "gpu": "cpu"}
+    meta = {"commit": source_commit(), "date": "now", "gpu": "cpu"}
     L.report([rec], meta, args)
     out = capsys.readouterr().out
     d = json.loads((tmp_path / "r.json").read_text())

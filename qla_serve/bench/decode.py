@@ -37,6 +37,8 @@ import os
 import statistics
 import time
 
+from . import source_commit
+
 HD = 128
 L2_FLUSH_BYTES = 256 << 20   # footprint between reuses of a slot set (H200 L2: 50 MB)
 IMPLS = ("qla", "qla-fused", "fla", "fla-fused", "flashinfer")
@@ -311,7 +313,7 @@ def run(args) -> int:
                 print(_fmt_point(point), flush=True)
                 del case
                 torch.cuda.empty_cache()
-    result = {"device": dev, "copy_bandwidth_Bps": bw, "torch": torch.__version__,
+    result = {"device": dev, "commit": source_commit(), "copy_bandwidth_Bps": bw, "torch": torch.__version__,
               "rows": rows}
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(result, f, indent=1)

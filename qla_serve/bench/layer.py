@@ -67,10 +67,10 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import time
 from typing import Callable
 
+from . import source_commit
 from .layer_composed import COMPOSED, HD, LOADERS, SGLANG_LAYOUT_IMPLS, composed_call, composed_step
 
 CONV_WIDTH = 4
@@ -743,23 +743,6 @@ def format_check(results) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _commit() -> str | None:
-    """$QLA_SERVE_COMMIT if set, else git rev-parse HEAD of the checkout this module lives in
-    ("+dirty" if it has changes). The variable is for copies whose .git is not the code's (the
-    lent GPU machine receives the working tree with the .git of an older checkout)."""
-    if os.environ.get("QLA_SERVE_COMMIT"):
-        return os.environ["QLA_SERVE_COMMIT"]
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
-                             timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return sha + ("+dirty" if dirty else "")
-    except Exception:  # noqa: BLE001 - not a checkout, or no git
-        return None
-
-
 def _versions(missing) -> dict:
     """Library versions (or why not loaded)."""
     import importlib
@@ -821,7 +804,7 @@ def run(args) -> int:
     for impl, why in missing.items():
         print(f"bench layer: {impl}: {why}")
     dev = torch.device("cuda", torch.cuda.current_device())
-    meta = {"commit": _commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+    meta = {"commit": source_commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "gpu": torch.cuda.get_device_name(), "versions": _versions(missing),
             "FLA_FLASH_QLA": os.environ["FLA_FLASH_QLA"],
             "qla_paths": {op: list(qla_serve.explain_path(op, dev)) for op in ("prefill", "decode")},

@@ -43,6 +43,8 @@ import os
 import statistics
 import time
 
+from . import source_commit
+
 HEAD_PAIRS = [(2, 8), (4, 16), (8, 24), (16, 32), (16, 64)]
 # (name, seq_lens) rows: the device README's table plus 2048x4, 1024x8, a mixed chunked-prefill batch.
 ROWS = {
@@ -568,7 +570,7 @@ def run(args) -> int:
     print(md)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(), "commit": source_commit(), "results": results}, f, indent=1)
     if args.md:
         with open(args.md, "w") as f:
             f.write(md)
