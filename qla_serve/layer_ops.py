@@ -12,6 +12,12 @@ launches and a float32 copy of the whole conv input a torch layer spends:
     y = causal_conv_decode(...)                        one token per sequence (1 launch), for
                                                        gdn_decode(..., use_qk_l2norm=True)
     y = causal_conv_spec(...)                          vLLM's speculative window (1 launch)
+    y = causal_conv_verify(...)                        SGLang's target verify: D drafts over
+                                                       the slot's window, each token's window
+                                                       kept for its commit (1 launch)
+    causal_conv_checkpoints(...)                       vLLM's prefix-cache checkpoints: the W-1
+                                                       inputs before each checkpoint into its
+                                                       conv slot (1 launch)
     o = gdn_verify_slots(...)                          verify, each draft token's state into
                                                        its own pool slot (1 launch, no scratch)
     ids = slot_ids(engine_slots, null_slot, ...)       once per step: the engine's slot ids as
