@@ -401,7 +401,7 @@ def check_index(name: str, x, n: int, upper: int, bound: str, *, unique_live: bo
         want = f"ids < {upper} ({bound}), or < 0 for padding" if padding else f"values in [0, {upper - 1}] ({bound})"
         _fail(name, want, [s for s in vals if s >= upper][:4])
     if lo < (INT32_MIN if padding else 0):
-        want = (f"padding ids >= -2**31 (ids are narrowed to int32; -1 is the usual padding id)"
+        want = ("padding ids >= -2**31 (ids are narrowed to int32; -1 is the usual padding id)"
                 if padding else f"values in [0, {upper - 1}] ({bound})")
         _fail(name, want, [s for s in vals if s < (INT32_MIN if padding else 0)][:4])
     if unique_live:

@@ -325,7 +325,6 @@ def vllm_causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, cache_i
     """x [D, T] (a transposed [T, D]); conv_states [S, D, W-1] read where has_initial_state (else
     zeros) and rewritten with each sequence's last W-1 inputs; returns [D, T] like x."""
     assert x.stride(0) == 1 and not kw, "channel-last x, no other arguments"
-    W = weight.shape[1]
     lens = query_start_loc.diff()
     assert metadata.nums_dict[8]["tot"] == int((-(-lens // 8)).sum()), "conv metadata"
     assert torch.equal(metadata.batch_ptr[:metadata.nums_dict[8]["mlist_len"]].cpu(),

@@ -123,7 +123,7 @@ def conv_spec(x, conv_state, weight, bias, slot_ids, num_accepted, cu_seqlens, *
     """vLLM's speculative sliding window (hopper/conv.py's conv_spec): rows past cu_seqlens[N]
     and tokens past a sequence's first ``draft`` are not touched."""
     W = weight.shape[1]
-    H, D, N = W - 1, draft, slot_ids.shape[0]
+    H, D = W - 1, draft
     L = conv_state.shape[2]
     cu = cu_seqlens.long()
     live = slot_ids >= 0
