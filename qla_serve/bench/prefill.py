@@ -12,7 +12,9 @@ beta ~ U(0.01, 0.99), fp32 initial states for every sequence.
     qla16_units: qla16 with stage 2 on a CTA per (sequence, head) unit instead of the persistent
     grid (prefill_api.PERSISTENT = False; plain and V-split plans only), the A/B in one process.
     qla16_wgmma: qla16 with stage 1's wgmma solve (prefill_api.PREP_SOLVE = "wgmma"; the default is
-    the mma.sync solve).
+    the mma.sync solve). qla16_fused: qla16 with the one-launch prefill (prefill_api.FUSED, off by
+    default; it applies to plain plans at v_split 1, prefill_api.fused_applies: other plans run
+    the two stages as qla16 does, and the row's plan says which).
   * FLA / FlashQLA: chunk_gated_delta_rule with cu_seqlens, K-first fp32 initial states, final
     state returned (what an engine does around them: gathering the pool is not counted).
   * flashinfer (opt-in, `--impls ...,flashinfer`; flashinfer-python 0.7.2.post1, vLLM 0.33's
@@ -69,9 +71,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"rows among {','.join(ROWS)} (default: all) and the small batches "
                              f"{','.join(SMALL_ROWS)}")
     parser.add_argument("--impls", default="qla,fla,flashqla",
-                        help="subset of qla,qla16,qla16_units,qla16_wgmma,fla,flashqla,flashinfer (qla16: qla_serve "
-                             "on fp16 q/k, the engine layers' form; qla16_units: the same with stage 2 on a CTA per "
-                             "unit instead of the persistent grid; qla16_wgmma: with stage 1's wgmma solve; "
+                        help="subset of qla,qla16,qla16_units,qla16_wgmma,qla16_fused,fla,flashqla,flashinfer "
+                             "(qla16: qla_serve on fp16 q/k, the engine layers' form; qla16_units: the same with "
+                             "stage 2 on a CTA per unit instead of the persistent grid; qla16_wgmma: with stage 1's "
+                             "wgmma solve; qla16_fused: with the one-launch prefill where it applies; "
                              "flashinfer: FlashInfer 0.7.2's GDN prefill, if installed)")
     parser.add_argument("--v-split", default="auto", help="qla_serve v_split: auto (planner) or 1/2/4")
     parser.add_argument("--segment-chunks", default="auto",
@@ -343,7 +346,8 @@ def _cp_label(plan) -> str:
 
 
 # qla_serve's rows and the prefill_api switches each sets for its calls (A/Bs in one process).
-QLA_SWITCHES = {"qla": {}, "qla16": {}, "qla16_units": {"PERSISTENT": False}, "qla16_wgmma": {"PREP_SOLVE": "wgmma"}}
+QLA_SWITCHES = {"qla": {}, "qla16": {}, "qla16_units": {"PERSISTENT": False}, "qla16_wgmma": {"PREP_SOLVE": "wgmma"},
+                "qla16_fused": {"FUSED": True}}
 QLA_IMPLS = tuple(QLA_SWITCHES)
 
 

@@ -356,6 +356,59 @@ def test_compiles_persistent_sm90a(v_split, packed):
     assert ("warpgroup_reg_alloc" in src) == (v_split == 1)
 
 
+# ptxas spill stores allowed in the one-launch prefill: none at session 69's build (nvcc 13.0),
+# with the consumers at 192 registers, the solve warpgroup at 104 and the producer at 24.
+FUSED_SPILL_BYTES = 0
+
+
+@pytest.mark.parametrize("io,pool", [("bfloat16", "float32"), ("float16", "bfloat16")])
+def test_compiles_fused_sm90a(io, pool, tmp_path):
+    """The one-launch prefill (prefill_fused.py): the chain's GEMMs take their A operand from
+    registers (wgmma_rs) and the solve warpgroup's Q K^T and K K^T both operands from shared
+    memory (wgmma_ss); the block solve writes the ring's M tile; setmaxnreg gives the consumers
+    192 registers, the solve warpgroup 104 and the producer 24 (2 x 128 x 192 + 128 x 104 + 128 x
+    24 = 65536); the only barrier over the whole CTA is the one after the mbarriers'
+    initialisation, and the solve warpgroup's own barriers count its 128 threads; q, k and v
+    arrive by TMA and no stage-1 workspace is read; ptxas keeps the wgmma asynchronous and
+    spills at most FUSED_SPILL_BYTES; the shared memory fits one CTA per SM."""
+    kern = P.build(P.fused_variant(8, 2, io, pool), "sm_90a")
+    src = kern.get_kernel_source()
+    assert "gdn_prefill_fused" in src and "wgmma_rs" in src and "wgmma_ss" in src
+    assert re.search(r"qla_block_solve_m\(.*m_s\)\[", src), "the solve writes the ring's M tile"
+    assert [int(n) for n in re.findall(r"warpgroup_reg_(?:alloc|dealloc)<(\d+)>", src)] == [192, 24, 104]
+    assert src.count("__syncthreads()") == 1
+    assert set(re.findall(r"__sync_thread_partial\(([^)]*)\)", src)) == {"1, 128"}
+    for name in ("q_desc", "k_desc", "values_desc"):
+        assert f"tma_load({name}" in src, name
+    assert "mbuf" not in src and "fbuf" not in src and "tma_store(out_desc" in src
+    usage, _ = kernel_report.ptxas(src, "sm_90a", tmp_path)
+    assert not usage["wgmma_serialized"], usage
+    assert usage["spill_store_bytes"] <= FUSED_SPILL_BYTES, usage
+    smem = kernel_report.launch_dynamic_smem(kern.get_host_source(), threads=512)
+    assert smem is not None and smem + 1024 <= 227 * 1024, smem
+
+
+def test_fused_applies_to_plain_fp16_qk_plans_only(monkeypatch):
+    """prefill_api.fused_applies: FUSED on, sm_90a, a plain plan (v_split 1) and fp16 q / k;
+    the variant list holds the one-launch kernels (2 io x 2 pools) only while FUSED is on, and
+    the switch is off unless QLA_SERVE_PREFILL_FUSED says 1."""
+    monkeypatch.setattr(P, "FUSED", True)
+    assert P.fused_applies("plain", 1, "float16")
+    assert not P.fused_applies("plain", 1, "bfloat16")
+    assert not P.fused_applies("vsplit", 2, "float16") and not P.fused_applies("cp", 1, "float16")
+    assert not P.fused_applies("plain", 1, "float16", "sm_100a")
+    fused = [v for v in P.kernel_variants(8, 2) if v["op"] == "prefill_fused"]
+    assert sorted((v["io_dtype"], v["pool_dtype"]) for v in fused) == sorted(
+        (io, pool) for io in P.IO_DTYPES for pool in P.POOL_DTYPES)
+    monkeypatch.setattr(P, "FUSED", False)
+    assert not P.fused_applies("plain", 1, "float16")
+    assert not any(v["op"] == "prefill_fused" for v in P.kernel_variants(8, 2))
+    monkeypatch.delenv("QLA_SERVE_PREFILL_FUSED", raising=False)
+    assert P._switch_from_env("QLA_SERVE_PREFILL_FUSED", "0") is False
+    monkeypatch.setenv("QLA_SERVE_PREFILL_FUSED", "1")
+    assert P._switch_from_env("QLA_SERVE_PREFILL_FUSED", "0") is True
+
+
 def test_vfirst_is_chosen_only_where_it_applies(monkeypatch):
     """MAIN_IMPL "vfirst" applies to v_split 1/2 on sm_90a; v_split 4 and sm_100a keep v8, and
     the sm_100a variant list never holds a wgmma-only kernel."""

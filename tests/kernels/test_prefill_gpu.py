@@ -53,13 +53,15 @@ def _kernel_switches(monkeypatch):
     switch to v8 themselves, test_prep_heads_per_cta forces the heads,
     test_cp_pdl_matches_plain_launches runs both launch forms. Plain and V-split plans run their
     V-first stage 2 on the persistent grid (PERSISTENT); test_persistent_matches_unit_grid runs
-    both grids."""
+    both grids. The one-launch prefill (FUSED) is off, as in the package; the fused tests and
+    test_checkpoints' "fused" row turn it on."""
     monkeypatch.setattr(_mod(), "PERSISTENT", True)
     monkeypatch.setattr(_mod(), "GATE_WARMUP", True)
     monkeypatch.setattr(_mod(), "MAIN_IMPL", "vfirst")
     monkeypatch.setattr(_mod(), "PREP_HEADS", 0)
     monkeypatch.setattr(_mod(), "PREP_SOLVE", _mod().PREP_SOLVE_DEFAULT)
     monkeypatch.setattr(_mod(), "PREP_PAIR", True)
+    monkeypatch.setattr(_mod(), "FUSED", False)
 
 
 def make_case(lens, Hk, Hv, *, io=torch.bfloat16, qk=None, gen, dev="cuda"):
@@ -363,6 +365,35 @@ def test_persistent_matches_unit_grid(case, monkeypatch):
         "slots outside the batch changed"
 
 
+FUSED_CASES = [  # (lens, Hk, Hv, v dtype, pool dtype, padding, all slots initialised)
+    (EDGE_LENS, 2, 8, torch.bfloat16, torch.float32, 0.2, False),
+    (EDGE_LENS, 4, 16, torch.float16, torch.bfloat16, 0.2, False),
+    ([8191], 2, 8, torch.bfloat16, torch.float32, 0.0, False),
+    ([300, 1000, 64 * 20 + 5, 0, 64, 700], 8, 24, torch.bfloat16, torch.float32, 0.0, True),
+    ([512] * 6 + [2048, 33], 16, 32, torch.bfloat16, torch.bfloat16, 0.1, False),
+    ([2048, 1000, 64], 16, 64, torch.bfloat16, torch.float32, 0.0, False),
+]
+
+
+def _ran_fused(plan) -> bool:
+    """Whether every prefill call on this plan resolved to the one-launch kernel."""
+    launches = [x for x in plan.kernel_cache.values() if isinstance(x, _launch()._Launches)]
+    return bool(launches) and all(x.fused is not None for x in launches)
+
+
+@pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: f"{len(c[0])}seq-{c[1]}-{c[2]}-{str(c[3])[6:]}-{str(c[4])[6:]}")
+def test_fused_matches_float64(case, monkeypatch):
+    """The one-launch prefill (prefill_fused.py, FUSED) on plain plans with fp16 q / k (the
+    layer's form): outputs and final states against the float64 recurrence, padding slots never
+    touched, other slots bit-identical, every output row written (run_case); lengths that end
+    mid-chunk, empty sequences, one chunk, a long sequence; the call took the fused kernel."""
+    lens, Hk, Hv, io, pool_dtype, pad, all_init = case
+    monkeypatch.setattr(_mod(), "FUSED", True)
+    *_, plan, _ = run_case(lens, Hk, Hv, pool_dtype=pool_dtype, v_split=1, io=io, qk=torch.float16,
+                           seed=6900 + Hv + len(lens), pad_frac=pad, all_init=all_init)
+    assert _ran_fused(plan), "the call did not take the one-launch kernel"
+
+
 def test_many_sequences():
     rng = random.Random(11)
     lens = [rng.choice([0, 1, 5, 63, 64, 65, 100, 257]) for _ in range(64)]
@@ -598,32 +629,39 @@ def test_sanitizer_case(monkeypatch):
     lengths that end mid-chunk, padding slots, and the CP path (segments of 2 chunks: the maps
     pass, the scan and the output pass; exact, then with gate warmup), on the default stage-2
     kernels (V-first at v_split 1/2, v8 at 4); a v_split 1 plan whose maps pass runs at split 2
-    (plan.maps_v_split); then v8 at v_split 1 with CP and warmup."""
+    (plan.maps_v_split); the one-launch prefill (FUSED) on a plain plan; then v8 at v_split 1
+    with CP and warmup."""
     for vs in (2, 4):
         run_case([65, 1, 130], 2, 8, v_split=vs, seed=77 + vs, pad_frac=0.3)
     for cp in ("exact", "auto"):
         run_case([65, 1, 300], 2, 8, v_split=2, seed=79, pad_frac=0.3, segment_chunks=2, cp=cp)
     run_case([65, 1, 300], 2, 8, v_split=1, seed=81, pad_frac=0.3, segment_chunks=2, cp="auto", maps_v_split=2)
+    monkeypatch.setattr(_mod(), "FUSED", True)  # the one-launch prefill (plain, fp16 q / k)
+    run_case([65, 1, 130], 2, 8, v_split=1, qk=torch.float16, seed=83, pad_frac=0.3)
+    monkeypatch.setattr(_mod(), "FUSED", False)
     monkeypatch.setattr(_mod(), "MAIN_IMPL", "v8")
     run_case([65, 1, 300], 2, 8, v_split=1, seed=80, pad_frac=0.3, segment_chunks=2, cp="auto")
 
 
 @pytest.mark.parametrize("v_split,segment_chunks,cp,impl", [
     (1, 0, None, "vfirst"), (2, 0, None, "vfirst"), (4, 0, None, "v8"), (1, 0, None, "v8"),
-    (1, 3, "exact", "vfirst"), (2, 3, "auto", "vfirst"), (1, 3, "exact", "v8")])
+    (1, 3, "exact", "vfirst"), (2, 3, "auto", "vfirst"), (1, 3, "exact", "v8"), (1, 0, None, "fused")])
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_checkpoints(v_split, segment_chunks, cp, impl, pool_dtype, monkeypatch):
     """Prefill checkpoints (vLLM 0.33's align-mode prefix caching, docs/vllm_checkpoints.md): the
     state after chunks[s] * 64 tokens of sequence s lands in pool slot slots[s], from the item
     whose walk holds that boundary (whole sequences, V splits, CP segments exact and gate-warmed,
     both stage-2 kernels), against the float64 recurrence over each sequence's first chunks[s] *
-    64 tokens; the outputs, final states and every other slot as without checkpoints."""
-    monkeypatch.setattr(_mod(), "MAIN_IMPL", impl)
+    64 tokens; the outputs, final states and every other slot as without checkpoints. "fused":
+    the one-launch prefill (FUSED, fp16 q / k)."""
+    fused = impl == "fused"
+    monkeypatch.setattr(_mod(), "MAIN_IMPL", "vfirst" if fused else impl)
+    monkeypatch.setattr(_mod(), "FUSED", fused)
     Hk, Hv = 2, 8
     lens = [300, 1000, 64 * 20 + 5, 0, 64, 700]
     chunks = [4, 0, 13, 0, 1, 9]          # 0: none; 1 x 64 = the whole of sequence 4
     gen = torch.Generator(device="cuda").manual_seed(11 + v_split + segment_chunks)
-    q, k, v, g, beta = make_case(lens, Hk, Hv, gen=gen)
+    q, k, v, g, beta = make_case(lens, Hk, Hv, qk=torch.float16 if fused else None, gen=gen)
     N, S = len(lens), 2 * len(lens) + 2
     pool = make_pool(S, Hv, pool_dtype, gen)
     slot_ids = [0, 1, 2, 3, 4, 5]
@@ -640,6 +678,7 @@ def test_checkpoints(v_split, segment_chunks, cp, impl, pool_dtype, monkeypatch)
     _launch().prefill(q, k, v, g, beta, pool, torch.tensor(slot_ids, **dev), plan,
                       has_initial_state=torch.tensor(has, device="cuda"), scale=HD ** -0.5, out=out,
                       checkpoints=(torch.tensor(chunks, **dev), torch.tensor(ck_slots, **dev)))
+    assert _ran_fused(plan) == fused
     cu = [0]
     for n in lens:
         cu.append(cu[-1] + n)

@@ -60,7 +60,7 @@ import itertools
 import os
 import threading
 
-from . import prefill_main, prefill_main_vfirst, prefill_prep, prefill_scan, prefill_warmup
+from . import prefill_fused, prefill_main, prefill_main_vfirst, prefill_prep, prefill_scan, prefill_warmup
 
 ARCH = "sm_90a"
 CHUNK = 64
@@ -75,9 +75,9 @@ QK_V_DTYPES = (("bfloat16", "bfloat16"), ("float16", "float16"), ("float16", "bf
 POOL_DTYPES = ("float32", "bfloat16")
 
 
-def _switch_from_env(name: str) -> bool:
-    """An on/off module switch from environment variable `name`: "1" (the default) or "0"."""
-    flag = os.environ.get(name, "1").strip()
+def _switch_from_env(name: str, default: str = "1") -> bool:
+    """An on/off module switch from environment variable `name`: "1" or "0" (unset: default)."""
+    flag = os.environ.get(name, default).strip()
     if flag not in ("0", "1"):
         raise ValueError(f"{name}: expected 0 or 1, got {flag!r}")
     return flag == "1"
@@ -198,11 +198,20 @@ PERSISTENT_UNIT_SAVING = 0.8
 # takes four). Read once at import from QLA_SERVE_PREP_PAIR ("0" turns it off).
 PREP_PAIR = _switch_from_env("QLA_SERVE_PREP_PAIR")
 
+# The one-launch prefill (prefill_fused.py, v36: stage 1's solve as a fourth warpgroup of the
+# V-first chain's CTA, M / P / the gate factors through shared memory, not HBM) for the plans it
+# applies to (fused_applies). Experimental, off by default: built and compile-checked without a
+# GPU (session 69); its float64 GPU tests and its A/B against the two stages have not run yet.
+# Read once at import from QLA_SERVE_PREFILL_FUSED ("1" turns it on); tests set it.
+FUSED = _switch_from_env("QLA_SERVE_PREFILL_FUSED", "0")
+
 _kernels: dict = {}
 _lock = threading.Lock()
 
 
 def _variant_name(v: dict) -> str:
+    if v["op"] == "prefill_fused":
+        return f"gdn_prefill_fused_hv{v['num_v_heads']}_hk{v['num_k_heads']}_{v['io_dtype']}_pool{v['pool_dtype']}"
     if v["op"] == "prefill_prep":
         return (f"gdn_prefill_prep_hv{v['num_v_heads']}_hk{v['num_k_heads']}_{v['io_dtype']}"
                 + ("_m" if v.get("form", "uw") == "m" else "")
@@ -421,6 +430,21 @@ def static_dealing_chunks(runs, units_per_seq: int, ncta: int) -> int:
     return base + max(itertools.accumulate(diff[:ncta]))
 
 
+def fused_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str) -> dict:
+    """The one-launch prefill (prefill_fused.py) for v's dtype and the pool's; q / k are fp16."""
+    v = {"op": "prefill_fused", "num_v_heads": num_v_heads, "num_k_heads": num_k_heads, "io_dtype": io_dtype,
+         "pool_dtype": pool_dtype}
+    v["name"] = _variant_name(v)
+    return v
+
+
+def fused_applies(strategy: str, v_split: int, qk_dtype: str, target: str = ARCH) -> bool:
+    """Whether a plan's call runs the one-launch prefill: FUSED, sm_90a, whole sequences at
+    v_split 1 (a plain plan: the fused CTA owns all 128 value rows of its head) and fp16 q / k
+    (the layer's form; bf16 q / k need stage 1's fp16 copies, so they keep the two stages)."""
+    return FUSED and target == "sm_90a" and strategy == "plain" and v_split == 1 and qk_dtype == "float16"
+
+
 def main_impl_for(v_split: int, target: str = ARCH) -> str:
     """The stage-2 kernel a plan with this v_split runs: MAIN_IMPL where it applies (vfirst:
     v_split 1 and 2 on sm_90a), else v8."""
@@ -481,6 +505,8 @@ def kernel_variants(num_v_heads: int, num_k_heads: int, target: str = ARCH) -> l
                     out.append(main_variant(num_v_heads, num_k_heads, io, pool, vs, "output", impl, False, True))
                 if persistent_applies("plain", impl):
                     out.append(persistent_variant(num_v_heads, num_k_heads, io, pool, vs, packed))
+            if fused_applies("plain", 1, "float16", target):
+                out.append(fused_variant(num_v_heads, num_k_heads, io, pool))
     return out
 
 
@@ -509,6 +535,9 @@ def build(variant: dict, target: str = ARCH):
                                               variant.get("heads_per_cta", 1), variant.get("solve"),
                                               variant.get("packed", False), variant.get("pair_solve", False))
                 cfg = prefill_prep.PASS_CONFIGS
+            elif variant["op"] == "prefill_fused":
+                func = prefill_fused.fused_func(hv, hk, io, variant["pool_dtype"])
+                cfg = prefill_fused.PASS_CONFIGS
             elif variant["op"] == "prefill_main" and variant.get("persistent"):
                 func, _ = prefill_main_vfirst.persistent_func(hv, hk, io, variant["pool_dtype"], variant["v_split"],
                                                               variant.get("packed", False))
@@ -520,8 +549,8 @@ def build(variant: dict, target: str = ARCH):
                                          variant.get("mode", "output"), pdl, **extra)
                 cfg = kmod.PASS_CONFIGS
             else:
-                raise ValueError(f"variant['op'] must be prefill_prep, prefill_main, prefill_cp_scan or "
-                                 f"prefill_cp_warmup, got {variant['op']!r}")
+                raise ValueError(f"variant['op'] must be prefill_prep, prefill_main, prefill_fused, prefill_cp_scan "
+                                 f"or prefill_cp_warmup, got {variant['op']!r}")
             if target not in ("sm_90a", "sm_100a"):
                 raise ValueError(f"target: expected 'sm_90a' or 'sm_100a', got {target!r}")
             kern = tilelang.compile(

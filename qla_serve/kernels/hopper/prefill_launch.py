@@ -206,7 +206,8 @@ def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale,
     """
     key = ("hopper_prefill_launches", q.shape[0], k.shape[1], v.shape[1], q.dtype, v.dtype, pool.dtype,
            has_initial_state is None, q.device, _stages, _target, api.GATE_WARMUP, api.MAIN_IMPL, api.PREP_HEADS,
-           api.PREP_SOLVE, api.CP_PDL, api.PERSISTENT, api.PERSISTENT_MAX_MEAN_CHUNKS, api.PREP_PAIR)
+           api.PREP_SOLVE, api.CP_PDL, api.PERSISTENT, api.PERSISTENT_MAX_MEAN_CHUNKS, api.PREP_PAIR,
+           api.FUSED)
     launches = plan.kernel_cache.get(key)
     if launches is None:
         launches = plan.kernel_cache[key] = _Launches(plan, q, k, v, pool, has_initial_state is None, _stages,
@@ -221,6 +222,7 @@ class _Launches:
     plan/run split). A call binds q, k, v, g, beta, the pool, the slots, the flags, the scale and
     out, and launches (finder, maps and scan as programmatic dependents where CP_PDL is on):
 
+      fused                                                      (plain where fused_applies)
       prep -> main output                                        (plain, vsplit; persistent grid
                                                                   where persistent_applies)
       prep -> [finder] -> maps -> [scan] -> main output          (cp; module docstring)
@@ -245,6 +247,11 @@ class _Launches:
         self.all_init = int(all_init)
         self.flags = _dummy(("flags", dev), lambda: torch.ones(1, dtype=torch.uint8, device=dev))
         self.cu_seqlens, self.chunk_offsets = plan.cu_seqlens, plan.chunk_offsets
+        self.fused = None
+        if "prep" in stages and "main" in stages and api.fused_applies(strategy, vs, qk, target):
+            # one launch: no stage-1 buffers, no fp16 copies (fp16 q / k only)
+            self.fused = _kernel(api.fused_variant(hv, hk, io, pool_dt), target)
+            return
         nchunks, self.stage1 = _plan_scratch(plan, hv, form, packed, dev)
         # Stage 2's tensor-core operands are fp16: bf16 q/k are converted once, by stage 1.
         self.half_qk = _half_qk(plan, max(self.ntok, 1), hk, dev) if qk == "bfloat16" else None
@@ -297,6 +304,12 @@ class _Launches:
         check_pool_alignment(pool)
         flags = self.flags if has_initial_state is None else has_initial_state.view(torch.uint8)
         scale = 128**-0.5 if scale is None else float(scale)
+        # (without checkpoints the kernels never read these: slot_ids stands in for both)
+        ckpt = (slot_ids, slot_ids, 0) if checkpoints is None else (*checkpoints, 1)
+        if self.fused is not None:
+            self.fused(q, k, v, g, beta, pool, slot_ids, flags, self.cu_seqlens, *ckpt[:2], out, scale, self.all_init,
+                       ckpt[2])
+            return
         qh, kh = self.half_qk or (q, k)
         if self.prep is not None:
             self.prep(q, k, v, g, beta, self.cu_seqlens, self.chunk_offsets, *self.stage1, qh, kh, scale)
@@ -307,8 +320,6 @@ class _Launches:
         # M, v8 P, U0 and -Wk.
         tiles = (v, fbuf, dbuf if self.packed else pbuf, mbuf) if self.vfirst else (fbuf, pbuf, ubuf, wbuf)
         head = (qh, kh, *tiles, pool, slot_ids, flags, self.cu_seqlens, self.chunk_offsets)
-        # (without checkpoints the kernels never read these: slot_ids stands in for both)
-        ckpt = (slot_ids, slot_ids, 0) if checkpoints is None else (*checkpoints, 1)
         if self.persistent is not None:
             self.persistent(*head, self.items, self.ctas, *ckpt[:2], out, scale, self.all_init, ckpt[2])
             return

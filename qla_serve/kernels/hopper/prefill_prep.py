@@ -111,6 +111,8 @@ DV = 128
 
 PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 _LOG2E = 1.4426950408889634
+MM_DTYPE = "float16"  # the tensor-core operands' dtype (module docstring)
+ACC = "float32"
 
 
 FORMS = ("uw", "m")
@@ -122,6 +124,77 @@ SOLVES = ("wgmma", "mma")
 DEFAULT_SOLVE = {"m": "mma", "uw": "wgmma"}
 SOLVE_SOURCE = FAST_MATH_SOURCE + (Path(__file__).with_name("csrc") / "block_solve.cuh").read_text()
 PAIR_SOLVE_SOURCE = SOLVE_SOURCE + (Path(__file__).with_name("csrc") / "block_solve_pair.cuh").read_text()
+
+
+def staging_tile():
+    """A [64, 64] fp16 tile in shared memory, swizzled: stmatrix from a fragment into a plain
+    row-major tile puts the 8 rows of each 8x8 matrix in the same banks (8-way conflicts;
+    ncu on v11: 31% of prep's shared-memory wavefronts, with L1 82% busy). Swizzled, a TMA
+    store from it goes through a tensor map in 64-column boxes."""
+    tile = T.alloc_shared((C, C), MM_DTYPE)
+    T.annotate_layout({tile: tilelang.layout.make_swizzled_layout(tile)})
+    return tile
+
+
+@T.macro
+def kk_blocks(k_s, kk_f, kd_s, koff_s):
+    """K K^T of the CTA's chunk, once for all its heads (it is gate- and beta-free): its
+    diagonal 16x16 blocks to kd_s in fp32 for the substitution, the blocks below them to
+    koff_s in fp16 for the tensor-core products (v28; until then K K^T was computed again
+    for each head and scaled by its beta). The diagonal blocks go to kd_s unmasked: the
+    substitution reads only their strict upper triangle (row m, columns r > m), which is the
+    lower one by symmetry."""
+    T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
+    for i, c in T.Parallel(C, C):
+        if i // 16 == c // 16:
+            kd_s[i // 16, i % 16, c % 16] = kk_f[i, c]
+    for i, c in T.Parallel(C, C):
+        kk_f[i, c] = T.if_then_else(i // 16 > c // 16, kk_f[i, c], 0.0)
+    T.copy(kk_f, koff_s)
+
+
+def diag_blocks(first_thread: int = 0):
+    """_diag_blocks below for a warpgroup whose first thread is first_thread (0: stage 1's
+    CTA; prefill_fused.py's solve warpgroup: its own), as a macro."""
+
+    @T.macro
+    def _diag_blocks(j, kd_s, b_s, db_s, zero_off_diagonal):
+        """Head j's Db = Dinv diag(beta) into the diagonal 16x16 blocks of db_s (fp16), Dinv the
+        inverse of I + L's diagonal blocks, by forward substitution in registers, one thread per
+        (block b, column c) holding column c of Dinv_b, x_r = Dinv_b[r, c] for rows r = 0..15:
+          x_r = [c == r] - beta_r sum_{m<r} KK_b[r, m] x_m
+        right-looking (v32): once x_m is final it is added into every later row's sum,
+        s_r += KK_b[m, r] x_m for r > m (row m of the block: K K^T is symmetric, and a row is a
+        broadcast, vectorizable read), so the dependent chain is two FMAs per row, 32 in all,
+        where the row-by-row sums (v29-v31) chained 120. x_m times beta_c goes straight into
+        db_s (v29: v28 went through an fp32 buffer and a fragment, 28 KB more shared-memory
+        traffic per head). Threads 0-63 (warps 0-1) do it; with zero_off_diagonal, warps 2-3
+        meanwhile zero the other blocks, one row each (the wgmma solve multiplies the whole tile;
+        the mma solve reads the diagonal blocks only). (v11 kept the column in shared memory: a
+        barrier and a dependent load per row.) Entries above the diagonal come out exactly 0, so
+        every product keeps A's upper triangle exactly 0."""
+        tx = T.get_thread_binding() if first_thread == 0 else T.get_thread_binding() - first_thread
+        blk = (tx % 64) // 16
+        col = tx % 16
+        dcol = T.alloc_local((16,), ACC)  # row r: the running sum s_r, then x_r
+        if tx < 64:
+            for r in T.unroll(16):
+                dcol[r] = 0.0
+            for m in T.unroll(16):
+                dcol[m] = T.if_then_else(col == m, 1.0, 0.0) - b_s[j, blk * 16 + m] * dcol[m]
+                for r in T.unroll(m + 1, 16):
+                    dcol[r] = dcol[r] + kd_s[blk, m, r] * dcol[m]
+            beta_col = b_s[j, blk * 16 + col]
+            for r in T.unroll(16):
+                db_s[blk * 16 + r, blk * 16 + col] = T.cast(dcol[r] * beta_col, MM_DTYPE)
+        elif zero_off_diagonal:
+            row = tx - 64
+            for cb in T.unroll(4):
+                if cb != row // 16:
+                    for c in T.vectorized(16):
+                        db_s[row, cb * 16 + c] = T.cast(0.0, MM_DTYPE)
+
+    return _diag_blocks
 
 
 def resolve_solve(form: str, solve: str | None = None) -> str:
@@ -284,14 +357,7 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
         T.copy(x_f, x_s)
         T.copy(x_s, wbuf[cid, h, :, :])
 
-    def _staging_tile():
-        """A [64, 64] fp16 tile in shared memory, swizzled: stmatrix from a fragment into a plain
-        row-major tile puts the 8 rows of each 8x8 matrix in the same banks (8-way conflicts;
-        ncu on v11: 31% of prep's shared-memory wavefronts, with L1 82% busy). Swizzled, a TMA
-        store from it goes through a tensor map in 64-column boxes."""
-        tile = T.alloc_shared((C, C), mm_dtype)
-        T.annotate_layout({tile: tilelang.layout.make_swizzled_layout(tile)})
-        return tile
+    _staging_tile, _kk_blocks, _diag_blocks = staging_tile, kk_blocks, diag_blocks(0)
 
     def _for_each_head(macro, *args):
         """macro(j, *args) for each of the CTA's heads j (unrolled as the kernel is traced)."""
@@ -324,59 +390,6 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
             p_f[r, s] = T.if_then_else(i >= c, p_f[r, s], 0.0)
         T.copy(p_f, p_s)
         T.copy(p_s, (mbuf if packed else pbuf)[cid, h0 + j, :, :])
-
-    @T.macro
-    def _kk_blocks(k_s, kk_f, kd_s, koff_s):
-        """K K^T of the CTA's chunk, once for all its heads (it is gate- and beta-free): its
-        diagonal 16x16 blocks to kd_s in fp32 for the substitution, the blocks below them to
-        koff_s in fp16 for the tensor-core products (v28; until then K K^T was computed again
-        for each head and scaled by its beta). The diagonal blocks go to kd_s unmasked: the
-        substitution reads only their strict upper triangle (row m, columns r > m), which is the
-        lower one by symmetry."""
-        T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
-        for i, c in T.Parallel(C, C):
-            if i // 16 == c // 16:
-                kd_s[i // 16, i % 16, c % 16] = kk_f[i, c]
-        for i, c in T.Parallel(C, C):
-            kk_f[i, c] = T.if_then_else(i // 16 > c // 16, kk_f[i, c], 0.0)
-        T.copy(kk_f, koff_s)
-
-    @T.macro
-    def _diag_blocks(j, kd_s, b_s, db_s, zero_off_diagonal):
-        """Head j's Db = Dinv diag(beta) into the diagonal 16x16 blocks of db_s (fp16), Dinv the
-        inverse of I + L's diagonal blocks, by forward substitution in registers, one thread per
-        (block b, column c) holding column c of Dinv_b, x_r = Dinv_b[r, c] for rows r = 0..15:
-          x_r = [c == r] - beta_r sum_{m<r} KK_b[r, m] x_m
-        right-looking (v32): once x_m is final it is added into every later row's sum,
-        s_r += KK_b[m, r] x_m for r > m (row m of the block: K K^T is symmetric, and a row is a
-        broadcast, vectorizable read), so the dependent chain is two FMAs per row, 32 in all,
-        where the row-by-row sums (v29-v31) chained 120. x_m times beta_c goes straight into
-        db_s (v29: v28 went through an fp32 buffer and a fragment, 28 KB more shared-memory
-        traffic per head). Threads 0-63 (warps 0-1) do it; with zero_off_diagonal, warps 2-3
-        meanwhile zero the other blocks, one row each (the wgmma solve multiplies the whole tile;
-        the mma solve reads the diagonal blocks only). (v11 kept the column in shared memory: a
-        barrier and a dependent load per row.) Entries above the diagonal come out exactly 0, so
-        every product keeps A's upper triangle exactly 0."""
-        tx = T.get_thread_binding()
-        blk = (tx % 64) // 16
-        col = tx % 16
-        dcol = T.alloc_local((16,), acc)  # row r: the running sum s_r, then x_r
-        if tx < 64:
-            for r in T.unroll(16):
-                dcol[r] = 0.0
-            for m in T.unroll(16):
-                dcol[m] = T.if_then_else(col == m, 1.0, 0.0) - b_s[j, blk * 16 + m] * dcol[m]
-                for r in T.unroll(m + 1, 16):
-                    dcol[r] = dcol[r] + kd_s[blk, m, r] * dcol[m]
-            beta_col = b_s[j, blk * 16 + col]
-            for r in T.unroll(16):
-                db_s[blk * 16 + r, blk * 16 + col] = T.cast(dcol[r] * beta_col, mm_dtype)
-        elif zero_off_diagonal:
-            row = tx - 64
-            for cb in T.unroll(4):
-                if cb != row // 16:
-                    for c in T.vectorized(16):
-                        db_s[row, cb * 16 + c] = T.cast(0.0, mm_dtype)
 
     @T.macro
     def _solve(j, kd_s, koff_s, kk_f, n_f, t_f, b_s):
