@@ -39,7 +39,7 @@ import tilelang.language as T
 
 from . import prefill_main_vfirst
 from .prefill_main import C, DK, DV, checkpoint_chunk
-from .prefill_main_vfirst import _chain_step, _output_movers
+from .prefill_main_vfirst import _POOL_VEC, _chain_step, _output_movers
 from .prefill_prep import _LOG2E, ACC, MM_DTYPE, SOLVE_SOURCE, diag_blocks, kk_blocks, staging_tile
 
 # The chain's: fast math, and TileLang's automatic barriers off (every handoff has its mbarrier,
@@ -53,7 +53,6 @@ _NREG_CONSUMER = 192
 _NREG_SOLVE = 104
 _NREG_PRODUCER = 24
 _SOLVE_BAR = 1  # the solve warpgroup's named barrier (128 threads; 0 is __syncthreads)
-_POOL_VEC = {"float32": 4, "bfloat16": 8}
 
 
 def fused_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str):
