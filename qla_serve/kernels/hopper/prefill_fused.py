@@ -39,7 +39,7 @@ import tilelang.language as T
 
 from . import prefill_main_vfirst
 from .prefill_main import C, DK, DV, checkpoint_chunk
-from .prefill_main_vfirst import _POOL_VEC, _chain_step, _output_movers
+from .prefill_main_vfirst import _POOL_VEC, _chain_step, _output_movers, state_in
 from .prefill_prep import _LOG2E, ACC, MM_DTYPE, SOLVE_SOURCE, diag_blocks, kk_blocks, staging_tile
 
 # The chain's: fast math, and TileLang's automatic barriers off (every handoff has its mbarrier,
@@ -119,18 +119,7 @@ def fused_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: st
             if tx < CONSUMERS:
                 T.set_max_nreg(_NREG_CONSUMER, 1)
                 slot = slot_ids[s]
-                load = T.alloc_var("int32")
-                load = 0
-                if slot >= 0:
-                    if all_init != 0:
-                        load = 1
-                    elif has_init[s] != 0:
-                        load = 1
-                if load != 0:
-                    for v, d in T.Parallel(BV, DK):
-                        x_f[v, d] = T.cast(pool[slot, h, v, d], acc)
-                else:
-                    T.clear(x_f)
+                state_in(x_f, pool, slot, s, h, 0, has_init, all_init)
                 ck, ck_slot = checkpoint_chunk(ckpt_chunk, ckpt_slot, use_ckpt, s, 0, 0)
                 for c in T.serial(nchunks):
                     st = c % 2

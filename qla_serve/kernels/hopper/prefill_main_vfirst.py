@@ -297,6 +297,25 @@ def _chain_step(maps_mode: bool, BV: int, packed: bool):
     return chain_step
 
 
+@T.macro
+def state_in(x_f, pool, slot, s, h, v0, has_init, all_init):
+    """A whole sequence's initial X = S^T (value rows v0 .. v0 + BV of head h) into the fp32
+    fragment x_f [BV, 128]: from pool slot `slot` where it is live (slot >= 0) and the sequence
+    has one (all_init, or has_init[s]), else zero. The persistent grid's and prefill_fused's."""
+    load = T.alloc_var("int32")
+    load = 0
+    if slot >= 0:
+        if all_init != 0:
+            load = 1
+        elif has_init[s] != 0:
+            load = 1
+    if load != 0:
+        for v, d in T.Parallel(x_f.shape[0], DK):
+            x_f[v, d] = T.cast(pool[slot, h, v0 + v, d], "float32")
+    else:
+        T.clear(x_f)
+
+
 def _output_movers(BV: int, io_dtype: str):
     """The O of one chunk on its way out, shared by main_func and persistent_func: emit_o (the
     consumers) and store_o (the storer warp). A whole chunk (the j-th written) goes transposed
@@ -507,18 +526,7 @@ def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtyp
                     eos = cu_seqlens[s + 1]
                     nchunks = T.ceildiv(eos - bos, C)
                     slot = slot_ids[s]
-                    load = T.alloc_var("int32")
-                    load = 0
-                    if slot >= 0:
-                        if all_init != 0:
-                            load = 1
-                        elif has_init[s] != 0:
-                            load = 1
-                    if load != 0:
-                        for v, d in T.Parallel(BV, DK):
-                            x_f[v, d] = T.cast(pool[slot, h, v0 + v, d], acc)
-                    else:
-                        T.clear(x_f)
+                    state_in(x_f, pool, slot, s, h, v0, has_init, all_init)
                     ck, ck_slot = checkpoint_chunk(ckpt_chunk, ckpt_slot, use_ckpt, s, 0, 0)
                     for c in T.serial(nchunks):
                         g = gdone + c
