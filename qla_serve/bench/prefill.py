@@ -14,7 +14,8 @@ beta ~ U(0.01, 0.99), fp32 initial states for every sequence.
     qla16_wgmma: qla16 with stage 1's wgmma solve (prefill_api.PREP_SOLVE = "wgmma"; the default is
     the mma.sync solve). qla16_fused: qla16 with the one-launch prefill (prefill_api.FUSED, off by
     default; it applies to plain plans at v_split 1, prefill_api.fused_applies: other plans run
-    the two stages as qla16 does, and the row's plan says which).
+    the two stages as qla16 does, and the row's plan says which); qla16_fused_pp: with its
+    consumer warpgroups' ping-pong (prefill_api.FUSED_PINGPONG).
   * FLA / FlashQLA: chunk_gated_delta_rule with cu_seqlens, K-first fp32 initial states, final
     state returned (what an engine does around them: gathering the pool is not counted).
   * flashinfer (opt-in, `--impls ...,flashinfer`; flashinfer-python 0.7.2.post1, vLLM 0.33's
@@ -74,7 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="subset of qla,qla16,qla16_units,qla16_wgmma,qla16_fused,fla,flashqla,flashinfer "
                              "(qla16: qla_serve on fp16 q/k, the engine layers' form; qla16_units: the same with "
                              "stage 2 on a CTA per unit instead of the persistent grid; qla16_wgmma: with stage 1's "
-                             "wgmma solve; qla16_fused: with the one-launch prefill where it applies; "
+                             "wgmma solve; qla16_fused: with the one-launch prefill where it applies, "
+                             "qla16_fused_pp: and its consumers' ping-pong; "
                              "flashinfer: FlashInfer 0.7.2's GDN prefill, if installed)")
     parser.add_argument("--v-split", default="auto", help="qla_serve v_split: auto (planner) or 1/2/4")
     parser.add_argument("--segment-chunks", default="auto",
@@ -347,7 +349,7 @@ def _cp_label(plan) -> str:
 
 # qla_serve's rows and the prefill_api switches each sets for its calls (A/Bs in one process).
 QLA_SWITCHES = {"qla": {}, "qla16": {}, "qla16_units": {"PERSISTENT": False}, "qla16_wgmma": {"PREP_SOLVE": "wgmma"},
-                "qla16_fused": {"FUSED": True}}
+                "qla16_fused": {"FUSED": True}, "qla16_fused_pp": {"FUSED": True, "FUSED_PINGPONG": True}}
 QLA_IMPLS = tuple(QLA_SWITCHES)
 
 

@@ -361,8 +361,9 @@ def test_compiles_persistent_sm90a(v_split, packed):
 FUSED_SPILL_BYTES = 0
 
 
-@pytest.mark.parametrize("io,pool", [("bfloat16", "float32"), ("float16", "bfloat16")])
-def test_compiles_fused_sm90a(io, pool, tmp_path):
+@pytest.mark.parametrize("io,pool,pingpong", [("bfloat16", "float32", False), ("float16", "bfloat16", False),
+                                              ("bfloat16", "float32", True)])
+def test_compiles_fused_sm90a(io, pool, pingpong, tmp_path):
     """The one-launch prefill (prefill_fused.py): the chain's GEMMs take their A operand from
     registers (wgmma_rs) and the solve warpgroup's Q K^T and K K^T both operands from shared
     memory (wgmma_ss); the block solve writes the ring's M tile; setmaxnreg gives the consumers
@@ -370,14 +371,17 @@ def test_compiles_fused_sm90a(io, pool, tmp_path):
     24 = 65536); the only barrier over the whole CTA is the one after the mbarriers'
     initialisation, and the solve warpgroup's own barriers count its 128 threads; q, k and v
     arrive by TMA and no stage-1 workspace is read; ptxas keeps the wgmma asynchronous and
-    spills at most FUSED_SPILL_BYTES; the shared memory fits one CTA per SM."""
-    kern = P.build(P.fused_variant(8, 2, io, pool), "sm_90a")
+    spills at most FUSED_SPILL_BYTES; the shared memory fits one CTA per SM. pingpong: the
+    consumer warpgroups also pass the issue turn on named barriers 2 and 3 (256 threads)."""
+    kern = P.build(P.fused_variant(8, 2, io, pool, pingpong), "sm_90a")
     src = kern.get_kernel_source()
     assert "gdn_prefill_fused" in src and "wgmma_rs" in src and "wgmma_ss" in src
     assert re.search(r"qla_block_solve_m\(.*m_s\)\[", src), "the solve writes the ring's M tile"
     assert [int(n) for n in re.findall(r"warpgroup_reg_(?:alloc|dealloc)<(\d+)>", src)] == [192, 24, 104]
     assert src.count("__syncthreads()") == 1
-    assert set(re.findall(r"__sync_thread_partial\(([^)]*)\)", src)) == {"1, 128"}
+    partial = set(re.findall(r"__sync_thread_partial\((.*?), (\d+)\);", src))
+    assert {n for _, n in partial} == ({"128", "256"} if pingpong else {"128"}), partial
+    assert ("named_barrier_arrive" in src) == pingpong
     for name in ("q_desc", "k_desc", "values_desc"):
         assert f"tma_load({name}" in src, name
     assert "mbuf" not in src and "fbuf" not in src and "tma_store(out_desc" in src

@@ -62,6 +62,7 @@ def _kernel_switches(monkeypatch):
     monkeypatch.setattr(_mod(), "PREP_SOLVE", _mod().PREP_SOLVE_DEFAULT)
     monkeypatch.setattr(_mod(), "PREP_PAIR", True)
     monkeypatch.setattr(_mod(), "FUSED", False)
+    monkeypatch.setattr(_mod(), "FUSED_PINGPONG", False)
 
 
 def make_case(lens, Hk, Hv, *, io=torch.bfloat16, qk=None, gen, dev="cuda"):
@@ -392,6 +393,39 @@ def test_fused_matches_float64(case, monkeypatch):
     *_, plan, _ = run_case(lens, Hk, Hv, pool_dtype=pool_dtype, v_split=1, io=io, qk=torch.float16,
                            seed=6900 + Hv + len(lens), pad_frac=pad, all_init=all_init)
     assert _ran_fused(plan), "the call did not take the one-launch kernel"
+
+
+@pytest.mark.parametrize("case", [FUSED_CASES[0], FUSED_CASES[5]], ids=lambda c: f"{len(c[0])}seq-{c[1]}-{c[2]}")
+def test_fused_pingpong_is_bit_identical(case, monkeypatch):
+    """The one-launch prefill with its consumer warpgroups' ping-pong (FUSED_PINGPONG: they take
+    turns to issue their wgmma) against without, on the same inputs: the same operations in
+    another order of issue, so outputs and pool slots bit-identical; and the float64 check."""
+    lens, Hk, Hv, io, pool_dtype, pad, all_init = case
+    monkeypatch.setattr(_mod(), "FUSED", True)
+    got = {}
+    for pingpong in (False, True):
+        monkeypatch.setattr(_mod(), "FUSED_PINGPONG", pingpong)
+        gen = torch.Generator(device="cuda").manual_seed(6950 + Hv)
+        q, k, v, g, beta = make_case(lens, Hk, Hv, io=io, qk=torch.float16, gen=gen)
+        pool = make_pool(len(lens) + 2, Hv, pool_dtype, gen)
+        pool0 = pool.clone()
+        out = torch.full((sum(lens), Hv, HD), float("nan"), dtype=io, device="cuda")
+        plan = make_plan(lens, Hv, Hk, 1)
+        slots = torch.arange(len(lens), dtype=torch.int32, device="cuda")
+        _launch().prefill(q, k, v, g, beta, pool, slots, plan, has_initial_state=None, scale=HD ** -0.5, out=out)
+        assert _ran_fused(plan)
+        got[pingpong] = (out, pool)
+    assert torch.equal(got[True][0], got[False][0]), "outputs differ with the ping-pong"
+    bits = torch.int16 if pool_dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(got[True][1].view(bits), got[False][1].view(bits)), "pool slots differ with the ping-pong"
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    init = torch.stack([pool0[i].double() for i in range(len(lens))])
+    o_ref, s_ref = reference.recurrent_gdn(q.double(), k.double(), v.double(), g.double(), beta.double(), cu, init,
+                                           HD ** -0.5)
+    assert rel(got[True][0], o_ref) <= TOL
+    assert rel(got[True][1][:len(lens)], s_ref) <= (TOL if pool_dtype == torch.float32 else TOL_BF16_STATE)
 
 
 def test_many_sequences():

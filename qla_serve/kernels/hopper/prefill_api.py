@@ -204,6 +204,10 @@ PREP_PAIR = _switch_from_env("QLA_SERVE_PREP_PAIR")
 # GPU (session 69); its float64 GPU tests and its A/B against the two stages have not run yet.
 # Read once at import from QLA_SERVE_PREFILL_FUSED ("1" turns it on); tests set it.
 FUSED = _switch_from_env("QLA_SERVE_PREFILL_FUSED", "0")
+# The one-launch prefill's two consumer warpgroups take turns to issue their wgmma (ping-pong,
+# prefill_fused.fused_func's pingpong; variants named "_pp"). Unmeasured; off. Read once at
+# import from QLA_SERVE_PREFILL_FUSED_PINGPONG ("1" turns it on).
+FUSED_PINGPONG = _switch_from_env("QLA_SERVE_PREFILL_FUSED_PINGPONG", "0")
 
 _kernels: dict = {}
 _lock = threading.Lock()
@@ -211,7 +215,8 @@ _lock = threading.Lock()
 
 def _variant_name(v: dict) -> str:
     if v["op"] == "prefill_fused":
-        return f"gdn_prefill_fused_hv{v['num_v_heads']}_hk{v['num_k_heads']}_{v['io_dtype']}_pool{v['pool_dtype']}"
+        return (f"gdn_prefill_fused_hv{v['num_v_heads']}_hk{v['num_k_heads']}_{v['io_dtype']}_pool{v['pool_dtype']}"
+                + ("_pp" if v.get("pingpong") else ""))
     if v["op"] == "prefill_prep":
         return (f"gdn_prefill_prep_hv{v['num_v_heads']}_hk{v['num_k_heads']}_{v['io_dtype']}"
                 + ("_m" if v.get("form", "uw") == "m" else "")
@@ -430,10 +435,14 @@ def static_dealing_chunks(runs, units_per_seq: int, ncta: int) -> int:
     return base + max(itertools.accumulate(diff[:ncta]))
 
 
-def fused_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str) -> dict:
-    """The one-launch prefill (prefill_fused.py) for v's dtype and the pool's; q / k are fp16."""
+def fused_variant(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str,
+                  pingpong: bool | None = None) -> dict:
+    """The one-launch prefill (prefill_fused.py) for v's dtype and the pool's; q / k are fp16.
+    pingpong: its consumers take turns to issue their wgmma (None: FUSED_PINGPONG)."""
     v = {"op": "prefill_fused", "num_v_heads": num_v_heads, "num_k_heads": num_k_heads, "io_dtype": io_dtype,
          "pool_dtype": pool_dtype}
+    if FUSED_PINGPONG if pingpong is None else pingpong:
+        v["pingpong"] = True
     v["name"] = _variant_name(v)
     return v
 
@@ -536,7 +545,7 @@ def build(variant: dict, target: str = ARCH):
                                               variant.get("packed", False), variant.get("pair_solve", False))
                 cfg = prefill_prep.PASS_CONFIGS
             elif variant["op"] == "prefill_fused":
-                func = prefill_fused.fused_func(hv, hk, io, variant["pool_dtype"])
+                func = prefill_fused.fused_func(hv, hk, io, variant["pool_dtype"], variant.get("pingpong", False))
                 cfg = prefill_fused.PASS_CONFIGS
             elif variant["op"] == "prefill_main" and variant.get("persistent"):
                 func, _ = prefill_main_vfirst.persistent_func(hv, hk, io, variant["pool_dtype"], variant["v_split"],

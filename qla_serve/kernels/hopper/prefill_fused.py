@@ -53,13 +53,29 @@ _NREG_CONSUMER = 192
 _NREG_SOLVE = 104
 _NREG_PRODUCER = 24
 _SOLVE_BAR = 1  # the solve warpgroup's named barrier (128 threads; 0 is __syncthreads)
+_ORDER_BAR = 2  # ping-pong: consumer warpgroup w waits on barrier 2 + w (256 threads)
 
 
-def fused_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str):
+@T.macro
+def _order_wait():
+    """Ping-pong: wait for this consumer warpgroup's turn to issue its wgmma."""
+    T.sync_threads(_ORDER_BAR + T.get_thread_binding() // 128, 256)
+
+
+@T.macro
+def _order_notify():
+    """Ping-pong: the other consumer warpgroup's turn."""
+    T.named_barrier_arrive(_ORDER_BAR + 1 - T.get_thread_binding() // 128, 256)
+
+
+def fused_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str, pingpong: bool = False):
     """Build the fused prefill PrimFunc for (Hv, Hk, v dtype, pool dtype): grid (Hv, N), one CTA
     per head and sequence (heads fastest: a qk-head's v-heads read the same q / k through L2).
     Arguments as prefill_main_vfirst.main_func's where they share a name; q, k fp16 [T, Hk, 128],
-    g, beta fp32 [T, Hv] contiguous (gdn_prefill's contract), the checkpoint pair as there."""
+    g, beta fp32 [T, Hv] contiguous (gdn_prefill's contract), the checkpoint pair as there.
+    pingpong: the two consumer warpgroups take turns to issue each of the chain's three wgmma
+    groups (named barriers 2 and 3, as FlashInfer's state warpgroups do), so that one's
+    elementwise work overlaps the other's tensor-core work instead of both waiting together."""
     Hv, Hk = num_v_heads, num_k_heads
     group = Hv // Hk
     BV = DV
@@ -73,7 +89,7 @@ def fused_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: st
     so0, so1 = T.dynamic("so0"), T.dynamic("so1")
     sp0 = T.dynamic("sp0")
     mm, acc = MM_DTYPE, ACC
-    chain_step = _chain_step(False, BV, False)
+    chain_step = _chain_step(False, BV, False, (_order_wait, _order_notify) if pingpong else None)
     emit_o, store_o = _output_movers(BV, io_dtype)
     solve_diag = diag_blocks(SOLVE_FIRST)
 
@@ -121,6 +137,9 @@ def fused_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: st
                 slot = slot_ids[s]
                 state_in(x_f, pool, slot, s, h, 0, has_init, all_init)
                 ck, ck_slot = checkpoint_chunk(ckpt_chunk, ckpt_slot, use_ckpt, s, 0, 0)
+                if pingpong:
+                    if tx >= 128:  # warpgroup 0 issues first
+                        T.named_barrier_arrive(_ORDER_BAR, 256)
                 for c in T.serial(nchunks):
                     st = c % 2
                     t0 = bos + c * C
@@ -132,6 +151,9 @@ def fused_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: st
                             pool[ck_slot, h, v, d] = T.cast(x_f[v, d], pool_dtype)
                     T.barrier_arrive(free[st])
                     emit_o(c, T.min(eos - t0, C), t0, h, 0, o_f, o_s, out, o_full, o_free)
+                if pingpong:
+                    if tx < 128:  # warpgroup 1's last notify
+                        T.sync_threads(_ORDER_BAR, 256)
                 if slot >= 0:
                     for v, d in T.Parallel(BV, DK):
                         pool[slot, h, v, d] = T.cast(x_f[v, d], pool_dtype)

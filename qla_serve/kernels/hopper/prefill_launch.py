@@ -207,7 +207,7 @@ def prefill(q, k, v, g, beta, pool, slot_ids, plan, *, has_initial_state, scale,
     key = ("hopper_prefill_launches", q.shape[0], k.shape[1], v.shape[1], q.dtype, v.dtype, pool.dtype,
            has_initial_state is None, q.device, _stages, _target, api.GATE_WARMUP, api.MAIN_IMPL, api.PREP_HEADS,
            api.PREP_SOLVE, api.CP_PDL, api.PERSISTENT, api.PERSISTENT_MAX_MEAN_CHUNKS, api.PREP_PAIR,
-           api.FUSED)
+           api.FUSED, api.FUSED_PINGPONG)
     launches = plan.kernel_cache.get(key)
     if launches is None:
         launches = plan.kernel_cache[key] = _Launches(plan, q, k, v, pool, has_initial_state is None, _stages,

@@ -244,13 +244,16 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
     return gdn_prefill_main_vfirst, threads
 
 
-def _chain_step(maps_mode: bool, BV: int, packed: bool):
+def _chain_step(maps_mode: bool, BV: int, packed: bool, order=None):
     """The consumers' work on one chunk in ring stage st (phase: its mbarrier parity): wait for
-    the stage, then V', O and the state update (module docstring), shared by main_func and
-    persistent_func. emit (a PrimExpr, or True): the chunk's O is computed (False for warmup
-    chunks); is_phi (maps mode): the block walks the transition Phi (V = 0)."""
+    the stage, then V', O and the state update (module docstring), shared by main_func,
+    persistent_func and prefill_fused. emit (a PrimExpr, or True): the chunk's O is computed
+    (False for warmup chunks); is_phi (maps mode): the block walks the transition Phi (V = 0).
+    order: None, or a pair of macros (wait, notify) around each of the three wgmma issues
+    (prefill_fused's ping-pong: the two consumer warpgroups take turns to issue)."""
     mm, acc = "float16", "float32"
     rows = T.GemmWarpPolicy.FullRow  # value rows split across the consumer warpgroups
+    order_wait, order_notify = order or (None, None)
 
     @T.macro
     def chain_step(st, phase, emit, is_phi, scale, x_f, xh_f, vp_f, rh_f, vph_f, vpd_f, o_f, q_s, k_s, v_s,
@@ -262,11 +265,15 @@ def _chain_step(maps_mode: bool, BV: int, packed: bool):
             xh_f[v, d] = T.cast(x_f[v, d], mm)
         # (K S)^T = Xh K^T and O^T = Xh Q^T; R^T = V^T - (K S)^T diag(exp gc) (V = 0
         # for the transition Phi); V'^T = R^T M^T.
+        if order is not None:
+            order_wait()
         T.wgmma_gemm(xh_f, k_s[st, :, :], vp_f, transpose_B=True, clear_accum=True, policy=rows)
         if not maps_mode:
             if emit:
                 T.wgmma_gemm(xh_f, q_s[st, :, :], o_f, transpose_B=True, clear_accum=True,
                              policy=rows)
+        if order is not None:
+            order_notify()
         T.wait_wgmma(0)
         if maps_mode:
             for v, i in T.Parallel(BV, C):
@@ -275,7 +282,11 @@ def _chain_step(maps_mode: bool, BV: int, packed: bool):
         else:
             for v, i in T.Parallel(BV, C):
                 rh_f[v, i] = T.cast(T.cast(v_s[st, i, v], acc) - vp_f[v, i] * f_s[st, 0, i], mm)
+        if order is not None:
+            order_wait()
         T.wgmma_gemm(rh_f, m_s[st, :, :], vp_f, transpose_B=True, clear_accum=True, policy=rows)
+        if order is not None:
+            order_notify()
         T.wait_wgmma(0)
         # X <- gamma_last X + (V' diag(dec))^T K ; O^T = scale O^T diag(exp gc) + V'^T P^T
         for v, i in T.Parallel(BV, C):
@@ -284,6 +295,8 @@ def _chain_step(maps_mode: bool, BV: int, packed: bool):
         gl = f_s[st, 0, C - 1]
         for v, d in T.Parallel(BV, DK):
             x_f[v, d] = x_f[v, d] * gl
+        if order is not None:
+            order_wait()
         T.wgmma_gemm(vpd_f, k_s[st, :, :], x_f, policy=rows)
         if not maps_mode:
             if emit:
@@ -292,6 +305,8 @@ def _chain_step(maps_mode: bool, BV: int, packed: bool):
                     o_f[v, i] = o_f[v, i] * (f_s[st, 0, i] * scale)
                 # packed: p_s holds P^T (_unpacker), else P
                 T.wgmma_gemm(vph_f, p_s[st, :, :], o_f, transpose_B=not packed, policy=rows)
+        if order is not None:
+            order_notify()
         T.wait_wgmma(0)
 
     return chain_step
