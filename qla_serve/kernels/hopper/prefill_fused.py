@@ -199,6 +199,18 @@ def _ring_tiles(io_dtype: str):
 
 
 @T.macro
+def _gate_loads(dst, g, beta, h, t0, eos, ptx, i0):
+    """Tokens t0 + i0 and t0 + i0 + 1 of head h into dst: g on warp 12 (ptx < 32), beta on warp
+    13; 0 at or past eos (a chunk's rows >= n)."""
+    if ptx < 32:
+        dst[0] = T.if_then_else(t0 + i0 < eos, g[t0 + i0, h], 0.0)
+        dst[1] = T.if_then_else(t0 + i0 + 1 < eos, g[t0 + i0 + 1, h], 0.0)
+    elif ptx < 64:
+        dst[0] = T.if_then_else(t0 + i0 < eos, beta[t0 + i0, h], 0.0)
+        dst[1] = T.if_then_else(t0 + i0 + 1 < eos, beta[t0 + i0 + 1, h], 0.0)
+
+
+@T.macro
 def _solve_warpgroup(g, beta, h, bos, eos, nchunks, scale, q_s, k_s, m_s, p_s, f_s, loaded, free, prepped, solve_diag):
     """Threads 384-511: each chunk's gate factors, P and M into ring stage c % 2 (module docstring)."""
     ptx = T.get_thread_binding() - SOLVE_FIRST
@@ -213,18 +225,16 @@ def _solve_warpgroup(g, beta, h, bos, eos, nchunks, scale, q_s, k_s, m_s, p_s, f
     kk_f = T.alloc_fragment((C, C), ACC)
     run = T.alloc_var(ACC)
     pair = T.alloc_local((2,), ACC)  # warp 12: g of tokens 2 lane, 2 lane + 1; warp 13: beta
+    ahead = T.alloc_local((2,), ACC)  # the same for the next chunk, loaded one chunk ahead
+    i0 = 2 * lane
+    _gate_loads(ahead, g, beta, h, bos, eos, ptx, i0)
     for c in T.serial(nchunks):
         st = c % 2
         t0 = bos + c * C
         n = T.min(eos - t0, C)
-        i0 = 2 * lane
-        # The gate loads first: their latency (HBM) overlaps the waits below. Rows >= n as 0.
-        if ptx < 32:
-            pair[0] = T.if_then_else(i0 < n, g[t0 + i0, h], 0.0)
-            pair[1] = T.if_then_else(i0 + 1 < n, g[t0 + i0 + 1, h], 0.0)
-        elif ptx < 64:
-            pair[0] = T.if_then_else(i0 < n, beta[t0 + i0, h], 0.0)
-            pair[1] = T.if_then_else(i0 + 1 < n, beta[t0 + i0 + 1, h], 0.0)
+        if ptx < 64:
+            pair[0] = ahead[0]
+            pair[1] = ahead[1]
         T.sync_threads(_SOLVE_BAR, 128)  # the previous chunk's solve has read the scratch tiles
         T.barrier_wait(free[st], (c // 2 + 1) % 2)  # the chain is done with the stage's last M, P, f
         if ptx < 32:
@@ -249,6 +259,10 @@ def _solve_warpgroup(g, beta, h, bos, eos, nchunks, scale, q_s, k_s, m_s, p_s, f
         elif ptx < 64:
             b_s[0, i0] = pair[0]
             b_s[0, i0 + 1] = pair[1]
+        # The next chunk's gates: their HBM latency passes behind this chunk's products and
+        # solve (loaded at the top of each chunk, it was a third of this warpgroup's time, ncu).
+        if c + 1 < nchunks:
+            _gate_loads(ahead, g, beta, h, t0 + C, eos, ptx, i0)
         T.sync_threads(_SOLVE_BAR, 128)  # g2, prow, beta visible
         T.barrier_wait(loaded[st], (c // 2) % 2)
         T.gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
