@@ -280,32 +280,37 @@ def test_misaligned_pool_rejected_before_any_launch(launches):
     assert launches == []
 
 
-@pytest.mark.parametrize("lens,heads", [([64 * 128], 2), ([64 * 128] * 4, 4), ([64 * 144], 4), ([300, 0, 65], 1)])
+@pytest.mark.parametrize("lens,heads", [([64 * 128], 2), ([64 * 128] * 4, 4), ([64 * 144], 2), ([64 * 166], 4),
+                                        ([300, 0, 65], 1)])
 def test_stage1_heads_per_cta_by_the_rule(launches, lens, heads):
     """The prep variant a call launches takes prep_heads_per_cta's choice for its chunk count
-    (2/8 heads: two-head CTAs at 128 chunks, one wave of them; four-head ones at 144 and 512; one
-    head where one wave of one-head CTAs holds the call, 7 chunks here), solving two heads at a
-    time where it has two or four (PREP_PAIR, the default)."""
+    (2/8 heads: two-head CTAs at 128 and 144 chunks, one wave of them at five per SM; four-head
+    ones at 166 and 512; one head where one wave of one-head CTAs holds the call, 7 chunks here),
+    solving two heads at a time where it has two or four (PREP_PAIR, the default)."""
     _call(lens, 2, 0, None)
     prep = launches[0][0]
     assert prep["op"] == "prefill_prep" and prep.get("heads_per_cta", 1) == heads
     assert prep.get("pair_solve", False) == (heads >= 2)
 
 
-def test_heads_per_cta_rule():
+def test_heads_per_cta_rule(monkeypatch):
     """The rule against session 65's H100 measurements with the pair solve (benchmarks/prefill.md,
     "Stage 1's pair solve"): four heads per CTA measured fastest in stage 1 at 2/8 512 chunks,
     4/16 128 (one wave of four-head CTAs) and 512, 16/64 128 and 512 (by 2-16%); two heads at 2/8
     128 chunks (one wave of two-head CTAs: 5% faster in stage 1 and ~1% in the call than four,
-    which the fit's lines alone would take there); the fewest heads whose CTAs fit one wave
-    (one head: 5 per SM, several: 4), else the lines; 1 where Hv / Hk has no other divisor among
-    the choices or the form is "uw", and a forced PREP_HEADS clipped to a divisor of Hv / Hk."""
+    which the fit's lines alone would take there); the fewest heads whose CTAs fit one wave at
+    the CTAs per SM their resources allow (one head: 5, two solved as a pair: 5, four: 4), else
+    the lines; without the pair solve two heads count 4 per SM; 1 where Hv / Hk has no other
+    divisor among the choices or the form is "uw", and a forced PREP_HEADS clipped to a divisor
+    of Hv / Hk."""
     rule = P.prep_heads_per_cta
-    assert [rule(8, 2, n, "m", 132) for n in (1, 82, 83, 128, 132, 133, 144, 512)] == [1, 1, 2, 2, 2, 4, 4, 4]
-    assert [rule(64, 16, n, "m", 132) for n in (10, 11, 16, 17, 128, 144, 512)] == [1, 2, 2, 4, 4, 4, 4]
-    assert [rule(16, 4, n, "m", 132) for n in (41, 42, 66, 67, 128, 512)] == [1, 2, 2, 4, 4, 4]
+    assert [rule(8, 2, n, "m", 132) for n in (1, 82, 83, 128, 144, 165, 166, 512)] == [1, 1, 2, 2, 2, 2, 4, 4]
+    assert [rule(64, 16, n, "m", 132) for n in (10, 11, 16, 20, 21, 128, 512)] == [1, 2, 2, 2, 4, 4, 4]
+    assert [rule(16, 4, n, "m", 132) for n in (41, 42, 66, 82, 83, 128, 512)] == [1, 2, 2, 2, 4, 4, 4]
     assert {rule(24, 8, n, "m", 132) for n in (1, 128, 512, 4096)} == {1}
     assert rule(64, 16, 512, "uw", 132) == 1
+    monkeypatch.setattr(P, "PREP_PAIR", False)
+    assert [rule(8, 2, n, "m", 132) for n in (132, 133, 144)] == [2, 4, 4]
 
 
 def test_forced_heads_per_cta_is_clipped(monkeypatch):

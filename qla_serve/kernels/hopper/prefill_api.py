@@ -289,9 +289,10 @@ def _prep_solve(form: str, solve: str | None) -> str:
 def prep_heads_per_cta(num_v_heads: int, num_k_heads: int, num_chunks: int, form: str, sm_count: int) -> int:
     """Stage 1's v-heads per CTA for a call of num_chunks chunks (form "m"; "uw" always 1):
     PREP_HEADS where set (the largest choice dividing Hv / Hk that is not above it); else the
-    fewest heads whose CTAs all fit one wave (at the CTAs per SM their launch bounds claim: the
-    call then takes one CTA's latency, shorter with fewer heads), and otherwise the choice of
-    least expected time by _PREP_COST_US. Ties go to more heads."""
+    fewest heads whose CTAs all fit one wave (at the CTAs per SM their resources allow,
+    prefill_prep.resident_ctas_per_sm: the call then takes one CTA's latency, shorter with fewer
+    heads), and otherwise the choice of least expected time by _PREP_COST_US. Ties go to more
+    heads."""
     if form != "m":
         return 1
     group = num_v_heads // num_k_heads
@@ -300,7 +301,8 @@ def prep_heads_per_cta(num_v_heads: int, num_k_heads: int, num_chunks: int, form
         return max(n for n in choices if n <= PREP_HEADS)
     chunk_heads = num_chunks * num_v_heads
     for n in choices:
-        if chunk_heads <= n * prefill_prep.ctas_per_sm(form, n) * sm_count:
+        resident = prefill_prep.resident_ctas_per_sm(form, n, _pair_solve(form, _prep_solve(form, None), n))
+        if chunk_heads <= n * resident * sm_count:
             return n
     per_sm = chunk_heads / sm_count
 

@@ -220,6 +220,14 @@ def ctas_per_sm(form: str, heads_per_cta: int = 1) -> int:
     return 5 if form == "m" and heads_per_cta == 1 else 4
 
 
+def resident_ctas_per_sm(form: str, heads_per_cta: int = 1, pair_solve: bool = False) -> int:
+    """The CTAs per SM that prep's resources let run at once: ctas_per_sm's claim, but five for
+    two heads solved as a pair, whose 93 registers and 43 KB (sm_90a) fit five where its launch
+    bounds claim four (tests/kernels/test_prefill_compile.py::test_prep_pair_solve checks the
+    five). prefill_api's heads-per-CTA rule counts its one wave with these."""
+    return 5 if pair_solve and heads_per_cta == 2 else ctas_per_sm(form, heads_per_cta)
+
+
 def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw",
               qk_dtype: str | None = None, heads_per_cta: int = 1, solve: str | None = None,
               packed: bool = False, pair_solve: bool = False):
