@@ -1,7 +1,8 @@
 """GDN chunked prefill on Hopper (sm_90a): host side, the kernels.
 
 Two TileLang kernels per call, four or five with CP (prefill_prep.py, prefill_main.py,
-prefill_warmup.py, prefill_scan.py):
+prefill_warmup.py, prefill_scan.py); one (prefill_fused.py) for plain plans with fp16 q/k where
+the experimental FUSED switch is on:
   1. prep  grid (chunks, Hv / h):  everything state-free, fully parallel (h v-heads of one qk-head
                                    per CTA, prep_heads_per_cta): gate factors, the
                                    intra-chunk attention P, the gated inverse M (form "m", for
@@ -200,12 +201,15 @@ PREP_PAIR = _switch_from_env("QLA_SERVE_PREP_PAIR")
 
 # The one-launch prefill (prefill_fused.py, v36: stage 1's solve as a fourth warpgroup of the
 # V-first chain's CTA, M / P / the gate factors through shared memory, not HBM) for the plans it
-# applies to (fused_applies). Experimental, off by default: built and compile-checked without a
-# GPU (session 69); its float64 GPU tests and its A/B against the two stages have not run yet.
-# Read once at import from QLA_SERVE_PREFILL_FUSED ("1" turns it on); tests set it.
+# applies to (fused_applies). Experimental, off by default. H100, session 69 (benchmarks/prefill.md,
+# "v36"): correct (float64 GPU tests, racecheck); against the two stages 16/64 4x8192 0.888 /
+# 0.849 ms, 2048x4 0.238 / 0.255, 64x512 1.081 / 1.052, 2/8 64x512 0.141 / 0.147 (its solve
+# warpgroup sets the pace). On by default only once the H200 shows it ahead. Read once at
+# import from QLA_SERVE_PREFILL_FUSED ("1" turns it on); tests set it.
 FUSED = _switch_from_env("QLA_SERVE_PREFILL_FUSED", "0")
 # The one-launch prefill's two consumer warpgroups take turns to issue their wgmma (ping-pong,
-# prefill_fused.fused_func's pingpong; variants named "_pp"). Unmeasured; off. Read once at
+# prefill_fused.fused_func's pingpong; variants named "_pp"). H100: 1-6% faster than without on
+# the seven plain rows measured (16/64 4x8192 0.857 / 0.888 ms). Off with FUSED. Read once at
 # import from QLA_SERVE_PREFILL_FUSED_PINGPONG ("1" turns it on).
 FUSED_PINGPONG = _switch_from_env("QLA_SERVE_PREFILL_FUSED_PINGPONG", "0")
 

@@ -32,6 +32,12 @@ whole sequences, output mode, no gate warmup: prefill_api.fused_applies decides 
 Registers (setmaxnreg): 2 x 128 x 192 (consumers) + 128 x 104 (solve) + 128 x 24 (producer) =
 65536. Shared memory ~182 KB: q, k, v rings 96 KB, M and P rings 32 KB, O tiles 32 KB, the
 solve's scratch ~21 KB.
+
+Measured (H100, session 69; benchmarks/prefill.md "v36"): correct against float64, level with
+the two stages at 16/64 4x8192 and 3-7% faster on ragged and short-chain rows. The solve
+warpgroup sets the pace (ncu: the chain waits on `prepped` ~30% of its time, ~3.4 us per chunk
+against FlashInfer's 2.9), so its latency per chunk is what to cut next; v36b loads the gates a
+chunk ahead (a third of that warpgroup's time was their HBM latency), not yet measured.
 """
 
 import tilelang
