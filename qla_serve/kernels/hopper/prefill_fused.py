@@ -45,7 +45,7 @@ import tilelang.language as T
 
 from . import prefill_main_vfirst
 from .prefill_main import C, DK, DV, checkpoint_chunk
-from .prefill_main_vfirst import _POOL_VEC, _chain_step, _output_movers, state_in
+from .prefill_main_vfirst import _POOL_VEC, _chain_step, _output_movers, chain_fragments, state_in
 from .prefill_prep import _LOG2E, ACC, MM_DTYPE, SOLVE_SOURCE, diag_blocks, kk_blocks, staging_tile
 
 # The chain's: fast math, and TileLang's automatic barriers off (every handoff has its mbarrier,
@@ -94,7 +94,7 @@ def fused_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: st
     sv0, sv1 = T.dynamic("sv0"), T.dynamic("sv1")
     so0, so1 = T.dynamic("so0"), T.dynamic("so1")
     sp0 = T.dynamic("sp0")
-    mm, acc = MM_DTYPE, ACC
+    mm = MM_DTYPE
     chain_step = _chain_step(False, BV, False, (_order_wait, _order_notify) if pingpong else None)
     emit_o, store_o = _output_movers(BV, io_dtype)
     solve_diag = diag_blocks(SOLVE_FIRST)
@@ -121,13 +121,7 @@ def fused_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: st
             T.assume(sp0 % _POOL_VEC[pool_dtype] == 0)
             hk = h // group
             q_s, k_s, v_s, m_s, p_s, f_s, o_s = _ring_tiles(io_dtype)
-            x_f = T.alloc_fragment((BV, DK), acc)  # X = S^T
-            xh_f = T.alloc_fragment((BV, DK), mm)
-            vp_f = T.alloc_fragment((BV, C), acc)
-            rh_f = T.alloc_fragment((BV, C), mm)
-            vph_f = T.alloc_fragment((BV, C), mm)
-            vpd_f = T.alloc_fragment((BV, C), mm)
-            o_f = T.alloc_fragment((BV, C), acc)
+            x_f, xh_f, vp_f, rh_f, vph_f, vpd_f, o_f = chain_fragments(BV)
             loaded = T.alloc_barrier([32, 32])  # the stage's q, k, v landed (TMA bytes + warp 8)
             free = T.alloc_barrier([CONSUMERS + 128, CONSUMERS + 128])  # read by the chain and the solve
             prepped = T.alloc_barrier([128, 128])  # the stage's M, P and gate factors written

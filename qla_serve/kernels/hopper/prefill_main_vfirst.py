@@ -153,13 +153,7 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
             hk = h // group
             v0 = (vb % v_split) * BV  # value rows (or, for Phi blocks, the rows of Phi^T)
             q_s, k_s, p_s, v_s, m_s, pm_s, d_s, f_s, o_s = _ring_tiles(packed, BV, io_dtype)
-            x_f = T.alloc_fragment((BV, DK), acc)  # X = S^T
-            xh_f = T.alloc_fragment((BV, DK), mm)
-            vp_f = T.alloc_fragment((BV, C), acc)  # (K S)^T, then V'^T
-            rh_f = T.alloc_fragment((BV, C), mm)  # R^T = (V - diag(exp gc) K S)^T
-            vph_f = T.alloc_fragment((BV, C), mm)
-            vpd_f = T.alloc_fragment((BV, C), mm)  # (V' diag(dec))^T
-            o_f = T.alloc_fragment((BV, C), acc)  # O^T
+            x_f, xh_f, vp_f, rh_f, vph_f, vpd_f, o_f = chain_fragments(BV)
             loaded, ready = _ring_barriers(packed)
             free = T.alloc_barrier([consumers, consumers])  # stage consumed by every consumer
             o_full = T.alloc_barrier([consumers, consumers])  # O tile written by every consumer
@@ -242,6 +236,20 @@ def main_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtype: str
                             unpack(c, pm_s, d_s, m_s, p_s, loaded, ready)
 
     return gdn_prefill_main_vfirst, threads
+
+
+def chain_fragments(BV: int):
+    """The chain's register tiles (_chain_step's x_f .. o_f) for BV value rows: X = S^T [BV, 128]
+    fp32 and its fp16 copy Xh; (K S)^T, then V'^T [BV, 64] fp32; R^T = (V - diag(exp gc) K S)^T,
+    V'^T and (V' diag(dec))^T in fp16; O^T fp32."""
+    x_f = T.alloc_fragment((BV, DK), "float32")
+    xh_f = T.alloc_fragment((BV, DK), "float16")
+    vp_f = T.alloc_fragment((BV, C), "float32")
+    rh_f = T.alloc_fragment((BV, C), "float16")
+    vph_f = T.alloc_fragment((BV, C), "float16")
+    vpd_f = T.alloc_fragment((BV, C), "float16")
+    o_f = T.alloc_fragment((BV, C), "float32")
+    return x_f, xh_f, vp_f, rh_f, vph_f, vpd_f, o_f
 
 
 def _chain_step(maps_mode: bool, BV: int, packed: bool, order=None):
@@ -477,7 +485,6 @@ def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtyp
     so0, so1 = T.dynamic("so0"), T.dynamic("so1")
     sp0 = T.dynamic("sp0")
     mm = "float16"
-    acc = "float32"
     load_chunk = _chunk_loader(False, BV, packed)
     unpack = _unpacker(consumers + 64) if packed else None
     chain_step = _chain_step(False, BV, packed)
@@ -510,13 +517,7 @@ def persistent_func(num_v_heads: int, num_k_heads: int, io_dtype: str, pool_dtyp
         with T.Kernel(ncta, threads=threads) as bx:
             T.assume(sp0 % _POOL_VEC[pool_dtype] == 0)
             q_s, k_s, p_s, v_s, m_s, pm_s, d_s, f_s, o_s = _ring_tiles(packed, BV, io_dtype)
-            x_f = T.alloc_fragment((BV, DK), acc)
-            xh_f = T.alloc_fragment((BV, DK), mm)
-            vp_f = T.alloc_fragment((BV, C), acc)
-            rh_f = T.alloc_fragment((BV, C), mm)
-            vph_f = T.alloc_fragment((BV, C), mm)
-            vpd_f = T.alloc_fragment((BV, C), mm)
-            o_f = T.alloc_fragment((BV, C), acc)
+            x_f, xh_f, vp_f, rh_f, vph_f, vpd_f, o_f = chain_fragments(BV)
             loaded, ready = _ring_barriers(packed)
             free = T.alloc_barrier([consumers, consumers])
             o_full = T.alloc_barrier([consumers, consumers])
