@@ -6,7 +6,7 @@ writes its final state in place), while FLA and FlashQLA start every call from t
 Before this check reran qla_serve from h0 it compared different problems (a 0.08-1.1 relative
 "difference" on the H200, sixteenth session). The kernels and baselines need CUDA, so these CPU
 tests stand in for them with a tiny linear recurrence that has the same in-place pool contract;
-the real comparison runs on the H200 (benchmarks/prefill.md, sixteenth session)."""
+the real comparison runs on the H200 (benchmarks/prefill.md, sixteenth session; full text: `git show 99e7d48:benchmarks/prefill.md`)."""
 
 import pytest
 import torch

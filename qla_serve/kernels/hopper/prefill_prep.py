@@ -43,7 +43,7 @@ then, with Db = Dinv diag(beta), by one of two solves (prep_func's solve):
 Both take fp16 operands and accumulate in fp32. K K^T is beta-free, so it is computed once per
 CTA. fp16 (11-bit mantissa) rather than bf16 for these operands and the outputs: the bf16
 variant misses the 2e-3 relative-L2 budget against the float64 recurrence (see
-benchmarks/prefill.md). q, k and v are used as
+benchmarks/prefill.md, "Numerics"; full text: `git show 99e7d48:benchmarks/prefill.md`). q, k and v are used as
 loaded (their dtypes): Q K^T and K K^T are exact products with fp32 sums, and in form "uw" M
 meets V and K each as hi + lo in that tile's dtype (M = hi + lo to ~2^-16 relative), two GEMMs
 each, so no tile is converted in shared memory. Form "m" stores M rounded once to fp16 (as v10
@@ -296,7 +296,7 @@ def prep_func(num_v_heads: int, num_k_heads: int, io_dtype: str, form: str = "uw
     # M meets V and K in the io dtype, as hi + lo (M = hi + lo to ~2^-16 relative in bf16, finer
     # than one fp16 rounding's 2^-11): two GEMMs on the tiles as loaded instead of converting
     # them to fp16 (v10). M rounded once to bf16 would miss the error budget (Numerics in
-    # benchmarks/prefill.md).
+    # benchmarks/prefill.md; full text: `git show 99e7d48:benchmarks/prefill.md`).
     @T.macro
     def _store_split(f, hi_s, lo_s, dtype):
         """fp32 fragment f [64, 64] -> hi_s = dtype(f), lo_s = dtype(f - hi); leaves f - hi in f."""
