@@ -97,24 +97,51 @@ def _load(name: str):
         return None
 
 
+def _module_of(v: ast.AST, names: dict[str, str], helpers: dict[str, str]) -> tuple[str, str] | None:
+    """(module, how the source writes it) where expression ``v`` is a module name or helper call."""
+    if isinstance(v, ast.Name) and v.id in names:
+        return names[v.id], v.id
+    if isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id in helpers and not v.args:
+        return helpers[v.func.id], f"{v.func.id}()"
+    return None
+
+
+def _patched_attribute(node: ast.AST) -> tuple[ast.AST, str] | None:
+    """(target, name) of ``setattr(target, "name", ...)`` or ``<monkeypatch>.setattr(target,
+    "name", ...)`` (a switch a test or benchmark sets by name: monkeypatch raises only when it
+    runs, which for the GPU tests is on the device); None for raising=False or a computed name."""
+    if not (isinstance(node, ast.Call) and len(node.args) >= 2):
+        return None
+    f = node.func
+    if not ((isinstance(f, ast.Name) and f.id == "setattr") or (isinstance(f, ast.Attribute) and f.attr == "setattr")):
+        return None
+    if any(k.arg == "raising" for k in node.keywords):
+        return None
+    name = node.args[1]
+    if not (isinstance(name, ast.Constant) and isinstance(name.value, str)):
+        return None
+    return node.args[0], name.value
+
+
 def missing_attributes(path: pathlib.Path) -> list[str]:
     tree = ast.parse(path.read_text(), str(path))
     names, helpers = _module_names(tree, path)
     found = []
     for node in ast.walk(tree):
-        if not (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load)):
-            continue
-        v = node.value
-        if isinstance(v, ast.Name) and v.id in names:
-            module, shown = names[v.id], v.id
-        elif isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id in helpers and not v.args:
-            module, shown = helpers[v.func.id], f"{v.func.id}()"
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+            target, attr = node.value, node.attr
+        elif (patched := _patched_attribute(node)) is not None:
+            target, attr = patched
         else:
             continue
+        where = _module_of(target, names, helpers)
+        if where is None:
+            continue
+        module, shown = where
         mod = _load(module)
-        if mod is not None and not hasattr(mod, node.attr) and f"{module}.{node.attr}" not in MODULES:
-            found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {shown}.{node.attr} ({module} has no {node.attr})")
-    return found
+        if mod is not None and not hasattr(mod, attr) and f"{module}.{attr}" not in MODULES:
+            found.append((node.lineno, f"{path.relative_to(ROOT)}:{node.lineno}: {shown}.{attr} ({module} has no {attr})"))
+    return [line for _, line in sorted(found)]   # (ast.walk goes breadth first)
 
 
 def test_no_missing_module_attributes():
@@ -123,7 +150,9 @@ def test_no_missing_module_attributes():
 
 
 def test_the_check_sees_a_missing_attribute(tmp_path, monkeypatch):
-    """The three forms that the prefill_api split broke, and a rebound name left alone."""
+    """The three forms that the prefill_api split broke, a rebound name left alone, and a switch
+    set by name (monkeypatch.setattr or setattr) that the module does not have; raising=False
+    (a name the caller means to add) left alone."""
     bad = tmp_path / "bad.py"
     bad.write_text(
         "from qla_serve.kernels.hopper import prefill_api as P\n"
@@ -141,10 +170,17 @@ def test_the_check_sees_a_missing_attribute(tmp_path, monkeypatch):
         "    P.prefill()\n"
         "    P.PREP_PAIR\n"
         "    ops = object()\n"
-        "    ops.not_there\n")
+        "    ops.not_there\n"
+        "def h(monkeypatch):\n"
+        "    monkeypatch.setattr(_mod(), 'FUSED', True)\n"
+        "    monkeypatch.setattr(P, 'NO_SUCH_SWITCH', 1)\n"
+        "    setattr(P, 'NO_SUCH_SWITCH', 1)\n"
+        "    monkeypatch.setattr(P, 'NEW_NAME', 1, raising=False)\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert [line.split(": ", 1)[1] for line in missing_attributes(bad)] == [
         "mod.prefill (qla_serve.kernels.hopper.prefill_api has no prefill)",
         "_mod().prefill (qla_serve.kernels.hopper.prefill_api has no prefill)",
         "P.prefill (qla_serve.kernels.hopper.prefill_api has no prefill)",
+        "P.NO_SUCH_SWITCH (qla_serve.kernels.hopper.prefill_api has no NO_SUCH_SWITCH)",
+        "P.NO_SUCH_SWITCH (qla_serve.kernels.hopper.prefill_api has no NO_SUCH_SWITCH)",
     ]
