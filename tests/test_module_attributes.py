@@ -1,5 +1,6 @@
-"""No attribute of a qla_serve module is read that the module does not have, anywhere in the
-package, the benchmarks, the scripts or the tests (read from the source, on the CPU).
+"""No attribute of a qla_serve module is read, or set by name (`monkeypatch.setattr(P, "FUSED",
+...)`), that the module does not have, anywhere in the package, the benchmarks, the scripts or
+the tests (read from the source, on the CPU).
 
 test_undefined_names.py's reason, one level down: most launch code, GPU tests and benchmarks
 run only on a GPU, so an attribute lost in a refactor would first fail there. The split of
